@@ -1,0 +1,37 @@
+# gpusnap -- see README.md. Targets run as root on Debian 12 unless noted.
+SHELL := /bin/bash
+PY ?= python3
+VENV := /opt/gpusnap/venv
+PYTEST := $(VENV)/bin/python -m pytest
+
+.PHONY: deps install uninstall demo-image demo test unit integration gpu-bundle bench clean
+
+deps:            ## system packages, CRIU 4, host config (idempotent)
+	bash packaging/deps.sh
+
+install: deps    ## the package, the OCI hook, the CRIU action script
+	bash packaging/install.sh
+
+demo-image: deps
+	sh packaging/demo-image.sh
+
+demo: install demo-image  ## checkpoint -> export -> restore a demo container (on a GPU when there is one)
+	bash packaging/demo.sh
+
+unit: install
+	$(PYTEST) -q tests/unit
+
+integration: install demo-image
+	$(PYTEST) -q -m "not gpu" tests/integration
+
+test: install demo-image  ## everything that runs without a GPU
+	$(PYTEST) -q -m "not gpu" tests
+
+gpu-bundle:      ## .deb files the bare GPU machine needs, into .gpu-bundle/ (run here, carried there)
+	bash tests/gpu/make-bundle.sh .gpu-bundle
+
+bench: install demo-image
+	$(VENV)/bin/python bench/checkpoint_bench.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache

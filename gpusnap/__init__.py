@@ -1,0 +1,11 @@
+"""gpusnap: GPU-aware checkpoint/restore for containers.
+
+Data flows one way through the package: discover (runtime/, gpu/inventory,
+procs) -> plan (gpu/quiesce decides who is locked) -> act (criu/action,
+runtime/podman) -> record (gpu/manifest).
+"""
+
+__version__ = "0.1.0"
+
+MANIFEST_NAME = "gpusnap-manifest.json"
+"""File written into CRIU's image directory; it travels inside Podman exports."""

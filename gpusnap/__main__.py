@@ -1,0 +1,3 @@
+from gpusnap.cli.main import main
+
+main()

@@ -1,0 +1,157 @@
+"""Read a checkpoint without restoring it: a Podman export archive or a directory.
+
+An archive is streamed once (zstd, gzip or plain tar), keeping only the sizes
+of all members and the contents of the few small metadata files, so memory
+stays bounded however large the checkpoint is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpusnap import MANIFEST_NAME
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.manifest import Manifest
+
+METADATA = ("config.dump", "spec.dump", "stats-dump", "network.status",
+            f"checkpoint/{MANIFEST_NAME}")
+_METADATA_LIMIT = 8 << 20
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+@dataclass
+class CheckpointContents:
+    source: str
+    sizes: dict[str, int] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+
+    def json_file(self, name: str) -> dict | None:
+        raw = self.files.get(name)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise GpusnapError(f"{self.source}: {name} is not valid JSON ({exc})",
+                               "the checkpoint is damaged: take it again") from exc
+
+    @property
+    def manifest(self) -> Manifest | None:
+        data = self.json_file(f"checkpoint/{MANIFEST_NAME}")
+        return Manifest.from_dict(data) if data is not None else None
+
+    @property
+    def is_podman_checkpoint(self) -> bool:
+        return ("spec.dump" in self.files and "config.dump" in self.files
+                and any(n.startswith("checkpoint/") for n in self.sizes))
+
+    def summary(self) -> dict:
+        """What `gpusnap inspect` shows: the container, the CRIU images, the GPUs."""
+        config = self.json_file("config.dump") or {}
+        spec = self.json_file("spec.dump") or {}
+        images = {n: s for n, s in self.sizes.items() if n.startswith("checkpoint/")}
+        pages = sum(s for n, s in images.items() if re.match(r"checkpoint/pages-\d+\.img$", n))
+        tasks = sorted(int(m.group(1)) for n in images
+                       if (m := re.match(r"checkpoint/mm-(\d+)\.img$", n)))
+        devices = [d.get("path") for d in spec.get("linux", {}).get("devices") or []]
+        manifest = self.manifest
+        return {
+            "source": self.source,
+            "container": {"name": config.get("name"), "id": config.get("id"),
+                          "image": config.get("rootfsImageName"),
+                          "created": config.get("createdTime")},
+            "runtime": config.get("runtime"),
+            "devices": devices,
+            "criu": {"processes": len(tasks), "memory_pages_bytes": pages,
+                     "images_bytes": sum(images.values())},
+            "rootfs_diff_bytes": self.sizes.get("rootfs-diff.tar", 0),
+            "total_bytes": sum(self.sizes.values()),
+            "gpu": None if manifest is None else {
+                "quiesced_by": manifest.quiesced_by, "driver": manifest.driver_version,
+                "cuda": manifest.cuda_driver_version, "criu": manifest.criu_version,
+                "host": manifest.host, "gpus": manifest.gpus,
+                "gpu_memory_bytes": manifest.gpu_memory_total,
+                "processes": [vars(p) for p in manifest.processes],
+                "timing": manifest.timing},
+        }
+
+
+def _norm(name: str) -> str:
+    return name[2:] if name.startswith("./") else name
+
+
+def read_directory(path: Path) -> CheckpointContents:
+    """A Podman userdata dir (holding checkpoint/) or a bare CRIU image dir."""
+    root = path if (path / "checkpoint").is_dir() else None
+    contents = CheckpointContents(source=str(path))
+    if root is None:  # bare image dir: present it as checkpoint/
+        for f in path.iterdir():
+            if f.is_file():
+                contents.sizes[f"checkpoint/{f.name}"] = f.stat().st_size
+        if (path / MANIFEST_NAME).exists():
+            contents.files[f"checkpoint/{MANIFEST_NAME}"] = (path / MANIFEST_NAME).read_bytes()
+        return contents
+    for f in root.rglob("*"):
+        if f.is_file():
+            contents.sizes[str(f.relative_to(root))] = f.stat().st_size
+    for name in METADATA:
+        if (root / name).is_file():
+            contents.files[name] = (root / name).read_bytes()
+    return contents
+
+
+def read_archive(path: Path) -> CheckpointContents:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise GpusnapError(f"no such file: {path}") from None
+    except OSError as exc:
+        raise GpusnapError(f"cannot read {path}: {exc.strerror}") from None
+    contents = CheckpointContents(source=str(path))
+    proc = None
+    try:
+        if magic.startswith(_ZSTD_MAGIC):
+            proc = subprocess.Popen(["zstd", "-dcq", str(path)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL)
+            tar = tarfile.open(fileobj=proc.stdout, mode="r|")
+        else:
+            tar = tarfile.open(path, mode="r|gz" if magic.startswith(_GZIP_MAGIC) else "r|")
+        with tar:
+            for member in tar:
+                name = _norm(member.name)
+                if not member.isfile():
+                    continue
+                contents.sizes[name] = member.size
+                if name in METADATA and member.size <= _METADATA_LIMIT:
+                    extracted = tar.extractfile(member)
+                    if extracted is not None:
+                        contents.files[name] = extracted.read()
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise GpusnapError(f"{path} is not a readable checkpoint archive ({exc})",
+                           "pass a file made by `podman container checkpoint --export` "
+                           "or `gpusnap checkpoint --export`") from None
+    finally:
+        if proc is not None:
+            proc.stdout.close()
+            if proc.wait() != 0 and not contents.sizes:
+                raise GpusnapError(f"{path} is not a valid zstd archive",
+                                   "the file is damaged or truncated")
+    if not contents.is_podman_checkpoint:
+        raise GpusnapError(f"{path} is not a Podman checkpoint archive "
+                           "(no spec.dump, config.dump and checkpoint/ inside)",
+                           "pass a file made by `podman container checkpoint --export`")
+    return contents
+
+
+def read(source: str) -> CheckpointContents:
+    path = Path(source)
+    if path.is_dir():
+        return read_directory(path)
+    return read_archive(path)

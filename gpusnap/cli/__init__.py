@@ -1,0 +1,1 @@
+"""The `gpusnap` command line: one module per verb, over the library."""

@@ -1,0 +1,48 @@
+"""gpusnap checkpoint"""
+
+from __future__ import annotations
+
+import click
+
+from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option, step
+from gpusnap.ops import checkpoint as ops
+
+
+def _human(r: dict) -> None:
+    where = r["export"] or "Podman's storage (restore with `gpusnap restore NAME`)"
+    console.print(f"[bold green]Checkpointed[/] {r['container']['name']} in {r['seconds']:.2f} s "
+                  f"-> {where}")
+    crit = r["criu"]
+    console.print(f"  processes: {crit['processes']}, memory: {human_bytes(crit['memory_pages_bytes'])}"
+                  + (f", archive: {human_bytes(r['export_bytes'])}" if r["export_bytes"] else ""))
+    gpu = r["gpu"]
+    if gpu:
+        names = ", ".join(f"{g['index']}:{g['name']}" for g in gpu["gpus"]) or "-"
+        console.print(f"  GPUs: {names}; GPU memory saved: {human_bytes(gpu['gpu_memory_bytes'])} "
+                      f"(quiesced by {gpu['quiesced_by']}, {gpu['timing']})")
+    if r["leave_running"]:
+        console.print("  the container keeps running")
+
+
+@click.command("checkpoint")
+@click.argument("container")
+@click.option("-e", "--export", metavar="FILE", help="Write the checkpoint to FILE (tar.zst), "
+              "as `podman container checkpoint --export` does.")
+@click.option("-R", "--leave-running", is_flag=True, help="Keep the container running afterwards.")
+@click.option("--tcp-established", is_flag=True, help="Checkpoint established TCP connections.")
+@click.option("--skip-space-check", is_flag=True, help="Do not refuse when free disk space looks "
+              "smaller than the container's memory.")
+@json_option
+@handle_errors
+def checkpoint_cmd(container: str, export: str | None, leave_running: bool,
+                   tcp_established: bool, skip_space_check: bool, as_json: bool) -> None:
+    """Checkpoint a running CONTAINER, its GPU memory included."""
+    plan = ops.plan(container, export, leave_running, tcp_established, skip_space_check)
+    what = f"{len(plan.cuda)} CUDA process(es)" if plan.cuda else "no GPU"
+    with step(f"Checkpointing {plan.container.name} ({what}, up to "
+              f"{human_bytes(plan.estimate_bytes)})...", as_json):
+        result = ops.run(plan)
+    emit(as_json, result, _human)
+
+
+COMMANDS = [checkpoint_cmd]

@@ -1,0 +1,64 @@
+"""gpusnap inspect"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from gpusnap import archive
+from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
+from gpusnap.errors import GpusnapError
+from gpusnap.runtime import podman
+
+
+def _human(r: dict) -> None:
+    c = r["container"]
+    console.print(f"[bold]{r['source']}[/]")
+    console.print(f"  container: {c['name']} ({(c['id'] or '')[:12]}), image {c['image']}, "
+                  f"runtime {r['runtime']}")
+    crit = r["criu"]
+    console.print(f"  CRIU images: {crit['processes']} process(es), memory "
+                  f"{human_bytes(crit['memory_pages_bytes'])}, images "
+                  f"{human_bytes(crit['images_bytes'])}; rootfs diff "
+                  f"{human_bytes(r['rootfs_diff_bytes'])}; total {human_bytes(r['total_bytes'])}")
+    if r["devices"]:
+        console.print(f"  devices: {', '.join(r['devices'])}")
+    gpu = r["gpu"]
+    if gpu is None:
+        console.print("  GPU: none (no gpusnap manifest)")
+        return
+    console.print(f"  GPU: driver {gpu['driver']} (CUDA {gpu['cuda']}), CRIU {gpu['criu']}, "
+                  f"host {gpu['host'].get('hostname')}, quiesced by {gpu['quiesced_by']}")
+    for g in gpu["gpus"]:
+        console.print(f"    GPU {g['index']}: {g['name']} {g['uuid']} (cc {g['compute_capability']}, "
+                      f"{human_bytes(g['memory_total'])}, bus {g['pci_bus_id']})")
+    for p in gpu["processes"]:
+        used = sum(p["gpu_memory"].values())
+        console.print(f"    pid {p['pid']} ({p['comm']}): {human_bytes(used)} of GPU memory")
+
+
+@click.command("inspect")
+@click.argument("source")
+@json_option
+@handle_errors
+def inspect_cmd(source: str, as_json: bool) -> None:
+    """Show what a checkpoint holds: processes, sizes, GPUs, versions.
+
+    SOURCE is an exported archive, a checkpoint directory, or a checkpointed
+    container.
+    """
+    if Path(source).exists():
+        contents = archive.read(source)
+    elif podman.exists(source):
+        ctr = podman.inspect(source)
+        if not ctr.checkpoint_dir.is_dir():
+            raise GpusnapError(f"container {ctr.name} has no checkpoint",
+                               "checkpoint it with `gpusnap checkpoint`")
+        contents = archive.read_directory(ctr.userdata)
+    else:
+        raise GpusnapError(f"{source}: no such file, directory or container")
+    emit(as_json, contents.summary(), _human)
+
+
+COMMANDS = [inspect_cmd]

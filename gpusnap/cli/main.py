@@ -1,0 +1,37 @@
+"""`gpusnap`: GPU-aware checkpoint/restore for containers."""
+
+from __future__ import annotations
+
+import click
+
+from gpusnap import __version__
+from gpusnap.cli import checkpoint, doctor, freeze, gpus, inspect, restore
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="gpusnap")
+def cli() -> None:
+    """Checkpoint and restore GPU containers with Podman and containerd.
+
+    \b
+    Plain `podman container checkpoint/restore` work on GPU containers once
+    gpusnap is installed (`make install`); these commands add checks, progress,
+    JSON output and GPU-only operations:
+
+    \b
+      gpusnap checkpoint CTR --export ctr.tar.zst   checkpoint (GPU memory included)
+      gpusnap restore ctr.tar.zst                   restore it, here or on another host
+      gpusnap inspect ctr.tar.zst                   what a checkpoint holds
+      gpusnap freeze CTR / gpusnap thaw CTR         release GPU memory in place, take it back
+      gpusnap gpus                                  this host's GPUs
+      gpusnap doctor                                what this host is missing
+    """
+
+
+for module in (checkpoint, restore, inspect, gpus, freeze, doctor):
+    for command in module.COMMANDS:
+        cli.add_command(command)
+
+
+def main() -> None:
+    cli(prog_name="gpusnap")

@@ -1,0 +1,122 @@
+"""The CRIU action script (``action-script`` in /etc/criu/runc.conf).
+
+CRIU runs it, with CRTOOLS_SCRIPT_ACTION, CRTOOLS_INIT_PID (host pid of the
+container's init) and CRTOOLS_IMAGE_DIR set, at each step of a dump or restore;
+a non-zero exit aborts the dump. Two steps matter:
+
+- pre-dump, before CRIU freezes the tree: quiesce the container's CUDA
+  processes (GPU memory to host memory, GPU released) and write the GPU
+  manifest into the image directory. A guardian then waits for CRIU to exit
+  and brings back any process that survived the dump (--leave-running, or a
+  dump that failed), so no process stays without its GPU.
+- post-resume, once restored tasks run again: restore their GPU state and
+  unlock them.
+
+Containers without CUDA processes are left exactly as CRIU would treat them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from gpusnap import MANIFEST_NAME, journal
+from gpusnap.criu.version import criu_version, cuda_plugin_path
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu import manifest as gpu_manifest
+from gpusnap.gpu.inventory import mps_active, read_inventory
+from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume
+from gpusnap.procs import cuda_processes
+
+DEFAULT_LOCK_TIMEOUT_MS = 10_000
+
+
+def lock_timeout_ms() -> int:
+    try:
+        return int(os.environ.get("GPUSNAP_LOCK_TIMEOUT_MS", DEFAULT_LOCK_TIMEOUT_MS))
+    except ValueError:
+        return DEFAULT_LOCK_TIMEOUT_MS
+
+
+def _driver():
+    from gpusnap.gpu.cuda import CudaDriver  # loads libcuda: only where there are CUDA processes
+    try:
+        return CudaDriver()
+    except RuntimeError as exc:
+        raise GpusnapError(str(exc), "install NVIDIA driver r570 or newer") from exc
+
+
+def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
+    procs = cuda_processes(init_pid)
+    if not procs:
+        return
+    if os.path.exists(os.path.join(image_dir, MANIFEST_NAME)):
+        return  # CRIU runs each script once per config source: already done
+    inventory = read_inventory()
+    used = {m for p in procs for m in p.gpu_minors}
+    mig = [g for g in inventory.gpus if g.minor in used and g.mig_enabled]
+    if mig:
+        raise GpusnapError(f"GPU {mig[0].index} ({mig[0].uuid}) is in MIG mode, which the "
+                           "driver cannot checkpoint", "run the container on a GPU without MIG")
+    if mps_active():
+        raise GpusnapError("an MPS daemon is running: the driver cannot checkpoint MPS clients",
+                           "stop MPS (echo quit | nvidia-cuda-mps-control) before checkpointing")
+    plugin = cuda_plugin_path()
+    by = "criu-cuda-plugin" if plugin else "gpusnap"
+    manifest = gpu_manifest.build(procs, inventory, criu_version(), by)
+    pids = [p.pid for p in procs]
+    if plugin is None:
+        timing = Timing()
+        driver = _driver()
+        changed = quiesce(driver, pids, lock_timeout_ms(), timing)
+        manifest.timing = timing.phases
+        _start_guardian(criu_pid, changed)
+    gpu_manifest.write(manifest, image_dir)
+    journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing)
+
+
+def _start_guardian(criu_pid: int, pids: list[int]) -> None:
+    if not pids:
+        return
+    subprocess.Popen([sys.executable, "-m", "gpusnap.criu.guardian", str(criu_pid), *map(str, pids)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+
+
+def post_resume(init_pid: int, image_dir: str) -> None:
+    procs = cuda_processes(init_pid)
+    if not procs:
+        return
+    manifest = gpu_manifest.read(image_dir)
+    if manifest is not None and manifest.quiesced_by == "criu-cuda-plugin":
+        return  # CRIU's plugin brings them back itself
+    timing = Timing()
+    changed = resume(_driver(), [p.pid for p in procs], timing=timing)
+    if changed:
+        journal.record("resumed", init_pid=init_pid, pids=changed, timing=timing.phases)
+
+
+def main() -> int:
+    action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
+    if action not in ("pre-dump", "post-resume"):
+        return 0
+    try:
+        init_pid = int(os.environ["CRTOOLS_INIT_PID"])
+        image_dir = os.environ["CRTOOLS_IMAGE_DIR"]
+        if action == "pre-dump":
+            pre_dump(init_pid, image_dir, os.getppid())
+        else:
+            post_resume(init_pid, image_dir)
+    except (GpusnapError, QuiesceError) as exc:
+        journal.record("failed", action=action, error=str(exc))
+        print(f"gpusnap: {action}: {exc}", file=sys.stderr)
+        return 1
+    except (KeyError, ValueError) as exc:
+        print(f"gpusnap: {action}: CRIU did not pass {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Which CRIU runc will run, and whether it can checkpoint GPU containers."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+MIN_VERSION = (4, 0)
+# Where CRIU looks for plugins (CRIU_LIBS_DIR overrides, as in criu/plugin.c).
+PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib64/criu")
+
+
+def criu_version(criu: str = "criu") -> str | None:
+    """'4.1.1', or None when there is no usable criu on PATH."""
+    path = shutil.which(criu)
+    if path is None:
+        return None
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"Version:\s*([\d.]+)", out)
+    return m.group(1) if m else None
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".") if p.isdigit())
+
+
+def is_supported(version: str | None) -> bool:
+    return version is not None and version_tuple(version)[:2] >= MIN_VERSION
+
+
+def cuda_plugin_path() -> Path | None:
+    """CRIU's own cuda_plugin, if installed: then gpusnap must not quiesce as well."""
+    dirs = [os.environ["CRIU_LIBS_DIR"]] if os.environ.get("CRIU_LIBS_DIR") else []
+    for d in dirs + list(PLUGIN_DIRS):
+        p = Path(d) / "cuda_plugin.so"
+        if p.exists():
+            return p
+    return None

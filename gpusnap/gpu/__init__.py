@@ -1,0 +1,1 @@
+"""NVIDIA GPU support: inventory (NVML), the driver's checkpoint API, quiesce."""

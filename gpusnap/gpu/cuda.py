@@ -1,0 +1,141 @@
+"""The NVIDIA driver's process checkpoint API (cuCheckpointProcess*), through ctypes.
+
+ctypes over libcuda.so.1 keeps gpusnap independent of the cuda-bindings
+release in use (13.3.0 lost the restore-args struct; 13.3.1 brought it back),
+and needs nothing but the driver. All argument structs are 64 bytes in the
+driver ABI (r570+); restore args carry GPU UUID pairs from r580 on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+from dataclasses import dataclass
+
+CUDA_SUCCESS = 0
+
+
+class ProcessState(enum.IntEnum):
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+
+
+class _LockArgs(ctypes.Structure):
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint),
+                ("reserved1", ctypes.c_uint64 * 7)]
+
+
+class _ReservedArgs(ctypes.Structure):  # checkpoint and unlock args: reserved only
+    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+class _GpuPair(ctypes.Structure):
+    _fields_ = [("oldUuid", _Uuid), ("newUuid", _Uuid)]
+
+
+class _RestoreArgs(ctypes.Structure):
+    _fields_ = [("gpuPairs", ctypes.POINTER(_GpuPair)), ("gpuPairsCount", ctypes.c_uint),
+                ("reserved", ctypes.c_ubyte * (64 - 8 - 4))]
+
+
+assert ctypes.sizeof(_LockArgs) == 64 and ctypes.sizeof(_RestoreArgs) == 64
+
+
+@dataclass(frozen=True)
+class CudaError(Exception):
+    """A driver call that failed, with the driver's own name for the error."""
+
+    call: str
+    pid: int
+    code: int
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.call}(pid {self.pid}) failed: {self.name} ({self.code})"
+
+
+def uuid_bytes(uuid: str) -> bytes:
+    """'GPU-8c6f...-...' (NVML's form) -> the 16 raw bytes the driver wants."""
+    hexdigits = uuid.removeprefix("GPU-").replace("-", "")
+    raw = bytes.fromhex(hexdigits)
+    if len(raw) != 16:
+        raise ValueError(f"not a GPU UUID: {uuid!r}")
+    return raw
+
+
+class CudaDriver:
+    """One loaded driver; thread-safe (the driver serialises per process)."""
+
+    def __init__(self, library: str = "libcuda.so.1") -> None:
+        try:
+            self._lib = ctypes.CDLL(library)
+        except OSError as exc:
+            raise RuntimeError(f"cannot load the NVIDIA driver library {library}: {exc}") from exc
+        for name in ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
+                     "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
+                     "cuCheckpointProcessGetState"):
+            if not hasattr(self._lib, name):
+                raise RuntimeError(
+                    f"the NVIDIA driver has no {name}: checkpoint needs driver r570 or newer")
+        self._init_lock = threading.Lock()
+        self._initialised = False
+
+    def _init(self) -> None:
+        with self._init_lock:
+            if not self._initialised:
+                self._check(self._lib.cuInit(0), "cuInit", 0)
+                self._initialised = True
+
+    def _error_name(self, code: int) -> str:
+        name = ctypes.c_char_p()
+        if self._lib.cuGetErrorName(code, ctypes.byref(name)) == CUDA_SUCCESS and name.value:
+            return name.value.decode()
+        return f"CUDA error {code}"
+
+    def _check(self, code: int, call: str, pid: int) -> None:
+        if code != CUDA_SUCCESS:
+            raise CudaError(call, pid, code, self._error_name(code))
+
+    def state(self, pid: int) -> ProcessState:
+        self._init()
+        st = ctypes.c_int()
+        self._check(self._lib.cuCheckpointProcessGetState(pid, ctypes.byref(st)),
+                    "cuCheckpointProcessGetState", pid)
+        return ProcessState(st.value)
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self._init()
+        args = _LockArgs(timeoutMs=timeout_ms)
+        self._check(self._lib.cuCheckpointProcessLock(pid, ctypes.byref(args)),
+                    "cuCheckpointProcessLock", pid)
+
+    def checkpoint(self, pid: int) -> None:
+        self._init()
+        self._check(self._lib.cuCheckpointProcessCheckpoint(pid, ctypes.byref(_ReservedArgs())),
+                    "cuCheckpointProcessCheckpoint", pid)
+
+    def restore(self, pid: int, gpu_pairs: list[tuple[str, str]] | None = None) -> None:
+        """Bring GPU state back; ``gpu_pairs`` (old UUID, new UUID) remaps GPUs (r580+)."""
+        self._init()
+        args = _RestoreArgs()
+        if gpu_pairs:
+            pairs = (_GpuPair * len(gpu_pairs))()
+            for i, (old, new) in enumerate(gpu_pairs):
+                ctypes.memmove(pairs[i].oldUuid.bytes, uuid_bytes(old), 16)
+                ctypes.memmove(pairs[i].newUuid.bytes, uuid_bytes(new), 16)
+            args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(_GpuPair))
+            args.gpuPairsCount = len(gpu_pairs)
+        self._check(self._lib.cuCheckpointProcessRestore(pid, ctypes.byref(args)),
+                    "cuCheckpointProcessRestore", pid)
+
+    def unlock(self, pid: int) -> None:
+        self._init()
+        self._check(self._lib.cuCheckpointProcessUnlock(pid, ctypes.byref(_ReservedArgs())),
+                    "cuCheckpointProcessUnlock", pid)

@@ -1,0 +1,153 @@
+"""Quiesce and resume a set of CUDA processes: parallel and transactional.
+
+Quiesce locks every process first (so no process of the container issues new
+GPU work while another is being copied out), then checkpoints them all in
+parallel, one thread each: the driver's copy is per process, so N processes on
+N GPUs take about as long as the largest one. If any step fails, what was done
+is undone (restore + unlock) before the error is raised: the container keeps
+running on its GPUs.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+from gpusnap.gpu.cuda import ProcessState
+
+
+class Driver(Protocol):
+    def state(self, pid: int) -> ProcessState: ...
+    def lock(self, pid: int, timeout_ms: int) -> None: ...
+    def checkpoint(self, pid: int) -> None: ...
+    def restore(self, pid: int, gpu_pairs: list[tuple[str, str]] | None = None) -> None: ...
+    def unlock(self, pid: int) -> None: ...
+
+
+@dataclass
+class Timing:
+    """Wall-clock seconds of each phase, for progress output and benchmarks."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + seconds, 4)
+
+
+class QuiesceError(Exception):
+    """Some processes could not be quiesced or resumed; ``failures`` maps pid -> error."""
+
+    def __init__(self, action: str, failures: dict[int, BaseException],
+                 rollback_failures: dict[int, BaseException] | None = None) -> None:
+        self.action = action
+        self.failures = failures
+        self.rollback_failures = rollback_failures or {}
+        parts = [f"pid {pid}: {err}" for pid, err in sorted(failures.items())]
+        msg = f"{action} failed for {len(failures)} process(es): " + "; ".join(parts)
+        if self.rollback_failures:
+            msg += " -- and could not undo for " + "; ".join(
+                f"pid {pid}: {err}" for pid, err in sorted(self.rollback_failures.items()))
+        super().__init__(msg)
+
+
+def _parallel(pids: list[int], fn: Callable[[int], None]) -> dict[int, BaseException]:
+    """Run fn(pid) for every pid at once; return the failures."""
+    if not pids:
+        return {}
+    failures: dict[int, BaseException] = {}
+    with ThreadPoolExecutor(max_workers=len(pids), thread_name_prefix="gpusnap") as pool:
+        futures = {pid: pool.submit(fn, pid) for pid in pids}
+        for pid, fut in futures.items():
+            exc = fut.exception()
+            if exc is not None:
+                failures[pid] = exc
+    return failures
+
+
+def _timed(timing: Timing, phase: str, pids: list[int], fn: Callable[[int], None]) -> dict[int, BaseException]:
+    start = time.monotonic()
+    try:
+        return _parallel(pids, fn)
+    finally:
+        timing.add(phase, time.monotonic() - start)
+
+
+def states(driver: Driver, pids: Iterable[int]) -> dict[int, ProcessState]:
+    """Driver state of each pid; pids the driver does not manage are left out.
+
+    A process can map libcuda without ever creating a context (a shell that
+    exec'd a CUDA program, a helper that dlopen'ed it): the driver answers
+    with an error, and such a process has no GPU state to move.
+    """
+    found = {}
+    for pid in pids:
+        try:
+            found[pid] = driver.state(pid)
+        except Exception:  # CudaError: not a CUDA process for the driver
+            continue
+    return found
+
+
+def quiesce(driver: Driver, pids: list[int], lock_timeout_ms: int = 10_000,
+            timing: Timing | None = None) -> list[int]:
+    """Move every process to CHECKPOINTED (GPU memory in host memory, GPU released).
+
+    Returns the pids this call changed (already checkpointed ones are left as
+    they are). Raises QuiesceError after rolling back on any failure.
+    """
+    timing = timing or Timing()
+    before = states(driver, pids)
+    to_lock = [p for p, s in before.items() if s == ProcessState.RUNNING]
+    to_checkpoint = [p for p, s in before.items() if s in (ProcessState.RUNNING, ProcessState.LOCKED)]
+    failed = [p for p, s in before.items() if s == ProcessState.FAILED]
+    if failed:
+        raise QuiesceError("checkpoint", {p: RuntimeError("the driver reports this process FAILED")
+                                          for p in failed})
+
+    failures = _timed(timing, "lock", to_lock, lambda pid: driver.lock(pid, lock_timeout_ms))
+    if failures:
+        locked = [p for p in to_lock if p not in failures]
+        undo = _parallel(locked, driver.unlock)
+        raise QuiesceError("lock", failures, undo)
+
+    failures = _timed(timing, "checkpoint", to_checkpoint, driver.checkpoint)
+    if failures:
+        undo = _rollback(driver, [p for p in to_checkpoint if p not in failures] + list(failures))
+        raise QuiesceError("checkpoint", failures, undo)
+    return to_checkpoint
+
+
+def _rollback(driver: Driver, pids: list[int]) -> dict[int, BaseException]:
+    """Bring processes back to RUNNING whatever step they stopped at."""
+    return _parallel(pids, lambda pid: _to_running(driver, pid, None))
+
+
+def _to_running(driver: Driver, pid: int, gpu_pairs: list[tuple[str, str]] | None) -> None:
+    state = driver.state(pid)
+    if state == ProcessState.CHECKPOINTED:
+        driver.restore(pid, gpu_pairs)
+        state = ProcessState.LOCKED
+    if state == ProcessState.LOCKED:
+        driver.unlock(pid)
+
+
+def resume(driver: Driver, pids: list[int], gpu_pairs: list[tuple[str, str]] | None = None,
+           timing: Timing | None = None) -> list[int]:
+    """Bring every process back to RUNNING on its GPUs (restore, then unlock).
+
+    All processes are restored before any is unlocked, so the container's
+    processes start issuing GPU work again together. Returns the pids changed.
+    """
+    timing = timing or Timing()
+    before = states(driver, pids)
+    to_restore = [p for p, s in before.items() if s == ProcessState.CHECKPOINTED]
+    to_unlock = [p for p, s in before.items() if s in (ProcessState.CHECKPOINTED, ProcessState.LOCKED)]
+    failures = _timed(timing, "restore", to_restore, lambda pid: driver.restore(pid, gpu_pairs))
+    if failures:
+        raise QuiesceError("restore", failures)
+    failures = _timed(timing, "unlock", to_unlock, driver.unlock)
+    if failures:
+        raise QuiesceError("unlock", failures)
+    return to_unlock

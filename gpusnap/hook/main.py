@@ -1,0 +1,90 @@
+"""OCI prestart/poststop hook: record a container's GPUs at create, validate them at restore.
+
+runc runs prestart hooks on `create` and again on `restore` (during CRIU's
+setup-namespaces step), with the container state on stdin. A restore is
+recognised by the GPU manifest CRIU's action script left in the bundle's
+checkpoint directory. The hook must never stop a container that gpusnap has
+nothing to say about: any unexpected failure exits 0 after a note in the
+journal; only a restore onto GPUs that cannot take the checkpoint fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from gpusnap import MANIFEST_NAME, journal
+
+_GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
+
+
+def gpu_devices(spec: dict) -> list[dict]:
+    """The spec's NVIDIA GPU device nodes (path in the container, major, minor)."""
+    devices = spec.get("linux", {}).get("devices") or []
+    return [d for d in devices if _GPU_NODE.match(d.get("path", ""))]
+
+
+def record_assignment(container_id: str, devices: list[dict]) -> Path:
+    from gpusnap.gpu.inventory import read_inventory
+
+    inv = read_inventory()
+    gpus = []
+    for dev in devices:
+        gpu = inv.by_minor(int(dev.get("minor", -1)))
+        gpus.append({"path": dev["path"], "minor": dev.get("minor"),
+                     "uuid": gpu.uuid if gpu else None, "name": gpu.name if gpu else None})
+    folder = journal.state_dir() / "containers"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / f"{container_id}.json"
+    path.write_text(json.dumps({"id": container_id, "gpus": gpus}, indent=2))
+    os.chmod(path, 0o600)
+    return path
+
+
+def validate_restore(manifest_path: Path) -> list[str]:
+    from gpusnap.gpu.compat import restore_problems
+    from gpusnap.gpu.inventory import read_inventory
+    from gpusnap.gpu.manifest import Manifest
+
+    manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
+    return restore_problems(manifest, read_inventory())
+
+
+def forget_assignment(container_id: str) -> None:
+    (journal.state_dir() / "containers" / f"{container_id}.json").unlink(missing_ok=True)
+
+
+def run(state: dict) -> int:
+    bundle = Path(state.get("bundle", "."))
+    container_id = state.get("id", "unknown")
+    if state.get("status") == "stopped":  # poststop
+        forget_assignment(container_id)
+        return 0
+    spec = json.loads((bundle / "config.json").read_text())
+    manifest_path = bundle / "checkpoint" / MANIFEST_NAME
+    if manifest_path.exists():
+        problems = validate_restore(manifest_path)
+        if problems:
+            journal.record("hook-refused-restore", container=container_id, problems=problems)
+            print("gpusnap: cannot restore here: " + "; ".join(problems), file=sys.stderr)
+            return 1
+    devices = gpu_devices(spec)
+    if devices:
+        record_assignment(container_id, devices)
+    return 0
+
+
+def main() -> int:
+    try:
+        state = json.load(sys.stdin)
+        return run(state)
+    except Exception as exc:  # never block a container gpusnap cannot judge
+        journal.record("hook-error", error=repr(exc))
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

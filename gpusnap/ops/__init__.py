@@ -1,0 +1,1 @@
+"""What each CLI verb does, as library calls: discover -> plan -> act -> record."""

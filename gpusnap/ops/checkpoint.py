@@ -1,0 +1,91 @@
+"""Checkpoint a Podman container, GPU-aware through the installed CRIU action script."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpusnap import archive, journal
+from gpusnap.criu.version import criu_version, is_supported
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.inventory import read_inventory
+from gpusnap.ops.gpu_state import ensure_running
+from gpusnap.procs import ProcessGpuUse, cuda_processes, process_tree, rss_bytes
+from gpusnap.runtime import podman
+
+
+@dataclass
+class CheckpointPlan:
+    container: podman.Container
+    cuda: list[ProcessGpuUse]
+    export: Path | None
+    leave_running: bool
+    tcp_established: bool
+    estimate_bytes: int  # host memory + GPU memory in use: an upper bound of the dump
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def plan(name: str, export: str | None, leave_running: bool, tcp_established: bool,
+         skip_space_check: bool = False) -> CheckpointPlan:
+    container = podman.inspect(name)
+    if not container.running:
+        raise GpusnapError(f"container {container.name} is {container.status}, not running",
+                           "only a running container can be checkpointed; `podman start` it first")
+    version = criu_version()
+    if not is_supported(version):
+        found = f"CRIU {version}" if version else "no criu on PATH"
+        raise GpusnapError(f"checkpoint needs CRIU 4.0 or newer, found {found}",
+                           "run `make deps` (installs CRIU 4 in a private prefix) or `gpusnap doctor`")
+    export_path = Path(export).absolute() if export else None
+    if export_path is not None:
+        if not export_path.parent.is_dir():
+            raise GpusnapError(f"cannot export to {export_path}: {export_path.parent} does not exist")
+        if not os.access(export_path.parent, os.W_OK):
+            raise GpusnapError(f"cannot export to {export_path}: {export_path.parent} is not writable")
+    cuda = cuda_processes(container.pid)
+    gpu_bytes = 0
+    if cuda:
+        inv = read_inventory()
+        gpu_bytes = sum(sum(inv.process_memory.get(p.pid, {}).values()) for p in cuda)
+    estimate = rss_bytes(process_tree(container.pid)) + gpu_bytes
+    if not skip_space_check:
+        targets = [container.userdata] + ([export_path.parent] if export_path else [])
+        for target in targets:
+            free = _free_bytes(target)
+            if free < estimate:
+                raise GpusnapError(
+                    f"not enough disk space in {target}: the checkpoint needs up to "
+                    f"{estimate >> 20} MiB, {free >> 20} MiB are free; the container keeps running",
+                    "free space or export elsewhere (--skip-space-check tries anyway)")
+    return CheckpointPlan(container, cuda, export_path, leave_running, tcp_established, estimate)
+
+
+def run(p: CheckpointPlan) -> dict:
+    start = time.monotonic()
+    try:
+        podman.checkpoint(p.container.id, p.export, p.leave_running, p.tcp_established)
+    except GpusnapError as exc:
+        resumed = ensure_running([c.pid for c in p.cuda])
+        state = podman.inspect(p.container.id).status if podman.exists(p.container.id) else "gone"
+        where = ("the container is still running" if state == "running" else
+                 f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}")
+        journal.record("checkpoint-failed", container=p.container.id, error=exc.message,
+                       resumed=resumed)
+        raise GpusnapError(f"{exc.message}; {where}", exc.hint) from None
+    seconds = time.monotonic() - start
+    source = p.export if p.export is not None else p.container.checkpoint_dir
+    contents = archive.read(str(source))
+    journal.record("checkpointed", container=p.container.id, export=str(p.export or ""),
+                   seconds=round(seconds, 3))
+    result = contents.summary()
+    result.update({"container": {"id": p.container.id, "name": p.container.name},
+                   "export": str(p.export) if p.export else None,
+                   "leave_running": p.leave_running, "seconds": round(seconds, 3),
+                   "export_bytes": p.export.stat().st_size if p.export else None})
+    return result

@@ -1,0 +1,131 @@
+"""Host checks for `gpusnap doctor`: each says what is wrong and what to do."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gpusnap.criu.version import criu_version, cuda_plugin_path, is_supported
+from gpusnap.gpu.compat import MIN_CHECKPOINT_DRIVER, driver_major
+from gpusnap.gpu.cuda import ProcessState
+from gpusnap.gpu.inventory import read_inventory
+from gpusnap.gpu.quiesce import resume, states
+from gpusnap.criu.freezer import is_frozen
+from gpusnap.ops.gpu_state import load_driver
+from gpusnap.procs import PROC, gpu_use
+
+HOOK_FILES = (Path("/etc/containers/oci/hooks.d/gpusnap.json"),
+              Path("/usr/share/containers/oci/hooks.d/gpusnap.json"))
+CRIU_CONFIG = Path("/etc/criu/runc.conf")
+REMAP_DRIVER = 580
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+
+def _criu_checks() -> list[Check]:
+    version = criu_version()
+    checks = [Check("criu", is_supported(version), f"CRIU {version}" if version else "not found",
+                    "" if is_supported(version) else "run `make deps` to install CRIU 4 privately")]
+    if version:
+        res = subprocess.run(["criu", "check"], capture_output=True, text=True)
+        ok = res.returncode == 0
+        last = (res.stdout + res.stderr).strip().splitlines()[-1:] or [""]
+        checks.append(Check("criu check", ok, last[0], "" if ok else
+                            "this kernel lacks features CRIU needs; see `criu check --all`"))
+    plugin = cuda_plugin_path()
+    checks.append(Check("criu cuda_plugin", True,
+                        f"installed at {plugin}: gpusnap leaves quiesce to it" if plugin
+                        else "not installed: gpusnap quiesces GPUs itself", required=False))
+    return checks
+
+
+def _integration_checks() -> list[Check]:
+    checks = []
+    runtime = shutil.which("runc")
+    checks.append(Check("runc", runtime is not None, runtime or "not found",
+                        "" if runtime else "install runc (crun runs no hooks on restore)"))
+    podman = shutil.which("podman")
+    checks.append(Check("podman", podman is not None, podman or "not found",
+                        "" if podman else "install podman", required=False))
+    hook = next((h for h in HOOK_FILES if h.exists()), None)
+    hook_ok, detail = False, "not installed"
+    if hook is not None:
+        try:
+            target = json.loads(hook.read_text())["hook"]["path"]
+            hook_ok = Path(target).exists()
+            detail = f"{hook} -> {target}" + ("" if hook_ok else " (missing)")
+        except (ValueError, KeyError) as exc:
+            detail = f"{hook} is not a valid hook file ({exc})"
+    checks.append(Check("oci hook", hook_ok, detail, "" if hook_ok else "run `make install`"))
+    conf = CRIU_CONFIG.read_text() if CRIU_CONFIG.exists() else ""
+    action = next((l.split(None, 1)[1] for l in conf.splitlines()
+                   if l.strip().startswith("action-script")), None)
+    action_ok = action is not None and Path(action.strip()).exists()
+    checks.append(Check("criu action script", action_ok,
+                        f"{CRIU_CONFIG}: {action}" if action else f"not set in {CRIU_CONFIG}",
+                        "" if action_ok else "run `make install`"))
+    return checks
+
+
+def _gpu_checks() -> list[Check]:
+    inv = read_inventory()
+    if inv.error:
+        return [Check("nvidia driver", True, f"no GPU use possible: {inv.error}", required=False)]
+    major = driver_major(inv.driver_version)
+    return [
+        Check("nvidia driver", major >= MIN_CHECKPOINT_DRIVER,
+              f"{inv.driver_version} (CUDA {inv.cuda_driver_version}), {len(inv.gpus)} GPU(s)",
+              "" if major >= MIN_CHECKPOINT_DRIVER else
+              f"checkpoint needs driver r{MIN_CHECKPOINT_DRIVER}+"),
+        Check("gpu remap", major >= REMAP_DRIVER,
+              "restore onto other GPUs available" if major >= REMAP_DRIVER else
+              f"driver r{REMAP_DRIVER}+ needed to restore onto other GPUs", required=False),
+    ]
+
+
+def stuck_processes() -> list[dict]:
+    """CUDA processes left LOCKED or CHECKPOINTED while nothing is dumping them."""
+    candidates = []
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            use = gpu_use(int(entry.name))
+            if use is not None and use.maps_libcuda:
+                candidates.append(use)
+    if not candidates:
+        return []
+    driver = load_driver()
+    if driver is None:
+        return []
+    found = states(driver, [c.pid for c in candidates])
+    return [{"pid": c.pid, "comm": c.comm, "state": found[c.pid].name} for c in candidates
+            if found.get(c.pid, ProcessState.RUNNING) != ProcessState.RUNNING
+            and not is_frozen(c.pid)]
+
+
+def run(fix: bool) -> dict:
+    checks = _criu_checks() + _integration_checks() + _gpu_checks()
+    checks.append(Check("kernel", True, f"{platform.release()} {platform.machine()}",
+                        required=False))
+    stuck = stuck_processes()
+    fixed: list[int] = []
+    if stuck and fix:
+        driver = load_driver()
+        fixed = resume(driver, [s["pid"] for s in stuck]) if driver else []
+    checks.append(Check("gpu processes", not stuck or bool(fixed),
+                        "none held by an unfinished checkpoint" if not stuck else
+                        ", ".join(f"pid {s['pid']} ({s['comm']}) {s['state']}" for s in stuck),
+                        "" if not stuck or fixed else
+                        "run `gpusnap doctor --fix` to restore and unlock them (or `gpusnap thaw`)"))
+    ok = all(c.ok for c in checks if c.required)
+    return {"ok": ok, "checks": [asdict(c) for c in checks], "stuck": stuck, "fixed": fixed}

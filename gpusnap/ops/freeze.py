@@ -1,0 +1,61 @@
+"""Freeze/thaw: release a container's GPU memory in place and take it back (no CRIU).
+
+The processes keep running on the CPU; their CUDA calls block until thaw.
+"""
+
+from __future__ import annotations
+
+from gpusnap import journal
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.inventory import read_inventory
+from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume
+from gpusnap.ops.gpu_state import load_driver
+from gpusnap.procs import cuda_processes
+from gpusnap.runtime import podman
+
+
+def _targets(name: str):
+    ctr = podman.inspect(name)
+    if not ctr.running:
+        raise GpusnapError(f"container {ctr.name} is {ctr.status}, not running")
+    procs = cuda_processes(ctr.pid)
+    if not procs:
+        raise GpusnapError(f"container {ctr.name} has no CUDA processes",
+                           "freeze applies to containers that use an NVIDIA GPU")
+    driver = load_driver()
+    if driver is None:
+        raise GpusnapError("the NVIDIA driver's checkpoint API is not available",
+                           "install driver r570 or newer")
+    return ctr, procs, driver
+
+
+def _gpu_used() -> dict[str, int]:
+    return {g.uuid: g.memory_used for g in read_inventory().gpus}
+
+
+def freeze(name: str, lock_timeout_ms: int) -> dict:
+    ctr, procs, driver = _targets(name)
+    before = _gpu_used()
+    timing = Timing()
+    try:
+        changed = quiesce(driver, [p.pid for p in procs], lock_timeout_ms, timing)
+    except QuiesceError as exc:
+        raise GpusnapError(f"freeze of {ctr.name} failed, nothing changed: {exc}",
+                           "a process may be stuck in a long kernel; retry with a longer "
+                           "--timeout") from None
+    journal.record("frozen", container=ctr.id, pids=changed, timing=timing.phases)
+    return {"container": ctr.name, "pids": changed, "timing": timing.phases,
+            "gpu_memory_used_before": before, "gpu_memory_used_after": _gpu_used()}
+
+
+def thaw(name: str) -> dict:
+    ctr, procs, driver = _targets(name)
+    timing = Timing()
+    try:
+        changed = resume(driver, [p.pid for p in procs], timing=timing)
+    except QuiesceError as exc:
+        raise GpusnapError(f"thaw of {ctr.name} failed: {exc}",
+                           "check free GPU memory with `gpusnap gpus`, then thaw again") from None
+    journal.record("thawed", container=ctr.id, pids=changed, timing=timing.phases)
+    return {"container": ctr.name, "pids": changed, "timing": timing.phases,
+            "gpu_memory_used_after": _gpu_used()}

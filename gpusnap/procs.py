@@ -1,0 +1,114 @@
+"""Host processes: the tree CRIU dumps and which of its members use an NVIDIA GPU.
+
+Everything here reads /proc of the host (the caller's pid namespace), which is
+also the namespace the CUDA checkpoint API takes pids in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROC = Path("/proc")
+_NVIDIA_GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
+
+
+def _children_map(proc: Path = PROC) -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        # The command name may hold spaces and parentheses: split after the last ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children
+
+
+def process_tree(root: int, proc: Path = PROC) -> list[int]:
+    """The pids of ``root`` and all its descendants, root first."""
+    children = _children_map(proc)
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        tree.append(pid)
+        todo.extend(sorted(children.get(pid, [])))
+    return tree
+
+
+def alive(pid: int) -> bool:
+    return (PROC / str(pid)).exists()
+
+
+@dataclass
+class ProcessGpuUse:
+    """What one process holds of the NVIDIA driver, read from /proc."""
+
+    pid: int
+    comm: str
+    gpu_minors: list[int] = field(default_factory=list)
+    opens_nvidia: bool = False  # any /dev/nvidia* fd (nvidiactl and uvm too)
+    maps_libcuda: bool = False  # the CUDA driver library is loaded
+
+    @property
+    def is_cuda(self) -> bool:
+        # A checkpointed process has dropped its /dev/nvidia* fds but still maps libcuda.
+        return self.opens_nvidia or self.maps_libcuda
+
+
+def gpu_use(pid: int, proc: Path = PROC) -> ProcessGpuUse | None:
+    """GPU use of one process, or None if it is gone."""
+    base = proc / str(pid)
+    try:
+        comm = (base / "comm").read_text().strip()
+    except OSError:
+        return None
+    use = ProcessGpuUse(pid=pid, comm=comm)
+    minors: set[int] = set()
+    try:
+        for fd in (base / "fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("/dev/nvidia"):
+                use.opens_nvidia = True
+                m = _NVIDIA_GPU_NODE.match(target)
+                if m:
+                    minors.add(int(m.group(1)))
+    except OSError:
+        pass  # no permission or gone: maps may still tell
+    try:
+        with open(base / "maps", encoding="utf-8", errors="replace") as maps:
+            use.maps_libcuda = any("libcuda.so" in line for line in maps)
+    except OSError:
+        pass
+    use.gpu_minors = sorted(minors)
+    return use
+
+
+def cuda_processes(root: int, proc: Path = PROC) -> list[ProcessGpuUse]:
+    """The processes of the tree under ``root`` that use CUDA."""
+    found = []
+    for pid in process_tree(root, proc):
+        use = gpu_use(pid, proc)
+        if use is not None and use.is_cuda:
+            found.append(use)
+    return found
+
+
+def rss_bytes(pids: list[int], proc: Path = PROC) -> int:
+    """Resident memory of the given processes (an estimate of a dump's size)."""
+    total = 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    for pid in pids:
+        try:
+            total += int((proc / str(pid) / "statm").read_text().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+    return total

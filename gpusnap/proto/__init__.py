@@ -1,0 +1,1 @@
+"""Protobuf definitions for the containerd shim. Not built yet: tracked in the shim issue."""

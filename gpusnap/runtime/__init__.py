@@ -1,0 +1,1 @@
+"""Container engines gpusnap drives: Podman now (CLI), containerd through shim/."""

@@ -1,0 +1,125 @@
+"""Podman, driven through its CLI.
+
+The CLI rather than podman-py's REST client: checkpoint/restore with
+--export/--import are CLI-side operations in Podman 4.x, the CLI needs no
+`podman system service` running, and its error text is what users know.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpusnap.errors import GpusnapError
+
+
+@dataclass
+class Container:
+    id: str
+    name: str
+    status: str  # running, exited, paused, created, ...
+    pid: int
+    image: str
+    checkpointed: bool
+    userdata: Path  # the bundle dir; CRIU writes into userdata/checkpoint
+    devices: list[str]
+
+    @property
+    def running(self) -> bool:
+        return self.status == "running"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.userdata / "checkpoint"
+
+
+def podman_binary() -> str:
+    path = shutil.which("podman")
+    if path is None:
+        raise GpusnapError("podman is not installed", "install Podman 4.x (make deps)")
+    return path
+
+
+def _run(args: list[str], timeout: float | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([podman_binary(), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _last_error(stderr: str) -> str:
+    """Podman's own last line, without the 'Error: ' prefix."""
+    lines = [l.strip() for l in stderr.strip().splitlines() if l.strip()]
+    line = lines[-1] if lines else "podman failed"
+    return line.removeprefix("Error: ").removeprefix("error: ")
+
+
+def inspect(name: str) -> Container:
+    res = _run(["container", "inspect", name])
+    if res.returncode != 0:
+        if "no such container" in res.stderr.lower():
+            raise GpusnapError(f"no such container: {name}", "list containers with `podman ps -a`")
+        raise GpusnapError(f"podman container inspect {name}: {_last_error(res.stderr)}")
+    data = json.loads(res.stdout)[0]
+    state = data.get("State", {})
+    bundle = data.get("StaticDir") or ""
+    return Container(
+        id=data["Id"], name=data["Name"], status=state.get("Status", "unknown"),
+        pid=int(state.get("Pid") or 0), image=data.get("ImageName") or data.get("Image", ""),
+        checkpointed=bool(state.get("Checkpointed")),
+        userdata=Path(bundle),
+        devices=[d.get("PathInContainer", "") for d in data.get("HostConfig", {}).get("Devices") or []],
+    )
+
+
+def exists(name: str) -> bool:
+    return _run(["container", "exists", name]).returncode == 0
+
+
+def checkpoint(name: str, export: Path | None, leave_running: bool, tcp_established: bool,
+               keep: bool = False) -> None:
+    args = ["container", "checkpoint"]
+    if export is not None:
+        args += ["--export", str(export)]
+    if leave_running:
+        args.append("--leave-running")
+    if tcp_established:
+        args.append("--tcp-established")
+    if keep:
+        args.append("--keep")
+    res = _run(args + [name])
+    if res.returncode != 0:
+        raise GpusnapError(f"podman container checkpoint {name}: {_last_error(res.stderr)}",
+                           _checkpoint_hint(res.stderr))
+
+
+def _checkpoint_hint(stderr: str) -> str:
+    if "no space left" in stderr.lower():
+        return "free disk space where the checkpoint is written, then try again"
+    if "criu" in stderr.lower():
+        return "see dump.log in the container's userdata directory; `gpusnap doctor` checks CRIU"
+    return "`gpusnap doctor` checks the host"
+
+
+def restore(source: str, *, archive: bool, name: str | None, keep: bool,
+            tcp_established: bool) -> str:
+    """Restore a checkpointed container or an exported archive; returns the container id."""
+    args = ["container", "restore"]
+    if archive:
+        args += ["--import", source]
+        if name:
+            args += ["--name", name]
+    if keep:
+        args.append("--keep")
+    if tcp_established:
+        args.append("--tcp-established")
+    if not archive:
+        args.append(source)
+    res = _run(args)
+    if res.returncode != 0:
+        err = _last_error(res.stderr)
+        hint = "`gpusnap inspect` shows what the checkpoint needs"
+        if "already in use" in err or "already exists" in err:
+            hint = "remove the existing container or restore under another --name"
+        raise GpusnapError(f"podman container restore: {err}", hint)
+    return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""

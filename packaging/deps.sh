@@ -1,0 +1,62 @@
+#!/bin/bash
+# System setup for gpusnap on Debian 12, as root. Idempotent: a second run
+# installs nothing and takes a few seconds.
+#   Podman, runc, conmon, docker-registry, zstd, busybox-static (demo image),
+#   containerd 1.7 and oras from Debian 13 (pinned: nothing else is upgraded),
+#   CRIU 4 in a private prefix when the system CRIU is older or fails `criu check`,
+#   and the host quirks in packaging/containers/.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+export DEBIAN_FRONTEND=noninteractive
+CRIU_PREFIX=${CRIU_PREFIX:-/opt/gpusnap/criu}
+CACHE=${GPUSNAP_DEB_CACHE:-/var/cache/gpusnap/debs}
+
+[ "$(id -u)" = 0 ] || { echo "deps.sh: run as root (it installs system packages)" >&2; exit 1; }
+
+say() { echo "deps: $*"; }
+
+install -m 644 "$HERE/apt-trixie.sources" /etc/apt/sources.list.d/gpusnap-trixie.sources
+install -m 644 "$HERE/apt-trixie.pref" /etc/apt/preferences.d/gpusnap-trixie.pref
+
+BOOKWORM=(podman runc conmon docker-registry apache2-utils zstd busybox-static uidmap
+          iptables python3-venv ca-certificates openssl)
+TRIXIE=(containerd oras)
+missing=()
+for p in "${BOOKWORM[@]}" "${TRIXIE[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ! apt-cache policy criu 2>/dev/null | grep -q trixie; then updated=0; else updated=1; fi
+if [ ${#missing[@]} -gt 0 ] || [ $updated = 0 ]; then
+  say "apt-get update"
+  apt-get update -q >/dev/null
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]}"
+  args=()
+  for p in "${missing[@]}"; do
+    if [[ " ${TRIXIE[*]} " == *" $p "* ]]; then args+=("$p/trixie"); else args+=("$p"); fi
+  done
+  apt-get install -y -q --no-install-recommends "${args[@]}" >/dev/null
+fi
+# The registry package starts a service on :5000 on install; tests run their own.
+systemctl disable --now docker-registry >/dev/null 2>&1 || true
+
+criu_ok() {
+  local v
+  v=$(criu --version 2>/dev/null | sed -n 's/^Version: *//p') || return 1
+  [ -n "$v" ] && [ "${v%%.*}" -ge 4 ] && criu check >/dev/null 2>&1
+}
+if criu_ok; then
+  say "$(criu --version | head -1) passes criu check"
+else
+  say "installing CRIU 4 into $CRIU_PREFIX"
+  mkdir -p "$CACHE"
+  mapfile -t pkgs < <(grep -v '^#' "$HERE/criu-debs.list" | tr ' ' '\n' | sed '/^$/d')
+  (cd "$CACHE" && apt-get download -q "${pkgs[@]/%//trixie}" >/dev/null 2>&1)
+  "$HERE/criu-prefix.sh" "$CACHE" "$CRIU_PREFIX" /usr/local/sbin/criu
+  criu_ok || { echo "deps.sh: CRIU 4 installed but 'criu check' fails:" >&2; criu check >&2; exit 1; }
+fi
+
+install -d /etc/containers/containers.conf.d
+install -m 644 "$HERE/containers/50-gpusnap-host.conf" /etc/containers/containers.conf.d/
+say "ok: podman $(podman --version | awk '{print $3}'), $(runc --version | head -1), $(criu --version | head -1), containerd $(containerd --version | awk '{print $3}'), oras $(oras version | head -1 | awk '{print $2}')"

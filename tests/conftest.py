@@ -1,0 +1,84 @@
+"""Shared helpers: run the installed CLI, start demo containers, read their counters."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+DEMO_IMAGE = "localhost/gpusnap-demo:latest"
+GPUSNAP = "/usr/local/bin/gpusnap"
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done"
+
+
+def run(cmd: list[str], check: bool = False, **kw) -> subprocess.CompletedProcess:
+    res = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if check and res.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+    return res
+
+
+def gpusnap(*args: str, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run([GPUSNAP, *args], check=check, env=env)
+
+
+def gpusnap_json(*args: str) -> dict:
+    res = gpusnap(*args, "--json", check=True)
+    return json.loads(res.stdout)
+
+
+def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run(["podman", *args], check=check)
+
+
+def read_counter(name: str) -> int:
+    out = podman("exec", name, "cat", "/tmp/c").stdout.strip()
+    return int(out)
+
+
+def wait_counter(name: str, above: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    value = -1
+    while time.monotonic() < deadline:
+        try:
+            value = read_counter(name)
+        except (AssertionError, ValueError):
+            value = -1
+        if value > above:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"counter of {name} stayed at {value}, expected > {above}")
+
+
+def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 1, an 'Error:' line that names the problem, and no traceback."""
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout
+    first = res.stderr.strip().splitlines()[0]
+    assert first.startswith("Error: "), res.stderr
+    for needle in needles:
+        assert needle in res.stderr, (needle, res.stderr)
+
+
+@pytest.fixture
+def name() -> str:
+    n = f"gpusnap-test-{uuid.uuid4().hex[:8]}"
+    yield n
+    run(["podman", "rm", "-f", "-t", "0", n])
+
+
+@pytest.fixture
+def counter(name: str) -> str:
+    """A running demo container counting in /tmp/c."""
+    podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c", COUNTER)
+    wait_counter(name, 3)
+    return name
+
+
+def have_podman() -> bool:
+    return shutil.which("podman") is not None and Path(GPUSNAP).exists()

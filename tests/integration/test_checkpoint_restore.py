@@ -1,0 +1,98 @@
+"""Real Podman + runc + CRIU: checkpoint, export, remove, restore; state continues."""
+
+from __future__ import annotations
+
+import re
+
+from tests.conftest import (gpusnap, gpusnap_json, podman, read_counter, run, wait_counter)
+
+from gpusnap import MANIFEST_NAME
+
+
+def _members(path) -> set[str]:
+    """Archive member names, with pids and ids made generic (the counter's
+    short-lived `sleep` child differs between two dumps)."""
+    out = run(["tar", "-I", "zstd", "-tf", str(path)], check=True).stdout.split()
+    return {re.sub(r"-\d+\.img$", "-N.img", m.removeprefix("./")) for m in out}
+
+
+def test_gpusnap_checkpoint_export_restore_continues(counter, tmp_path):
+    before = read_counter(counter)
+    archive = tmp_path / "ctr.tar.zst"
+    result = gpusnap_json("checkpoint", counter, "--export", str(archive))
+    assert result["export"] == str(archive) and archive.stat().st_size > 0
+    assert result["criu"]["processes"] >= 2  # sh and its sleep
+    assert result["gpu"] is None  # no GPU: nothing added
+    assert podman("container", "inspect", counter, "--format", "{{.State.Status}}").stdout.strip() == "exited"
+    podman("rm", counter)
+
+    restored = gpusnap_json("restore", str(archive))
+    assert restored["container"]["name"] == counter
+    assert restored["container"]["status"] == "running"
+    value = wait_counter(counter, before)
+    # It continued from where it was, not from 0: a fresh start would be far below.
+    assert value >= before
+    assert wait_counter(counter, value) > value
+
+
+def test_plain_podman_checkpoint_export_import_continues(counter, tmp_path):
+    before = read_counter(counter)
+    archive = tmp_path / "plain.tar.zst"
+    podman("container", "checkpoint", "--export", str(archive), counter)
+    podman("rm", counter)
+    podman("container", "restore", "--import", str(archive))
+    assert wait_counter(counter, before) >= before
+
+
+def test_leave_running_keeps_counting(counter, tmp_path):
+    archive = tmp_path / "live.tar.zst"
+    result = gpusnap_json("checkpoint", counter, "--export", str(archive), "--leave-running")
+    assert result["leave_running"] is True
+    v = read_counter(counter)
+    assert wait_counter(counter, v) > v
+    # The archive restores as a second container beside the running one.
+    other = counter + "-copy"
+    try:
+        gpusnap_json("restore", str(archive), "--name", other)
+        assert wait_counter(other, 0) > 0
+    finally:
+        run(["podman", "rm", "-f", "-t", "0", other])
+
+
+def test_restore_from_local_checkpoint(counter):
+    before = read_counter(counter)
+    gpusnap_json("checkpoint", counter)
+    info = gpusnap_json("inspect", counter)
+    assert info["criu"]["processes"] >= 2
+    restored = gpusnap_json("restore", counter)
+    assert restored["container"]["status"] == "running"
+    assert wait_counter(counter, before) >= before
+
+
+def test_container_without_gpu_is_checkpointed_as_podman_would(counter, name, tmp_path):
+    """The action script leaves a GPU-less container alone: same archive members,
+    no manifest, nothing quiesced in the journal."""
+    with_gpusnap = tmp_path / "with.tar.zst"
+    podman("container", "checkpoint", "--leave-running", "--export", str(with_gpusnap), counter)
+    conf = "/etc/criu/runc.conf"
+    saved = open(conf).read()
+    try:
+        open(conf, "w").write("")  # CRIU as it is without gpusnap
+        without = tmp_path / "without.tar.zst"
+        podman("container", "checkpoint", "--leave-running", "--export", str(without), counter)
+    finally:
+        open(conf, "w").write(saved)
+    assert _members(with_gpusnap) == _members(without)
+    assert f"checkpoint/{MANIFEST_NAME}" not in _members(with_gpusnap)
+
+
+def test_inspect_archive(counter, tmp_path):
+    archive = tmp_path / "i.tar.zst"
+    gpusnap_json("checkpoint", counter, "--export", str(archive), "--leave-running")
+    info = gpusnap_json("inspect", str(archive))
+    assert info["container"]["name"] == counter
+    assert info["container"]["image"] == "localhost/gpusnap-demo:latest"
+    assert info["runtime"] == "runc"
+    assert info["criu"]["memory_pages_bytes"] > 0
+    human = gpusnap("inspect", str(archive), check=True).stdout
+    assert counter in human and "GPU: none" in human
