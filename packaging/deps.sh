@@ -25,7 +25,7 @@ missing=()
 for p in "${BOOKWORM[@]}" "${TRIXIE[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if ! apt-cache policy criu 2>/dev/null | grep -q trixie; then updated=0; else updated=1; fi
+if [[ "$(apt-cache policy criu 2>/dev/null)" == *trixie* ]]; then updated=1; else updated=0; fi
 if [ ${#missing[@]} -gt 0 ] || [ $updated = 0 ]; then
   say "apt-get update"
   apt-get update -q >/dev/null

@@ -5,7 +5,7 @@
 #   /opt/gpusnap/libexec/criu-action, named in /etc/criu/runc.conf (a managed block)
 #   /usr/share/containers/oci/hooks.d/gpusnap.json   the OCI hook
 # GPUSNAP_OFFLINE=1 installs with no package index (the GPU machines): the
-# venv then sees the system's site-packages for click, rich and nvidia-ml-py.
+# venv then uses GPUSNAP_PYTHON's packages for click, rich and nvidia-ml-py.
 # GPUSNAP_PYTHON picks the interpreter.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -15,8 +15,17 @@ PY=${GPUSNAP_PYTHON:-python3}
 [ "$(id -u)" = 0 ] || { echo "install.sh: run as root" >&2; exit 1; }
 
 if [ "${GPUSNAP_OFFLINE:-0}" = 1 ]; then
-  [ -x $ROOT/venv/bin/python ] || "$PY" -m venv --system-site-packages $ROOT/venv
-  $ROOT/venv/bin/pip install -q --no-index --no-deps --no-build-isolation "$SRC"
+  # No index and maybe no build backend: a venv that sees $PY's own
+  # site-packages (a venv's too, which --system-site-packages would miss) and
+  # this source tree, with the console scripts written here (an editable install).
+  [ -x $ROOT/venv/bin/python ] || "$PY" -m venv --without-pip $ROOT/venv
+  host_site=$("$PY" -c 'import site; print(site.getsitepackages()[0])')
+  venv_site=$($ROOT/venv/bin/python -c 'import site; print(site.getsitepackages()[0])')
+  printf '%s\n%s\n' "$host_site" "$SRC" > "$venv_site/gpusnap-offline.pth"
+  for script in gpusnap:gpusnap.cli.main gpusnap-hook:gpusnap.hook.main gpusnap-criu-action:gpusnap.criu.action; do
+    printf '#!%s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$ROOT/venv/bin/python" "${script#*:}" > "$ROOT/venv/bin/${script%%:*}"
+    chmod 755 "$ROOT/venv/bin/${script%%:*}"
+  done
 else
   [ -x $ROOT/venv/bin/python ] || "$PY" -m venv $ROOT/venv
   $ROOT/venv/bin/pip install -q --upgrade "$SRC[test]"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option, step
+from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.ops import checkpoint as ops
 
 
@@ -30,14 +31,19 @@ def _human(r: dict) -> None:
               "as `podman container checkpoint --export` does.")
 @click.option("-R", "--leave-running", is_flag=True, help="Keep the container running afterwards.")
 @click.option("--tcp-established", is_flag=True, help="Checkpoint established TCP connections.")
+@click.option("--lock-timeout", "lock_timeout_ms", default=DEFAULT_LOCK_TIMEOUT_MS,
+              show_default=True, help="Milliseconds to wait for running GPU work to finish "
+              "before giving up (the container keeps running).")
 @click.option("--skip-space-check", is_flag=True, help="Do not refuse when free disk space looks "
               "smaller than the container's memory.")
 @json_option
 @handle_errors
 def checkpoint_cmd(container: str, export: str | None, leave_running: bool,
-                   tcp_established: bool, skip_space_check: bool, as_json: bool) -> None:
+                   tcp_established: bool, lock_timeout_ms: int, skip_space_check: bool,
+                   as_json: bool) -> None:
     """Checkpoint a running CONTAINER, its GPU memory included."""
-    plan = ops.plan(container, export, leave_running, tcp_established, skip_space_check)
+    plan = ops.plan(container, export, leave_running, tcp_established, lock_timeout_ms,
+                    skip_space_check)
     what = f"{len(plan.cuda)} CUDA process(es)" if plan.cuda else "no GPU"
     with step(f"Checkpointing {plan.container.name} ({what}, up to "
               f"{human_bytes(plan.estimate_bytes)})...", as_json):

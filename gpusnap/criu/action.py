@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 
-from gpusnap import MANIFEST_NAME, journal
+from gpusnap import MANIFEST_NAME, journal, requests
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
@@ -32,10 +32,16 @@ from gpusnap.procs import cuda_processes
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
 
 
-def lock_timeout_ms() -> int:
+def lock_timeout_ms(init_pid: int) -> int:
+    """A `gpusnap checkpoint --lock-timeout` request for this container, else the default.
+
+    Podman hands runc (and so CRIU and this script) a scrubbed environment, so
+    the CLI leaves its options in a request file keyed by the init pid.
+    """
+    request = requests.take(init_pid)
     try:
-        return int(os.environ.get("GPUSNAP_LOCK_TIMEOUT_MS", DEFAULT_LOCK_TIMEOUT_MS))
-    except ValueError:
+        return int(request.get("lock_timeout_ms", DEFAULT_LOCK_TIMEOUT_MS))
+    except (TypeError, ValueError):
         return DEFAULT_LOCK_TIMEOUT_MS
 
 
@@ -69,7 +75,7 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     if plugin is None:
         timing = Timing()
         driver = _driver()
-        changed = quiesce(driver, pids, lock_timeout_ms(), timing)
+        changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
         manifest.timing = timing.phases
         _start_guardian(criu_pid, changed)
     gpu_manifest.write(manifest, image_dir)
@@ -109,7 +115,8 @@ def main() -> int:
         else:
             post_resume(init_pid, image_dir)
     except (GpusnapError, QuiesceError) as exc:
-        journal.record("failed", action=action, error=str(exc))
+        journal.record("failed", action=action, init_pid=os.environ.get("CRTOOLS_INIT_PID"),
+                       error=str(exc))
         print(f"gpusnap: {action}: {exc}", file=sys.stderr)
         return 1
     except (KeyError, ValueError) as exc:

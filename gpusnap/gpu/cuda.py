@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import os
 import threading
 from dataclasses import dataclass
 
@@ -70,14 +71,30 @@ def uuid_bytes(uuid: str) -> bytes:
     return raw
 
 
+# Where driver libraries live when they are not in the loader's cache (some
+# GPU VMs mount them read-only under /usr/local/nvidia).
+LIBCUDA_CANDIDATES = ("libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1",
+                      "/usr/local/nvidia/lib/libcuda.so.1",
+                      "/usr/lib/x86_64-linux-gnu/libcuda.so.1")
+
+
+def _load(library: str | None) -> ctypes.CDLL:
+    candidates = [library] if library else [os.environ.get("GPUSNAP_LIBCUDA") or ""] + list(
+        LIBCUDA_CANDIDATES)
+    errors = []
+    for name in filter(None, candidates):
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(str(exc))
+    raise RuntimeError("cannot load the NVIDIA driver library libcuda.so.1: " + "; ".join(errors[:1]))
+
+
 class CudaDriver:
     """One loaded driver; thread-safe (the driver serialises per process)."""
 
-    def __init__(self, library: str = "libcuda.so.1") -> None:
-        try:
-            self._lib = ctypes.CDLL(library)
-        except OSError as exc:
-            raise RuntimeError(f"cannot load the NVIDIA driver library {library}: {exc}") from exc
+    def __init__(self, library: str | None = None) -> None:
+        self._lib = _load(library)
         for name in ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
                      "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
                      "cuCheckpointProcessGetState"):

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpusnap import archive, journal
+from gpusnap import archive, journal, requests
 from gpusnap.criu.version import criu_version, is_supported
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
@@ -24,6 +24,7 @@ class CheckpointPlan:
     export: Path | None
     leave_running: bool
     tcp_established: bool
+    lock_timeout_ms: int
     estimate_bytes: int  # host memory + GPU memory in use: an upper bound of the dump
 
 
@@ -32,7 +33,7 @@ def _free_bytes(path: Path) -> int:
 
 
 def plan(name: str, export: str | None, leave_running: bool, tcp_established: bool,
-         skip_space_check: bool = False) -> CheckpointPlan:
+         lock_timeout_ms: int, skip_space_check: bool = False) -> CheckpointPlan:
     container = podman.inspect(name)
     if not container.running:
         raise GpusnapError(f"container {container.name} is {container.status}, not running",
@@ -63,21 +64,35 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
                     f"not enough disk space in {target}: the checkpoint needs up to "
                     f"{estimate >> 20} MiB, {free >> 20} MiB are free; the container keeps running",
                     "free space or export elsewhere (--skip-space-check tries anyway)")
-    return CheckpointPlan(container, cuda, export_path, leave_running, tcp_established, estimate)
+    return CheckpointPlan(container, cuda, export_path, leave_running, tcp_established,
+                          lock_timeout_ms, estimate)
+
+
+def _action_failure(init_pid: int) -> str | None:
+    """What the CRIU action script said, when it was what stopped the dump."""
+    for event in reversed(journal.read(50)):
+        if event.get("event") == "failed" and str(event.get("init_pid")) == str(init_pid):
+            return event.get("error")
+    return None
 
 
 def run(p: CheckpointPlan) -> dict:
     start = time.monotonic()
+    if p.cuda:
+        requests.put(p.container.pid, lock_timeout_ms=p.lock_timeout_ms)
     try:
         podman.checkpoint(p.container.id, p.export, p.leave_running, p.tcp_established)
     except GpusnapError as exc:
+        requests.drop(p.container.pid)
         resumed = ensure_running([c.pid for c in p.cuda])
         state = podman.inspect(p.container.id).status if podman.exists(p.container.id) else "gone"
         where = ("the container is still running" if state == "running" else
                  f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}")
-        journal.record("checkpoint-failed", container=p.container.id, error=exc.message,
+        cause = _action_failure(p.container.pid)
+        message = f"GPU quiesce failed: {cause}" if cause else exc.message
+        journal.record("checkpoint-failed", container=p.container.id, error=message,
                        resumed=resumed)
-        raise GpusnapError(f"{exc.message}; {where}", exc.hint) from None
+        raise GpusnapError(f"{message}; {where}", exc.hint) from None
     seconds = time.monotonic() - start
     source = p.export if p.export is not None else p.container.checkpoint_dir
     contents = archive.read(str(source))

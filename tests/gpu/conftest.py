@@ -1,0 +1,24 @@
+import pytest
+
+from tests.gpu import harness
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture
+def cuda_ctr():
+    """A running container with one CUDA process holding 2 GiB."""
+    ctr = harness.start(nproc=1, gib=2.0)
+    yield ctr
+    ctr.remove()
+
+
+@pytest.fixture
+def cuda_ctr2():
+    """A running container with two CUDA processes holding 1 GiB each."""
+    ctr = harness.start(nproc=2, gib=1.0)
+    yield ctr
+    ctr.remove()

@@ -1,0 +1,138 @@
+"""Start and watch CUDA containers for the GPU tests, the GPU demo and bench/.
+
+The image (localhost/gpusnap-cuda, built by tests/gpu/prepare.sh) holds only
+the directory skeleton; the host's /usr, the PyTorch venv and the driver
+libraries are bind-mounted read-only (non-recursive, so CRIU sees each mount
+runc declared), and the GPU device nodes are passed with --device.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+IMAGE = "localhost/gpusnap-cuda:latest"
+HERE = Path(__file__).resolve().parent
+PYTHON = os.environ.get("GPUSNAP_CUDA_PYTHON", "/opt/torch/.venv/bin/python3")
+DRIVER_DIR = "/usr/local/nvidia"
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(list(args), capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {res.stderr.strip()}")
+    return res
+
+
+def gpu_device_args(gpus: list[int]) -> list[str]:
+    args = []
+    for i in gpus:
+        args += ["--device", f"/dev/nvidia{i}"]
+    for node in ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"):
+        if os.path.exists(node):
+            args += ["--device", node]
+    return args
+
+
+def mount_args() -> list[str]:
+    args = []
+    for src in ("/usr", "/opt/torch", DRIVER_DIR, "/etc/ld.so.cache"):
+        if os.path.exists(src):
+            args += ["--mount", f"type=bind,src={src},dst={src},ro=true,bind-nonrecursive=true"]
+    return args
+
+
+@dataclass
+class CudaContainer:
+    name: str
+    status: Path
+    nproc: int
+
+    def worker(self, i: int) -> tuple[int, str]:
+        try:
+            it, ok = (self.status / f"w{i}").read_text().split()
+            return int(it), ok
+        except (OSError, ValueError):
+            return 0, "none"
+
+    def iterations(self) -> list[int]:
+        return [self.worker(i)[0] for i in range(self.nproc)]
+
+    def wait_running(self, above: list[int] | None = None, timeout: float = 120) -> list[int]:
+        """Wait until every worker's iteration passes ``above`` (default 0)."""
+        above = above or [0] * self.nproc
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            its = self.iterations()
+            if all(it > a for it, a in zip(its, above)):
+                bad = [i for i in range(self.nproc) if self.worker(i)[1] != "ok"]
+                if bad:
+                    raise AssertionError(f"workers {bad} report a wrong checksum")
+                return its
+            time.sleep(0.1)
+        raise AssertionError(f"{self.name}: workers at {self.iterations()}, expected > {above}")
+
+    def verify(self, timeout: float = 120) -> None:
+        """Every worker regenerates its data and compares all elements."""
+        token = uuid.uuid4().hex
+        (self.status / "verify").write_text(token)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            results = []
+            for i in range(self.nproc):
+                try:
+                    results.append((self.status / f"w{i}.verified").read_text().split())
+                except OSError:
+                    results.append(None)
+            if all(r and r[0] == token for r in results):
+                assert all(r[1] == "ok" for r in results), f"contents differ: {results}"
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{self.name}: verification did not finish")
+
+    def remove(self) -> None:
+        _sh("podman", "rm", "-f", "-t", "0", self.name, check=False)
+
+
+def start(nproc: int = 1, gib: float = 2.0, gpus: list[int] | None = None,
+          name: str | None = None) -> CudaContainer:
+    name = name or f"gpusnap-cuda-{uuid.uuid4().hex[:8]}"
+    status = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/var/tmp"))
+    cmd = ["podman", "run", "-d", "--name", name, "--network", "none",
+           *gpu_device_args(gpus if gpus is not None else [0]), *mount_args(),
+           "-v", f"{status}:/status", "-v", f"{HERE}:/work:ro",
+           "-e", f"LD_LIBRARY_PATH={DRIVER_DIR}/lib64:{DRIVER_DIR}/lib",
+           "-e", "PYTHONUNBUFFERED=1",
+           IMAGE, PYTHON, "/work/workload.py", str(nproc), str(gib)]
+    _sh(*cmd)
+    ctr = CudaContainer(name, status, nproc)
+    try:
+        ctr.wait_running()
+    except AssertionError:
+        logs = _sh("podman", "logs", name, check=False)
+        ctr.remove()
+        raise AssertionError(f"CUDA container did not start: {logs.stdout[-2000:]}{logs.stderr[-2000:]}")
+    return ctr
+
+
+def gpu_memory_used(index: int = 0) -> int:
+    """Bytes in use on a GPU, from NVML."""
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def host_pids(name: str) -> list[int]:
+    """Host pids of the container's CUDA processes."""
+    from gpusnap.procs import cuda_processes
+    pid = int(_sh("podman", "inspect", name, "--format", "{{.State.Pid}}").stdout.strip())
+    return [p.pid for p in cuda_processes(pid)]

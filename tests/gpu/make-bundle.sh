@@ -1,0 +1,17 @@
+#!/bin/bash
+# Download, on the Debian machine, the .deb files a bare GPU machine (Ubuntu
+# 24.04, no package access) needs to run Podman + runc + CRIU 4, into DIR
+# (git-ignored; carried to the GPU machine with the tree). Idempotent.
+set -euo pipefail
+DIR=${1:-.gpu-bundle}
+HERE=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$DIR/podman" "$DIR/criu"
+[[ "$(apt-cache policy criu)" == *trixie* ]] || { echo "run 'make deps' first (adds the pinned trixie source)"; exit 1; }
+# Podman and what it and conmon load that Ubuntu 24.04 names differently or lacks.
+PODMAN=(podman conmon runc golang-github-containers-common golang-github-containers-image
+        libgpgme11 libassuan0 libgpg-error0 libsubid4 libdevmapper1.02.1 libglib2.0-0
+        libyajl2 libseccomp2 catatonit)
+(cd "$DIR/podman" && apt-get download -q "${PODMAN[@]}" >/dev/null 2>&1)
+mapfile -t pkgs < <(grep -v '^#' "$HERE/../../packaging/criu-debs.list" | tr ' ' '\n' | sed '/^$/d')
+(cd "$DIR/criu" && apt-get download -q "${pkgs[@]/%//trixie}" >/dev/null 2>&1)
+du -sh "$DIR"

@@ -1,0 +1,58 @@
+#!/bin/bash
+# Prepare a bare NVIDIA GPU machine (Ubuntu 24.04, no package access, root)
+# from the .deb files of `make gpu-bundle` (carried in .gpu-bundle/):
+# Podman 4.3 + runc + conmon in /opt/gpusnap/sysroot behind wrappers,
+# CRIU 4.1 with its own glibc, gpusnap installed offline over the machine's
+# PyTorch venv, and the two test images. Idempotent.
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+BUNDLE=${GPUSNAP_BUNDLE:-$REPO/.gpu-bundle}
+SYS=/opt/gpusnap/sysroot
+TORCH_PY=${GPUSNAP_CUDA_PYTHON:-/opt/torch/.venv/bin/python3}
+[ -d "$BUNDLE/podman" ] || { echo "prepare: no $BUNDLE/podman: run 'make gpu-bundle' on the Debian machine and carry .gpu-bundle"; exit 1; }
+
+mkdir -p $SYS /opt/gpusnap/bin
+for deb in "$BUNDLE"/podman/*.deb; do dpkg -x "$deb" $SYS; done
+LIBS=$SYS/usr/lib/x86_64-linux-gnu:$SYS/lib/x86_64-linux-gnu
+for tool in podman conmon; do
+  cat > /opt/gpusnap/bin/$tool <<EOW
+#!/bin/sh
+# Debian 12's $tool with the libraries it was built against.
+LD_LIBRARY_PATH=$LIBS exec $SYS/usr/bin/$tool "\$@"
+EOW
+  chmod 755 /opt/gpusnap/bin/$tool
+done
+ln -sf /opt/gpusnap/bin/podman /usr/local/bin/podman
+ln -sf $SYS/usr/sbin/runc /usr/local/sbin/runc
+
+mkdir -p /etc/containers /usr/share/containers /usr/libexec/podman
+cp -rn $SYS/usr/share/containers/. /usr/share/containers/
+cp -rn $SYS/etc/containers/. /etc/containers/
+cp -n $SYS/usr/libexec/podman/catatonit /usr/libexec/podman/ 2>/dev/null || true
+cat > /etc/containers/containers.conf <<EOF2
+# gpusnap GPU test machine (tests/gpu/prepare.sh)
+[engine]
+runtime = "runc"
+conmon_path = ["/opt/gpusnap/bin/conmon"]
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+[engine.runtimes]
+runc = ["$SYS/usr/sbin/runc"]
+EOF2
+cat > /etc/containers/storage.conf <<'EOF2'
+[storage]
+driver = "overlay"
+runroot = "/run/containers/storage"
+graphroot = "/var/lib/containers/storage"
+EOF2
+
+# Driver libraries under /usr/local/nvidia may be missing from the loader cache.
+if ! ldconfig -p | grep -q 'libcuda.so.1 '; then
+  for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do [ -d $d ] && echo $d; done > /etc/ld.so.conf.d/gpusnap-nvidia.conf
+  ldconfig
+fi
+
+bash "$REPO/packaging/criu-prefix.sh" "$BUNDLE/criu" /opt/gpusnap/criu /usr/local/sbin/criu
+GPUSNAP_OFFLINE=1 GPUSNAP_PYTHON=$TORCH_PY bash "$REPO/packaging/install.sh"
+podman info --format 'podman {{.Version.Version}}: {{.Store.GraphDriverName}}, cgroups {{.Host.CgroupsVersion}}, runtime {{.Host.OCIRuntime.Path}}'
+bash "$REPO/tests/gpu/gpu-image.sh"

@@ -1,0 +1,128 @@
+"""On an NVIDIA GPU: real Podman + runc + CRIU 4 + the driver's checkpoint API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+from gpusnap.gpu.cuda import CudaDriver, ProcessState
+from tests.conftest import assert_one_line_error, gpusnap, gpusnap_json, podman
+from tests.gpu import harness
+
+GIB = 1 << 30
+
+
+def _status(name: str) -> str:
+    return podman("inspect", name, "--format", "{{.State.Status}}").stdout.strip()
+
+
+def test_podman_export_import_restores_gpu_memory(cuda_ctr, tmp_path):
+    """Unchanged Podman commands: checkpoint --export, rm, restore --import."""
+    used_running = harness.gpu_memory_used()
+    archive = tmp_path / "cuda.tar.zst"
+    podman("container", "checkpoint", "--export", str(archive), cuda_ctr.name)
+    used_checkpointed = harness.gpu_memory_used()
+    assert used_running - used_checkpointed >= 2 * GIB, (used_running, used_checkpointed)
+    info = gpusnap_json("inspect", str(archive))
+    gpu = info["gpu"]
+    assert gpu["quiesced_by"] == "gpusnap" and len(gpu["gpus"]) == 1
+    assert gpu["gpu_memory_bytes"] >= 2 * GIB
+    assert gpu["processes"][0]["comm"].startswith("python")
+    podman("rm", cuda_ctr.name)
+    its = cuda_ctr.iterations()
+    podman("container", "restore", "--import", str(archive))
+    cuda_ctr.wait_running(above=its)
+    cuda_ctr.verify()
+    assert harness.gpu_memory_used() - used_checkpointed >= 2 * GIB
+
+
+def test_gpusnap_checkpoint_restore_two_processes(cuda_ctr2, tmp_path):
+    archive = tmp_path / "two.tar.zst"
+    result = gpusnap_json("checkpoint", cuda_ctr2.name, "--export", str(archive))
+    gpu = result["gpu"]
+    assert len(gpu["processes"]) == 2
+    assert set(gpu["timing"]) >= {"lock", "checkpoint"}
+    podman("rm", cuda_ctr2.name)
+    its = cuda_ctr2.iterations()
+    restored = gpusnap_json("restore", str(archive))
+    assert [p["state"] for p in restored["gpu_processes"]] == ["RUNNING", "RUNNING"]
+    cuda_ctr2.wait_running(above=its)
+    cuda_ctr2.verify()
+
+
+def test_leave_running_gives_the_gpu_back(cuda_ctr, tmp_path):
+    archive = tmp_path / "live.tar.zst"
+    gpusnap_json("checkpoint", cuda_ctr.name, "--export", str(archive), "--leave-running")
+    # The guardian restores the GPU state once CRIU has let the container go.
+    cuda_ctr.wait_running(above=cuda_ctr.iterations(), timeout=60)
+    cuda_ctr.verify()
+    driver = CudaDriver()
+    assert all(driver.state(p) == ProcessState.RUNNING for p in harness.host_pids(cuda_ctr.name))
+
+
+def test_freeze_releases_gpu_memory_and_thaw_brings_it_back(cuda_ctr):
+    before = harness.gpu_memory_used()
+    frozen = gpusnap_json("freeze", cuda_ctr.name)
+    assert len(frozen["pids"]) == 1
+    during = harness.gpu_memory_used()
+    assert before - during >= 2 * GIB, (before, during)
+    stalled = cuda_ctr.iterations()
+    time.sleep(1.0)
+    assert cuda_ctr.iterations() == stalled  # blocked in CUDA, not running on
+    assert _status(cuda_ctr.name) == "running"
+    gpusnap_json("thaw", cuda_ctr.name)
+    cuda_ctr.wait_running(above=stalled)
+    cuda_ctr.verify()
+    assert harness.gpu_memory_used() - during >= 2 * GIB
+
+
+def test_lock_timeout_leaves_the_container_running(cuda_ctr):
+    (cuda_ctr.status / "busy").write_text("1")
+    deadline = time.monotonic() + 30
+    while not (cuda_ctr.status / "w0.busy").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    res = gpusnap("freeze", cuda_ctr.name, "--timeout", "300")
+    assert_one_line_error(res, "freeze of", "nothing changed")
+    assert _status(cuda_ctr.name) == "running"
+    driver = CudaDriver()
+    assert all(driver.state(p) == ProcessState.RUNNING for p in harness.host_pids(cuda_ctr.name))
+    cuda_ctr.wait_running(above=cuda_ctr.iterations(), timeout=60)
+    cuda_ctr.verify()
+
+
+def test_checkpoint_aborted_by_lock_timeout_keeps_container_running(cuda_ctr, tmp_path):
+    """The CRIU action script fails the dump; Podman reports it; nothing is lost."""
+    (cuda_ctr.status / "busy").write_text("1")
+    deadline = time.monotonic() + 30
+    while not (cuda_ctr.status / "w0.busy").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    res = gpusnap("checkpoint", cuda_ctr.name, "--export", str(tmp_path / "x.tar.zst"),
+                  "--lock-timeout", "300")
+    assert_one_line_error(res, "still running")
+    assert _status(cuda_ctr.name) == "running"
+    cuda_ctr.wait_running(above=cuda_ctr.iterations(), timeout=60)
+    cuda_ctr.verify()
+
+
+def test_doctor_finds_and_fixes_a_process_left_checkpointed(cuda_ctr):
+    """As if gpusnap had been killed between quiesce and CRIU's dump."""
+    pid = harness.host_pids(cuda_ctr.name)[0]
+    driver = CudaDriver()
+    driver.lock(pid, 10_000)
+    driver.checkpoint(pid)
+    res = gpusnap("doctor", "--json")
+    report = json.loads(res.stdout)
+    assert res.returncode == 1 and [s["pid"] for s in report["stuck"]] == [pid]
+    fixed = json.loads(gpusnap("doctor", "--fix", "--json").stdout)
+    assert fixed["fixed"] == [pid]
+    assert driver.state(pid) == ProcessState.RUNNING
+    cuda_ctr.verify()
+
+
+def test_gpus_lists_the_gpu():
+    inv = gpusnap_json("gpus")
+    assert inv["error"] is None and inv["gpus"]
+    g = inv["gpus"][0]
+    assert g["uuid"].startswith("GPU-") and g["memory_total"] > 10 * GIB
+    assert int(inv["driver_version"].split(".")[0]) >= 570
