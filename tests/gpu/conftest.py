@@ -1,11 +1,17 @@
+from pathlib import Path
+
 import pytest
 
 from tests.gpu import harness
 
+HERE = Path(__file__).parent
+
 
 def pytest_collection_modifyitems(config, items):
+    # Hooks in a conftest see the whole session: mark only this folder's tests.
     for item in items:
-        item.add_marker(pytest.mark.gpu)
+        if HERE in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture
