@@ -40,8 +40,9 @@ def _criu_checks() -> list[Check]:
     if version:
         res = subprocess.run(["criu", "check"], capture_output=True, text=True)
         ok = res.returncode == 0
-        last = (res.stdout + res.stderr).strip().splitlines()[-1:] or [""]
-        checks.append(Check("criu check", ok, last[0], "" if ok else
+        out = (res.stdout + res.stderr).strip()
+        detail = "Looks good." if "Looks good" in out else (out.splitlines()[-1:] or [""])[0]
+        checks.append(Check("criu check", ok, detail, "" if ok else
                             "this kernel lacks features CRIU needs; see `criu check --all`"))
     plugin = cuda_plugin_path()
     checks.append(Check("criu cuda_plugin", True,

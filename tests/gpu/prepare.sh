@@ -39,6 +39,7 @@ events_logger = "file"
 [engine.runtimes]
 runc = ["$SYS/usr/sbin/runc"]
 EOF2
+install -D -m 644 "$REPO/packaging/containers/50-gpusnap-host.conf" /etc/containers/containers.conf.d/50-gpusnap-host.conf
 cat > /etc/containers/storage.conf <<'EOF2'
 [storage]
 driver = "overlay"
