@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 
-from gpusnap import MANIFEST_NAME, journal, requests
+from gpusnap import journal, requests
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
@@ -57,8 +57,6 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     procs = cuda_processes(init_pid)
     if not procs:
         return
-    if os.path.exists(os.path.join(image_dir, MANIFEST_NAME)):
-        return  # CRIU runs each script once per config source: already done
     inventory = read_inventory()
     used = {m for p in procs for m in p.gpu_minors}
     mig = [g for g in inventory.gpus if g.minor in used and g.mig_enabled]
@@ -103,10 +101,7 @@ def post_resume(init_pid: int, image_dir: str) -> None:
         journal.record("resumed", init_pid=init_pid, pids=changed, timing=timing.phases)
 
 
-def main() -> int:
-    action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
-    if action not in ("pre-dump", "post-resume"):
-        return 0
+def _run(action: str) -> int:
     try:
         init_pid = int(os.environ["CRTOOLS_INIT_PID"])
         image_dir = os.environ["CRTOOLS_IMAGE_DIR"]
@@ -123,6 +118,35 @@ def main() -> int:
         print(f"gpusnap: {action}: CRIU did not pass {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _marker_dir():
+    folder = journal.state_dir() / "actions"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
+def main() -> int:
+    """Run each action once per CRIU process.
+
+    runc hands CRIU /etc/criu/runc.conf and CRIU reads it again itself, so
+    every action script is called twice in a row; the second call repeats
+    the first one's answer (a failed lock must not be retried with defaults).
+    """
+    action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
+    if action not in ("pre-dump", "post-resume"):
+        return 0
+    criu_pid = os.getppid()
+    folder = _marker_dir()
+    marker = folder / f"{criu_pid}-{action}"
+    if marker.exists():
+        return int(marker.read_text() or 0)
+    for stale in folder.iterdir():  # markers of CRIU runs that have ended
+        if not os.path.exists(f"/proc/{stale.name.split('-', 1)[0]}"):
+            stale.unlink(missing_ok=True)
+    code = _run(action)
+    marker.write_text(str(code))
+    return code
 
 
 if __name__ == "__main__":

@@ -68,6 +68,18 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
                           lock_timeout_ms, estimate)
 
 
+def _criu_error(log: Path) -> str | None:
+    """CRIU's first error line in a dump/restore log (the later ones are fallout)."""
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                if line.startswith("Error (") and "RLIMIT_NOFILE" not in line:
+                    return line.strip()
+    except OSError:
+        pass
+    return None
+
+
 def _action_failure(init_pid: int) -> str | None:
     """What the CRIU action script said, when it was what stopped the dump."""
     for event in reversed(journal.read(50)):
@@ -89,7 +101,9 @@ def run(p: CheckpointPlan) -> dict:
         where = ("the container is still running" if state == "running" else
                  f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}")
         cause = _action_failure(p.container.pid)
-        message = f"GPU quiesce failed: {cause}" if cause else exc.message
+        criu = _criu_error(p.container.userdata / "dump.log")
+        message = (f"GPU quiesce failed: {cause}" if cause else
+                   f"CRIU could not dump {p.container.name}: {criu}" if criu else exc.message)
         journal.record("checkpoint-failed", container=p.container.id, error=message,
                        resumed=resumed)
         raise GpusnapError(f"{message}; {where}", exc.hint) from None

@@ -97,6 +97,14 @@ class CudaContainer:
         raise AssertionError(f"{self.name}: verification did not finish")
 
     def remove(self) -> None:
+        keep = os.environ.get("GPUSNAP_TEST_LOGS")
+        if keep:  # CRIU's logs go with the container: keep them for the report
+            res = _sh("podman", "inspect", self.name, "--format", "{{.StaticDir}}", check=False)
+            for log in ("dump.log", "restore.log"):
+                src = Path(res.stdout.strip()) / log
+                if res.returncode == 0 and src.exists():
+                    Path(keep).mkdir(parents=True, exist_ok=True)
+                    (Path(keep) / f"{self.name}-{log}").write_bytes(src.read_bytes())
         _sh("podman", "rm", "-f", "-t", "0", self.name, check=False)
 
 

@@ -7,7 +7,7 @@ LOGDIR=${1:?usage: tests/gpu/run.sh LOGDIR [--no-bench]}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$LOGDIR"
 cd "$REPO"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 GPUSNAP_TEST_LOGS=$LOGDIR/criu
 {
   echo "date: $(date -u +%FT%TZ)"; uname -r
   nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total --format=csv,noheader
@@ -23,14 +23,14 @@ tail -5 "$LOGDIR/prepare.log"
 gpusnap doctor > "$LOGDIR/doctor.txt" 2>&1; cat "$LOGDIR/doctor.txt"
 
 PY=/opt/gpusnap/venv/bin/python
-$PY -m pytest -v -p no:cacheprovider -m gpu tests/gpu --junitxml="$LOGDIR/gpu-tests.xml" \
+$PY -m pytest -v -p no:cacheprovider -m gpu tests/gpu ${GPUSNAP_PYTEST_ARGS:-} --junitxml="$LOGDIR/gpu-tests.xml" \
   > "$LOGDIR/gpu-tests.log" 2>&1
 rc=$?
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$LOGDIR/gpu-tests.log" | tail -20
 if [ $rc != 0 ]; then
   grep -E "^E " "$LOGDIR/gpu-tests.log" | head -40
-  for f in /var/lib/containers/storage/overlay-containers/*/userdata/dump.log /var/lib/containers/storage/overlay-containers/*/userdata/restore.log; do
-    [ -f "$f" ] && { echo "== $f"; grep -iE "error|gpusnap" "$f" | tail -8; }
+  for f in "$LOGDIR"/criu/*.log; do
+    [ -f "$f" ] && { echo "== $f"; grep -E "Error|Warn|gpusnap" "$f" | tail -12; }
   done > "$LOGDIR/criu-errors.txt" 2>&1
   tail -40 "$LOGDIR/criu-errors.txt"
 fi
@@ -38,7 +38,7 @@ cp /run/gpusnap/journal.jsonl "$LOGDIR/journal.jsonl" 2>/dev/null
 
 brc=0
 if [ "${2:-}" != "--no-bench" ]; then
-  $PY bench/gpu_checkpoint.py --out "$LOGDIR/bench.json" > "$LOGDIR/bench.log" 2>&1; brc=$?
+  $PY bench/gpu_checkpoint.py ${GPUSNAP_BENCH_ARGS:-} --out "$LOGDIR/bench.json" > "$LOGDIR/bench.log" 2>&1; brc=$?
   tail -25 "$LOGDIR/bench.log"
 fi
 echo "SUMMARY: gpu tests rc=$rc, bench rc=$brc, logs in $LOGDIR"
