@@ -10,7 +10,12 @@ mkdir -p "$DIR/podman" "$DIR/criu"
 # Podman and what it and conmon load that Ubuntu 24.04 names differently or lacks.
 PODMAN=(podman conmon runc golang-github-containers-common golang-github-containers-image
         libgpgme11 libassuan0 libgpg-error0 libsubid4 libdevmapper1.02.1 libglib2.0-0
-        libyajl2 libseccomp2 catatonit)
+        libyajl2 libseccomp2 catatonit
+        # CRIU locks a container's network with iptables-restore; the GPU machine has none.
+        iptables libxtables12 libip4tc2 libip6tc2 libnetfilter-conntrack3 libnfnetlink0
+        libnftnl11 libmnl0
+        # Checkpoint archives are zstd streams; the GPU machine has no zstd binary.
+        zstd)
 (cd "$DIR/podman" && apt-get download -q "${PODMAN[@]}" >/dev/null 2>&1)
 mapfile -t pkgs < <(grep -v '^#' "$HERE/../../packaging/criu-debs.list" | tr ' ' '\n' | sed '/^$/d')
 (cd "$DIR/criu" && apt-get download -q "${pkgs[@]/%//trixie}" >/dev/null 2>&1)

@@ -23,6 +23,20 @@ EOW
   chmod 755 /opt/gpusnap/bin/$tool
 done
 ln -sf /opt/gpusnap/bin/podman /usr/local/bin/podman
+# CRIU locks the container's network namespace with iptables-restore (nft backend).
+for tool in iptables iptables-restore iptables-save ip6tables ip6tables-restore ip6tables-save; do
+  cat > /usr/local/sbin/$tool <<EOW
+#!/bin/sh
+LD_LIBRARY_PATH=$LIBS XTABLES_LIBDIR=$SYS/usr/lib/x86_64-linux-gnu/xtables exec $SYS/usr/sbin/xtables-nft-multi $tool "\$@"
+EOW
+  chmod 755 /usr/local/sbin/$tool
+done
+iptables -L -n >/dev/null && echo "iptables (nft) works"
+if ! command -v zstd >/dev/null; then
+  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s/usr/bin/zstd "$@"\n' "$LIBS" "$SYS" > /usr/local/bin/zstd
+  chmod 755 /usr/local/bin/zstd
+fi
+zstd --version
 ln -sf $SYS/usr/sbin/runc /usr/local/sbin/runc
 
 mkdir -p /etc/containers /usr/share/containers /usr/libexec/podman
