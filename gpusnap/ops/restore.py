@@ -11,7 +11,6 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu.compat import restore_problems
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
-from gpusnap.gpu.quiesce import states
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import cuda_processes
 from gpusnap.runtime import podman
@@ -73,11 +72,18 @@ def _gpu_report(pid: int) -> list[dict]:
     if not procs:
         return []
     driver = load_driver()
-    st = states(driver, [p.pid for p in procs]) if driver else {}
     report = []
     for p in procs:
-        state = st.get(p.pid)
-        report.append({"pid": p.pid, "comm": p.comm, "state": state.name if state else "unknown"})
+        state, why = None, "no CUDA driver"
+        if driver is not None:
+            try:
+                state = driver.state(p.pid)
+            except Exception as exc:  # noqa: BLE001 -- reported, not fatal: it was restored
+                why = str(exc)
+        entry = {"pid": p.pid, "comm": p.comm, "state": state.name if state else "unknown"}
+        if state is None:
+            entry["error"] = why
+        report.append(entry)
         if state is not None and state != ProcessState.RUNNING:
             raise GpusnapError(f"restored, but process {p.pid} ({p.comm}) is {state.name} on the GPU",
                                "`gpusnap thaw` the container, or `gpusnap doctor --fix`")

@@ -46,7 +46,7 @@ def test_gpusnap_checkpoint_restore_two_processes(cuda_ctr2, tmp_path):
     podman("rm", cuda_ctr2.name)
     its = cuda_ctr2.iterations()
     restored = gpusnap_json("restore", str(archive))
-    assert [p["state"] for p in restored["gpu_processes"]] == ["RUNNING", "RUNNING"]
+    assert [p["state"] for p in restored["gpu_processes"]] == ["RUNNING", "RUNNING"], restored
     cuda_ctr2.wait_running(above=its)
     cuda_ctr2.verify()
 
