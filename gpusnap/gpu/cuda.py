@@ -18,6 +18,7 @@ CUDA_SUCCESS = 0
 
 
 class ProcessState(enum.IntEnum):
+    # RUNNING is 0, so a state is falsy: compare with `is None`, never truth-test.
     RUNNING = 0
     LOCKED = 1
     CHECKPOINTED = 2

@@ -80,7 +80,7 @@ def _gpu_report(pid: int) -> list[dict]:
                 state = driver.state(p.pid)
             except Exception as exc:  # noqa: BLE001 -- reported, not fatal: it was restored
                 why = str(exc)
-        entry = {"pid": p.pid, "comm": p.comm, "state": state.name if state else "unknown"}
+        entry = {"pid": p.pid, "comm": p.comm, "state": state.name if state is not None else "unknown"}
         if state is None:
             entry["error"] = why
         report.append(entry)
