@@ -19,7 +19,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu.manifest import Manifest
 
 METADATA = ("config.dump", "spec.dump", "stats-dump", "network.status",
-            f"checkpoint/{MANIFEST_NAME}")
+            f"checkpoint/{MANIFEST_NAME}", MANIFEST_NAME)
 _METADATA_LIMIT = 8 << 20
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -43,7 +43,7 @@ class CheckpointContents:
 
     @property
     def manifest(self) -> Manifest | None:
-        data = self.json_file(f"checkpoint/{MANIFEST_NAME}")
+        data = self.json_file(MANIFEST_NAME) or self.json_file(f"checkpoint/{MANIFEST_NAME}")
         return Manifest.from_dict(data) if data is not None else None
 
     @property
@@ -106,7 +106,15 @@ def read_directory(path: Path) -> CheckpointContents:
     return contents
 
 
-def read_archive(path: Path) -> CheckpointContents:
+def _head_complete(contents: CheckpointContents, first: str | None) -> bool:
+    """gpusnap's exports start with the GPU manifest; once the config files and
+    the first CRIU image have passed, nothing a restore check needs is left."""
+    return (first == MANIFEST_NAME and contents.is_podman_checkpoint)
+
+
+def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
+    """Stream the archive once. ``head_only`` stops early where the archive
+    allows it (then ``sizes`` is incomplete: for checks, not for inspect)."""
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -123,9 +131,13 @@ def read_archive(path: Path) -> CheckpointContents:
             tar = tarfile.open(fileobj=proc.stdout, mode="r|")
         else:
             tar = tarfile.open(path, mode="r|gz" if magic.startswith(_GZIP_MAGIC) else "r|")
+        first = None
         with tar:
             for member in tar:
                 name = _norm(member.name)
+                first = first or name
+                if head_only and _head_complete(contents, first):
+                    break
                 if not member.isfile():
                     continue
                 contents.sizes[name] = member.size
@@ -150,8 +162,8 @@ def read_archive(path: Path) -> CheckpointContents:
     return contents
 
 
-def read(source: str) -> CheckpointContents:
+def read(source: str, head_only: bool = False) -> CheckpointContents:
     path = Path(source)
     if path.is_dir():
         return read_directory(path)
-    return read_archive(path)
+    return read_archive(path, head_only)

@@ -14,6 +14,7 @@ from gpusnap.gpu.inventory import read_inventory
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import cuda_processes
 from gpusnap.runtime import podman
+from gpusnap.runtime.stream import import_fifo
 
 
 def _checks(contents: archive.CheckpointContents) -> None:
@@ -31,7 +32,7 @@ def _checks(contents: archive.CheckpointContents) -> None:
 def run(source: str, name: str | None, keep: bool, tcp_established: bool) -> dict:
     path = Path(source)
     if path.exists():
-        contents = archive.read(str(path))
+        contents = archive.read(str(path), head_only=True)
         config = contents.json_file("config.dump") or {}
         target = name or config.get("name")
         if target and podman.exists(target):
@@ -56,8 +57,13 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool) -> dic
                            "pass a file from `gpusnap checkpoint --export` or a checkpointed "
                            "container's name (`podman ps -a`)")
     start = time.monotonic()
-    podman.restore(str(path.absolute()) if archive_mode else source, archive=archive_mode,
-                   name=name, keep=keep, tcp_established=tcp_established)
+    if archive_mode:
+        with import_fifo(path.absolute()) as src:
+            podman.restore(str(src), archive=True, name=name, keep=keep,
+                           tcp_established=tcp_established)
+    else:
+        podman.restore(source, archive=False, name=name, keep=keep,
+                       tcp_established=tcp_established)
     seconds = time.monotonic() - start
     target = name or (contents.json_file("config.dump") or {}).get("name") or source
     ctr = podman.inspect(target)

@@ -77,10 +77,12 @@ def exists(name: str) -> bool:
 
 
 def checkpoint(name: str, export: Path | None, leave_running: bool, tcp_established: bool,
-               keep: bool = False) -> None:
+               keep: bool = False, compress: str | None = None) -> None:
     args = ["container", "checkpoint"]
     if export is not None:
         args += ["--export", str(export)]
+    if compress is not None:
+        args += ["--compress", compress]
     if leave_running:
         args.append("--leave-running")
     if tcp_established:
