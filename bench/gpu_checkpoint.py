@@ -2,18 +2,19 @@
 
 For 1 and 2 CUDA processes (GIB GiB of GPU memory each) in one container:
 
-  gpusnap  unchanged `podman container checkpoint --export` / `restore --import`
-           with gpusnap's CRIU action script (parallel quiesce and resume)
+  gpusnap  `gpusnap checkpoint --export` / `gpusnap restore`: parallel quiesce
+           in CRIU's pre-dump, Podman's archive through multi-threaded zstd
   plain    what a user scripts today: driver lock + checkpoint of each process
-           in turn (as a `cuda-checkpoint --toggle` loop does), then the same
-           Podman export with plain CRIU; on restore, Podman import, then
-           driver restore + unlock of each process in turn.
+           in turn (as a `cuda-checkpoint --toggle` loop does), then
+           `podman container checkpoint --export` with plain CRIU; on restore,
+           `podman container restore --import`, then driver restore + unlock of
+           each process in turn.
 
 Measured: time to "GPU free" (NVML shows the memory released), to "image
 complete" (the export written), and restore until every process runs on the
 GPU again. Prints a table and the plain/gpusnap ratios.
 
-    python bench/gpu_checkpoint.py [--gib 4] [--out bench.json]
+    python bench/gpu_checkpoint.py [--gib 2] [--procs 1,2] [--out bench.json]
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ def podman(*args: str) -> None:
         raise RuntimeError(f"podman {' '.join(args)}: {res.stderr.strip()[-500:]}")
 
 
+def gpusnap(*args: str) -> None:
+    res = subprocess.run(["/usr/local/bin/gpusnap", *args], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"gpusnap {' '.join(args)}: {res.stderr.strip()[-500:]}")
+
+
 def wait_all_running(driver: CudaDriver, name: str, nproc: int) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -84,26 +91,31 @@ def one(variant: str, nproc: int, gib: float, driver: CudaDriver, workdir: Path)
                 driver.lock(pid, 0)
                 driver.checkpoint(pid)
             CRIU_CONF.write_text("")  # CRIU without gpusnap
-        podman("container", "checkpoint", "--export", str(archive), ctr.name)
+            podman("container", "checkpoint", "--export", str(archive), ctr.name)
+        else:
+            gpusnap("checkpoint", ctr.name, "--export", str(archive))
         image_s = time.monotonic() - watch.t0
         gpu_free_s = watch.stop()
         podman("rm", ctr.name)
         its = ctr.iterations()
         t0 = time.monotonic()
-        podman("container", "restore", "--import", str(archive))
         if variant == "plain":
+            podman("container", "restore", "--import", str(archive))
             pids = harness.host_pids(ctr.name)
             for pid in pids:
                 driver.restore(pid)
             for pid in pids:
                 driver.unlock(pid)
+        else:
+            gpusnap("restore", str(archive))
         wait_all_running(driver, ctr.name, nproc)
         restore_s = time.monotonic() - t0
         ctr.wait_running(above=its)
         ctr.verify()
         return {"variant": variant, "processes": nproc, "gpu_gib": nproc * gib,
                 "gpu_free_s": round(gpu_free_s or image_s, 3), "image_complete_s": round(image_s, 3),
-                "restore_s": round(restore_s, 3), "archive_bytes": archive.stat().st_size}
+                "restore_s": round(restore_s, 3), "total_s": round(image_s + restore_s, 3),
+                "archive_bytes": archive.stat().st_size}
     finally:
         CRIU_CONF.write_text(saved_conf)
         ctr.remove()
@@ -112,7 +124,8 @@ def one(variant: str, nproc: int, gib: float, driver: CudaDriver, workdir: Path)
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gib", type=float, default=4.0, help="GPU memory per process")
+    ap.add_argument("--gib", type=float, default=2.0, help="GPU memory per process")
+    ap.add_argument("--procs", default="1,2", help="CUDA processes per container, e.g. 1,2")
     ap.add_argument("--out", default="bench-gpu.json")
     ap.add_argument("--workdir", default="/var/tmp/gpusnap-bench")
     args = ap.parse_args()
@@ -120,20 +133,21 @@ def main() -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     driver = CudaDriver()
     rows = []
-    for nproc in (1, 2):
+    procs = [int(n) for n in args.procs.split(",")]
+    for nproc in procs:
         for variant in ("plain", "gpusnap"):
             row = one(variant, nproc, args.gib, driver, workdir)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'variant':<8} {'procs':>5} {'GiB':>5} {'GPU free s':>10} {'image s':>8} {'restore s':>9}")
+    print(f"\n{'variant':<8} {'procs':>5} {'GiB':>5} {'GPU free s':>10} {'image s':>8} {'restore s':>9} {'total s':>8}")
     for r in rows:
         print(f"{r['variant']:<8} {r['processes']:>5} {r['gpu_gib']:>5.0f} {r['gpu_free_s']:>10.2f} "
-              f"{r['image_complete_s']:>8.2f} {r['restore_s']:>9.2f}")
+              f"{r['image_complete_s']:>8.2f} {r['restore_s']:>9.2f} {r['total_s']:>8.2f}")
     ratios = {}
-    for nproc in (1, 2):
+    for nproc in procs:
         p, g = [next(r for r in rows if r["variant"] == v and r["processes"] == nproc)
                 for v in ("plain", "gpusnap")]
-        ratios[nproc] = {k: round(p[k] / g[k], 2) for k in ("gpu_free_s", "image_complete_s", "restore_s")}
+        ratios[nproc] = {k: round(p[k] / g[k], 2) for k in ("gpu_free_s", "image_complete_s", "restore_s", "total_s")}
         print(f"ratio plain/gpusnap, {nproc} process(es): " +
               ", ".join(f"{k} {v:.2f}x" for k, v in ratios[nproc].items()))
     Path(args.out).write_text(json.dumps({"gib_per_process": args.gib, "rows": rows,

@@ -120,6 +120,40 @@ def test_doctor_finds_and_fixes_a_process_left_checkpointed(cuda_ctr):
     cuda_ctr.verify()
 
 
+def test_gpusnap_killed_mid_checkpoint_leaves_it_restorable(cuda_ctr, tmp_path):
+    """SIGKILL the CLI once the GPU is quiesced and the dump under way."""
+    archive = tmp_path / "killed.tar.zst"
+    before = harness.gpu_memory_used()
+    cli = subprocess.Popen(["/usr/local/bin/gpusnap", "checkpoint", cuda_ctr.name, "--export",
+                            str(archive)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while harness.gpu_memory_used() > before - GIB and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert time.monotonic() < deadline, "the GPU was never quiesced"
+    cli.kill()
+    cli.wait()
+    # Podman and CRIU run on without the CLI; the export loses its reader and fails.
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and podman("ps", "-q", "--filter", "status=running",
+                                                 "--filter", f"name=^{cuda_ctr.name}$").stdout.strip():
+        if all(s == ProcessState.RUNNING for s in _driver_states(cuda_ctr)):
+            break  # still running: the dump had not started
+        time.sleep(0.2)
+    assert not archive.exists(), "a half-written archive was left under the export's name"
+    if _status(cuda_ctr.name) != "running":
+        restored = gpusnap_json("restore", cuda_ctr.name)
+        assert [p["state"] for p in restored["gpu_processes"]] == ["RUNNING"], restored
+    report = json.loads(gpusnap("doctor", "--json").stdout)
+    assert report["stuck"] == [], report
+    cuda_ctr.wait_running(above=cuda_ctr.iterations(), timeout=60)
+    cuda_ctr.verify()
+
+
+def _driver_states(ctr: harness.CudaContainer) -> list[ProcessState]:
+    driver = CudaDriver()
+    return [driver.state(p) for p in harness.host_pids(ctr.name)]
+
+
 def test_gpus_lists_the_gpu():
     inv = gpusnap_json("gpus")
     assert inv["error"] is None and inv["gpus"]
