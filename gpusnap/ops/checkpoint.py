@@ -15,7 +15,7 @@ from gpusnap.gpu.inventory import read_inventory
 from gpusnap.ops.gpu_state import ensure_running
 from gpusnap.procs import ProcessGpuUse, cuda_processes, process_tree, rss_bytes
 from gpusnap.runtime import podman
-from gpusnap.runtime.stream import export_fifo, tar_member
+from gpusnap.runtime.stream import export_fifo
 
 # zstd -1 with all cores: an H100 host's checkpoint disk (1.2 GB/s) is the limit
 # from there on; -3 saves 4% of the size of a CUDA checkpoint.
@@ -105,11 +105,8 @@ def _dump(p: CheckpointPlan) -> None:
     if p.export is None:
         podman.checkpoint(p.container.id, None, p.leave_running, p.tcp_established, keep=p.keep)
         return
-    manifest = p.container.checkpoint_dir / MANIFEST_NAME
-
-    def head() -> bytes | None:
-        return tar_member(MANIFEST_NAME, manifest.read_bytes()) if manifest.is_file() else None
-
+    head = p.container.checkpoint_dir / MANIFEST_NAME
+    journal.record("export-started", container=p.container.id, export=str(p.export))
     with export_fifo(p.export, EXPORT_ZSTD_LEVEL, head) as fifo:
         podman.checkpoint(p.container.id, fifo, p.leave_running, p.tcp_established,
                           keep=True, compress="none")

@@ -15,6 +15,7 @@ from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import resume, states
 from gpusnap.criu.freezer import is_frozen
+from gpusnap.ops import leftovers
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import PROC, gpu_use
 
@@ -129,4 +130,12 @@ def run(fix: bool) -> dict:
                         "" if not stuck or fixed else
                         "run `gpusnap doctor --fix` to restore and unlock them (or `gpusnap thaw`)"))
     ok = all(c.ok for c in checks if c.required)
-    return {"ok": ok, "checks": [asdict(c) for c in checks], "stuck": stuck, "fixed": fixed}
+    left = leftovers.find()
+    removed = leftovers.remove(left) if fix else []
+    checks.append(Check("leftover files", not left or bool(removed),
+                        "none from interrupted exports" if not left else
+                        ("removed " if removed else "") + ", ".join(map(str, left)),
+                        "" if not left or removed else "`gpusnap doctor --fix` removes them",
+                        required=False))
+    return {"ok": ok, "checks": [asdict(c) for c in checks], "stuck": stuck, "fixed": fixed,
+            "leftovers": [str(p) for p in left], "removed": removed}

@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from gpusnap.errors import GpusnapError
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-_SPLICE = 1 << 20
 
 
 def is_zstd(path: Path) -> bool:
@@ -48,124 +48,67 @@ def _fifo_dir(near: Path) -> tuple[Path, Path]:
     return work, fifo
 
 
-def _unblock(fifo: Path, thread: threading.Thread, flags: int) -> None:
-    """Wake a thread blocked opening the other end of ``fifo``, then wait for it."""
-    while thread.is_alive():
-        try:
-            os.close(os.open(fifo, flags | os.O_NONBLOCK))
-        except OSError:
-            pass  # no one waiting yet (ENXIO), or the thread has moved on
-        thread.join(0.02)
+def _pump(*args: str) -> subprocess.Popen:
+    # Its own session: a Ctrl-C meant for the CLI must not cut Podman's stream.
+    return subprocess.Popen([sys.executable, "-m", "gpusnap.runtime.fifo_pump", *args],
+                            stderr=subprocess.PIPE, start_new_session=True)
 
 
-class _Pump(threading.Thread):
-    """FIFO -> (optional prefix) -> zstd's stdin, zero-copy with splice(2)."""
-
-    def __init__(self, fifo: Path, sink: int, prefix: Callable[[], bytes | None]) -> None:
-        super().__init__(name="gpusnap-export", daemon=True)
-        self.fifo, self.sink, self.prefix = fifo, sink, prefix
-        self.cancelled = False
-        self.bytes = 0
-        self.error: OSError | None = None
-
-    def run(self) -> None:
-        fd = os.open(self.fifo, os.O_RDONLY)  # returns once Podman opens it to write
-        try:
-            if self.cancelled:
-                return
-            head = self.prefix()
-            if head:
-                os.write(self.sink, head)
-            while n := os.splice(fd, self.sink, _SPLICE):
-                self.bytes += n
-        except OSError as exc:
-            # zstd died (disk full, killed): closing our end fails Podman's write too.
-            self.error = exc
-        finally:
-            os.close(fd)
-            os.close(self.sink)
+def _stop(proc: subprocess.Popen) -> str:
+    """Kill the pump and its zstd (its session), so no late write lands anywhere."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return proc.communicate()[1].decode(errors="replace").strip()
 
 
 @contextmanager
-def export_fifo(dest: Path, level: int = 1,
-                prefix: Callable[[], bytes | None] = lambda: None) -> Iterator[Path]:
+def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterator[Path]:
     """Yield a FIFO for `podman container checkpoint --export FIFO --compress none`.
 
-    ``prefix`` is called once Podman starts writing (the dump is complete then)
-    and may return tar members to put ahead of Podman's own. On a clean exit
-    the archive is at ``dest``; on an exception nothing is left there.
+    ``head``, if the file exists once Podman starts writing (the dump is
+    complete then), goes ahead of Podman's own members. On a clean exit the
+    archive is at ``dest``; on an exception nothing is left there.
     """
+    if shutil.which("zstd") is None:
+        raise GpusnapError("zstd is not installed; it compresses checkpoint archives",
+                           "install zstd (`make deps`)")
     work, fifo = _fifo_dir(dest.parent)
     partial = dest.with_name(f".{dest.name}.partial")
-    zstd = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-f", "-o", str(partial)],
-                            stdin=subprocess.PIPE, stderr=subprocess.PIPE)
-    pump = _Pump(fifo, os.dup(zstd.stdin.fileno()), prefix)
-    zstd.stdin.close()
-    zstd.stdin = None  # the pump owns the write end now
-    pump.start()
+    pump = _pump("export", str(fifo), str(partial), str(level), *([str(head)] if head else []))
     ok = False
     try:
         yield fifo
         ok = True
     finally:
-        if not ok:
-            pump.cancelled = True
-        _unblock(fifo, pump, os.O_WRONLY)
-        if not ok:
-            zstd.kill()
-        err = zstd.communicate()[1].decode(errors="replace").strip()
-        shutil.rmtree(work, ignore_errors=True)
-        if ok and (zstd.returncode != 0 or pump.error):
-            ok = False
-            partial.unlink(missing_ok=True)
-            reason = err.splitlines()[-1] if err else str(pump.error)
-            raise GpusnapError(f"writing {dest} failed: {reason}",
-                               "free space there or export elsewhere")
         if ok:
+            rc, err = pump.wait(), pump.communicate()[1].decode(errors="replace").strip()
+        else:
+            rc, err = None, _stop(pump)
+        shutil.rmtree(work, ignore_errors=True)
+        if ok and rc == 0:
             os.replace(partial, dest)
         else:
             partial.unlink(missing_ok=True)
-
-
-class _Server(threading.Thread):
-    """Serve a fresh `zstd -dc SRC` stream to every opener of the FIFO."""
-
-    def __init__(self, src: Path, fifo: Path) -> None:
-        super().__init__(name="gpusnap-import", daemon=True)
-        self.src, self.fifo = src, fifo
-        self.stopped = False
-        self.served = 0
-
-    def run(self) -> None:
-        while True:
-            fd = os.open(self.fifo, os.O_WRONLY)  # returns once a reader opens it
-            try:
-                if self.stopped:
-                    return
-                # A reader that stops early closes its end: zstd then exits on EPIPE.
-                subprocess.run(["zstd", "-dcq", str(self.src)], stdout=fd,
-                               stderr=subprocess.DEVNULL, check=False)
-                self.served += 1
-            finally:
-                os.close(fd)
+        if ok and rc != 0:
+            reason = err.splitlines()[-1] if err else f"zstd exited with {rc}"
+            raise GpusnapError(f"writing {dest} failed: {reason}",
+                               "free space there or export elsewhere")
 
 
 @contextmanager
 def import_fifo(src: Path, near: Path | None = None) -> Iterator[Path]:
     """Yield a path Podman can `restore --import`: a FIFO for zstd archives, else src."""
-    if not is_zstd(src):
-        yield src
+    if not is_zstd(src) or shutil.which("zstd") is None:
+        yield src  # Podman reads it itself, slower
         return
     work, fifo = _fifo_dir(near or Path(tempfile.gettempdir()))
-    server = _Server(src.absolute(), fifo)
-    server.start()
+    server = _pump("import", str(fifo), str(src.absolute()))
     try:
         yield fifo
     finally:
-        server.stopped = True
-        deadline = time.monotonic() + 30
-        while server.is_alive() and time.monotonic() < deadline:
-            _unblock(fifo, server, os.O_RDONLY)
+        _stop(server)
         shutil.rmtree(work, ignore_errors=True)
 
 

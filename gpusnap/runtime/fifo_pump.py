@@ -1,0 +1,91 @@
+"""The process at the other end of an export or import FIFO (see stream.py).
+
+It runs apart from the gpusnap CLI, in its own session, because Podman blocks
+in open(2) on a FIFO until someone opens the other end: were the CLI killed
+mid-checkpoint, Podman would hang for ever. This process outlives the CLI and
+ends when no process refers to the FIFO any more.
+
+    python -m gpusnap.runtime.fifo_pump export FIFO PARTIAL LEVEL [HEAD]
+    python -m gpusnap.runtime.fifo_pump import FIFO ARCHIVE
+
+export: FIFO -> (HEAD as a tar member, if the file exists then) -> zstd -T0
+        -> PARTIAL. The exit status is zstd's. Renaming PARTIAL is the
+        CLI's job, once Podman has succeeded: an orphaned pump leaves it.
+import: every open of FIFO gets a fresh `zstd -dc ARCHIVE` stream.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from gpusnap.runtime.stream import tar_member
+
+_SPLICE = 1 << 20
+
+
+def referenced(path: str) -> bool:
+    """Does any process's command line name ``path`` (Podman's --export/--import)?"""
+    needle = path.encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "cmdline").read_bytes():
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def _watchdog(fifo: str, parent: int) -> None:
+    """While the CLI lives it decides; once it is gone, leave with the last user."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent and not referenced(fifo):
+            os._exit(3)
+
+
+def export(fifo: str, partial: str, level: str, head: str | None) -> int:
+    src = os.open(fifo, os.O_RDONLY)  # returns once Podman opens it to write
+    zstd = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-f", "-o", partial],
+                            stdin=subprocess.PIPE)
+    sink = zstd.stdin.fileno()
+    try:
+        if head and os.path.isfile(head):  # written by the CRIU action script during the dump
+            with open(head, "rb") as f:
+                os.write(sink, tar_member(os.path.basename(head), f.read()))
+        while os.splice(src, sink, _SPLICE):
+            pass
+    except OSError as exc:  # zstd died (disk full): closing our end fails Podman's write
+        print(f"gpusnap export pump: {exc}", file=sys.stderr)
+    finally:
+        os.close(src)
+        zstd.stdin.close()
+    return zstd.wait()
+
+
+def serve(fifo: str, archive: str) -> int:
+    while True:
+        fd = os.open(fifo, os.O_WRONLY)  # returns once a reader opens it
+        try:
+            # A reader that stops early closes its end: zstd then exits on EPIPE.
+            subprocess.run(["zstd", "-dcq", archive], stdout=fd, stderr=subprocess.DEVNULL,
+                           check=False)
+        finally:
+            os.close(fd)
+
+
+def main(argv: list[str]) -> int:
+    mode, fifo = argv[0], argv[1]
+    threading.Thread(target=_watchdog, args=(fifo, os.getppid()), daemon=True).start()
+    if mode == "export":
+        return export(fifo, argv[2], argv[3], argv[4] if len(argv) > 4 else None)
+    return serve(fifo, argv[2])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
