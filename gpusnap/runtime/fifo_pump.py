@@ -26,6 +26,17 @@ from pathlib import Path
 from gpusnap.runtime.stream import tar_member
 
 _SPLICE = 1 << 20
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named only from Python 3.10 on Linux
+
+
+def _widen(fd: int) -> None:
+    """A 1 MiB pipe buffer instead of 64 KiB: several times the throughput
+    for the gigabytes of a GPU checkpoint (pipe-max-size allows 1 MiB by default)."""
+    import fcntl
+    try:
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, _SPLICE)
+    except OSError:
+        pass
 
 
 def referenced(path: str) -> bool:
@@ -51,9 +62,11 @@ def _watchdog(fifo: str, parent: int) -> None:
 
 def export(fifo: str, partial: str, level: str, head: str | None) -> int:
     src = os.open(fifo, os.O_RDONLY)  # returns once Podman opens it to write
+    _widen(src)
     zstd = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-f", "-o", partial],
                             stdin=subprocess.PIPE)
     sink = zstd.stdin.fileno()
+    _widen(sink)
     try:
         if head and os.path.isfile(head):  # written by the CRIU action script during the dump
             with open(head, "rb") as f:
@@ -71,10 +84,19 @@ def export(fifo: str, partial: str, level: str, head: str | None) -> int:
 def serve(fifo: str, archive: str) -> int:
     while True:
         fd = os.open(fifo, os.O_WRONLY)  # returns once a reader opens it
+        _widen(fd)
         try:
             # A reader that stops early closes its end: zstd then exits on EPIPE.
-            subprocess.run(["zstd", "-dcq", archive], stdout=fd, stderr=subprocess.DEVNULL,
-                           check=False)
+            zstd = subprocess.Popen(["zstd", "-dcq", archive], stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL)
+            _widen(zstd.stdout.fileno())
+            try:
+                while os.splice(zstd.stdout.fileno(), fd, _SPLICE):
+                    pass
+            except OSError:
+                pass  # the reader had what it wanted
+            zstd.kill()
+            zstd.wait()
         finally:
             os.close(fd)
 
