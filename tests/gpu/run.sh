@@ -23,7 +23,7 @@ tail -5 "$LOGDIR/prepare.log"
 gpusnap doctor > "$LOGDIR/doctor.txt" 2>&1; cat "$LOGDIR/doctor.txt"
 
 PY=/opt/gpusnap/venv/bin/python
-$PY -m pytest -v -p no:cacheprovider -m gpu tests/gpu ${GPUSNAP_PYTEST_ARGS:-} --junitxml="$LOGDIR/gpu-tests.xml" \
+$PY -m pytest -v -p no:cacheprovider -m gpu ${GPUSNAP_PYTEST_TARGETS:-tests/gpu} --junitxml="$LOGDIR/gpu-tests.xml" \
   > "$LOGDIR/gpu-tests.log" 2>&1
 rc=$?
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$LOGDIR/gpu-tests.log" | tail -20
