@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gpusnap import MANIFEST_NAME
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.manifest import Manifest
+from gpusnap.gpu.manifest import Manifest, ManifestError
 
 METADATA = ("config.dump", "spec.dump", "stats-dump", "network.status",
             f"checkpoint/{MANIFEST_NAME}", MANIFEST_NAME)
@@ -44,7 +44,12 @@ class CheckpointContents:
     @property
     def manifest(self) -> Manifest | None:
         data = self.json_file(MANIFEST_NAME) or self.json_file(f"checkpoint/{MANIFEST_NAME}")
-        return Manifest.from_dict(data) if data is not None else None
+        if data is None:
+            return None
+        try:
+            return Manifest.from_dict(data)
+        except ManifestError as exc:
+            raise ManifestError(f"{self.source}: {exc.message}") from None
 
     @property
     def is_podman_checkpoint(self) -> bool:
@@ -124,6 +129,7 @@ def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
         raise GpusnapError(f"cannot read {path}: {exc.strerror}") from None
     contents = CheckpointContents(source=str(path))
     proc = None
+    stopped_early = False  # head_only: closing zstd's pipe early makes it fail, harmlessly
     try:
         if magic.startswith(_ZSTD_MAGIC):
             proc = subprocess.Popen(["zstd", "-dcq", str(path)], stdout=subprocess.PIPE,
@@ -137,6 +143,7 @@ def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
                 name = _norm(member.name)
                 first = first or name
                 if head_only and _head_complete(contents, first):
+                    stopped_early = True
                     break
                 if not member.isfile():
                     continue
@@ -152,7 +159,9 @@ def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
     finally:
         if proc is not None:
             proc.stdout.close()
-            if proc.wait() != 0 and not contents.sizes:
+            # zstd's own verdict (exit > 0; SIGPIPE from our early close is not one)
+            # also catches a stream cut where tar sees a clean end between two members.
+            if proc.wait() > 0 and not stopped_early:
                 raise GpusnapError(f"{path} is not a valid zstd archive",
                                    "the file is damaged or truncated")
     if not contents.is_podman_checkpoint:

@@ -11,14 +11,44 @@ import os
 import platform
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from gpusnap import MANIFEST_NAME
+from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import GpuInfo, Inventory
 from gpusnap.procs import ProcessGpuUse
 
 SCHEMA = "gpusnap.manifest/v1"
+
+
+class ManifestError(GpusnapError, ValueError):
+    """A damaged or foreign GPU manifest (a ValueError too, as before)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "the checkpoint is damaged or was not written by this gpusnap version")
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "an integer",
+               float: "a number", bool: "a boolean", type(None): "null"}
+
+
+def _expect(value, types: tuple, where: str) -> None:
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        expected = " or ".join(_JSON_TYPES[t] for t in types)
+        found = _JSON_TYPES.get(type(value), type(value).__name__)
+        raise ManifestError(f"GPU manifest: {where} is {found}, expected {expected}")
+
+
+def _check_items(items, where: str, keys: dict[str, tuple]) -> None:
+    _expect(items, (list,), where)
+    for i, item in enumerate(items):
+        _expect(item, (dict,), f"{where}[{i}]")
+        missing = [k for k in keys if k not in item]
+        if missing:
+            raise ManifestError(f"GPU manifest: {where}[{i}] lacks {', '.join(missing)}")
+        for key, types in keys.items():
+            _expect(item[key], types, f"{where}[{i}].{key}")
 
 
 @dataclass
@@ -51,11 +81,36 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
+        """Parse a manifest; ManifestError names what is wrong with a malformed one."""
+        _expect(data, (dict,), "the top level")
         if data.get("schema") != SCHEMA:
-            raise ValueError(f"unknown GPU manifest schema {data.get('schema')!r}")
-        fields = dict(data)
-        fields["processes"] = [ManifestProcess(**p) for p in data.get("processes", [])]
-        return cls(**fields)
+            raise ManifestError(f"unknown GPU manifest schema {data.get('schema')!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ManifestError(f"GPU manifest: unknown field(s) {', '.join(unknown)}")
+        required = [f.name for f in fields(cls)
+                    if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ManifestError(f"GPU manifest: missing field(s) {', '.join(missing)}")
+        optional_str = (str, type(None))
+        for name in ("driver_version", "cuda_driver_version", "criu_version"):
+            _expect(data[name], optional_str, name)
+        _expect(data["quiesced_by"], (str,), "quiesced_by")
+        for name in ("timing", "host"):
+            _expect(data.get(name, {}), (dict,), name)
+        _check_items(data["gpus"], "gpus", {"index": (int,), "uuid": (str,), "name": (str,)})
+        process_keys = {"pid": (int,), "comm": (str,), "gpus": (list,), "gpu_memory": (dict,)}
+        _check_items(data["processes"], "processes", process_keys)
+        for i, proc in enumerate(data["processes"]):
+            extra = sorted(set(proc) - set(process_keys))
+            if extra:
+                raise ManifestError(f"GPU manifest: processes[{i}] has unknown field(s) "
+                                    f"{', '.join(extra)}")
+        values = dict(data)
+        values["processes"] = [ManifestProcess(**p) for p in data["processes"]]
+        return cls(**values)
 
 
 def host_facts() -> dict[str, str]:
@@ -106,4 +161,8 @@ def read(image_dir: str | os.PathLike) -> Manifest | None:
     path = Path(image_dir) / MANIFEST_NAME
     if not path.exists():
         return None
-    return Manifest.from_dict(json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ManifestError(f"{path} is not valid JSON ({exc})") from None
+    return Manifest.from_dict(data)
