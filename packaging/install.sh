@@ -3,7 +3,7 @@
 #   /opt/gpusnap/venv           the Python package (console scripts gpusnap, gpusnap-hook, ...)
 #   /usr/local/bin/gpusnap      the CLI
 #   /opt/gpusnap/libexec/criu-action, named in /etc/criu/runc.conf (a managed block)
-#   /usr/share/containers/oci/hooks.d/gpusnap.json   the OCI hook
+#   /usr/share/containers/oci/hooks.d/gpusnap-{prestart,poststop}.json   the OCI hook
 # GPUSNAP_OFFLINE=1 installs with no package index (the GPU machines): the
 # venv then uses GPUSNAP_PYTHON's packages for click, rich and nvidia-ml-py.
 # GPUSNAP_PYTHON picks the interpreter.
@@ -32,7 +32,12 @@ else
 fi
 ln -sf $ROOT/venv/bin/gpusnap /usr/local/bin/gpusnap
 install -D -m 755 "$HERE/bin/criu-action" $ROOT/libexec/criu-action
-install -D -m 644 "$HERE/hooks.d/gpusnap.json" /usr/share/containers/oci/hooks.d/gpusnap.json
+# One file per stage: runc reports a container being restored as "stopped",
+# so the hook learns its stage from its arguments, not from the state.
+rm -f /usr/share/containers/oci/hooks.d/gpusnap.json
+for stage in prestart poststop; do
+  install -D -m 644 "$HERE/hooks.d/gpusnap-$stage.json" /usr/share/containers/oci/hooks.d/gpusnap-$stage.json
+done
 
 # /etc/criu/runc.conf may hold the admin's own options: manage only our block.
 conf=/etc/criu/runc.conf

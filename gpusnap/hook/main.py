@@ -1,7 +1,8 @@
 """OCI prestart/poststop hook: record a container's GPUs at create, validate them at restore.
 
 runc runs prestart hooks on `create` and again on `restore` (during CRIU's
-setup-namespaces step), with the container state on stdin. A restore is
+setup-namespaces step), with the container state on stdin, and the stage as
+argument (`gpusnap-hook prestart|poststop`). A restore is
 recognised by the GPU manifest CRIU's action script left in the bundle's
 checkpoint directory. The hook must never stop a container that gpusnap has
 nothing to say about: any unexpected failure exits 0 after a note in the
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from gpusnap import MANIFEST_NAME, journal
 
+STAGES = ("prestart", "poststop")
 _GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
 
 
@@ -57,10 +59,13 @@ def forget_assignment(container_id: str) -> None:
     (journal.state_dir() / "containers" / f"{container_id}.json").unlink(missing_ok=True)
 
 
-def run(state: dict) -> int:
+def run(state: dict, stage: str | None = None) -> int:
+    """``stage`` comes from the hook's arguments (one hooks.d file per stage):
+    runc reports a container it is restoring as "stopped", like a stopped one."""
     bundle = Path(state.get("bundle", "."))
     container_id = state.get("id", "unknown")
-    if state.get("status") == "stopped":  # poststop
+    poststop = stage == "poststop" if stage else state.get("status") == "stopped"
+    if poststop:
         forget_assignment(container_id)
         return 0
     spec = json.loads((bundle / "config.json").read_text())
@@ -80,9 +85,11 @@ def run(state: dict) -> int:
 def main() -> int:
     try:
         state = json.load(sys.stdin)
-        return run(state)
+        stage = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in STAGES else None
+        return run(state, stage)
     except Exception as exc:  # never block a container gpusnap cannot judge
-        journal.record("hook-error", error=repr(exc))
+        # str() of an OSError names the file; repr() drops it
+        journal.record("hook-error", error=f"{type(exc).__name__}: {exc}")
         return 0
 
 

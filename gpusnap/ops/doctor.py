@@ -19,8 +19,8 @@ from gpusnap.ops import leftovers
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import PROC, gpu_use
 
-HOOK_FILES = (Path("/etc/containers/oci/hooks.d/gpusnap.json"),
-              Path("/usr/share/containers/oci/hooks.d/gpusnap.json"))
+HOOK_FILES = (Path("/etc/containers/oci/hooks.d/gpusnap-prestart.json"),
+              Path("/usr/share/containers/oci/hooks.d/gpusnap-prestart.json"))
 CRIU_CONFIG = Path("/etc/criu/runc.conf")
 REMAP_DRIVER = 580
 

@@ -1,0 +1,252 @@
+"""gpusnap.hook.main, the OCI prestart/poststop hook: records GPUs, forgets them, refuses a
+restore onto GPUs that cannot take the checkpoint, and never blocks a container otherwise."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpusnap import MANIFEST_NAME, journal
+from gpusnap.gpu import inventory as inventory_module
+from gpusnap.gpu.inventory import Inventory
+from gpusnap.gpu.manifest import SCHEMA
+from gpusnap.hook import main as hook
+from tests.unit.fakes import UUID0, UUID1, gpu, inventory
+
+REPO = Path(__file__).resolve().parents[2]
+CTR = "4f1c0ffee"
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path, monkeypatch) -> Path:
+    path = tmp_path / "state"
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(path))
+    return path
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """This host's GPUs as the hook sees them (NVML replaced)."""
+    inv = inventory(gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1))
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inv)
+    return inv
+
+
+def bundle(tmp_path: Path, devices: list[dict], manifest: dict | None = None) -> Path:
+    path = tmp_path / "bundle"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"ociVersion": "1.0.2",
+                                                  "linux": {"devices": devices}}))
+    if manifest is not None:
+        (path / "checkpoint").mkdir()
+        (path / "checkpoint" / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return path
+
+
+def dev(path: str, minor: int) -> dict:
+    return {"path": path, "type": "c", "major": 195, "minor": minor}
+
+
+def state(bundle_dir: Path, status: str = "created") -> dict:
+    return {"ociVersion": "1.0.2", "id": CTR, "status": status, "pid": 4242,
+            "bundle": str(bundle_dir)}
+
+
+def run_main(monkeypatch, stdin: str, stage: str | None = None) -> int:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    monkeypatch.setattr(sys, "argv", ["gpusnap-hook"] + ([stage] if stage else []))
+    return hook.main()
+
+
+def manifest_for(*uuids: str) -> dict:
+    return {"schema": SCHEMA, "quiesced_by": "gpusnap", "driver_version": "580.159.04",
+            "cuda_driver_version": "13.0", "criu_version": "4.1.1", "processes": [],
+            "gpus": [{"index": i, "uuid": u, "name": "NVIDIA H100 80GB HBM3"}
+                     for i, u in enumerate(uuids)]}
+
+
+def record_file(state_dir: Path) -> Path:
+    return state_dir / "containers" / f"{CTR}.json"
+
+
+def events(kind: str) -> list[dict]:
+    return [e for e in journal.read() if e["event"] == kind]
+
+
+# --- prestart at create -------------------------------------------------------------------
+
+def test_prestart_records_the_gpus_the_container_was_given(tmp_path, state_dir, host, monkeypatch):
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 1), dev("/dev/nvidiactl", 255), dev("/dev/null", 3)])
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+    record = json.loads(record_file(state_dir).read_text())
+    # host GPU 1 appears as /dev/nvidia0 in the container: the minor decides
+    assert record == {"id": CTR, "gpus": [{"path": "/dev/nvidia0", "minor": 1, "uuid": UUID1,
+                                           "name": "NVIDIA H100 80GB HBM3"}]}
+    assert stat.S_IMODE(record_file(state_dir).stat().st_mode) == 0o600
+
+
+def test_prestart_records_a_device_this_host_does_not_know_without_uuid(tmp_path, state_dir, host,
+                                                                          monkeypatch):
+    b = bundle(tmp_path, [dev("/dev/nvidia7", 7)])
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+    gpus = json.loads(record_file(state_dir).read_text())["gpus"]
+    assert gpus == [{"path": "/dev/nvidia7", "minor": 7, "uuid": None, "name": None}]
+
+
+def test_prestart_of_a_container_without_gpus_records_nothing(tmp_path, state_dir, host, monkeypatch):
+    b = bundle(tmp_path, [dev("/dev/nvidiactl", 255), dev("/dev/nvidia-uvm", 0)])
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+    assert not record_file(state_dir).exists()
+
+
+def test_gpu_devices_keeps_only_numbered_gpu_nodes():
+    spec = {"linux": {"devices": [dev("/dev/nvidia0", 0), dev("/dev/nvidia12", 12),
+                                  dev("/dev/nvidiactl", 255), dev("/dev/nvidia-uvm", 0),
+                                  dev("/dev/nvidia0x", 0), {"type": "c"}]}}
+    assert [d["path"] for d in hook.gpu_devices(spec)] == ["/dev/nvidia0", "/dev/nvidia12"]
+    assert hook.gpu_devices({}) == [] and hook.gpu_devices({"linux": {"devices": None}}) == []
+
+
+# --- poststop -----------------------------------------------------------------------------
+
+def test_poststop_forgets_the_container(tmp_path, state_dir, host, monkeypatch):
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)])
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+    assert record_file(state_dir).exists()
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped"))) == 0
+    assert not record_file(state_dir).exists()
+
+
+def test_the_stage_argument_wins_over_the_status(tmp_path, state_dir, host, monkeypatch, capsys):
+    # runc reports a container it is restoring as "stopped": with the stage
+    # given, that prestart still validates the checkpoint's GPUs.
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for("GPU-not-here"))
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
+    assert "cannot restore here" in capsys.readouterr().err
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "poststop") == 0
+
+
+def test_poststop_of_an_unknown_container_is_fine(tmp_path, state_dir, monkeypatch):
+    # poststop needs no bundle and no GPU: the bundle may already be gone
+    assert run_main(monkeypatch, json.dumps(state(tmp_path / "gone", "stopped"))) == 0
+    assert events("hook-error") == []
+
+
+# --- prestart at restore ------------------------------------------------------------------
+
+def test_restore_onto_the_checkpoints_gpus_is_allowed(tmp_path, state_dir, host, monkeypatch,
+                                                      capsys):
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0))
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+    assert capsys.readouterr().err == ""
+    assert json.loads(record_file(state_dir).read_text())["gpus"][0]["uuid"] == UUID0
+
+
+def test_restore_onto_an_incompatible_host_is_refused_in_one_line(tmp_path, state_dir, host,
+                                                                  monkeypatch, capsys):
+    missing = "GPU-deadbeef-0000-0000-0000-000000000000"
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0, missing))
+    assert run_main(monkeypatch, json.dumps(state(b))) == 1
+    err = capsys.readouterr().err
+    assert err == (f"gpusnap: cannot restore here: GPU 1 of the checkpoint (NVIDIA H100 80GB HBM3, "
+                   f"{missing}) is not on this host\n")
+    refused = events("hook-refused-restore")
+    assert len(refused) == 1 and refused[0]["container"] == CTR
+    assert not record_file(state_dir).exists()
+
+
+def test_restore_refusal_joins_several_problems(tmp_path, state_dir, monkeypatch, capsys):
+    old = inventory(gpu(0, UUID0), driver="550.54.15")
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda: old)
+    b = bundle(tmp_path, [], manifest_for(UUID0, UUID1))
+    assert run_main(monkeypatch, json.dumps(state(b))) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "NVIDIA driver 550.54.15 cannot restore" in err and f"{UUID1}) is not on this host" in err
+    assert len(events("hook-refused-restore")[0]["problems"]) == 2
+
+
+def test_restore_on_a_host_without_nvidia_driver_is_refused(tmp_path, state_dir, monkeypatch, capsys):
+    monkeypatch.setattr(inventory_module, "read_inventory",
+                        lambda: Inventory(error="no NVIDIA driver: Driver Not Loaded"))
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0))
+    assert run_main(monkeypatch, json.dumps(state(b))) == 1
+    assert "this host has none usable (no NVIDIA driver: Driver Not Loaded)" in capsys.readouterr().err
+
+
+def test_restore_of_a_cpu_only_checkpoint_is_not_judged(tmp_path, state_dir, monkeypatch):
+    monkeypatch.setattr(inventory_module, "read_inventory",
+                        lambda: Inventory(error="no NVIDIA driver"))
+    b = bundle(tmp_path, [], manifest_for())
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+
+
+# --- never blocks on the unexpected -------------------------------------------------------
+
+@pytest.mark.parametrize("stdin", ["", "{not json", "[1, 2]"], ids=["empty", "garbage", "array"])
+def test_unreadable_state_lets_the_container_start(state_dir, monkeypatch, stdin):
+    assert run_main(monkeypatch, stdin) == 0
+    assert len(events("hook-error")) == 1
+
+
+def test_missing_bundle_config_lets_the_container_start(tmp_path, state_dir, monkeypatch):
+    assert run_main(monkeypatch, json.dumps(state(tmp_path / "no-bundle"))) == 0
+    [event] = events("hook-error")
+    assert event["error"].startswith("FileNotFoundError: ")
+    assert str(tmp_path / "no-bundle" / "config.json") in event["error"]
+
+
+def test_failing_gpu_inventory_lets_the_container_start(tmp_path, state_dir, monkeypatch):
+    def broken():
+        raise RuntimeError("NVML exploded")
+
+    monkeypatch.setattr(inventory_module, "read_inventory", broken)
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)])
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+    assert "NVML exploded" in events("hook-error")[0]["error"]
+
+
+def test_malformed_manifest_does_not_block_the_restore(tmp_path, state_dir, host, monkeypatch):
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], {"schema": SCHEMA, "gpus": "all"})
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+    assert "GPU manifest" in events("hook-error")[0]["error"]
+
+
+def test_unwritable_state_dir_does_not_block(tmp_path, monkeypatch, host):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(blocker / "state"))
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)])
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+
+
+# --- as runc runs it ----------------------------------------------------------------------
+
+def run_hook_process(stdin: str, state_dir: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GPUSNAP_STATE_DIR=str(state_dir), PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "gpusnap.hook.main"], input=stdin, text=True,
+                          capture_output=True, env=env, cwd=REPO, timeout=60)
+
+
+def test_hook_process_exits_0_on_garbage(tmp_path):
+    res = run_hook_process("this is no OCI state", tmp_path / "state")
+    assert (res.returncode, res.stdout, res.stderr) == (0, "", "")
+    lines = (tmp_path / "state" / "journal.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["event"] == "hook-error"
+
+
+def test_hook_process_exits_1_when_it_refuses_a_restore(tmp_path):
+    # No host has this GPU (and this one may have no NVIDIA driver at all): refused either way.
+    absent = "GPU-00000000-0000-0000-0000-000000000000"
+    b = bundle(tmp_path, [], manifest_for(absent))
+    res = run_hook_process(json.dumps(state(b)), tmp_path / "state")
+    assert res.returncode == 1
+    assert res.stderr.startswith("gpusnap: cannot restore here: ")
+    assert "Traceback" not in res.stderr
