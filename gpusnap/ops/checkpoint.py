@@ -129,15 +129,22 @@ def run(p: CheckpointPlan) -> dict:
         requests.drop(p.container.pid)
         resumed = ensure_running([c.pid for c in p.cuda])
         state = podman.inspect(p.container.id).status if podman.exists(p.container.id) else "gone"
-        where = ("the container is still running" if state == "running" else
-                 f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}")
+        restorable = (p.container.checkpoint_dir / "inventory.img").is_file()
+        hint = exc.hint
+        if state == "running":
+            where = "the container is still running"
+        elif restorable:
+            where = f"the container is {state}, its checkpoint is kept locally"
+            hint = f"`gpusnap restore {p.container.name}` brings it back; " + (hint or "")
+        else:
+            where = f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}"
         cause = _action_failure(p.container.pid)
         criu = _criu_error(p.container.userdata / "dump.log")
         message = (f"GPU quiesce failed: {cause}" if cause else
                    f"CRIU could not dump {p.container.name}: {criu}" if criu else exc.message)
         journal.record("checkpoint-failed", container=p.container.id, error=message,
                        resumed=resumed)
-        raise GpusnapError(f"{message}; {where}", exc.hint) from None
+        raise GpusnapError(f"{message}; {where}", hint.rstrip("; ")) from None
     seconds = time.monotonic() - start
     contents = archive.read_directory(p.container.userdata)
     if p.export is not None and not p.keep:

@@ -52,15 +52,22 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool) -> dic
         contents = archive.read_directory(ctr.userdata)
         _checks(contents)
         archive_mode = False
+    elif "/" in source or source.endswith((".tar", ".zst", ".gz")):
+        raise GpusnapError(f"no such file: {source}", "check the path of the exported archive")
     else:
         raise GpusnapError(f"{source} is neither a checkpoint archive nor a container",
                            "pass a file from `gpusnap checkpoint --export` or a checkpointed "
                            "container's name (`podman ps -a`)")
     start = time.monotonic()
     if archive_mode:
-        with import_fifo(path.absolute()) as src:
-            podman.restore(str(src), archive=True, name=name, keep=keep,
-                           tcp_established=tcp_established)
+        try:
+            with import_fifo(path.absolute()) as src:
+                podman.restore(str(src), archive=True, name=name, keep=keep,
+                               tcp_established=tcp_established)
+        except GpusnapError as exc:
+            _drop_half_restored(target)
+            raise GpusnapError(f"{exc.message}; nothing was restored, {source} is unchanged",
+                               exc.hint) from None
     else:
         podman.restore(source, archive=False, name=name, keep=keep,
                        tcp_established=tcp_established)
@@ -71,6 +78,13 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool) -> dic
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3))
     return {"container": {"id": ctr.id, "name": ctr.name, "status": ctr.status},
             "source": source, "seconds": round(seconds, 3), "gpu_processes": gpu}
+
+
+def _drop_half_restored(name: str | None) -> None:
+    """An import that failed (a damaged archive) may leave a created container
+    behind; the name was free before, so it is ours to remove."""
+    if name and podman.exists(name) and not podman.inspect(name).running:
+        podman.remove(name)
 
 
 def _gpu_report(pid: int) -> list[dict]:

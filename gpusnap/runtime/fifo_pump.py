@@ -67,18 +67,35 @@ def export(fifo: str, partial: str, level: str, head: str | None) -> int:
                             stdin=subprocess.PIPE)
     sink = zstd.stdin.fileno()
     _widen(sink)
+    failed = False
     try:
         if head and os.path.isfile(head):  # written by the CRIU action script during the dump
             with open(head, "rb") as f:
                 os.write(sink, tar_member(os.path.basename(head), f.read()))
         while os.splice(src, sink, _SPLICE):
             pass
-    except OSError as exc:  # zstd died (disk full): closing our end fails Podman's write
+    except OSError as exc:
+        failed = True
+        # zstd died (disk full). Podman 4.3 deadlocks when its export write
+        # fails (its tar goroutine blocks for ever), so read on to the end and
+        # let the CLI report the failure: the dump itself is kept locally.
         print(f"gpusnap export pump: {exc}", file=sys.stderr)
+        _drain(src)
     finally:
         os.close(src)
         zstd.stdin.close()
-    return zstd.wait()
+    return zstd.wait() or (1 if failed else 0)
+
+
+def _drain(src: int) -> None:
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        while os.splice(src, null, _SPLICE):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(null)
 
 
 def serve(fifo: str, archive: str) -> int:

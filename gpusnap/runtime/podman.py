@@ -125,3 +125,10 @@ def restore(source: str, *, archive: bool, name: str | None, keep: bool,
             hint = "remove the existing container or restore under another --name"
         raise GpusnapError(f"podman container restore: {err}", hint)
     return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
+
+
+def remove(name: str) -> None:
+    """Remove a container that is not running (never forces a running one)."""
+    res = _run(["rm", name])
+    if res.returncode != 0 and "no such container" not in res.stderr.lower():
+        raise GpusnapError(f"podman rm {name}: {_last_error(res.stderr)}")

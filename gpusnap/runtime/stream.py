@@ -91,9 +91,11 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
             os.replace(partial, dest)
         else:
             partial.unlink(missing_ok=True)
-        if ok and rc != 0:
-            reason = err.splitlines()[-1] if err else f"zstd exited with {rc}"
-            raise GpusnapError(f"writing {dest} failed: {reason}",
+        # zstd's own words come first (e.g. "No space left on device"); when the
+        # writing side failed, that is the cause, and Podman's broken pipe the effect.
+        if err or (ok and rc != 0):
+            reason = err.splitlines()[0] if err else f"zstd exited with {rc}"
+            raise GpusnapError(f"writing {dest} failed: {reason.removeprefix('zstd: ')}",
                                "free space there or export elsewhere")
 
 

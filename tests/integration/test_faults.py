@@ -1,0 +1,200 @@
+"""Bad input and faults with real Podman + runc + CRIU: one clear line, nothing lost.
+
+Every case ends with the container running as it was, or restorable from
+what is on disk (and then restored here, its counter continuing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from gpusnap import MANIFEST_NAME
+from gpusnap.gpu.manifest import Manifest, ManifestProcess
+from gpusnap.runtime.fifo_pump import referenced
+from tests.conftest import (GPUSNAP, assert_one_line_error, gpusnap, gpusnap_json, podman,
+                            read_counter, run, wait_counter)
+
+
+def _status(name: str) -> str:
+    return podman("container", "inspect", name, "--format", "{{.State.Status}}").stdout.strip()
+
+
+def _still_counting(name: str) -> None:
+    assert _status(name) == "running"
+    wait_counter(name, read_counter(name))
+
+
+@pytest.mark.parametrize("verb", ["checkpoint", "restore", "freeze", "thaw", "inspect"])
+def test_unknown_container(verb):
+    res = gpusnap(verb, "gpusnap-no-such-container")
+    assert_one_line_error(res, "gpusnap-no-such-container")
+
+
+@pytest.mark.parametrize("verb", ["checkpoint", "freeze"])
+def test_container_not_running(counter, verb):
+    podman("stop", "-t", "0", counter)
+    res = gpusnap(verb, counter)
+    assert_one_line_error(res, "not running")
+    assert _status(counter) == "exited"  # untouched
+
+
+@pytest.mark.parametrize("path", ["/usr/sbin:/usr/bin:/sbin:/bin", "/nonexistent"])
+def test_criu_too_old_or_missing_is_refused_up_front(counter, path, tmp_path):
+    # Debian 12's /usr/sbin/criu is 3.17; the private CRIU 4 is only in /usr/local/sbin.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "podman").symlink_to("/usr/bin/podman")
+    env = {**os.environ, "PATH": f"{bindir}:{path}"}
+    res = run([GPUSNAP, "checkpoint", counter, "--export", str(tmp_path / "x.tar.zst")], env=env)
+    assert_one_line_error(res, "CRIU 4.0 or newer", "3.17" if "sbin" in path else "no criu")
+    assert not (tmp_path / "x.tar.zst").exists()
+    _still_counting(counter)
+
+
+@pytest.fixture
+def export(counter, tmp_path) -> Path:
+    """A real export of the counter (which keeps running)."""
+    archive = tmp_path / "good.tar.zst"
+    gpusnap_json("checkpoint", counter, "--export", str(archive), "--leave-running")
+    return archive
+
+
+def _bad_archives(export: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    random = tmp_path / "random.bin"
+    random.write_bytes(os.urandom(4096))
+    plain = tmp_path / "plain.tar"
+    (tmp_path / "hello.txt").write_text("hello")
+    with tarfile.open(plain, "w") as tar:
+        tar.add(tmp_path / "hello.txt", arcname="hello.txt")
+    half = tmp_path / "half.tar.zst"
+    data = export.read_bytes()
+    half.write_bytes(data[: len(data) // 2])
+    return {"missing": (tmp_path / "nope.tar.zst", "no such"),
+            "random": (random, "not a readable checkpoint archive"),
+            "not a checkpoint": (plain, "not a Podman checkpoint archive"),
+            "truncated": (half, "truncated")}
+
+
+def test_bad_archives_restore_nothing(export, tmp_path):
+    before = set(podman("ps", "-a", "--format", "{{.ID}}").stdout.split())
+    for label, (path, words) in _bad_archives(export, tmp_path).items():
+        for verb in ("restore", "inspect"):
+            res = gpusnap(verb, str(path), *(["--name", "gpusnap-bad"] if verb == "restore" else []))
+            assert_one_line_error(res)
+            assert words in res.stderr.lower() or words in res.stderr, (label, verb, res.stderr)
+    assert set(podman("ps", "-a", "--format", "{{.ID}}").stdout.split()) == before
+
+
+def test_restore_onto_an_existing_name(counter, export):
+    res = gpusnap("restore", str(export))
+    assert_one_line_error(res, f"a container named {counter} already exists", "--name")
+    _still_counting(counter)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_export_to_a_full_disk(counter, small_disk):
+    target = small_disk / "x.tar.zst"
+    # Refused before anything is touched when the space visibly cannot hold it...
+    res = gpusnap("checkpoint", counter, "--export", str(target))
+    assert_one_line_error(res, "not enough disk space", "keeps running")
+    _still_counting(counter)
+    # ...and when it runs out during the export, the dump stays restorable.
+    before = read_counter(counter)
+    podman("exec", counter, "sh", "-c", "dd if=/dev/urandom of=/tmp/fill bs=1M count=4 2>/dev/null")
+    res = gpusnap("checkpoint", counter, "--export", str(target), "--skip-space-check")
+    assert_one_line_error(res, "No space left on device", f"gpusnap restore {counter}")
+    assert sorted(os.listdir(small_disk)) == []  # no partial archive, no FIFO left
+    assert _status(counter) == "exited"
+    gpusnap_json("restore", counter)
+    assert wait_counter(counter, before) > before
+
+
+def test_cli_killed_mid_checkpoint_leaves_it_restorable(counter, tmp_path):
+    podman("exec", counter, "sh", "-c", "dd if=/dev/urandom of=/dev/shm/fill bs=1M count=48 2>/dev/null")
+    before = read_counter(counter)
+    archive = tmp_path / "killed.tar.zst"
+    cli = subprocess.Popen([GPUSNAP, "checkpoint", counter, "--export", str(archive)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not _podman_exporting(tmp_path):
+        time.sleep(0.01)
+    assert _podman_exporting(tmp_path), "podman never started the export"
+    cli.send_signal(signal.SIGKILL)
+    cli.wait()
+    deadline = time.monotonic() + 60  # Podman and the FIFO pump go on without the CLI
+    while time.monotonic() < deadline and referenced(str(tmp_path)):
+        time.sleep(0.2)
+    assert not referenced(str(tmp_path)), "Podman or the pump hangs after the CLI died"
+    assert not archive.exists(), "a half-written archive under the export's name"
+    if _status(counter) != "running":
+        gpusnap_json("restore", counter)
+    assert wait_counter(counter, before) > before
+    doctor = json.loads(gpusnap("doctor", "--fix", "--json").stdout)
+    assert doctor["stuck"] == []
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "leftovers not removed"
+    # And the next checkpoint works.
+    gpusnap_json("checkpoint", counter, "--export", str(archive), "--leave-running")
+    assert archive.stat().st_size > 0
+
+
+def _podman_exporting(where: Path) -> bool:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"checkpoint" in args and any(str(where).encode() in a for a in args) and \
+                any(a.endswith(b"podman") for a in args[:1]):
+            return True
+    return False
+
+
+def _with_gpu_manifest(export: Path, tmp_path: Path) -> Path:
+    """The export with a manifest naming an H100 this GPU-less host cannot give."""
+    root = tmp_path / "unpacked"
+    root.mkdir()
+    run(["tar", "-I", "zstd", "-xf", str(export), "-C", str(root)], check=True)
+    uuid = "GPU-6288d6a6-619c-49d1-a845-a5381d6fe0c6"
+    manifest = Manifest(
+        gpus=[{"index": 0, "uuid": uuid, "name": "NVIDIA H100 80GB HBM3", "minor": 0,
+               "pci_bus_id": "00000000:18:00.0", "memory_total": 85520809984,
+               "compute_capability": "9.0", "mig_enabled": False}],
+        processes=[ManifestProcess(pid=7, comm="python3", gpus=[uuid], gpu_memory={uuid: 2 << 30})],
+        driver_version="580.159.04", cuda_driver_version="13.0", criu_version="4.1.1",
+        quiesced_by="gpusnap", host={"hostname": "gpu-host", "kernel": "6.18", "arch": "x86_64"})
+    (root / "checkpoint" / MANIFEST_NAME).write_text(manifest.to_json())
+    out = tmp_path / "gpu.tar.zst"
+    run(["tar", "-I", "zstd", "-cf", str(out), "-C", str(root), "."], check=True)
+    return out
+
+
+def test_gpu_checkpoint_refused_on_a_host_without_that_gpu(counter, export, tmp_path):
+    archive = _with_gpu_manifest(export, tmp_path)
+    assert gpusnap_json("inspect", str(archive))["gpu"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
+    res = gpusnap("restore", str(archive), "--name", f"{counter}-gpu")
+    assert_one_line_error(res, "cannot restore here", "GPU")
+    # Unchanged Podman: the OCI hook refuses it at restore.
+    res = podman("container", "restore", "--import", str(archive), "--name", f"{counter}-gpu2",
+                 check=False)
+    assert res.returncode != 0 and "gpusnap" in res.stderr, res.stderr
+    for name in (f"{counter}-gpu", f"{counter}-gpu2"):
+        state = podman("ps", "-a", "--filter", f"name=^{name}$", "--format", "{{.Status}}").stdout
+        assert "Up" not in state, (name, state)
+        run(["podman", "rm", "-f", name])
+    _still_counting(counter)
