@@ -21,7 +21,7 @@ def test_gpusnap_checkpoint_export_restore_continues(counter, tmp_path):
     archive = tmp_path / "ctr.tar.zst"
     result = gpusnap_json("checkpoint", counter, "--export", str(archive))
     assert result["export"] == str(archive) and archive.stat().st_size > 0
-    assert result["criu"]["processes"] >= 2  # sh and its sleep
+    assert result["criu"]["processes"] >= 1  # sh, and its sleep if one runs at that moment
     assert result["gpu"] is None  # no GPU: nothing added
     assert podman("container", "inspect", counter, "--format", "{{.State.Status}}").stdout.strip() == "exited"
     podman("rm", counter)
@@ -63,7 +63,7 @@ def test_restore_from_local_checkpoint(counter):
     before = read_counter(counter)
     gpusnap_json("checkpoint", counter)
     info = gpusnap_json("inspect", counter)
-    assert info["criu"]["processes"] >= 2
+    assert info["criu"]["processes"] >= 1  # sh (its sleep comes and goes)
     restored = gpusnap_json("restore", counter)
     assert restored["container"]["status"] == "running"
     assert wait_counter(counter, before) >= before
