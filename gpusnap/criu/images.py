@@ -1,0 +1,116 @@
+"""Read the mount table CRIU saved (mountpoints-*.img) without crit or protobuf.
+
+A CRIU image is two little-endian u32 magics, then entries of a u32 length and
+a protobuf message. Only a few scalar fields of mnt_entry (images/mnt.proto)
+are needed: which mounts are external (ext_key, field 18) and which tmpfs is
+the container's /dev (its contents travel as tmpfs-dev-<root_dev>.tar.gz.img).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+IMG_COMMON_MAGIC = 0x54564319
+MNTS_MAGIC = 0x55563928
+FSTYPE_TMPFS = 5
+_FIELDS = {1: "fstype", 2: "mnt_id", 3: "root_dev", 4: "parent_mnt_id", 7: "mountpoint",
+           8: "source", 18: "ext_key"}
+
+
+class ImageError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    mnt_id: int
+    parent_mnt_id: int
+    fstype: int
+    root_dev: int  # kernel encoding: major << 20 | minor
+    mountpoint: str
+    source: str
+    ext_key: str | None = None
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data):
+            raise ImageError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, pos
+        if shift > 63:
+            raise ImageError("varint too long")
+
+
+def _message(data: bytes) -> dict[str, int | str]:
+    fields: dict[str, int | str] = {}
+    pos = 0
+    while pos < len(data):
+        tag, pos = _varint(data, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _varint(data, pos)
+        elif wire == 2:
+            size, pos = _varint(data, pos)
+            if pos + size > len(data):
+                raise ImageError("truncated field")
+            value, pos = data[pos:pos + size], pos + size
+        elif wire in (1, 5):
+            value, pos = None, pos + (8 if wire == 1 else 4)
+        else:
+            raise ImageError(f"unsupported protobuf wire type {wire}")
+        if number in _FIELDS and value is not None:
+            fields[_FIELDS[number]] = value.decode() if isinstance(value, bytes) else value
+    return fields
+
+
+def parse_mountpoints(data: bytes) -> list[MountEntry]:
+    if len(data) < 8:
+        raise ImageError("not a CRIU image: too short")
+    common, magic = struct.unpack_from("<II", data, 0)
+    if common != IMG_COMMON_MAGIC or magic != MNTS_MAGIC:
+        raise ImageError(f"not a CRIU mountpoints image (magic {common:#x} {magic:#x})")
+    entries, pos = [], 8
+    while pos < len(data):
+        if pos + 4 > len(data):
+            raise ImageError("truncated entry size")
+        (size,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        if pos + size > len(data):
+            raise ImageError("truncated entry")
+        f = _message(data[pos:pos + size])
+        pos += size
+        entries.append(MountEntry(mnt_id=int(f.get("mnt_id", 0)),
+                                  parent_mnt_id=int(f.get("parent_mnt_id", 0)),
+                                  fstype=int(f.get("fstype", 0)), root_dev=int(f.get("root_dev", 0)),
+                                  mountpoint=str(f.get("mountpoint", "")),
+                                  source=str(f.get("source", "")),
+                                  ext_key=f.get("ext_key")))  # type: ignore[arg-type]
+    return entries
+
+
+def read_mounts(image_dir: str | Path) -> list[MountEntry]:
+    entries: list[MountEntry] = []
+    for path in sorted(Path(image_dir).glob("mountpoints-*.img")):
+        entries += parse_mountpoints(path.read_bytes())
+    return entries
+
+
+def external_mount_keys(image_dir: str | Path) -> set[str]:
+    return {e.ext_key for e in read_mounts(image_dir) if e.ext_key}
+
+
+def dev_tmpfs_image(image_dir: str | Path) -> Path | None:
+    """The tarball CRIU saved the container's /dev tmpfs in (device nodes included)."""
+    for entry in read_mounts(image_dir):
+        if entry.mountpoint == "/dev" and entry.fstype == FSTYPE_TMPFS:
+            path = Path(image_dir) / f"tmpfs-dev-{entry.root_dev}.tar.gz.img"
+            return path if path.exists() else None
+    return None
