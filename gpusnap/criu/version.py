@@ -8,6 +8,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from gpusnap.errors import GpusnapError
+
 MIN_VERSION = (4, 0)
 # Where CRIU looks for plugins (CRIU_LIBS_DIR overrides, as in criu/plugin.c).
 PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib64/criu")
@@ -32,6 +34,23 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 def is_supported(version: str | None) -> bool:
     return version is not None and version_tuple(version)[:2] >= MIN_VERSION
+
+
+def require_supported(verb: str) -> str:
+    """The version of the criu runc will run (the first on PATH), or a one-line refusal.
+
+    Called before anything is touched: CRIU 3.x fails mid-dump on recent kernels.
+    """
+    version = criu_version()
+    if is_supported(version):
+        return version
+    path = shutil.which("criu")
+    found = f"CRIU {version} at {path}" if version else (
+        f"{path}, which does not say its version" if path else "no criu on PATH")
+    raise GpusnapError(f"{verb} needs CRIU {'.'.join(map(str, MIN_VERSION))} or newer, found "
+                       f"{found}; nothing was changed",
+                       "put CRIU 4 first on PATH (`make deps` installs it as "
+                       "/usr/local/sbin/criu); `gpusnap doctor` checks the host")
 
 
 def cuda_plugin_path() -> Path | None:

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap import MANIFEST_NAME, archive, journal, requests
-from gpusnap.criu.version import criu_version, is_supported
+from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.ops.gpu_state import ensure_running
+from gpusnap.ops.preconditions import has_checkpoint, require_running
 from gpusnap.procs import ProcessGpuUse, cuda_processes, process_tree, rss_bytes
 from gpusnap.runtime import podman
 from gpusnap.runtime.stream import export_fifo
@@ -41,14 +42,8 @@ def _free_bytes(path: Path) -> int:
 def plan(name: str, export: str | None, leave_running: bool, tcp_established: bool,
          lock_timeout_ms: int, skip_space_check: bool = False) -> CheckpointPlan:
     container = podman.inspect(name)
-    if not container.running:
-        raise GpusnapError(f"container {container.name} is {container.status}, not running",
-                           "only a running container can be checkpointed; `podman start` it first")
-    version = criu_version()
-    if not is_supported(version):
-        found = f"CRIU {version}" if version else "no criu on PATH"
-        raise GpusnapError(f"checkpoint needs CRIU 4.0 or newer, found {found}",
-                           "run `make deps` (installs CRIU 4 in a private prefix) or `gpusnap doctor`")
+    require_running(container, "be checkpointed")
+    require_supported("checkpoint")
     export_path = Path(export).absolute() if export else None
     if export_path is not None:
         if not export_path.parent.is_dir():
@@ -119,8 +114,20 @@ def _drop_local(userdata: Path) -> None:
         (userdata / name).unlink(missing_ok=True)
 
 
+def _drop_stale_dump(ctr: podman.Container, since: float) -> None:
+    """A dump this run wrote (kept for the export) of a container that runs on
+    (--leave-running) is stale, and as large as its memory: free the space. An
+    older local checkpoint, made on purpose, is left alone."""
+    inventory = ctr.checkpoint_dir / "inventory.img"
+    try:
+        if inventory.stat().st_mtime >= since - 1:
+            shutil.rmtree(ctr.checkpoint_dir, ignore_errors=True)
+    except OSError:
+        pass
+
+
 def run(p: CheckpointPlan) -> dict:
-    start = time.monotonic()
+    start, started_at = time.monotonic(), time.time()
     if p.cuda:
         requests.put(p.container.pid, lock_timeout_ms=p.lock_timeout_ms)
     try:
@@ -129,10 +136,11 @@ def run(p: CheckpointPlan) -> dict:
         requests.drop(p.container.pid)
         resumed = ensure_running([c.pid for c in p.cuda])
         state = podman.inspect(p.container.id).status if podman.exists(p.container.id) else "gone"
-        restorable = (p.container.checkpoint_dir / "inventory.img").is_file()
+        restorable = has_checkpoint(p.container)
         hint = exc.hint
         if state == "running":
             where = "the container is still running"
+            _drop_stale_dump(p.container, started_at)
         elif restorable:
             where = f"the container is {state}, its checkpoint is kept locally"
             hint = f"`gpusnap restore {p.container.name}` brings it back; " + (hint or "")
@@ -144,7 +152,7 @@ def run(p: CheckpointPlan) -> dict:
                    f"CRIU could not dump {p.container.name}: {criu}" if criu else exc.message)
         journal.record("checkpoint-failed", container=p.container.id, error=message,
                        resumed=resumed)
-        raise GpusnapError(f"{message}; {where}", hint.rstrip("; ")) from None
+        raise GpusnapError(f"{message}; {where}", (hint or "").rstrip("; ") or None) from None
     seconds = time.monotonic() - start
     contents = archive.read_directory(p.container.userdata)
     if p.export is not None and not p.keep:

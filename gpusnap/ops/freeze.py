@@ -10,14 +10,14 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume
 from gpusnap.ops.gpu_state import load_driver
+from gpusnap.ops.preconditions import require_running
 from gpusnap.procs import cuda_processes
 from gpusnap.runtime import podman
 
 
-def _targets(name: str):
+def _targets(name: str, verb: str):
     ctr = podman.inspect(name)
-    if not ctr.running:
-        raise GpusnapError(f"container {ctr.name} is {ctr.status}, not running")
+    require_running(ctr, verb)
     procs = cuda_processes(ctr.pid)
     if not procs:
         raise GpusnapError(f"container {ctr.name} has no CUDA processes",
@@ -34,7 +34,7 @@ def _gpu_used() -> dict[str, int]:
 
 
 def freeze(name: str, lock_timeout_ms: int) -> dict:
-    ctr, procs, driver = _targets(name)
+    ctr, procs, driver = _targets(name, "be frozen")
     before = _gpu_used()
     timing = Timing()
     try:
@@ -49,7 +49,7 @@ def freeze(name: str, lock_timeout_ms: int) -> dict:
 
 
 def thaw(name: str) -> dict:
-    ctr, procs, driver = _targets(name)
+    ctr, procs, driver = _targets(name, "be thawed")
     timing = Timing()
     try:
         changed = resume(driver, [p.pid for p in procs], timing=timing)

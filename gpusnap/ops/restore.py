@@ -6,22 +6,20 @@ import time
 from pathlib import Path
 
 from gpusnap import archive, journal
-from gpusnap.criu.version import criu_version, is_supported
+from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.compat import restore_problems
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.ops.gpu_state import load_driver
+from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.procs import cuda_processes
 from gpusnap.runtime import podman
 from gpusnap.runtime.stream import import_fifo
 
 
 def _checks(contents: archive.CheckpointContents) -> None:
-    version = criu_version()
-    if not is_supported(version):
-        raise GpusnapError(f"restore needs CRIU 4.0 or newer, found {version or 'no criu'}",
-                           "run `make deps` or `gpusnap doctor`")
+    require_supported("restore")
     problems = restore_problems(contents.manifest, read_inventory())
     if problems:
         raise GpusnapError("cannot restore here: " + "; ".join(problems),
@@ -44,7 +42,7 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool) -> dic
         ctr = podman.inspect(source)
         if ctr.running:
             raise GpusnapError(f"container {ctr.name} is running; there is nothing to restore")
-        if not (ctr.checkpoint_dir / "inventory.img").exists():
+        if not has_checkpoint(ctr):
             raise GpusnapError(f"container {ctr.name} has no checkpoint to restore",
                                "checkpoint it first with `gpusnap checkpoint`")
         if name:

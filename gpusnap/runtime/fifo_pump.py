@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from gpusnap.runtime.stream import tar_member
+from gpusnap.runtime.stream import PUMP_PARENT_ENV, tar_member
 
 _SPLICE = 1 << 20
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named only from Python 3.10 on Linux
@@ -98,29 +98,41 @@ def _drain(src: int) -> None:
         os.close(null)
 
 
+def _serve_one(fd: int, archive: str) -> None:
+    zstd = subprocess.Popen(["zstd", "-dcq", archive], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    _widen(zstd.stdout.fileno())
+    try:
+        while os.splice(zstd.stdout.fileno(), fd, _SPLICE):
+            pass
+    except OSError:
+        pass  # the reader had what it wanted and closed its end
+    finally:
+        os.close(fd)
+        zstd.kill()
+        zstd.wait()
+
+
 def serve(fifo: str, archive: str) -> int:
     while True:
         fd = os.open(fifo, os.O_WRONLY)  # returns once a reader opens it
         _widen(fd)
-        try:
-            # A reader that stops early closes its end: zstd then exits on EPIPE.
-            zstd = subprocess.Popen(["zstd", "-dcq", archive], stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL)
-            _widen(zstd.stdout.fileno())
-            try:
-                while os.splice(zstd.stdout.fileno(), fd, _SPLICE):
-                    pass
-            except OSError:
-                pass  # the reader had what it wanted
-            zstd.kill()
-            zstd.wait()
-        finally:
-            os.close(fd)
+        # A reader may close before the end (Go's tar stops at the end marker,
+        # before the padding) and open the path again at once: it must get a
+        # new pipe, not the rest of the old stream. So every reader gets its
+        # own FIFO: a fresh one replaces the path as soon as this one is taken.
+        fresh = f"{fifo}.next"
+        os.mkfifo(fresh, 0o600)
+        os.replace(fresh, fifo)
+        threading.Thread(target=_serve_one, args=(fd, archive), daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
     mode, fifo = argv[0], argv[1]
-    threading.Thread(target=_watchdog, args=(fifo, os.getppid()), daemon=True).start()
+    # The CLI names itself: by the time we get here it may already be dead and
+    # our parent init, which would then never look gone.
+    parent = int(os.environ.get(PUMP_PARENT_ENV) or os.getppid())
+    threading.Thread(target=_watchdog, args=(fifo, parent), daemon=True).start()
     if mode == "export":
         return export(fifo, argv[2], argv[3], argv[4] if len(argv) > 4 else None)
     return serve(fifo, argv[2])

@@ -31,6 +31,7 @@ from typing import Iterator
 from gpusnap.errors import GpusnapError
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+PUMP_PARENT_ENV = "GPUSNAP_PUMP_PARENT"  # the CLI's pid, for the pump's watchdog
 
 
 def is_zstd(path: Path) -> bool:
@@ -50,8 +51,11 @@ def _fifo_dir(near: Path) -> tuple[Path, Path]:
 
 def _pump(*args: str) -> subprocess.Popen:
     # Its own session: a Ctrl-C meant for the CLI must not cut Podman's stream.
+    # Our pid goes along: a CLI killed before the pump has started must still be
+    # seen as gone, or the pump waits in open(FIFO) for ever.
     return subprocess.Popen([sys.executable, "-m", "gpusnap.runtime.fifo_pump", *args],
-                            stderr=subprocess.PIPE, start_new_session=True)
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, PUMP_PARENT_ENV: str(os.getpid())})
 
 
 def _stop(proc: subprocess.Popen) -> str:
@@ -95,6 +99,8 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
         # writing side failed, that is the cause, and Podman's broken pipe the effect.
         if err or (ok and rc != 0):
             reason = err.splitlines()[0] if err else f"zstd exited with {rc}"
+            if "No space left on device" in reason:  # zstd says "error 70 : Write error : ..."
+                reason = f"the disk is full (No space left on device in {dest.parent})"
             raise GpusnapError(f"writing {dest} failed: {reason.removeprefix('zstd: ')}",
                                "free space there or export elsewhere")
 

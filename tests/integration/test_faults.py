@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -21,6 +22,15 @@ from gpusnap.gpu.manifest import Manifest, ManifestProcess
 from gpusnap.runtime.fifo_pump import referenced
 from tests.conftest import (GPUSNAP, assert_one_line_error, gpusnap, gpusnap_json, podman,
                             read_counter, run, wait_counter)
+
+
+def _refused(res: subprocess.CompletedProcess, *needles: str) -> str:
+    """One `Error:` line naming the problem, a `->` hint saying what to do; returns the hint."""
+    assert_one_line_error(res, *needles)
+    lines = res.stderr.strip().splitlines()
+    assert sum(line.startswith("Error: ") for line in lines) == 1, res.stderr
+    assert len(lines) == 2 and lines[1].lstrip().startswith("-> "), res.stderr
+    return lines[1]
 
 
 def _status(name: str) -> str:
@@ -35,14 +45,14 @@ def _still_counting(name: str) -> None:
 @pytest.mark.parametrize("verb", ["checkpoint", "restore", "freeze", "thaw", "inspect"])
 def test_unknown_container(verb):
     res = gpusnap(verb, "gpusnap-no-such-container")
-    assert_one_line_error(res, "gpusnap-no-such-container")
+    assert "podman ps -a" in _refused(res, "gpusnap-no-such-container")
 
 
 @pytest.mark.parametrize("verb", ["checkpoint", "freeze"])
 def test_container_not_running(counter, verb):
     podman("stop", "-t", "0", counter)
     res = gpusnap(verb, counter)
-    assert_one_line_error(res, "not running")
+    assert "podman start" in _refused(res, "not running")
     assert _status(counter) == "exited"  # untouched
 
 
@@ -54,7 +64,9 @@ def test_criu_too_old_or_missing_is_refused_up_front(counter, path, tmp_path):
     (bindir / "podman").symlink_to("/usr/bin/podman")
     env = {**os.environ, "PATH": f"{bindir}:{path}"}
     res = run([GPUSNAP, "checkpoint", counter, "--export", str(tmp_path / "x.tar.zst")], env=env)
-    assert_one_line_error(res, "CRIU 4.0 or newer", "3.17" if "sbin" in path else "no criu")
+    found = "CRIU 3.17.1 at /usr/sbin/criu" if "sbin" in path else "no criu on PATH"
+    hint = _refused(res, "CRIU 4.0 or newer", found, "nothing was changed")
+    assert "PATH" in hint
     assert not (tmp_path / "x.tar.zst").exists()
     _still_counting(counter)
 
@@ -88,14 +100,14 @@ def test_bad_archives_restore_nothing(export, tmp_path):
     for label, (path, words) in _bad_archives(export, tmp_path).items():
         for verb in ("restore", "inspect"):
             res = gpusnap(verb, str(path), *(["--name", "gpusnap-bad"] if verb == "restore" else []))
-            assert_one_line_error(res)
+            _refused(res)
             assert words in res.stderr.lower() or words in res.stderr, (label, verb, res.stderr)
     assert set(podman("ps", "-a", "--format", "{{.ID}}").stdout.split()) == before
 
 
 def test_restore_onto_an_existing_name(counter, export):
     res = gpusnap("restore", str(export))
-    assert_one_line_error(res, f"a container named {counter} already exists", "--name")
+    _refused(res, f"a container named {counter} already exists", "--name")
     _still_counting(counter)
 
 
@@ -112,17 +124,31 @@ def test_export_to_a_full_disk(counter, small_disk):
     target = small_disk / "x.tar.zst"
     # Refused before anything is touched when the space visibly cannot hold it...
     res = gpusnap("checkpoint", counter, "--export", str(target))
-    assert_one_line_error(res, "not enough disk space", "keeps running")
+    _refused(res, "not enough disk space", "keeps running")
     _still_counting(counter)
     # ...and when it runs out during the export, the dump stays restorable.
     before = read_counter(counter)
     podman("exec", counter, "sh", "-c", "dd if=/dev/urandom of=/tmp/fill bs=1M count=4 2>/dev/null")
     res = gpusnap("checkpoint", counter, "--export", str(target), "--skip-space-check")
-    assert_one_line_error(res, "No space left on device", f"gpusnap restore {counter}")
+    hint = _refused(res, "the disk is full", "No space left on device", "kept locally")
+    assert f"gpusnap restore {counter}" in hint
     assert sorted(os.listdir(small_disk)) == []  # no partial archive, no FIFO left
     assert _status(counter) == "exited"
+    # `podman start` would lose the dumped state: a second checkpoint says so.
+    assert f"gpusnap restore {counter}" in _refused(gpusnap("checkpoint", counter), "not running")
     gpusnap_json("restore", counter)
     assert wait_counter(counter, before) > before
+
+
+def test_export_to_a_full_disk_leave_running(counter, small_disk):
+    (small_disk / "fill").write_bytes(b"\0" * (1000 << 10))  # a few KiB stay free
+    res = gpusnap("checkpoint", counter, "--export", str(small_disk / "x.tar.zst"),
+                  "--skip-space-check", "--leave-running")
+    _refused(res, "the disk is full", "still running")
+    assert sorted(os.listdir(small_disk)) == ["fill"]
+    _still_counting(counter)
+    userdata = podman("container", "inspect", counter, "--format", "{{.StaticDir}}").stdout.strip()
+    assert not (Path(userdata) / "checkpoint").exists(), "a stale dump of a running container"
 
 
 def test_cli_killed_mid_checkpoint_leaves_it_restorable(counter, tmp_path):
@@ -151,6 +177,26 @@ def test_cli_killed_mid_checkpoint_leaves_it_restorable(counter, tmp_path):
     # And the next checkpoint works.
     gpusnap_json("checkpoint", counter, "--export", str(archive), "--leave-running")
     assert archive.stat().st_size > 0
+
+
+def test_pump_of_a_cli_killed_before_podman_starts_ends(tmp_path):
+    """The CLI can die between starting its FIFO pump and starting Podman (a window
+    of milliseconds): the pump, whose FIFO no one will ever open, must end by itself."""
+    fifo, partial, pidfile = tmp_path / "archive.tar", tmp_path / ".x.tar.zst.partial", tmp_path / "pid"
+    os.mkfifo(fifo)
+    # A stand-in CLI that starts the pump as gpusnap does and dies at once.
+    subprocess.run([sys.executable, "-c", "import os; from gpusnap.runtime.stream import _pump; "
+                    f"p = _pump('export', {str(fifo)!r}, {str(partial)!r}, '1'); "
+                    f"open({str(pidfile)!r}, 'w').write(str(p.pid)); os._exit(0)"],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.1)
+    if Path(f"/proc/{pid}").exists():
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the FIFO pump of a dead CLI waits for ever")
+    assert not partial.exists()
 
 
 def _podman_exporting(where: Path) -> bool:
@@ -187,14 +233,18 @@ def _with_gpu_manifest(export: Path, tmp_path: Path) -> Path:
 def test_gpu_checkpoint_refused_on_a_host_without_that_gpu(counter, export, tmp_path):
     archive = _with_gpu_manifest(export, tmp_path)
     assert gpusnap_json("inspect", str(archive))["gpu"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
-    res = gpusnap("restore", str(archive), "--name", f"{counter}-gpu")
-    assert_one_line_error(res, "cannot restore here", "GPU")
-    # Unchanged Podman: the OCI hook refuses it at restore.
-    res = podman("container", "restore", "--import", str(archive), "--name", f"{counter}-gpu2",
-                 check=False)
-    assert res.returncode != 0 and "gpusnap" in res.stderr, res.stderr
-    for name in (f"{counter}-gpu", f"{counter}-gpu2"):
-        state = podman("ps", "-a", "--filter", f"name=^{name}$", "--format", "{{.Status}}").stdout
-        assert "Up" not in state, (name, state)
-        run(["podman", "rm", "-f", name])
+    names = (f"{counter}-gpu", f"{counter}-gpu2")
+    try:
+        res = gpusnap("restore", str(archive), "--name", names[0])
+        assert "gpusnap inspect" in _refused(res, "cannot restore here", "NVIDIA GPU")
+        # Unchanged Podman: the OCI hook refuses it at restore.
+        res = podman("container", "restore", "--import", str(archive), "--name", names[1],
+                     check=False)
+        assert res.returncode != 0 and "gpusnap: cannot restore here" in res.stderr, res.stderr
+        for name in names:
+            state = podman("ps", "-a", "--filter", f"name=^{name}$", "--format", "{{.Status}}").stdout
+            assert "Up" not in state, (name, state)
+    finally:
+        for name in names:
+            run(["podman", "rm", "-f", "-t", "0", name])
     _still_counting(counter)
