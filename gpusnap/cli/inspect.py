@@ -57,7 +57,9 @@ def inspect_cmd(source: str, as_json: bool) -> None:
                                "checkpoint it with `gpusnap checkpoint`")
         contents = archive.read_directory(ctr.userdata)
     else:
-        raise GpusnapError(f"{source}: no such file, directory or container")
+        raise GpusnapError(f"{source}: no such file, directory or container",
+                           "pass an archive from `gpusnap checkpoint --export` or a checkpointed "
+                           "container's name (`podman ps -a`)")
     emit(as_json, contents.summary(), _human)
 
 
