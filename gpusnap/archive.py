@@ -17,11 +17,11 @@ from pathlib import Path
 from gpusnap import MANIFEST_NAME
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.manifest import Manifest, ManifestError
+from gpusnap.runtime.stream import ZSTD_MAGIC
 
 METADATA = ("config.dump", "spec.dump", "stats-dump", "network.status",
             f"checkpoint/{MANIFEST_NAME}", MANIFEST_NAME)
 _METADATA_LIMIT = 8 << 20
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -131,7 +131,7 @@ def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
     proc = None
     stopped_early = False  # head_only: closing zstd's pipe early makes it fail, harmlessly
     try:
-        if magic.startswith(_ZSTD_MAGIC):
+        if magic.startswith(ZSTD_MAGIC):
             proc = subprocess.Popen(["zstd", "-dcq", str(path)], stdout=subprocess.PIPE,
                                     stderr=subprocess.DEVNULL)
             tar = tarfile.open(fileobj=proc.stdout, mode="r|")

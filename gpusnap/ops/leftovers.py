@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.runtime.fifo_pump import referenced
+from gpusnap.runtime.stream import FIFO_DIR_PREFIX, FIFO_NAME, partial_path
 
 
 def find() -> list[Path]:
@@ -23,11 +24,11 @@ def find() -> list[Path]:
         if event.get("event") == "export-started" and event.get("export"):
             export = Path(event["export"])
             dirs.add(export.parent)
-            partials.add(export.with_name(f".{export.name}.partial"))
+            partials.add(partial_path(export))
     found = [p for p in sorted(partials) if p.is_file()]
     for d in sorted(dirs):
-        for work in d.glob(".gpusnap-fifo-*"):
-            if work.is_dir() and not referenced(str(work / "archive.tar")):
+        for work in d.glob(FIFO_DIR_PREFIX + "*"):
+            if work.is_dir() and not referenced(str(work / FIFO_NAME)):
                 found.append(work)
     # A partial still being written belongs to a live export: leave it.
     return [p for p in found if not (p.suffix == ".partial" and referenced(str(p)))]

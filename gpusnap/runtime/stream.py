@@ -42,9 +42,19 @@ def is_zstd(path: Path) -> bool:
         return False
 
 
+# Names doctor looks for when an interrupted export or import left them behind.
+FIFO_DIR_PREFIX = ".gpusnap-fifo-"
+FIFO_NAME = "archive.tar"
+
+
+def partial_path(dest: Path) -> Path:
+    """Where an export is written until it is complete."""
+    return dest.with_name(f".{dest.name}.partial")
+
+
 def _fifo_dir(near: Path) -> tuple[Path, Path]:
-    work = Path(tempfile.mkdtemp(prefix=".gpusnap-fifo-", dir=near))
-    fifo = work / "archive.tar"
+    work = Path(tempfile.mkdtemp(prefix=FIFO_DIR_PREFIX, dir=near))
+    fifo = work / FIFO_NAME
     os.mkfifo(fifo, 0o600)
     return work, fifo
 
@@ -79,7 +89,7 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
         raise GpusnapError("zstd is not installed; it compresses checkpoint archives",
                            "install zstd (`make deps`)")
     work, fifo = _fifo_dir(dest.parent)
-    partial = dest.with_name(f".{dest.name}.partial")
+    partial = partial_path(dest)
     pump = _pump("export", str(fifo), str(partial), str(level), *([str(head)] if head else []))
     ok = False
     try:
