@@ -11,7 +11,7 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   exec bash "$(dirname "$0")/../tests/gpu/demo-gpu.sh"
 fi
 podman run -d --name $NAME --network none localhost/gpusnap-demo:latest \
-  sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done' >/dev/null
+  sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.1; done' >/dev/null
 sleep 2
 echo "counter before checkpoint: $(podman exec $NAME cat /tmp/c)"
 gpusnap checkpoint $NAME --export "$ARCHIVE"

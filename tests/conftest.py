@@ -13,7 +13,8 @@ import pytest
 
 DEMO_IMAGE = "localhost/gpusnap-demo:latest"
 GPUSNAP = "/usr/local/bin/gpusnap"
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done"
+# Written to a new file and renamed: a reader never sees the file truncated and empty.
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.05; done"
 
 
 def run(cmd: list[str], check: bool = False, **kw) -> subprocess.CompletedProcess:
