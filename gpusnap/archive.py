@@ -17,12 +17,11 @@ from pathlib import Path
 from gpusnap import MANIFEST_NAME
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.manifest import Manifest, ManifestError
-from gpusnap.runtime.stream import ZSTD_MAGIC
+from gpusnap.tarstream import DamagedStream, TarStream
 
 METADATA = ("config.dump", "spec.dump", "stats-dump", "network.status",
             f"checkpoint/{MANIFEST_NAME}", MANIFEST_NAME)
 _METADATA_LIMIT = 8 << 20
-_GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass
@@ -128,42 +127,36 @@ def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
     except OSError as exc:
         raise GpusnapError(f"cannot read {path}: {exc.strerror}") from None
     contents = CheckpointContents(source=str(path))
-    proc = None
-    stopped_early = False  # head_only: closing zstd's pipe early makes it fail, harmlessly
+    stream = None
+    stopped_early = False
     try:
-        if magic.startswith(ZSTD_MAGIC):
-            proc = subprocess.Popen(["zstd", "-dcq", str(path)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL)
-            tar = tarfile.open(fileobj=proc.stdout, mode="r|")
-        else:
-            tar = tarfile.open(path, mode="r|gz" if magic.startswith(_GZIP_MAGIC) else "r|")
+        stream = TarStream(path)
         first = None
-        with tar:
-            for member in tar:
-                name = _norm(member.name)
-                first = first or name
-                if head_only and _head_complete(contents, first):
-                    stopped_early = True
-                    break
-                if not member.isfile():
-                    continue
-                contents.sizes[name] = member.size
-                if name in METADATA and member.size <= _METADATA_LIMIT:
-                    extracted = tar.extractfile(member)
-                    if extracted is not None:
-                        contents.files[name] = extracted.read()
+        for member in stream.tar:
+            name = _norm(member.name)
+            first = first or name
+            if head_only and _head_complete(contents, first):
+                stopped_early = True
+                break
+            if not member.isfile():
+                continue
+            contents.sizes[name] = member.size
+            if name in METADATA and member.size <= _METADATA_LIMIT:
+                extracted = stream.tar.extractfile(member)
+                if extracted is not None:
+                    contents.files[name] = extracted.read()
+    except DamagedStream:
+        raise GpusnapError(f"{path} is not a valid zstd archive",
+                           "the file is damaged or truncated") from None
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise GpusnapError(f"{path} is not a readable checkpoint archive ({exc})",
                            "pass a file made by `podman container checkpoint --export` "
                            "or `gpusnap checkpoint --export`") from None
     finally:
-        if proc is not None:
-            proc.stdout.close()
-            # zstd's own verdict (exit > 0; SIGPIPE from our early close is not one)
-            # also catches a stream cut where tar sees a clean end between two members.
-            if proc.wait() > 0 and not stopped_early:
-                raise GpusnapError(f"{path} is not a valid zstd archive",
-                                   "the file is damaged or truncated")
+        # zstd's verdict wins over tarfile's: a cut stream is "damaged", not "not a checkpoint"
+        if stream is not None and stream.close(read_to_end=not stopped_early):
+            raise GpusnapError(f"{path} is not a valid zstd archive",
+                               "the file is damaged or truncated")
     if not contents.is_podman_checkpoint:
         raise GpusnapError(f"{path} is not a Podman checkpoint archive "
                            "(no spec.dump, config.dump and checkpoint/ inside)",
