@@ -1,0 +1,382 @@
+"""A small client for the OCI distribution API (blobs, manifests, auth), on `requests`.
+
+Not oras-py (see README, Libraries): its uploads read whole blobs into memory,
+its downloads are not digest-checked, its retries wait minutes on a dead
+registry, and one token is shared unguarded between threads. Here every
+request is bounded (chunks are at most a few MiB), safe to call from a pool of
+threads, retried with a short backoff on connection errors, and every failure
+is one GpusnapError naming the registry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlencode, urljoin, urlsplit, urlunsplit
+
+from gpusnap.errors import GpusnapError
+from gpusnap.oci.auth import Credentials, find_credentials, parse_challenge
+from gpusnap.oci.lazy import need
+from gpusnap.oci.reference import Reference
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+ACCEPT_MANIFESTS = ", ".join([
+    OCI_MANIFEST, "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json"])
+# GHCR refuses request bodies over 4 MiB: bigger blobs go up in PATCH pieces.
+UPLOAD_PIECE = 4 << 20
+MANIFEST_LIMIT = 32 << 20
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+_SYSTEM_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+@dataclass
+class RegistryOptions:
+    """The registry flags every command takes (Podman/ORAS names)."""
+    username: str | None = None
+    password: str | None = None
+    authfile: str | None = None
+    insecure: bool = False  # skip TLS verification
+    plain_http: bool = False
+    ca_file: str | None = None
+    retries: int = 4
+    backoff_s: float = 0.5
+
+
+class DigestMismatch(GpusnapError):
+    pass
+
+
+class TransientError(GpusnapError):
+    """The registry could not be reached or answered 5xx/429: worth another try."""
+
+
+def _tls_verify(registry: str, opts: RegistryOptions) -> bool | str:
+    if opts.insecure:
+        return False
+    if opts.ca_file:
+        if not Path(opts.ca_file).is_file():
+            raise GpusnapError(f"no such CA file: {opts.ca_file}")
+        return opts.ca_file
+    # Podman's per-registry CA, then the system store (Podman and ORAS trust it; certifi does not).
+    for base in ("/etc/containers/certs.d", "/etc/docker/certs.d"):
+        ca = Path(base) / registry / "ca.crt"
+        if ca.is_file():
+            return str(ca)
+    return str(_SYSTEM_CA) if _SYSTEM_CA.is_file() else True
+
+
+def _registry_error(resp) -> str:
+    """The first error of a distribution error body, else the HTTP status."""
+    try:
+        err = resp.json()["errors"][0]
+        text = f"{err.get('code', '')}: {err.get('message', '')}".strip(": ")
+    except Exception:  # noqa: BLE001 -- not JSON: fall back on the status line
+        text = ""
+    return text or f"HTTP {resp.status_code} {resp.reason}"
+
+
+class RegistryClient:
+    """One repository on one registry; methods are thread-safe."""
+
+    def __init__(self, ref: Reference, opts: RegistryOptions, push: bool = False) -> None:
+        requests = need("requests")
+        self._exc = requests.exceptions
+        self.ref = ref
+        self.opts = opts
+        self.scope = f"repository:{ref.repository}:{'pull,push' if push else 'pull'}"
+        self.base = f"{'http' if opts.plain_http else 'https'}://{ref.endpoint}"
+        self.verify = False if opts.plain_http else _tls_verify(ref.registry, opts)
+        if self.verify is False and not opts.plain_http:
+            need("urllib3").disable_warnings(need("urllib3.exceptions").InsecureRequestWarning)
+        self.session = requests.Session()
+        # One pooled connection per worker thread, plus the main thread's.
+        adapter = requests.adapters.HTTPAdapter(pool_connections=2, pool_maxsize=32)
+        self.session.mount("https://", adapter)
+        self.session.mount("http://", adapter)
+        self.session.headers["User-Agent"] = "gpusnap"
+        self.creds: Credentials | None = None
+        if opts.username is not None:
+            self.creds = Credentials(opts.username, opts.password or "", "--username")
+        else:
+            self.creds = find_credentials(ref.registry, ref.repository, opts.authfile)
+        self._auth: str | None = None
+        self._lock = threading.Lock()
+
+    # -- plumbing ------------------------------------------------------------------
+
+    def url(self, path: str) -> str:
+        return f"{self.base}/v2/{self.ref.repository}/{path}"
+
+    def close(self) -> None:
+        self.session.close()
+
+    def _unreachable(self, exc: Exception) -> GpusnapError:
+        text = str(exc)
+        if isinstance(exc, self._exc.SSLError):
+            if "WRONG_VERSION_NUMBER" in text.upper() or "wrong version number" in text:
+                return GpusnapError(f"registry {self.ref.registry} does not speak TLS",
+                                    "pass --plain-http for a registry served over plain HTTP")
+            why = "certificate verify failed" if "CERTIFICATE_VERIFY_FAILED" in text else "TLS error"
+            return GpusnapError(f"TLS connection to registry {self.ref.registry} failed: {why}",
+                                "pass --ca-file FILE (the registry's CA) or --insecure")
+        if "refused" in text.lower():
+            why = "connection refused"
+        elif isinstance(exc, self._exc.Timeout):
+            why = "timed out"
+        elif "Name or service not known" in text or "resolve" in text.lower():
+            why = "unknown host"
+        else:
+            why = type(exc).__name__
+        return TransientError(f"cannot reach registry {self.ref.registry}: {why} "
+                              f"(after {self.opts.retries} tries)",
+                            "check that the registry is up and the address is right; "
+                            "re-running the command resumes where it stopped")
+
+    def request(self, method: str, url: str, *, retry: bool = True, stream: bool = False,
+                headers: dict | None = None, data=None, ok: tuple[int, ...] = ()):
+        """Send with auth; retry connection errors and 5xx/429 when ``retry``.
+
+        Returns the response (status in ``ok``, or any status when ``ok`` is empty).
+        """
+        attempts = self.opts.retries if retry else 1
+        authed_again = False
+        attempt = 0
+        while True:
+            hdrs = dict(headers or {})
+            sent_auth = self._auth
+            if sent_auth:
+                hdrs["Authorization"] = sent_auth
+            try:
+                resp = self.session.request(method, url, headers=hdrs, data=data,
+                                            stream=stream, verify=self.verify,
+                                            timeout=(10, 120), allow_redirects=True)
+            except self._exc.SSLError as exc:
+                raise self._unreachable(exc) from None
+            except (self._exc.ConnectionError, self._exc.Timeout,
+                    self._exc.ChunkedEncodingError) as exc:
+                attempt += 1
+                if attempt >= attempts:
+                    raise self._unreachable(exc) from None
+                time.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
+                continue
+            if resp.status_code == 401 and not authed_again:
+                resp.close()
+                self._authenticate(resp, sent_auth)
+                authed_again = True
+                continue
+            if resp.status_code in _RETRY_STATUS and attempt + 1 < attempts:
+                resp.close()
+                attempt += 1
+                time.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
+                continue
+            if resp.status_code == 400 and "HTTP request to an HTTPS server" in resp.text:
+                raise GpusnapError(f"registry {self.ref.registry} serves HTTPS",
+                                   "drop --plain-http")
+            if resp.status_code == 401:
+                raise self._denied(resp)
+            if resp.status_code == 403:
+                raise GpusnapError(f"registry {self.ref.registry} denied {method} on "
+                                   f"{self.ref.repository}: {_registry_error(resp)}",
+                                   "check that this account may "
+                                   f"{'push to' if 'push' in self.scope else 'pull from'} it")
+            if ok and resp.status_code not in ok:
+                kind = TransientError if resp.status_code in _RETRY_STATUS else GpusnapError
+                raise kind(f"registry {self.ref.registry}: {method} {urlsplit(url).path} "
+                           f"failed: {_registry_error(resp)}")
+            return resp
+
+    def _denied(self, resp) -> GpusnapError:
+        who = f"user {self.creds.username!r} ({self.creds.source})" if self.creds else "anonymous"
+        if self.creds is None:
+            return GpusnapError(f"registry {self.ref.registry} requires a login",
+                                "pass --username and --password-stdin, or `podman login "
+                                f"{self.ref.registry}`")
+        return GpusnapError(f"registry {self.ref.registry} refused the credentials of {who}: "
+                            f"{_registry_error(resp)}",
+                            f"check them, or log in again with `podman login {self.ref.registry}`")
+
+    def _authenticate(self, resp, sent_auth: str | None) -> None:
+        """Answer a 401 challenge (Basic or Bearer token); once per header value."""
+        with self._lock:
+            if self._auth != sent_auth:  # another thread already answered it
+                return
+            scheme, params = parse_challenge(resp.headers.get("WWW-Authenticate", ""))
+            if scheme == "basic":
+                if self.creds is None:
+                    raise self._denied(resp)
+                self._auth = self.creds.basic_header()
+            elif scheme == "bearer":
+                self._auth = "Bearer " + self._token(params)
+            else:
+                raise GpusnapError(f"registry {self.ref.registry} asks for unsupported "
+                                   f"authentication {scheme or '(none given)'!r}")
+
+    def _token(self, params: dict[str, str]) -> str:
+        realm = params.get("realm")
+        if not realm:
+            raise GpusnapError(f"registry {self.ref.registry} gave a token challenge without realm")
+        query = {"scope": self.scope}
+        if params.get("service"):
+            query["service"] = params["service"]
+        headers = {"Authorization": self.creds.basic_header()} if self.creds else {}
+        try:
+            resp = self.session.get(f"{realm}?{urlencode(query)}", headers=headers,
+                                    verify=self.verify, timeout=(10, 60))
+        except (self._exc.ConnectionError, self._exc.Timeout) as exc:
+            raise self._unreachable(exc) from None
+        if resp.status_code in (401, 403):
+            raise self._denied(resp)
+        if resp.status_code != 200:
+            raise GpusnapError(f"token service {realm} answered {_registry_error(resp)}")
+        body = resp.json()
+        token = body.get("token") or body.get("access_token")
+        if not token:
+            raise GpusnapError(f"token service {realm} returned no token")
+        return token
+
+    # -- API -----------------------------------------------------------------------
+
+    def ping(self) -> None:
+        """Check reachability and credentials before any work is done."""
+        resp = self.request("GET", f"{self.base}/v2/")
+        if resp.status_code == 404:
+            raise GpusnapError(f"{self.ref.registry} is not an OCI registry (no /v2/ API)")
+        if resp.status_code != 200:
+            raise GpusnapError(f"registry {self.ref.registry}: {_registry_error(resp)}")
+        if "bearer" in (self._auth or "").lower():
+            return
+        # Basic registries accept /v2/ anonymously at times; a HEAD in the repository
+        # makes wrong credentials fail here and not after gigabytes were read.
+        self.request("HEAD", self.url("tags/list"))
+
+    def blob_exists(self, digest: str) -> bool:
+        resp = self.request("HEAD", self.url(f"blobs/{digest}"))
+        resp.close()
+        if resp.status_code not in (200, 404):
+            raise GpusnapError(f"registry {self.ref.registry}: HEAD blob {digest[:19]} "
+                               f"answered HTTP {resp.status_code}")
+        return resp.status_code == 200
+
+    def put_blob(self, digest: str, data: bytes) -> None:
+        """Upload one blob (POST, then one PUT or PATCH pieces + PUT).
+
+        A session that broke half way is restarted from the POST: its pieces
+        are a few MiB, cheaper to resend than to resume.
+        """
+        attempt = 0
+        while True:
+            try:
+                self._upload(digest, data)
+                return
+            except TransientError:
+                attempt += 1
+                if attempt >= self.opts.retries:
+                    raise
+                time.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
+
+    def _upload(self, digest: str, data: bytes) -> None:
+        octet = {"Content-Type": "application/octet-stream"}
+        start = self.request("POST", self.url("blobs/uploads/"), retry=False, ok=(202, 201),
+                             headers={"Content-Length": "0"})
+        if start.status_code == 201:
+            return
+        location = urljoin(self.url(""), start.headers["Location"])
+        if len(data) > UPLOAD_PIECE:
+            for off in range(0, len(data), UPLOAD_PIECE):
+                piece = data[off:off + UPLOAD_PIECE]
+                resp = self.request("PATCH", location, retry=False, data=piece, ok=(202,),
+                                    headers={**octet, "Content-Range": f"{off}-{off + len(piece) - 1}",
+                                             "Content-Length": str(len(piece))})
+                location = urljoin(location, resp.headers.get("Location", location))
+            data = b""
+        parts = urlsplit(location)
+        query = (parts.query + "&" if parts.query else "") + urlencode({"digest": digest})
+        self.request("PUT", urlunsplit(parts._replace(query=query)), retry=False, ok=(201,),
+                     data=data, headers={**octet, "Content-Length": str(len(data))})
+
+    def get_blob(self, digest: str, size: int) -> bytes:
+        """The blob's bytes, checked against ``digest``; at most ``size`` are read."""
+        attempt = 0
+        while True:
+            resp = self.request("GET", self.url(f"blobs/{digest}"), stream=True)
+            try:
+                if resp.status_code == 404:
+                    raise GpusnapError(f"registry {self.ref.registry} lacks blob {digest} of "
+                                       f"{self.ref}", "push the checkpoint again")
+                if resp.status_code != 200:
+                    raise GpusnapError(f"registry {self.ref.registry}: GET blob {digest[:19]}: "
+                                       f"{_registry_error(resp)}")
+                buf = bytearray()
+                for piece in resp.iter_content(1 << 20):
+                    buf += piece
+                    if len(buf) > size:
+                        break
+                break
+            except (self._exc.ConnectionError, self._exc.ChunkedEncodingError) as exc:
+                attempt += 1
+                if attempt >= self.opts.retries:
+                    raise self._unreachable(exc) from None
+                time.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
+            finally:
+                resp.close()
+        data = bytes(buf)
+        check_digest(data, digest, f"blob {digest} from {self.ref.registry}")
+        return data
+
+    def get_manifest(self, target: str | None = None) -> tuple[bytes, str, str]:
+        """(body, media type, digest) of the reference's manifest."""
+        target = target or self.ref.target
+        resp = self.request("GET", self.url(f"manifests/{target}"),
+                            headers={"Accept": ACCEPT_MANIFESTS})
+        if resp.status_code == 404:
+            what = "digest" if target.startswith("sha") else "tag"
+            raise GpusnapError(f"{self.ref}: no such {what} in {self.ref.registry}/"
+                               f"{self.ref.repository} ({_registry_error(resp)})",
+                               f"list the tags with `oras repo tags {self.ref.registry}/"
+                               f"{self.ref.repository}`")
+        if resp.status_code != 200:
+            raise GpusnapError(f"{self.ref}: {_registry_error(resp)}")
+        body = resp.content
+        if len(body) > MANIFEST_LIMIT:
+            raise GpusnapError(f"{self.ref}: manifest of {len(body)} bytes is too large")
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        if target.startswith("sha256:"):
+            check_digest(body, target, f"manifest {target} from {self.ref.registry}")
+        media = resp.headers.get("Content-Type", "").split(";")[0].strip()
+        return body, media, digest
+
+    def head_manifest(self, target: str) -> dict | None:
+        """A descriptor of a manifest in this repository, or None when it is not there."""
+        resp = self.request("HEAD", self.url(f"manifests/{target}"),
+                            headers={"Accept": ACCEPT_MANIFESTS})
+        resp.close()
+        if resp.status_code != 200:
+            return None
+        return {"mediaType": resp.headers.get("Content-Type", OCI_MANIFEST).split(";")[0],
+                "digest": resp.headers.get("Docker-Content-Digest", target),
+                "size": int(resp.headers.get("Content-Length", 0))}
+
+    def put_manifest(self, body: bytes, media_type: str, target: str) -> str:
+        resp = self.request("PUT", self.url(f"manifests/{target}"), data=body,
+                            headers={"Content-Type": media_type}, ok=(201, 200))
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        returned = resp.headers.get("Docker-Content-Digest")
+        if returned and returned != digest:
+            raise GpusnapError(f"registry {self.ref.registry} stored the manifest as {returned}, "
+                               f"expected {digest}")
+        return digest
+
+
+def check_digest(data: bytes, digest: str, what: str) -> None:
+    algo, _, expected = digest.partition(":")
+    if algo not in ("sha256", "sha512"):
+        raise GpusnapError(f"{what}: unsupported digest algorithm {algo!r}")
+    got = hashlib.new(algo, data).hexdigest()
+    if got != expected:
+        raise DigestMismatch(f"{what} does not match its digest (got {algo}:{got[:12]}...)",
+                             "the registry's copy is damaged: push the checkpoint again")

@@ -1,0 +1,167 @@
+"""Chunks to and from a registry, several in flight, memory bounded.
+
+Upload: hash the raw chunk, skip it when the registry already has its blob
+(a HEAD; the cache remembers which blob a raw chunk became, so unchanged
+memory is not even compressed again), else compress and upload.
+Download: cache or registry, blob digest checked, decompressed, raw digest
+checked, handed out in order. At most ``2 * workers`` chunks are held.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+from gpusnap.errors import GpusnapError
+from gpusnap.oci.bundle import Chunk
+from gpusnap.oci.cache import ChunkCache
+from gpusnap.oci.lazy import need
+from gpusnap.oci.registry import DigestMismatch, RegistryClient
+
+Progress = Callable[[int, int], None]  # (raw bytes done, bytes that crossed the network)
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Stats:
+    chunks: int = 0
+    chunks_transferred: int = 0
+    raw_bytes: int = 0
+    network_bytes: int = 0  # compressed bytes sent or fetched
+    cached_bytes: int = 0  # compressed bytes served by the local cache (pull)
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class _Pool:
+    def __init__(self, workers: int, progress: Progress | None) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpusnap-xfer")
+        self.lookahead = 2 * workers
+        self.stats = Stats()
+        self._lock = threading.Lock()
+        self._progress = progress
+        self._local = threading.local()
+
+    def _count(self, raw: int, network: int, cached: int = 0) -> None:
+        with self._lock:
+            self.stats.chunks += 1
+            self.stats.chunks_transferred += 1 if network else 0
+            self.stats.raw_bytes += raw
+            self.stats.network_bytes += network
+            self.stats.cached_bytes += cached
+        if self._progress:
+            self._progress(raw, network)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Uploader(_Pool):
+    def __init__(self, client: RegistryClient, cache: ChunkCache | None, level: int,
+                 workers: int, progress: Progress | None = None) -> None:
+        self._zstd = need("zstandard")
+        super().__init__(workers, progress)
+        self.client, self.cache, self.level = client, cache, level
+        self._slots = threading.BoundedSemaphore(self.lookahead)
+        self._present: set[str] = set()  # blobs known to be in the registry
+        self._error: BaseException | None = None
+
+    def submit(self, data: bytes) -> Future:
+        """Queue one chunk; blocks while 2 * workers are in flight. Future -> Chunk."""
+        if self._error is not None:
+            raise self._error
+        self._slots.acquire()
+        future = self.pool.submit(self._one, data)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future) -> None:
+        self._slots.release()
+        if not future.cancelled() and future.exception() is not None and self._error is None:
+            self._error = future.exception()
+
+    def _has(self, blob: str) -> bool:
+        if blob in self._present:
+            return True
+        if self.client.blob_exists(blob):
+            self._present.add(blob)
+            return True
+        return False
+
+    def _one(self, data: bytes) -> Chunk:
+        raw = sha256(data)
+        known = self.cache.blob_for(raw) if self.cache else None
+        if known and self._has(known[0]):
+            self._count(len(data), 0)
+            return Chunk(raw, len(data), known[0], known[1])
+        if not hasattr(self._local, "cctx"):  # a compressor is not thread-safe
+            self._local.cctx = self._zstd.ZstdCompressor(level=self.level, write_content_size=True)
+        blob = self._local.cctx.compress(data)
+        digest = sha256(blob)
+        sent = 0
+        if not self._has(digest):
+            self.client.put_blob(digest, blob)
+            self._present.add(digest)
+            sent = len(blob)
+        if self.cache:
+            self.cache.remember(raw, digest, len(blob))
+        self._count(len(data), sent)
+        return Chunk(raw, len(data), digest, len(blob))
+
+    def put_small(self, data: bytes) -> str:
+        """A blob stored as it is (the config), unless the registry has it."""
+        digest = sha256(data)
+        if not self._has(digest):
+            self.client.put_blob(digest, data)
+        return digest
+
+
+class Downloader(_Pool):
+    def __init__(self, client: RegistryClient, cache: ChunkCache | None, workers: int,
+                 progress: Progress | None = None) -> None:
+        self._zstd = need("zstandard")
+        super().__init__(workers, progress)
+        self.client, self.cache = client, cache
+
+    def _one(self, chunk: Chunk) -> bytes:
+        blob = self.cache.get_blob(chunk.blob) if self.cache else None
+        cached = blob is not None
+        if blob is None:
+            blob = self.client.get_blob(chunk.blob, chunk.blob_size)
+            if self.cache:
+                self.cache.put_blob(chunk.blob, blob)
+        if not hasattr(self._local, "dctx"):
+            self._local.dctx = self._zstd.ZstdDecompressor()
+        try:
+            raw = self._local.dctx.decompress(blob, max_output_size=chunk.size)
+        except self._zstd.ZstdError as exc:
+            raise GpusnapError(f"chunk {chunk.blob} of {self.client.ref} is not valid zstd "
+                               f"({exc})", "push the checkpoint again") from None
+        if len(raw) != chunk.size or sha256(raw) != chunk.digest:
+            raise DigestMismatch(f"chunk {chunk.digest} of {self.client.ref} does not match its "
+                                 "digest after decompression",
+                                 "the registry's copy is damaged: push the checkpoint again")
+        self._count(chunk.size, 0 if cached else len(blob), len(blob) if cached else 0)
+        return raw
+
+    def fetch(self, chunks: Iterable[Chunk]) -> Iterator[bytes]:
+        """The raw chunks' bytes, in order, each verified."""
+        pending: deque[Future] = deque()
+        try:
+            for chunk in chunks:
+                pending.append(self.pool.submit(self._one, chunk))
+                if len(pending) >= self.lookahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()

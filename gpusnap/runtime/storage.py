@@ -1,0 +1,52 @@
+"""Where checkpoint archives can be staged, and what Podman knows of an image."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from gpusnap.errors import GpusnapError
+
+
+def _podman(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["podman", *args], capture_output=True, text=True)
+
+
+def storage_root() -> Path | None:
+    """Podman's graph root (/var/lib/containers/storage for root), if Podman answers."""
+    if shutil.which("podman") is None:
+        return None
+    res = _podman("info", "--format", "{{.Store.GraphRoot}}")
+    root = res.stdout.strip()
+    return Path(root) if res.returncode == 0 and root else None
+
+
+def staging_dir(size: int) -> Path:
+    """A directory for an archive of ``size`` bytes: beside Podman's storage (the
+    import lands there anyway) or /var/tmp, whichever has more room; never /tmp,
+    often a small tmpfs."""
+    root = storage_root()
+    candidates = [c for c in (root.parent if root else None, Path("/var/tmp"))
+                  if c is not None and c.is_dir()]
+    best = max(candidates, key=lambda c: shutil.disk_usage(c).free)
+    free = shutil.disk_usage(best).free
+    if free < size:
+        raise GpusnapError(f"not enough disk space to stage a {size >> 20} MiB checkpoint "
+                           f"archive ({best} has {free >> 20} MiB free)",
+                           "free space beside Podman's storage or in /var/tmp")
+    return best
+
+
+def image_repo_digests(image: str) -> list[str]:
+    """NAME@sha256:... references under which a local image was pulled or pushed."""
+    if shutil.which("podman") is None:
+        return []
+    res = _podman("image", "inspect", image, "--format", "{{json .RepoDigests}}")
+    if res.returncode != 0:
+        return []
+    try:
+        return [d for d in json.loads(res.stdout.strip() or "[]") if "@" in d]
+    except ValueError:
+        return []
