@@ -7,14 +7,20 @@ from pathlib import Path
 import click
 
 from gpusnap import archive
-from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
+from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option, step
+from gpusnap.cli.registry_options import registry_options
 from gpusnap.errors import GpusnapError
+from gpusnap.oci import reference
 from gpusnap.runtime import podman
 
 
 def _human(r: dict) -> None:
     c = r["container"]
     console.print(f"[bold]{r['source']}[/]")
+    reg = r.get("registry")
+    if reg:
+        console.print(f"  registry: {reg['digest']}, pushed {reg['created']}, {reg['files']} files "
+                      f"in {reg['chunks']} chunks, {human_bytes(reg['stored_bytes'])} stored")
     console.print(f"  container: {c['name']} ({(c['id'] or '')[:12]}), image {c['image']}, "
                   f"runtime {r['runtime']}")
     crit = r["criu"]
@@ -40,13 +46,14 @@ def _human(r: dict) -> None:
 
 @click.command("inspect")
 @click.argument("source")
+@registry_options
 @json_option
 @handle_errors
-def inspect_cmd(source: str, as_json: bool) -> None:
+def inspect_cmd(source: str, registry, as_json: bool) -> None:
     """Show what a checkpoint holds: processes, sizes, GPUs, versions.
 
-    SOURCE is an exported archive, a checkpoint directory, or a checkpointed
-    container.
+    SOURCE is an exported archive, a checkpoint directory, a checkpointed
+    container, or a registry reference (only its manifest and config are read).
     """
     if Path(source).exists():
         contents = archive.read(source)
@@ -56,6 +63,13 @@ def inspect_cmd(source: str, as_json: bool) -> None:
             raise GpusnapError(f"container {ctr.name} has no checkpoint",
                                "checkpoint it with `gpusnap checkpoint`")
         contents = archive.read_directory(ctr.userdata)
+    elif reference.try_parse(source):
+        from gpusnap.ops import pull  # registry code: imported only when used
+
+        with step(f"Reading {source}...", as_json):
+            result = pull.inspect(source, registry())
+        emit(as_json, result, _human)
+        return
     else:
         raise GpusnapError(f"{source}: no such file, directory or container",
                            "pass an archive from `gpusnap checkpoint --export` or a checkpointed "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gpusnap import __version__
-from gpusnap.cli import checkpoint, doctor, freeze, gpus, inspect, restore
+from gpusnap.cli import checkpoint, doctor, freeze, gpus, inspect, migrate, pull, push, restore
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -22,13 +22,17 @@ def cli() -> None:
       gpusnap checkpoint CTR --export ctr.tar.zst   checkpoint (GPU memory included)
       gpusnap restore ctr.tar.zst                   restore it, here or on another host
       gpusnap inspect ctr.tar.zst                   what a checkpoint holds
+      gpusnap push CTR|FILE|DIR HOST/REPO:TAG       checkpoint into an OCI registry (chunked, deduplicated)
+      gpusnap pull HOST/REPO:TAG -o ctr.tar.zst     back into an archive
+      gpusnap restore HOST/REPO:TAG                 pull and restore in one go
+      gpusnap migrate CTR HOST/REPO:TAG             checkpoint + push; prints what to run on the target
       gpusnap freeze CTR / gpusnap thaw CTR         release GPU memory in place, take it back
       gpusnap gpus                                  this host's GPUs
       gpusnap doctor                                what this host is missing
     """
 
 
-for module in (checkpoint, restore, inspect, gpus, freeze, doctor):
+for module in (checkpoint, restore, inspect, push, pull, migrate, gpus, freeze, doctor):
     for command in module.COMMANDS:
         cli.add_command(command)
 

@@ -1,0 +1,67 @@
+"""gpusnap push"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import click
+
+from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
+from gpusnap.cli.registry_options import registry_options, transfer_progress
+from gpusnap.oci.registry import RegistryOptions
+
+
+def human_push(r: dict) -> None:
+    had = r["chunks"] - r["chunks_sent"]
+    console.print(f"[bold green]Pushed[/] {r['reference']} in {r['seconds']:.2f} s: "
+                  f"{r['files']} files, {human_bytes(r['bytes'])} in {r['chunks']} chunks; "
+                  f"sent {r['chunks_sent']} chunks ({human_bytes(r['bytes_sent'])} compressed)"
+                  + (f"; the other {had} were in the registry already or repeats" if had else ""))
+    console.print(f"  digest: {r['digest']}")
+    console.print(f"  restore with: gpusnap restore {r['pinned']}")
+
+
+def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_json: bool,
+             leave_running: bool, level: int) -> dict:
+    from gpusnap.ops import push as ops  # registry code: imported only when used
+
+    with transfer_progress(as_json, f"Pushing {source}") as bar:
+        def checkpointing(name: str) -> None:
+            bar.describe(f"Checkpointing {name}")
+
+        def pushing(total: int) -> None:
+            bar.describe(f"Pushing {source}")
+            bar.total(total)
+
+        return ops.push(source, ref, registry(), leave_running=leave_running, level=level,
+                        progress=bar.advance, total=pushing, on_checkpoint=checkpointing)
+
+
+def checkpoint_options(fn: Callable) -> Callable:
+    """Flags for a push that may checkpoint a container first (push, migrate)."""
+    fn = click.option("--compression-level", "level", default=3, show_default=True,
+                      type=click.IntRange(1, 19), help="zstd level of the chunks.")(fn)
+    return click.option("-R", "--leave-running", is_flag=True,
+                        help="A container is checkpointed first: keep it running "
+                             "(a copy, not a move).")(fn)
+
+
+@click.command("push")
+@click.argument("source")
+@click.argument("ref")
+@checkpoint_options
+@registry_options
+@json_option
+@handle_errors
+def push_cmd(source: str, ref: str, leave_running: bool, level: int,
+             registry: Callable[[], RegistryOptions], as_json: bool) -> None:
+    """Push a checkpoint to an OCI registry as REF (HOST[:PORT]/REPO:TAG).
+
+    SOURCE is an exported archive, a checkpoint directory, or a running
+    container (checkpointed first). Chunks the registry already has are not
+    sent again.
+    """
+    emit(as_json, run_push(source, ref, registry, as_json, leave_running, level), human_push)
+
+
+COMMANDS = [push_cmd]

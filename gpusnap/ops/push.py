@@ -1,0 +1,210 @@
+"""Push a checkpoint (archive, directory or running container) to an OCI registry."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from gpusnap import MANIFEST_NAME, archive
+from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
+from gpusnap.errors import GpusnapError
+from gpusnap.oci import bundle as fmt
+from gpusnap.oci import chunker, reference, tarfiles
+from gpusnap.oci.cache import ChunkCache
+from gpusnap.oci.registry import RegistryClient, RegistryOptions
+from gpusnap.oci.transfer import Progress, Uploader
+from gpusnap.runtime import podman
+from gpusnap.runtime.storage import image_repo_digests, staging_dir
+
+ZSTD_LEVEL = 3  # chunks cross a network: -3 is 5-10% smaller than -1 at ~1 GB/s per core
+WORKERS = 8
+# Chunk sizes grow with the file (about 256 chunks per file for fine dedup,
+# 4 MiB for big ones) and with the whole checkpoint past MAX_LAYERS * 4 MiB.
+_MIN_AVG, _MAX_AVG = 256 << 10, 4 << 20
+
+
+def chunk_params(file_size: int, scale: int) -> chunker.ChunkParams:
+    avg = _MIN_AVG
+    while avg < _MAX_AVG and avg * 256 < file_size:
+        avg *= 2
+    avg *= scale
+    return chunker.ChunkParams(avg // 4, avg, avg * 4)
+
+
+def layer_scale(estimated_bytes: int) -> int:
+    scale = 1
+    while estimated_bytes > fmt.MAX_LAYERS * _MAX_AVG * scale // 2:
+        scale *= 2
+    return scale
+
+
+@dataclass
+class PushSource:
+    kind: str  # archive, directory, container
+    path: Path
+    estimated_bytes: int  # decides the chunk scale
+    known_bytes: int | None = None  # for a progress bar, where it is known
+    container: str | None = None  # checkpointed by this push
+
+
+def _dir_size(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+@contextmanager
+def resolve_source(source: str, leave_running: bool,
+                   on_checkpoint: Callable[[str], None] | None = None) -> Iterator[PushSource]:
+    """SOURCE as a file stream; a container is checkpointed into a staged archive first."""
+    path = Path(source)
+    if path.is_dir():
+        size = _dir_size(path)
+        yield PushSource("directory", path, size, size)
+        return
+    if path.is_file():
+        yield PushSource("archive", path, path.stat().st_size * 4)  # zstd -1 of memory: ~2-4x
+        return
+    if not podman.exists(source):
+        raise GpusnapError(f"{source}: no such file, directory or container",
+                           "pass an exported archive, a checkpoint directory or a running "
+                           "container's name")
+    from gpusnap.ops import checkpoint as ops_checkpoint  # CRIU/GPU code, only when needed
+
+    work = Path(tempfile.mkdtemp(prefix=".gpusnap-push-", dir=staging_dir(0)))
+    export = work / "checkpoint.tar.zst"
+    stopped = False  # the container is down and this archive is all that is left of it
+    try:
+        plan = ops_checkpoint.plan(source, str(export), leave_running, False,
+                                   DEFAULT_LOCK_TIMEOUT_MS)
+        if on_checkpoint:
+            on_checkpoint(plan.container.name)
+        ops_checkpoint.run(plan)
+        stopped = not leave_running
+        yield PushSource("container", export, plan.estimate_bytes, plan.estimate_bytes,
+                         container=plan.container.name)
+    except (GpusnapError, KeyboardInterrupt) as exc:
+        if not stopped:
+            raise
+        what = "interrupted" if isinstance(exc, KeyboardInterrupt) else exc.message
+        raise GpusnapError(f"{what}; {source} is checkpointed and stopped, its checkpoint is "
+                           f"kept in {export}",
+                           f"`gpusnap push {export} REF` tries again (chunks already sent are "
+                           f"skipped); `podman rm {source}; gpusnap restore {export}` brings it "
+                           "back here",
+                           exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1) from None
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    finally:
+        if not stopped:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _entries(src: PushSource):
+    if src.kind == "directory":
+        @contextmanager
+        def walk():
+            yield tarfiles.directory_entries(src.path)
+        return walk()
+    return tarfiles.archive_entries(src.path)
+
+
+def _subject(client: RegistryClient, image: str | None) -> dict | None:
+    """The container image's manifest, when it lives in the repository we push to
+    (a referrers-aware registry then lists the checkpoint under its image)."""
+    if not image:
+        return None
+    for digest in image_repo_digests(image):
+        name, _, d = digest.partition("@")
+        if name == f"{client.ref.registry}/{client.ref.repository}":
+            found = client.head_manifest(d)  # Podman lists local digests too: ask
+            if found:
+                return found
+    return None
+
+
+def _upload_files(src: PushSource, uploader: Uploader, scale: int,
+                  label: str) -> tuple[list[fmt.FileEntry], archive.CheckpointContents]:
+    """Chunk and upload every file in archive order; keep the small metadata files
+    (config.dump, spec.dump, GPU manifest) for the summary."""
+    contents = archive.CheckpointContents(source=label)
+    files: list[tuple[fmt.FileEntry, list[Future]]] = []
+    with _entries(src) as entries:
+        for entry, data in entries:
+            futures = []
+            if data is not None:
+                contents.sizes[entry.path] = entry.size
+                keep = entry.path in archive.METADATA and entry.size <= 8 << 20
+                kept = bytearray()
+                for piece in chunker.split(data, chunk_params(entry.size, scale), entry.size):
+                    if keep:
+                        kept += piece
+                    futures.append(uploader.submit(piece))
+                if keep:
+                    contents.files[entry.path] = bytes(kept)
+            files.append((entry, futures))
+    for entry, futures in files:
+        entry.chunks = [f.result() for f in futures]
+    return [e for e, _ in files], contents
+
+
+def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bool = False,
+         level: int = ZSTD_LEVEL, workers: int = WORKERS, cache_root: Path | None = None,
+         progress: Progress | None = None, total: Callable[[int], None] | None = None,
+         on_checkpoint: Callable[[str], None] | None = None) -> dict:
+    ref = reference.parse(ref_text)
+    if ref.digest:
+        raise GpusnapError(f"{ref_text}: push to a tag, not a digest",
+                           "the digest is known only once the checkpoint is pushed")
+    client = RegistryClient(ref, opts, push=True)
+    client.ping()  # wrong credentials fail before a container is checkpointed
+    start = time.monotonic()
+    cache = ChunkCache.open(cache_root)
+    with resolve_source(source, leave_running, on_checkpoint) as src:
+        if total and src.known_bytes:
+            total(src.known_bytes)
+        scale = layer_scale(src.estimated_bytes)
+        uploader = Uploader(client, cache, level, workers, progress)
+        try:
+            files, contents = _upload_files(src, uploader, scale, str(ref))
+            if not contents.is_podman_checkpoint:
+                raise GpusnapError(f"{source} is not a Podman checkpoint (no spec.dump, "
+                                   "config.dump and checkpoint/ inside)",
+                                   "pass an export of `podman container checkpoint --export`, "
+                                   "its extracted directory or a container")
+            gpu = contents.json_file(MANIFEST_NAME) or contents.json_file(f"checkpoint/{MANIFEST_NAME}")
+            b = fmt.Bundle(files=files, summary=contents.summary(), gpu_manifest=gpu,
+                           chunking={"algorithm": chunker.ALGORITHM, "scale": scale,
+                                     "avg": "clamp(file size / 256, 256 KiB, 4 MiB) * scale",
+                                     "min": "avg / 4", "max": "avg * 4"},
+                           compression={"algorithm": "zstd", "level": level})
+            config = b.to_json()
+            config_digest = uploader.put_small(config)
+        finally:
+            uploader.close()
+        criu = None
+        if src.kind == "container":  # checkpointed here, by this CRIU
+            from gpusnap.criu.version import criu_version
+            criu = criu_version()
+        notes = fmt.annotations(b, criu, platform.machine())
+        image = (b.summary.get("container") or {}).get("image")
+        manifest = fmt.build_manifest(b, config_digest, len(config), notes, _subject(client, image))
+        digest = client.put_manifest(manifest, fmt.OCI_MANIFEST, ref.target)
+    if cache:
+        cache.prune()
+    seconds = time.monotonic() - start
+    stats = uploader.stats
+    return {"reference": str(ref), "digest": digest, "pinned": str(ref.with_digest(digest)),
+            "source": source, "source_kind": src.kind, "container": src.container,
+            "files": len(b.files), "bytes": b.total_bytes,
+            "chunks": stats.chunks, "layers": len(b.unique_blobs()),
+            "chunks_sent": stats.chunks_transferred, "bytes_sent": stats.network_bytes,
+            "bytes_stored": sum(b.unique_blobs().values()),
+            "seconds": round(seconds, 3),
+            "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
+            "gpu": b.summary.get("gpu") is not None, "annotations": notes}

@@ -1,0 +1,127 @@
+"""A real distribution registry (Debian's docker-registry) on loopback for the tests:
+storage in a temp dir, htpasswd (bcrypt) auth, TLS with a self-signed certificate
+for 127.0.0.1 and localhost, on a free port."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+USER = "gpusnap"
+PASSWORD = "s3cret-pass"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _htpasswd(user: str, password: str) -> str:
+    if shutil.which("htpasswd"):
+        return subprocess.run(["htpasswd", "-Bbn", user, password], capture_output=True,
+                              text=True, check=True).stdout.strip() + "\n"
+    import bcrypt  # apache2-utils missing: same $2y$ bcrypt line
+
+    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=10)).decode()
+    return f"{user}:{hashed.replace('$2b$', '$2y$', 1)}\n"
+
+
+def _certificate(d: Path) -> tuple[Path, Path]:
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   capture_output=True, check=True)
+    return cert, key
+
+
+@dataclass
+class Registry:
+    root: Path
+    port: int
+    ca: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def storage(self) -> Path:
+        return self.root / "storage"
+
+    def ref(self, name: str) -> str:
+        return f"{self.host}/{name}"
+
+    def blob_file(self, digest: str) -> Path:
+        hexd = digest.split(":")[1]
+        return self.storage / "docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+
+    def flags(self) -> list[str]:
+        """gpusnap's flags for this registry (password on stdin)."""
+        return ["--ca-file", str(self.ca), "--username", USER, "--password-stdin"]
+
+    def oras_flags(self) -> list[str]:
+        return ["--ca-file", str(self.ca), "--username", USER, "--password", PASSWORD]
+
+    def start(self) -> "Registry":
+        log = open(self.root / "registry.log", "ab")
+        self.proc = subprocess.Popen(["docker-registry", "serve", str(self.root / "config.yml")],
+                                     stdout=log, stderr=log, start_new_session=True)
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"https://{self.host}/v2/", context=ctx, timeout=2)
+                return self
+            except urllib.error.HTTPError as exc:
+                if exc.code == 401:  # up, and asking for the login
+                    return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"docker-registry did not start: {(self.root / 'registry.log').read_text()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def make_registry(root: Path, readonly: bool = False) -> Registry:
+    """Started; ``readonly`` refuses uploads (a push fails after its checks passed)."""
+    if shutil.which("docker-registry") is None:
+        raise RuntimeError("docker-registry is not installed (make deps)")
+    root.mkdir(parents=True, exist_ok=True)
+    cert, key = _certificate(root)
+    (root / "htpasswd").write_text(_htpasswd(USER, PASSWORD))
+    port = _free_port()
+    (root / "config.yml").write_text(f"""version: 0.1
+log: {{level: warn, accesslog: {{disabled: true}}}}
+storage:
+  filesystem: {{rootdirectory: {root / 'storage'}}}
+  delete: {{enabled: true}}
+  maintenance: {{readonly: {{enabled: {str(readonly).lower()}}}}}
+http:
+  addr: 127.0.0.1:{port}
+  secret: gpusnap-test-{port}
+  tls: {{certificate: {cert}, key: {key}}}
+auth:
+  htpasswd: {{realm: gpusnap-test, path: {root / 'htpasswd'}}}
+""")
+    return Registry(root, port, cert).start()
