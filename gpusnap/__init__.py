@@ -9,3 +9,7 @@ __version__ = "0.1.0"
 
 MANIFEST_NAME = "gpusnap-manifest.json"
 """File written into CRIU's image directory; it travels inside Podman exports."""
+
+PLAN_NAME = "gpusnap-plan.json"
+"""The GPU plan a remapping restore puts beside the manifest: the hook checks it,
+the CRIU action script hands its UUID pairs to the driver."""

@@ -107,10 +107,16 @@ def external_mount_keys(image_dir: str | Path) -> set[str]:
     return {e.ext_key for e in read_mounts(image_dir) if e.ext_key}
 
 
+def dev_tmpfs_name(entries: list[MountEntry]) -> str | None:
+    """The image file name of the container's /dev tmpfs, from the mount table."""
+    for entry in entries:
+        if entry.mountpoint == "/dev" and entry.fstype == FSTYPE_TMPFS:
+            return f"tmpfs-dev-{entry.root_dev}.tar.gz.img"
+    return None
+
+
 def dev_tmpfs_image(image_dir: str | Path) -> Path | None:
     """The tarball CRIU saved the container's /dev tmpfs in (device nodes included)."""
-    for entry in read_mounts(image_dir):
-        if entry.mountpoint == "/dev" and entry.fstype == FSTYPE_TMPFS:
-            path = Path(image_dir) / f"tmpfs-dev-{entry.root_dev}.tar.gz.img"
-            return path if path.exists() else None
-    return None
+    name = dev_tmpfs_name(read_mounts(image_dir))
+    path = Path(image_dir) / name if name else None
+    return path if path is not None and path.exists() else None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gpusnap import MANIFEST_NAME
 from gpusnap.errors import GpusnapError
+from gpusnap.gpu.drm import read_drm_nodes
 from gpusnap.gpu.inventory import GpuInfo, Inventory
 from gpusnap.procs import ProcessGpuUse
 
@@ -118,6 +119,20 @@ def host_facts() -> dict[str, str]:
             "arch": platform.machine()}
 
 
+def _gpu_entry(gpu: GpuInfo) -> dict:
+    entry = {k: v for k, v in asdict(gpu).items() if k != "memory_used"}
+    # The DRM nodes (nvidia-drm) a container may also have been given: a restore
+    # onto another GPU moves them too.
+    if gpu.pci_bus_id:
+        try:
+            drm = read_drm_nodes(gpu.pci_bus_id)
+        except ValueError:
+            drm = None
+        if drm is not None and (drm.card is not None or drm.render is not None):
+            entry["drm"] = drm.to_dict()
+    return entry
+
+
 def build(procs: list[ProcessGpuUse], inventory: Inventory, criu_version: str | None,
           quiesced_by: str) -> Manifest:
     """Describe ``procs`` as they are now: call before quiescing them."""
@@ -139,8 +154,7 @@ def build(procs: list[ProcessGpuUse], inventory: Inventory, criu_version: str | 
                     uuids.append(uuid)
         mprocs.append(ManifestProcess(pid=proc.pid, comm=proc.comm, gpus=uuids,
                                       gpu_memory=dict(memory)))
-    gpus = [{k: v for k, v in asdict(g).items() if k != "memory_used"}
-            for g in sorted(used.values(), key=lambda g: g.index)]
+    gpus = [_gpu_entry(g) for g in sorted(used.values(), key=lambda g: g.index)]
     return Manifest(gpus=gpus, processes=mprocs, driver_version=inventory.driver_version,
                     cuda_driver_version=inventory.cuda_driver_version,
                     criu_version=criu_version, quiesced_by=quiesced_by, host=host_facts(),

@@ -6,16 +6,19 @@ mid-checkpoint, Podman would hang for ever. This process outlives the CLI and
 ends when no process refers to the FIFO any more.
 
     python -m gpusnap.runtime.fifo_pump export FIFO PARTIAL LEVEL [HEAD]
-    python -m gpusnap.runtime.fifo_pump import FIFO ARCHIVE
+    python -m gpusnap.runtime.fifo_pump import FIFO ARCHIVE [RETARGET]
 
 export: FIFO -> (HEAD as a tar member, if the file exists then) -> zstd -T0
         -> PARTIAL. The exit status is zstd's. Renaming PARTIAL is the
         CLI's job, once Podman has succeeded: an orphaned pump leaves it.
-import: every open of FIFO gets a fresh `zstd -dc ARCHIVE` stream.
+import: every open of FIFO gets a fresh `zstd -dc ARCHIVE` stream, or with
+        RETARGET (JSON: remap and plan) the archive rewritten for other GPUs;
+        a rewrite that fails leaves its reason in RETARGET's folder, retarget.error.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,7 +116,22 @@ def _serve_one(fd: int, archive: str) -> None:
         zstd.wait()
 
 
-def serve(fifo: str, archive: str) -> int:
+def _serve_retargeted(fd: int, archive: str, retarget: str) -> None:
+    from gpusnap.errors import GpusnapError
+    from gpusnap.gpu.nodes import DeviceRemap
+    from gpusnap.runtime.retarget import rewrite_archive
+
+    spec = json.loads(Path(retarget).read_text())
+    try:
+        with os.fdopen(fd, "wb", buffering=_SPLICE) as out:
+            rewrite_archive(Path(archive), out, DeviceRemap.from_dict(spec["remap"]), spec.get("plan"))
+    except OSError:
+        pass  # the reader had what it wanted and closed its end
+    except GpusnapError as exc:
+        Path(retarget).with_name("retarget.error").write_text(exc.message)
+
+
+def serve(fifo: str, archive: str, retarget: str | None = None) -> int:
     while True:
         fd = os.open(fifo, os.O_WRONLY)  # returns once a reader opens it
         _widen(fd)
@@ -124,7 +142,11 @@ def serve(fifo: str, archive: str) -> int:
         fresh = f"{fifo}.next"
         os.mkfifo(fresh, 0o600)
         os.replace(fresh, fifo)
-        threading.Thread(target=_serve_one, args=(fd, archive), daemon=True).start()
+        if retarget:
+            threading.Thread(target=_serve_retargeted, args=(fd, archive, retarget),
+                             daemon=True).start()
+        else:
+            threading.Thread(target=_serve_one, args=(fd, archive), daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
@@ -135,7 +157,7 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watchdog, args=(fifo, parent), daemon=True).start()
     if mode == "export":
         return export(fifo, argv[2], argv[3], argv[4] if len(argv) > 4 else None)
-    return serve(fifo, argv[2])
+    return serve(fifo, argv[2], argv[3] if len(argv) > 3 else None)
 
 
 if __name__ == "__main__":

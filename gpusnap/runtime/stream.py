@@ -17,6 +17,7 @@ partial file that is renamed only when every byte is in.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -116,15 +117,32 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
 
 
 @contextmanager
-def import_fifo(src: Path, near: Path | None = None) -> Iterator[Path]:
-    """Yield a path Podman can `restore --import`: a FIFO for zstd archives, else src."""
-    if not is_zstd(src) or shutil.which("zstd") is None:
+def import_fifo(src: Path, near: Path | None = None,
+                retarget: dict | None = None) -> Iterator[Path]:
+    """Yield a path Podman can `restore --import`: a FIFO for zstd archives, else src.
+
+    ``retarget`` ({"remap": DeviceRemap dict, "plan": Plan dict}) always goes
+    through the FIFO: every reader gets the archive rewritten for other GPUs
+    (runtime/retarget.py). A rewrite that failed leaves its reason in
+    GpusnapError raised on leaving, when Podman has failed too.
+    """
+    if retarget is None and (not is_zstd(src) or shutil.which("zstd") is None):
         yield src  # Podman reads it itself, slower
         return
     work, fifo = _fifo_dir(near or Path(tempfile.gettempdir()))
-    server = _pump("import", str(fifo), str(src.absolute()))
+    args = ["import", str(fifo), str(src.absolute())]
+    if retarget is not None:
+        (work / "retarget.json").write_text(json.dumps(retarget))
+        args.append(str(work / "retarget.json"))
+    server = _pump(*args)
     try:
         yield fifo
+    except GpusnapError as exc:
+        failed = (work / "retarget.error").read_text().strip() \
+            if (work / "retarget.error").exists() else ""
+        if failed:
+            raise GpusnapError(f"{exc.message} ({failed})", exc.hint) from None
+        raise
     finally:
         _stop(server)
         shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,76 @@
+"""The import stream rewritten for other devices, through real Podman, runc and CRIU.
+
+No GPU here, so a CPU device stands in: the container gets /dev/full (1:7) and
+is restored with that node moved to 1:5 (/dev/zero's numbers) at the same
+path: the spec, Podman's config and CRIU's /dev image must all agree, or runc's
+device cgroup or the restored node would still say 1:7.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from gpusnap import PLAN_NAME
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.nodes import DeviceRemap, NodeChange
+from gpusnap.runtime.retarget import rewrite_archive
+from tests.conftest import COUNTER, DEMO_IMAGE, gpusnap_json, podman, read_counter, wait_counter
+
+FULL_TO_ZERO = DeviceRemap(nodes=(NodeChange("/dev/full", "/dev/full", (1, 7), (1, 5)),),
+                           container_paths="keep")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_restore_from_a_retargeted_stream_moves_the_device(name, tmp_path):
+    podman("run", "-d", "--name", name, "--network", "none", "--device", "/dev/full",
+           DEMO_IMAGE, "sh", "-c", COUNTER)
+    wait_counter(name, 3)
+    assert podman("exec", name, "sh", "-c", "echo x > /dev/full", check=False).returncode != 0
+    archive = tmp_path / "c.tar.zst"
+    gpusnap_json("checkpoint", name, "--export", str(archive))
+    before = _sha(archive)
+    podman("rm", "-f", "-t", "0", name)
+
+    moved = tmp_path / "moved.tar"
+    plan = {"moves": [], "note": "travels beside the manifest"}
+    with open(moved, "wb") as out:
+        rewrite_archive(archive, out, FULL_TO_ZERO, plan)
+    with tarfile.open(moved) as tar:
+        names = tar.getnames()
+    assert f"checkpoint/{PLAN_NAME}" in names
+    assert names.index(f"checkpoint/{PLAN_NAME}") < names.index("checkpoint/inventory.img")
+
+    podman("container", "restore", "--import", str(moved))
+    count = wait_counter(name, 0)
+    listing = podman("exec", name, "ls", "-l", "/dev/full").stdout  # crw-rw-rw- ... 1,   5 ...
+    assert listing.startswith("c") and listing.split()[4:6] == ["1,", "5"], listing
+    # 1:5 is a zero device: writes succeed where /dev/full's fail
+    podman("exec", name, "sh", "-c", "echo x > /dev/full")
+    wait_counter(name, count)
+    assert read_counter(name) > count
+    assert _sha(archive) == before  # the export itself is never edited
+
+
+def test_a_remap_that_cannot_be_applied_fails_without_a_valid_looking_stream(name, tmp_path):
+    podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c", COUNTER)
+    wait_counter(name, 3)
+    archive = tmp_path / "c.tar.zst"
+    gpusnap_json("checkpoint", name, "--export", str(archive), "--leave-running")
+    # /dev/null renamed onto the /dev/zero the container already has.
+    clash = DeviceRemap(nodes=(NodeChange("/dev/null", "/dev/zero", (1, 3), (1, 5)),))
+    cut = tmp_path / "x.tar"
+    with open(cut, "wb") as out:
+        with pytest.raises(GpusnapError) as failed:
+            rewrite_archive(archive, out, clash, None)
+    assert "cannot move the devices in checkpoint/tmpfs-dev-" in failed.value.message
+    assert "/dev/zero twice" in failed.value.message
+    with pytest.raises(tarfile.ReadError):  # no end marker: a reader sees it is cut
+        with tarfile.open(cut) as tar:
+            tar.getmembers()
