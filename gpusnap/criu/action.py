@@ -17,11 +17,13 @@ Containers without CUDA processes are left exactly as CRIU would treat them.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from gpusnap import journal, requests
+from gpusnap import PLAN_NAME, journal, requests
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
@@ -95,10 +97,25 @@ def post_resume(init_pid: int, image_dir: str) -> None:
     manifest = gpu_manifest.read(image_dir)
     if manifest is not None and manifest.quiesced_by == "criu-cuda-plugin":
         return  # CRIU's plugin brings them back itself
+    pairs = _gpu_pairs(image_dir)
     timing = Timing()
-    changed = resume(_driver(), [p.pid for p in procs], timing=timing)
+    changed = resume(_driver(), [p.pid for p in procs], pairs, timing=timing)
     if changed:
-        journal.record("resumed", init_pid=init_pid, pids=changed, timing=timing.phases)
+        journal.record("resumed", init_pid=init_pid, pids=changed, timing=timing.phases,
+                       remapped=bool(pairs))
+
+
+def _gpu_pairs(image_dir: str) -> list[tuple[str, str]] | None:
+    """The driver's (old UUID, new UUID) pairs when `gpusnap restore` moved the GPUs."""
+    path = Path(image_dir) / PLAN_NAME
+    if not path.exists():
+        return None
+    from gpusnap.gpu.plan import Plan
+
+    try:
+        return Plan.from_dict(json.loads(path.read_text())).driver_pairs()
+    except (ValueError, KeyError, TypeError) as exc:
+        raise GpusnapError(f"{path} is not a GPU plan gpusnap can read ({exc})") from None
 
 
 def _run(action: str) -> int:

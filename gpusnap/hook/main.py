@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from gpusnap import MANIFEST_NAME, journal
+from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 
 STAGES = ("prestart", "poststop")
 _GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
@@ -47,12 +47,22 @@ def record_assignment(container_id: str, devices: list[dict]) -> Path:
 
 
 def validate_restore(manifest_path: Path) -> list[str]:
+    """Problems with restoring here; with a plan beside the manifest (a remapping
+    `gpusnap restore`), its target GPUs are checked as the plan pinned them."""
     from gpusnap.gpu.compat import restore_problems
     from gpusnap.gpu.inventory import read_inventory
     from gpusnap.gpu.manifest import Manifest
 
     manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
-    return restore_problems(manifest, read_inventory())
+    plan_path = manifest_path.with_name(PLAN_NAME)
+    if not plan_path.exists():
+        return restore_problems(manifest, read_inventory())
+    from gpusnap.gpu.plan import Plan
+    from gpusnap.ops.gpu_plan import pinned_map
+
+    plan = Plan.from_dict(json.loads(plan_path.read_text()))
+    return restore_problems(manifest, read_inventory(), remap=True, gpu_map=pinned_map(plan),
+                            skip=frozenset(p.check for p in plan.overridden))
 
 
 def forget_assignment(container_id: str) -> None:

@@ -125,38 +125,39 @@ def pull(ref_text: str, output: str | None, opts: RegistryOptions, **kw) -> dict
     return write_archive(remote, out, **kw)
 
 
-def _restore_checks(remote: Remote, name: str | None) -> None:
-    """What restore would refuse, refused before gigabytes are downloaded."""
+def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_run: bool):
+    """What restore would refuse, refused before gigabytes are downloaded; the GPU plan."""
     target = name or (remote.bundle.summary.get("container") or {}).get("name")
-    if target and podman.exists(target):
+    if target and podman.exists(target) and not dry_run:
         raise GpusnapError(f"a container named {target} already exists",
                            f"remove it (`podman rm {target}`) or restore with --name NEW")
-    if remote.bundle.gpu_manifest:
-        from gpusnap.gpu.compat import restore_problems
-        from gpusnap.gpu.inventory import read_inventory
-        from gpusnap.gpu.manifest import Manifest
+    from gpusnap.gpu.manifest import Manifest
+    from gpusnap.ops.gpu_plan import plan_here
 
-        problems = restore_problems(Manifest.from_dict(remote.bundle.gpu_manifest), read_inventory())
-        if problems:
-            raise GpusnapError("cannot restore here: " + "; ".join(problems),
-                               "restore on a host with the checkpoint's GPUs (`gpusnap inspect "
-                               "REF` lists them); nothing was downloaded")
+    manifest = remote.bundle.gpu_manifest
+    return plan_here(Manifest.from_dict(manifest) if manifest else None, gpu_map,
+                     refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
+                                  "inspect REF` lists them), or name targets with --gpu-map; "
+                                  "nothing was downloaded")
 
 
 def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
-            opts: RegistryOptions, **kw) -> dict:
+            opts: RegistryOptions, gpu_map: str | None = None, dry_run: bool = False,
+            **kw) -> dict:
     """Pull into a staged plain tar (no compression round trip), restore it, drop it."""
     from gpusnap.ops import restore as ops_restore
 
     remote = open_remote(ref_text, opts)
-    _restore_checks(remote, name)
+    plan = _restore_checks(remote, name, gpu_map, dry_run)
+    if dry_run:
+        return ops_restore.plan_report(str(remote.client.ref), plan)
     work = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-",
                                  dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
     try:
         archive = work / "checkpoint.tar"
         pulled = write_archive(remote, archive, **kw)
         try:
-            result = ops_restore.run(str(archive), name, keep, tcp_established)
+            result = ops_restore.run(str(archive), name, keep, tcp_established, gpu_map=gpu_map)
         except GpusnapError as exc:
             raise GpusnapError(exc.message.replace(str(archive), str(remote.client.ref)),
                                exc.hint) from None

@@ -8,9 +8,10 @@ from pathlib import Path
 from gpusnap import archive, journal
 from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.compat import restore_problems
 from gpusnap.gpu.cuda import ProcessState
-from gpusnap.gpu.inventory import read_inventory
+from gpusnap.gpu.plan import Plan
+from gpusnap.oci.spec import SpecError, rewrite_config_dump, rewrite_spec
+from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.procs import cuda_processes
@@ -18,25 +19,51 @@ from gpusnap.runtime import podman
 from gpusnap.runtime.stream import import_fifo
 
 
-def _checks(contents: archive.CheckpointContents) -> None:
+_NOT_HERE = ("restore on a host with GPUs like the checkpoint's (`gpusnap inspect` lists them, "
+             "`gpusnap gpus` this host's), or name targets with --gpu-map; nothing was changed")
+
+
+def _plan(contents: archive.CheckpointContents, gpu_map: str | None, remap: bool) -> Plan:
     require_supported("restore")
-    problems = restore_problems(contents.manifest, read_inventory())
-    if problems:
-        raise GpusnapError("cannot restore here: " + "; ".join(problems),
-                           "restore on a host with the checkpoint's GPUs (`gpusnap inspect` "
-                           "lists them); nothing was changed")
+    return plan_here(contents.manifest, gpu_map, remap=remap, refusal_hint=_NOT_HERE)
 
 
-def run(source: str, name: str | None, keep: bool, tcp_established: bool) -> dict:
+def _retarget(contents: archive.CheckpointContents, plan: Plan) -> dict | None:
+    """What the import stream needs to move the devices, checked on the spec now
+    (before Podman is called) so a spec that cannot be moved is refused up front."""
+    if not plan.needs_remap:
+        return None
+    for name, rewrite in (("spec.dump", rewrite_spec), ("config.dump", rewrite_config_dump)):
+        data = contents.json_file(name)
+        if data is None:
+            raise GpusnapError(f"{contents.source} has no {name}; its devices cannot be moved")
+        try:
+            rewrite(data, plan.remap)
+        except SpecError as exc:
+            raise GpusnapError(f"cannot move the container's GPUs: {exc}",
+                               "nothing was changed; `gpusnap restore --dry-run` shows the plan")
+    return {"remap": plan.remap.to_dict(), "plan": plan.to_dict()}
+
+
+def plan_report(source: str, plan: Plan) -> dict:
+    return {"source": source, "dry_run": True, "remap": plan.needs_remap,
+            "moves": plan.describe(), "plan": plan.to_dict()}
+
+
+def run(source: str, name: str | None, keep: bool, tcp_established: bool,
+        gpu_map: str | None = None, dry_run: bool = False) -> dict:
     path = Path(source)
+    retarget = None
     if path.exists():
         contents = archive.read(str(path), head_only=True)
         config = contents.json_file("config.dump") or {}
         target = name or config.get("name")
-        if target and podman.exists(target):
+        if target and podman.exists(target) and not dry_run:
             raise GpusnapError(f"a container named {target} already exists",
                                f"remove it (`podman rm {target}`) or restore with --name NEW")
-        _checks(contents)
+        plan = _plan(contents, gpu_map, remap=True)
+        if not dry_run:
+            retarget = _retarget(contents, plan)
         archive_mode = True
     elif podman.exists(source):
         ctr = podman.inspect(source)
@@ -47,8 +74,13 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool) -> dic
                                "checkpoint it first with `gpusnap checkpoint`")
         if name:
             raise GpusnapError("--name applies only when restoring from an archive")
+        if gpu_map:
+            raise GpusnapError("--gpu-map applies only when restoring from an archive: "
+                               "Podman keeps a local checkpoint's devices in its database",
+                               f"export it (`gpusnap checkpoint {ctr.name} --export FILE`) "
+                               "and restore the file")
         contents = archive.read_directory(ctr.userdata)
-        _checks(contents)
+        plan = _plan(contents, None, remap=False)
         archive_mode = False
     elif "/" in source or source.endswith((".tar", ".zst", ".gz")):
         raise GpusnapError(f"no such file: {source}", "check the path of the exported archive")
@@ -56,10 +88,12 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool) -> dic
         raise GpusnapError(f"{source} is neither a checkpoint archive nor a container",
                            "pass a file from `gpusnap checkpoint --export` or a checkpointed "
                            "container's name (`podman ps -a`)")
+    if dry_run:
+        return plan_report(source, plan)
     start = time.monotonic()
     if archive_mode:
         try:
-            with import_fifo(path.absolute()) as src:
+            with import_fifo(path.absolute(), retarget=retarget) as src:
                 podman.restore(str(src), archive=True, name=name, keep=keep,
                                tcp_established=tcp_established)
         except GpusnapError as exc:
@@ -73,9 +107,14 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool) -> dic
     target = name or (contents.json_file("config.dump") or {}).get("name") or source
     ctr = podman.inspect(target)
     gpu = _gpu_report(ctr.pid)
-    journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3))
-    return {"container": {"id": ctr.id, "name": ctr.name, "status": ctr.status},
-            "source": source, "seconds": round(seconds, 3), "gpu_processes": gpu}
+    journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),
+                   moves=plan.describe() if plan.needs_remap else None)
+    result = {"container": {"id": ctr.id, "name": ctr.name, "status": ctr.status},
+              "source": source, "seconds": round(seconds, 3), "gpu_processes": gpu}
+    if plan.moves:
+        result["gpus"] = [{"from": m.source.to_dict(), "to": m.target.to_dict(),
+                           "why": list(m.reasons)} for m in plan.moves]
+    return result
 
 
 def _drop_half_restored(name: str | None) -> None:

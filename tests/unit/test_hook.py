@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap import MANIFEST_NAME, journal
+from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 from gpusnap.gpu import inventory as inventory_module
-from gpusnap.gpu.inventory import Inventory
+from gpusnap.gpu.gpumap import parse_gpu_map
+from gpusnap.gpu.inventory import GpuInfo, Inventory
 from gpusnap.gpu.manifest import SCHEMA
 from gpusnap.hook import main as hook
 from tests.unit.fakes import UUID0, UUID1, gpu, inventory
@@ -250,3 +251,43 @@ def test_hook_process_exits_1_when_it_refuses_a_restore(tmp_path):
     assert res.returncode == 1
     assert res.stderr.startswith("gpusnap: cannot restore here: ")
     assert "Traceback" not in res.stderr
+
+
+# --- restore with a GPU plan (gpusnap restore onto other GPUs) ------------------------------
+
+def _plan_to(target: GpuInfo, source: GpuInfo) -> dict:
+    from gpusnap.gpu.plan import plan_restore
+    from tests.unit.test_plan import manifest as plan_manifest
+
+    plan = plan_restore(plan_manifest(source), inventory(source, target),
+                        gpu_map=parse_gpu_map(f"{source.index}={target.index}"))
+    assert not isinstance(plan, list), plan
+    return plan.to_dict()
+
+
+def test_restore_with_a_plan_checks_the_plans_targets(tmp_path, state_dir, monkeypatch):
+    g0, g1 = gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1)
+    plan = _plan_to(g1, g0)
+    # GPU 0 is full now: without the plan the restore would be refused, with it GPU 1 takes it.
+    inv = inventory(gpu(0, UUID0, minor=0, memory_used=80 << 30), g1)
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inv)
+    man = manifest_for(UUID0)
+    man["gpus"][0].update(minor=0, memory_total=80 << 30, compute_capability="9.0",
+                          pci_bus_id=g0.pci_bus_id)
+    man["processes"] = [{"pid": 7, "comm": "train", "gpus": [UUID0], "gpu_memory": {UUID0: 8 << 30}}]
+    b = bundle(tmp_path, [dev("/dev/nvidia1", 1)], man)
+    (b / "checkpoint" / PLAN_NAME).write_text(json.dumps(plan))
+    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 0
+    (b / "checkpoint" / PLAN_NAME).unlink()
+    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+
+
+def test_restore_with_a_plan_whose_target_is_gone_is_refused(tmp_path, state_dir, monkeypatch,
+                                                             capsys):
+    g0, g1 = gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1)
+    plan = _plan_to(g1, g0)
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inventory(g0))
+    b = bundle(tmp_path, [dev("/dev/nvidia1", 1)], manifest_for(UUID0))
+    (b / "checkpoint" / PLAN_NAME).write_text(json.dumps(plan))
+    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+    assert UUID1 in capsys.readouterr().err
