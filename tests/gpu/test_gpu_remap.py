@@ -8,6 +8,8 @@ the driver given the GPU UUID pairs.
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -69,9 +71,19 @@ def on_gpu0(tmp_path):
     ctr.remove()
 
 
+def _evidence(label: str) -> None:
+    """nvidia-smi as a user would read it, kept with the run's logs."""
+    logs = os.environ.get("GPUSNAP_TEST_LOGS")
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        out = subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout
+        (Path(logs) / f"nvidia-smi-{label}.txt").write_text(out)
+
+
 def _restored_on_gpu1(ctr, its, used1_before: int) -> None:
     ctr.wait_running(above=its)
     ctr.verify()
+    _evidence(ctr.name)
     assert harness.gpu_memory_used(1) - used1_before >= 2 * GIB
     # The container's node follows the host's numbering: libcuda opens /dev/nvidia<minor>.
     assert _dev_nodes(ctr.name) == {"nvidia1"}
