@@ -14,6 +14,8 @@ from pathlib import Path
 from gpusnap.runtime.stream import ZSTD_MAGIC
 
 GZIP_MAGIC = b"\x1f\x8b"
+# tarfile's stream default is 10 KiB reads: far too many for gigabytes of CRIU pages.
+_BUFFER = 1 << 20
 
 
 class DamagedStream(Exception):
@@ -31,7 +33,7 @@ class TarStream:
             self._proc = subprocess.Popen(["zstd", "-dcq", str(path)], stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE)
             try:
-                self.tar = tarfile.open(fileobj=self._proc.stdout, mode="r|")
+                self.tar = tarfile.open(fileobj=self._proc.stdout, mode="r|", bufsize=_BUFFER)
             except tarfile.TarError:
                 self._proc.stdout.close()
                 err = self._proc.stderr.read().decode(errors="replace").strip()
@@ -39,7 +41,8 @@ class TarStream:
                     raise DamagedStream(err or "zstd failed") from None
                 raise
         else:
-            self.tar = tarfile.open(path, mode="r|gz" if magic.startswith(GZIP_MAGIC) else "r|")
+            self.tar = tarfile.open(path, mode="r|gz" if magic.startswith(GZIP_MAGIC) else "r|",
+                                    bufsize=_BUFFER)
 
     def close(self, read_to_end: bool) -> str | None:
         """Close; returns the decompressor's complaint when the stream was read

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpusnap import PLAN_NAME, journal, requests
+from gpusnap import MANIFEST_NAME, PLAN_NAME, journal, requests
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
@@ -90,14 +90,33 @@ def _start_guardian(criu_pid: int, pids: list[int]) -> None:
                      stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
 
 
-def post_resume(init_pid: int, image_dir: str) -> None:
+def pre_restore(image_dir: str, criu_pid: int) -> None:
+    """Keep the manifest and the GPU plan for post-resume: by then CRIU has
+    closed its image directory (CRTOOLS_IMAGE_DIR names a /proc fd of it)."""
+    if not image_dir:
+        return
+    folder = Path(image_dir)
+    kept = {name: (folder / name).read_text() for name in (MANIFEST_NAME, PLAN_NAME)
+            if (folder / name).exists()}
+    if kept:
+        _restore_state(criu_pid).write_text(json.dumps(kept))
+
+
+def _restore_state(criu_pid: int) -> Path:
+    return _marker_dir() / f"{criu_pid}-restore.json"
+
+
+def post_resume(init_pid: int, criu_pid: int) -> None:
     procs = cuda_processes(init_pid)
+    state = _restore_state(criu_pid)
+    kept = json.loads(state.read_text()) if state.exists() else {}
     if not procs:
         return
-    manifest = gpu_manifest.read(image_dir)
+    manifest = gpu_manifest.Manifest.from_dict(json.loads(kept[MANIFEST_NAME])) \
+        if MANIFEST_NAME in kept else None
     if manifest is not None and manifest.quiesced_by == "criu-cuda-plugin":
         return  # CRIU's plugin brings them back itself
-    pairs = _gpu_pairs(image_dir)
+    pairs = _gpu_pairs(kept.get(PLAN_NAME))
     timing = Timing()
     changed = resume(_driver(), [p.pid for p in procs], pairs, timing=timing)
     if changed:
@@ -105,27 +124,34 @@ def post_resume(init_pid: int, image_dir: str) -> None:
                        remapped=bool(pairs))
 
 
-def _gpu_pairs(image_dir: str) -> list[tuple[str, str]] | None:
+def _gpu_pairs(plan_text: str | None) -> list[tuple[str, str]] | None:
     """The driver's (old UUID, new UUID) pairs when `gpusnap restore` moved the GPUs."""
-    path = Path(image_dir) / PLAN_NAME
-    if not path.exists():
+    if plan_text is None:
         return None
     from gpusnap.gpu.plan import Plan
 
     try:
-        return Plan.from_dict(json.loads(path.read_text())).driver_pairs()
+        return Plan.from_dict(json.loads(plan_text)).driver_pairs()
     except (ValueError, KeyError, TypeError) as exc:
-        raise GpusnapError(f"{path} is not a GPU plan gpusnap can read ({exc})") from None
+        raise GpusnapError(f"the checkpoint's {PLAN_NAME} is not a GPU plan gpusnap can read "
+                           f"({exc})") from None
 
 
 def _run(action: str) -> int:
+    if action == "pre-restore":
+        # Only keeps files for later: never the reason a restore fails.
+        try:
+            pre_restore(os.environ.get("CRTOOLS_IMAGE_DIR", ""), os.getppid())
+        except (OSError, ValueError) as exc:
+            journal.record("failed", action=action, error=str(exc))
+        return 0
     try:
         init_pid = int(os.environ["CRTOOLS_INIT_PID"])
         image_dir = os.environ["CRTOOLS_IMAGE_DIR"]
         if action == "pre-dump":
             pre_dump(init_pid, image_dir, os.getppid())
         else:
-            post_resume(init_pid, image_dir)
+            post_resume(init_pid, os.getppid())
     except (GpusnapError, QuiesceError) as exc:
         journal.record("failed", action=action, init_pid=os.environ.get("CRTOOLS_INIT_PID"),
                        error=str(exc))
@@ -151,7 +177,7 @@ def main() -> int:
     the first one's answer (a failed lock must not be retried with defaults).
     """
     action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
-    if action not in ("pre-dump", "post-resume"):
+    if action not in ("pre-dump", "pre-restore", "post-resume"):
         return 0
     criu_pid = os.getppid()
     folder = _marker_dir()

@@ -123,12 +123,13 @@ def _serve_retargeted(fd: int, archive: str, retarget: str) -> None:
 
     spec = json.loads(Path(retarget).read_text())
     try:
-        with os.fdopen(fd, "wb", buffering=_SPLICE) as out:
-            rewrite_archive(Path(archive), out, DeviceRemap.from_dict(spec["remap"]), spec.get("plan"))
+        rewrite_archive(Path(archive), fd, DeviceRemap.from_dict(spec["remap"]), spec.get("plan"))
     except OSError:
         pass  # the reader had what it wanted and closed its end
     except GpusnapError as exc:
         Path(retarget).with_name("retarget.error").write_text(exc.message)
+    finally:
+        os.close(fd)
 
 
 def serve(fifo: str, archive: str, retarget: str | None = None) -> int:

@@ -8,7 +8,6 @@ runc declared), and the GPU device nodes are passed with --device.
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import tempfile
@@ -126,6 +125,26 @@ def start(nproc: int = 1, gib: float = 2.0, gpus: list[int] | None = None,
         logs = _sh("podman", "logs", name, check=False)
         ctr.remove()
         raise AssertionError(f"CUDA container did not start: {logs.stdout[-2000:]}{logs.stderr[-2000:]}")
+    return ctr
+
+
+def hold_memory(gpu: int, gib: float) -> CudaContainer:
+    """A container that only holds ``gib`` GiB on ``gpu`` (uninitialised: quick even
+    for nearly all of an H200), to make that GPU too full for a restore."""
+    name = f"gpusnap-hog-{uuid.uuid4().hex[:8]}"
+    status = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/var/tmp"))
+    hold = (f"import torch, time; x = torch.empty({int(gib * (1 << 30))}, dtype=torch.uint8, "
+            "device='cuda'); open('/status/w0', 'w').write('1 ok'); time.sleep(1e6)")
+    _sh("podman", "run", "-d", "--name", name, "--network", "none", *gpu_device_args([gpu]),
+        *mount_args(), "-v", f"{status}:/status",
+        "-e", f"LD_LIBRARY_PATH={DRIVER_DIR}/lib64:{DRIVER_DIR}/lib", IMAGE, PYTHON, "-c", hold)
+    ctr = CudaContainer(name, status, 1)
+    try:
+        ctr.wait_running()
+    except AssertionError:
+        logs = _sh("podman", "logs", name, check=False)
+        ctr.remove()
+        raise AssertionError(f"memory holder did not start: {logs.stderr[-2000:]}")
     return ctr
 
 

@@ -64,7 +64,7 @@ def on_gpu0(tmp_path):
     """A CUDA container on GPU 0 (2 GiB), checkpointed, exported and removed."""
     ctr = harness.start(nproc=1, gib=2.0, gpus=[0])
     archive = tmp_path / "gpu0.tar.zst"
-    podman("container", "checkpoint", "--export", str(archive), ctr.name)
+    gpusnap_json("checkpoint", ctr.name, "--export", str(archive))  # Podman's export, faster
     its = ctr.iterations()
     podman("rm", ctr.name)
     yield ctr, archive, its
@@ -91,7 +91,7 @@ def _restored_on_gpu1(ctr, its, used1_before: int) -> None:
 
 def test_restore_while_gpu0_is_taken_moves_to_gpu1(on_gpu0):
     ctr, archive, its = on_gpu0
-    hog = harness.start(nproc=1, gib=max(_free(0) / GIB - 1.5, 1.0), gpus=[0])
+    hog = harness.hold_memory(0, max(_free(0) / GIB - 1.5, 1.0))
     try:
         plan = gpusnap_json("restore", str(archive), "--dry-run")
         assert plan["remap"] and "GPU 0 (" in plan["moves"][0] and "-> GPU 1 (" in plan["moves"][0]

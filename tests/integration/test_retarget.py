@@ -9,6 +9,7 @@ device cgroup or the restored node would still say 1:7.
 from __future__ import annotations
 
 import hashlib
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def test_restore_from_a_retargeted_stream_moves_the_device(name, tmp_path):
     moved = tmp_path / "moved.tar"
     plan = {"moves": [], "note": "travels beside the manifest"}
     with open(moved, "wb") as out:
-        rewrite_archive(archive, out, FULL_TO_ZERO, plan)
+        rewrite_archive(archive, out.fileno(), FULL_TO_ZERO, plan)
     with tarfile.open(moved) as tar:
         names = tar.getnames()
     assert f"checkpoint/{PLAN_NAME}" in names
@@ -68,9 +69,12 @@ def test_a_remap_that_cannot_be_applied_fails_without_a_valid_looking_stream(nam
     cut = tmp_path / "x.tar"
     with open(cut, "wb") as out:
         with pytest.raises(GpusnapError) as failed:
-            rewrite_archive(archive, out, clash, None)
+            rewrite_archive(archive, out.fileno(), clash, None)
     assert "cannot move the devices in checkpoint/tmpfs-dev-" in failed.value.message
     assert "/dev/zero twice" in failed.value.message
-    with pytest.raises(tarfile.ReadError):  # no end marker: a reader sees it is cut
-        with tarfile.open(cut) as tar:
-            tar.getmembers()
+    # It ends with a broken header, not an end marker: a tar reader (Go's, as in
+    # Podman; GNU tar here) fails instead of taking the members before it for all.
+    listing = subprocess.run(["tar", "-tf", str(cut)], capture_output=True, text=True)
+    assert listing.returncode != 0, listing
+    assert "Skipping to next header" in listing.stderr or \
+        "does not look like a tar archive" in listing.stderr, listing

@@ -21,22 +21,36 @@ def _write_plan(image_dir, gpu_map: str) -> None:
     (image_dir / PLAN_NAME).write_text(json.dumps(plan.to_dict()))
 
 
-def test_no_plan_means_no_pairs(tmp_path):
-    assert action._gpu_pairs(str(tmp_path)) is None
+def _pairs(image_dir, monkeypatch, tmp_path):
+    """What post-resume gets: pre-restore keeps the plan while CRIU's image dir is open."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    action.pre_restore(str(image_dir), criu_pid=4242)
+    state = action._restore_state(4242)
+    kept = json.loads(state.read_text()) if state.exists() else {}
+    return action._gpu_pairs(kept.get(PLAN_NAME))
 
 
-def test_a_moved_gpu_gives_every_gpu_a_pair(tmp_path):
-    _write_plan(tmp_path, "0=1")
+def test_no_plan_means_no_pairs(tmp_path, monkeypatch):
+    images = tmp_path / "images"
+    images.mkdir()
+    assert _pairs(images, monkeypatch, tmp_path) is None
+
+
+def test_a_moved_gpu_gives_every_gpu_a_pair(tmp_path, monkeypatch):
+    images = tmp_path / "images"
+    images.mkdir()
+    _write_plan(images, "0=1")
     # the driver wants every GPU it sees mapped: 0->1 and the freed 1->0
-    assert sorted(action._gpu_pairs(str(tmp_path))) == sorted([(UUID0, UUID1), (UUID1, UUID0)])
+    assert sorted(_pairs(images, monkeypatch, tmp_path)) == sorted([(UUID0, UUID1), (UUID1, UUID0)])
 
 
-def test_a_plan_that_keeps_the_gpus_needs_no_pairs(tmp_path):
-    _write_plan(tmp_path, "0=0")
-    assert action._gpu_pairs(str(tmp_path)) is None
+def test_a_plan_that_keeps_the_gpus_needs_no_pairs(tmp_path, monkeypatch):
+    images = tmp_path / "images"
+    images.mkdir()
+    _write_plan(images, "0=0")
+    assert _pairs(images, monkeypatch, tmp_path) is None
 
 
-def test_a_damaged_plan_is_one_clear_error(tmp_path):
-    (tmp_path / PLAN_NAME).write_text('{"moves": 3}')
+def test_a_damaged_plan_is_one_clear_error():
     with pytest.raises(GpusnapError, match="is not a GPU plan gpusnap can read"):
-        action._gpu_pairs(str(tmp_path))
+        action._gpu_pairs('{"moves": 3}')
