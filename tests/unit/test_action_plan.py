@@ -27,30 +27,63 @@ def _pairs(image_dir, monkeypatch, tmp_path):
     action.pre_restore(str(image_dir), criu_pid=4242)
     state = action._restore_state(4242)
     kept = json.loads(state.read_text()) if state.exists() else {}
-    return action._gpu_pairs(kept.get(PLAN_NAME))
+    return action._pair_choices(kept.get(PLAN_NAME))
 
 
 def test_no_plan_means_no_pairs(tmp_path, monkeypatch):
     images = tmp_path / "images"
     images.mkdir()
-    assert _pairs(images, monkeypatch, tmp_path) is None
+    assert _pairs(images, monkeypatch, tmp_path) == [("none", None)]
 
 
 def test_a_moved_gpu_gives_every_gpu_a_pair(tmp_path, monkeypatch):
     images = tmp_path / "images"
     images.mkdir()
     _write_plan(images, "0=1")
-    # the driver wants every GPU it sees mapped: 0->1 and the freed 1->0
-    assert sorted(_pairs(images, monkeypatch, tmp_path)) == sorted([(UUID0, UUID1), (UUID1, UUID0)])
+    every, moved, none = _pairs(images, monkeypatch, tmp_path)
+    # first every GPU the driver sees: 0->1 and the freed 1->0; then the moved one; then none
+    assert sorted(every[1]) == sorted([(UUID0, UUID1), (UUID1, UUID0)])
+    assert moved[1] == [(UUID0, UUID1)]
+    assert none == ("none", None)
 
 
 def test_a_plan_that_keeps_the_gpus_needs_no_pairs(tmp_path, monkeypatch):
     images = tmp_path / "images"
     images.mkdir()
     _write_plan(images, "0=0")
-    assert _pairs(images, monkeypatch, tmp_path) is None
+    assert _pairs(images, monkeypatch, tmp_path) == [("none", None)]
 
 
 def test_a_damaged_plan_is_one_clear_error():
     with pytest.raises(GpusnapError, match="is not a GPU plan gpusnap can read"):
-        action._gpu_pairs('{"moves": 3}')
+        action._pair_choices('{"moves": 3}')
+
+
+def test_post_resume_falls_back_to_fewer_pairs_when_the_driver_refuses(tmp_path, monkeypatch):
+    """Seen on H200 x2: in a container that reaches only its new GPU, the driver
+    answers CUDA_ERROR_INVALID_VALUE to pairs naming GPUs it cannot open."""
+    from gpusnap.gpu.cuda import ProcessState
+    from gpusnap.procs import ProcessGpuUse
+    from tests.unit.fakes import FakeDriver
+
+    images = tmp_path / "images"
+    images.mkdir()
+    _write_plan(images, "0=1")
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    action.pre_restore(str(images), criu_pid=4242)
+    driver = FakeDriver({77: ProcessState.CHECKPOINTED})
+    offered = []
+
+    def restore(pid, pairs=None):
+        offered.append(pairs)
+        if pairs and len(pairs) > 1:
+            raise RuntimeError("cuCheckpointProcessRestore: CUDA_ERROR_INVALID_VALUE (1)")
+        driver.states[pid] = ProcessState.LOCKED
+
+    monkeypatch.setattr(driver, "restore", restore)
+    monkeypatch.setattr(action, "_driver", lambda: driver)
+    monkeypatch.setattr(action, "cuda_processes",
+                        lambda pid: [ProcessGpuUse(pid=77, comm="train", gpu_minors=[1])])
+    action.post_resume(init_pid=70, criu_pid=4242)
+    assert offered == [offered[0], [(UUID0, UUID1)]] and len(offered[0]) == 2
+    assert driver.states[77] == ProcessState.RUNNING
