@@ -31,6 +31,7 @@ else
   $ROOT/venv/bin/pip install -q --upgrade "$SRC[test]"
 fi
 ln -sf $ROOT/venv/bin/gpusnap /usr/local/bin/gpusnap
+ln -sf $ROOT/venv/bin/containerd-shim-gpusnap-v1 /usr/local/bin/containerd-shim-gpusnap-v1  # containerd finds shims on PATH
 install -D -m 755 "$HERE/bin/criu-action" $ROOT/libexec/criu-action
 # One file per stage: runc reports a container being restored as "stopped",
 # so the hook learns its stage from its arguments, not from the state.

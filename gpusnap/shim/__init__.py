@@ -1,1 +1,1 @@
-"""containerd runtime v2 shim (gRPC). Not built yet: tracked in the containerd shim issue."""
+"""containerd runtime v2 shim (gRPC): `containerd-shim-gpusnap-v1`, runc driven through its CLI."""

@@ -1,0 +1,5 @@
+import sys
+
+from gpusnap.shim.main import main
+
+sys.exit(main())

@@ -1,0 +1,184 @@
+"""containerd-shim-gpusnap-v1: containerd's runtime v2 shim entry point.
+
+containerd runs `SHIM -namespace NS -address ADDR -publish-binary BIN -id ID start`
+in the bundle directory and reads `{"version":2,"address":...,"protocol":"grpc"}`
+from stdout; `... -bundle DIR delete` cleans up after a dead shim and answers a
+DeleteResponse in protobuf on stdout.
+
+`start` stays light (no grpc import): it asks the warm zygote (zygote.py) for a
+server, or forks one itself, and prints the address once the server listens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+# Imports stay lazy: containerd waits on `start` and `delete` for every task.
+
+SOCKET_DIR = os.environ.get("GPUSNAP_SHIM_DIR", "/run/gpusnap/shim")  # sockets, server info, the zygote
+_FLAGS_WITH_VALUE = {"namespace", "address", "publish-binary", "id", "bundle", "socket"}
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Go flag syntax (-flag value, -flag=value, --flag) as containerd passes it."""
+    flags: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("-") and not rest:
+            name = a.lstrip("-")
+            if "=" in name:
+                name, value = name.split("=", 1)
+            elif name in _FLAGS_WITH_VALUE:
+                i += 1
+                if i >= len(argv):
+                    raise UsageError(f"flag -{name} needs a value")
+                value = argv[i]
+            else:
+                value = "true"
+            flags[name] = value
+        else:
+            rest.append(a)
+        i += 1
+    return flags, rest
+
+
+def socket_path(address: str, namespace: str, cid: str) -> str:
+    # Unique per containerd, namespace and task, and short (sun_path is 108 bytes).
+    import hashlib
+
+    digest = hashlib.sha256(f"{address}\0{namespace}\0{cid}".encode()).hexdigest()[:32]
+    return os.path.join(SOCKET_DIR, digest + ".sock")
+
+
+def _listening(path: str) -> bool:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _cold_start(req: dict) -> bool:
+    """Fork the server from this process; True once it listens."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the server: its own session, off containerd's output pipe
+        os.close(r)
+        code = 1
+        try:
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            from gpusnap.shim.server import serve
+
+            code = serve(req["namespace"], req["address"], req["socket"], w, req["debug"])
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        return f.read(1) == b"1"
+
+
+def start(flags: dict[str, str]) -> int:
+    ns, address, cid = flags.get("namespace", ""), flags.get("address", ""), flags.get("id", "")
+    if not (ns and address and cid):
+        raise UsageError("start needs -namespace, -address and -id")
+    path = socket_path(address, ns, cid)
+    response = json.dumps({"version": 2, "address": path, "protocol": "grpc"})
+    if not _listening(path):
+        os.makedirs(SOCKET_DIR, mode=0o711, exist_ok=True)
+        from gpusnap.shim import zygote
+
+        warm = zygote.enabled()
+        req = {"namespace": ns, "address": address, "socket": path, "cwd": os.getcwd(),
+               "debug": flags.get("debug") == "true", "env": dict(os.environ)}
+        if not (warm and zygote.request(SOCKET_DIR, {**req, "stamp": zygote.code_stamp()})):
+            if not _cold_start(req):
+                print(f"containerd-shim-gpusnap-v1: the shim server failed to start (see containerd's log for id {cid})",
+                      file=sys.stderr)
+                return 1
+            if warm:
+                zygote.launch(SOCKET_DIR)
+    # containerd reads this file back to reconnect after it restarts.
+    with open("address", "w") as f:
+        f.write(response)
+    sys.stdout.write(response)
+    sys.stdout.flush()
+    return 0
+
+
+def delete(flags: dict[str, str]) -> int:
+    """Clean up after a shim that died: force-delete the runc container, unmount."""
+    import subprocess
+
+    from gpusnap.shim import bundle as bundle_state
+
+    ns, cid = flags.get("namespace", ""), flags.get("id", "")
+    bundle = flags.get("bundle") or os.getcwd()
+    if not (ns and cid):
+        raise UsageError("delete needs -namespace and -id")
+    state = bundle_state.read_state(bundle)
+    if state is not None:  # the shim died with its container created
+        res = subprocess.run([state.get("runc", "runc"), "--root", state["runc_root"], "delete", "--force", cid],
+                             capture_output=True, text=True)
+        if res.returncode != 0 and "does not exist" not in res.stderr:
+            print(f"containerd-shim-gpusnap-v1 delete: runc: {res.stderr.strip()}", file=sys.stderr)
+        rootfs = os.path.join(bundle, "rootfs")
+        if os.path.ismount(rootfs):
+            from gpusnap.shim import mounts
+
+            mounts.unmount_all(rootfs)
+    if flags.get("address"):  # what a killed server left behind
+        sock = socket_path(flags["address"], ns, cid)
+        for f in (sock, os.path.splitext(sock)[0] + ".json"):
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
+    sys.stdout.buffer.write(bundle_state.delete_response(128 + 9, time.time_ns()))
+    sys.stdout.flush()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        flags, rest = parse_args(argv)
+        if flags.get("v") == "true" or flags.get("version") == "true":
+            from gpusnap import __version__
+
+            print(f"containerd-shim-gpusnap-v1 (gpusnap {__version__}), runtime v2, grpc")
+            return 0
+        action = rest[0] if rest else ""
+        if action == "start":
+            return start(flags)
+        if action == "delete":
+            return delete(flags)
+        raise UsageError(
+            f"unknown action {action!r}: containerd runs this shim as `-namespace NS -address ADDR -id ID start|delete`"
+            if action else "no action: containerd runs this shim as `-namespace NS -address ADDR -id ID start|delete`")
+    except UsageError as e:
+        print(f"containerd-shim-gpusnap-v1: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"containerd-shim-gpusnap-v1: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

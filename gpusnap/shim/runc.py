@@ -1,0 +1,169 @@
+"""runc's command line, as the shim drives it.
+
+Every command logs JSON to the bundle's log.json (runc's own stderr may be
+the container's stderr pipe), and a failure is reported with runc's last
+error line from there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from gpusnap.shim.reaper import Reaper
+
+
+log = logging.getLogger("gpusnap.shim")
+
+
+class RuncError(RuntimeError):
+    pass
+
+
+@dataclass
+class Stdio:
+    """The fds a runc command hands its child process as 0, 1, 2 (None: /dev/null)."""
+
+    stdin: int | None = None
+    stdout: int | None = None
+    stderr: int | None = None
+
+
+@dataclass
+class CheckpointOpts:
+    image_path: str
+    work_path: str
+    leave_running: bool = True
+    tcp_established: bool = False
+    ext_unix_sk: bool = False
+    shell_job: bool = False
+    file_locks: bool = False
+    empty_ns: list[str] = field(default_factory=list)
+
+
+class Runc:
+    def __init__(self, reaper: Reaper, root: str, log_path: str, binary: str = "runc") -> None:
+        self.reaper = reaper
+        self.root = root
+        self.log_path = log_path
+        self.binary = binary
+
+    def _run(self, args: list[str], stdio: Stdio | None = None, want_output: bool = False) -> str:
+        t0 = time.monotonic()
+        argv = [self.binary, "--root", self.root, "--log", self.log_path, "--log-format", "json", *args]
+        try:
+            start_at = os.path.getsize(self.log_path)
+        except OSError:
+            start_at = 0
+        out_r = out_w = None
+        if stdio is None:
+            # runc's stdout and stderr go to one pipe: small output, read after exit
+            # would risk a full pipe, so read it while it runs.
+            out_r, out_w = os.pipe()
+            stdio = Stdio(None, out_w, out_w)
+        try:
+            _, fut = self.reaper.spawn(argv, stdin=stdio.stdin, stdout=stdio.stdout, stderr=stdio.stderr)
+        finally:
+            if out_w is not None:
+                os.close(out_w)
+        output = b""
+        if out_r is not None:
+            chunks = []
+            with os.fdopen(out_r, "rb") as f:
+                while chunk := f.read(65536):
+                    chunks.append(chunk)
+            output = b"".join(chunks)
+        ex = fut.result()
+        log.debug("runc %s: %.1f ms", args[0], (time.monotonic() - t0) * 1000)
+        if ex.status != 0:
+            raise RuncError(self._last_error(start_at) or output.decode(errors="replace").strip()
+                            or f"runc {args[0]} exited with {ex.status}")
+        return output.decode(errors="replace") if want_output else ""
+
+    def _last_error(self, since: int) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("level") in ("error", "fatal"):
+                return str(entry.get("msg", "")).strip()
+        return ""
+
+    def create(self, cid: str, bundle: str, pid_file: str, stdio: Stdio, console_socket: str | None = None,
+               no_pivot: bool = False, no_new_keyring: bool = False) -> None:
+        args = ["create", "--bundle", bundle, "--pid-file", pid_file]
+        if console_socket:
+            args += ["--console-socket", console_socket]
+        if no_pivot:
+            args.append("--no-pivot")
+        if no_new_keyring:
+            args.append("--no-new-keyring")
+        self._run([*args, cid], stdio)
+
+    def restore(self, cid: str, bundle: str, pid_file: str, stdio: Stdio, image_path: str, work_path: str,
+                console_socket: str | None = None, no_pivot: bool = False, parent_path: str = "") -> None:
+        args = ["restore", "--detach", "--no-subreaper", "--bundle", bundle, "--pid-file", pid_file,
+                "--image-path", image_path, "--work-path", work_path]
+        if parent_path:
+            args += ["--parent-path", parent_path]
+        if console_socket:
+            args += ["--console-socket", console_socket]
+        if no_pivot:
+            args.append("--no-pivot")
+        self._run([*args, cid], stdio)
+
+    def exec(self, cid: str, process_json: str, pid_file: str, stdio: Stdio,
+             console_socket: str | None = None) -> None:
+        args = ["exec", "--detach", "--process", process_json, "--pid-file", pid_file]
+        if console_socket:
+            args += ["--console-socket", console_socket]
+        self._run([*args, cid], stdio)
+
+    def start(self, cid: str) -> None:
+        self._run(["start", cid])
+
+    def kill(self, cid: str, sig: int, all_procs: bool = False) -> None:
+        self._run(["kill", *(["--all"] if all_procs else []), cid, str(sig)])
+
+    def pause(self, cid: str) -> None:
+        self._run(["pause", cid])
+
+    def resume(self, cid: str) -> None:
+        self._run(["resume", cid])
+
+    def delete(self, cid: str, force: bool = False) -> None:
+        self._run(["delete", *(["--force"] if force else []), cid])
+
+    def state(self, cid: str) -> dict:
+        return json.loads(self._run(["state", cid], want_output=True))
+
+    def ps(self, cid: str) -> list[int]:
+        return [int(p) for p in json.loads(self._run(["ps", "--format", "json", cid], want_output=True) or "[]")]
+
+    def update(self, cid: str, resources_json: bytes) -> None:
+        with tempfile.NamedTemporaryFile(prefix="runc-update-", suffix=".json") as f:
+            f.write(resources_json)
+            f.flush()
+            self._run(["update", "--resources", f.name, cid])
+
+    def checkpoint(self, cid: str, o: CheckpointOpts) -> None:
+        args = ["checkpoint", "--image-path", o.image_path, "--work-path", o.work_path]
+        for flag, on in (("--leave-running", o.leave_running), ("--tcp-established", o.tcp_established),
+                         ("--ext-unix-sk", o.ext_unix_sk), ("--shell-job", o.shell_job),
+                         ("--file-locks", o.file_locks)):
+            if on:
+                args.append(flag)
+        for ns in o.empty_ns:
+            args += ["--empty-ns", ns]
+        self._run([*args, cid])

@@ -1,0 +1,70 @@
+"""The serving shim process: gRPC task service on a unix socket."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from gpusnap.shim.logfifo import setup_logging
+
+log = logging.getLogger("gpusnap.shim")
+
+
+def _set_name(name: bytes) -> None:
+    # ps shows "gpusnap-shim" rather than the python (or zygote) it came from
+    ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+
+
+def serve(namespace: str, containerd_address: str, socket_path: str, ready_fd: int, debug: bool,
+          origin: str = "cold") -> int:
+    """Serve until Shutdown; write one byte to READY_FD once listening."""
+    setup_logging(os.path.join(os.getcwd(), "log"), debug)
+    threading.excepthook = lambda a: log.error("thread %s: %s", a.thread.name if a.thread else "?",
+                                               a.exc_value, exc_info=(a.exc_type, a.exc_value, a.exc_traceback))
+    import grpc
+
+    from gpusnap.proto import load
+    from gpusnap.proto.rpc import generic_handler
+    from gpusnap.shim.events import Publisher
+    from gpusnap.shim.reaper import Reaper, set_subreaper
+    from gpusnap.shim.service import TaskService
+
+    set_subreaper()
+    reaper = Reaper()
+    reaper.start()
+    done = threading.Event()
+    service = TaskService(namespace, Publisher(containerd_address, namespace), reaper, done.set)
+    # Wait() holds a worker until its process exits: keep plenty of them.
+    server = grpc.server(ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"))
+    server.add_generic_rpc_handlers((generic_handler(load().shim.DESCRIPTOR.services_by_name["Task"], service),))
+    if server.add_insecure_port(f"unix:{socket_path}") == 0:
+        log.error("cannot listen on %s", socket_path)
+        return 1
+    server.start()
+    info = os.path.splitext(socket_path)[0] + ".json"
+    with open(info, "w") as f:  # who serves this socket, for operators and tests
+        json.dump({"pid": os.getpid(), "address": containerd_address, "namespace": namespace,
+                   "bundle": os.getcwd(), "origin": origin}, f)
+    _set_name(b"gpusnap-shim")
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
+    log.debug("serving on %s (pid %d, %s start)", socket_path, os.getpid(), origin)
+    done.wait()
+    service.publisher.flush(5.0)
+    server.stop(grace=0.5).wait()
+    for f in (socket_path, info):
+        try:
+            os.unlink(f)
+        except OSError:
+            pass
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    log.debug("shim exiting (cpu %.0f ms user, %.0f ms system)", ru.ru_utime * 1000, ru.ru_stime * 1000)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,434 @@
+"""containerd.task.v3.Task (the gRPC form of the runtime v2 task service), driving runc like containerd's runc shim.
+
+Lifecycle rules kept from containerd's shim: TaskExit of a process is
+published only after its TaskStart; the init's TaskExit comes after every
+exec's; a Create carrying a checkpoint restores (`runc restore`) at Start.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from typing import Callable
+
+import grpc
+from google.protobuf import any_pb2, empty_pb2, timestamp_pb2
+
+from gpusnap.proto import load
+from gpusnap.shim import bundle as bundle_state
+from gpusnap.shim import mounts
+from gpusnap.shim.events import Publisher
+from gpusnap.shim.process import Container, Proc, ShimError, not_found, precondition, read_pid
+from gpusnap.shim.reaper import Exit, Reaper
+from gpusnap.shim.runc import CheckpointOpts, Runc, RuncError
+from gpusnap.shim.stdio import Paths, ProcessIO
+
+log = logging.getLogger("gpusnap.shim")
+
+RUNC_OPTIONS = "containerd.runc.v1.Options"
+RUNC_CHECKPOINT_OPTIONS = "containerd.runc.v1.CheckpointOptions"
+_IO_DRAIN = 5.0  # seconds Delete waits for output to reach the FIFOs
+
+
+def _timestamp(ns: int) -> timestamp_pb2.Timestamp | None:
+    if not ns:
+        return None
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(ns)
+    return ts
+
+
+def _unpack(anyv: any_pb2.Any, name: str, cls):
+    """The message in ANY when it is NAME, else a default one."""
+    msg = cls()
+    if anyv is not None and anyv.value and anyv.type_url.rsplit("/", 1)[-1] == name:
+        msg.ParseFromString(anyv.value)
+    return msg
+
+
+def rpc(fn: Callable) -> Callable:
+    """Map the shim's errors onto gRPC status codes containerd understands."""
+
+    @functools.wraps(fn)
+    def wrapper(self, request, context):
+        t0 = time.monotonic()
+        try:
+            return fn(self, request, context)
+        except ShimError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        except (RuncError, mounts.MountError, ValueError) as e:
+            log.error("%s: %s", fn.__name__, e)
+            context.abort(grpc.StatusCode.UNKNOWN, str(e))
+        except Exception as e:
+            log.exception("%s failed", fn.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        finally:
+            log.debug("%s %s took %.1f ms", fn.__name__, getattr(request, "id", ""), (time.monotonic() - t0) * 1000)
+
+    return wrapper
+
+
+class TaskService:
+    def __init__(self, namespace: str, publisher: Publisher, reaper: Reaper, on_shutdown: Callable[[], None]) -> None:
+        self.pb = load()
+        self.namespace = namespace
+        self.publisher = publisher
+        self.reaper = reaper
+        self.on_shutdown = on_shutdown
+        self.containers: dict[str, Container] = {}
+        self.runcs: dict[str, Runc] = {}
+        self.lock = threading.Lock()
+        self._exits: queue.Queue = queue.Queue()
+        threading.Thread(target=self._exit_loop, name="exits", daemon=True).start()
+
+    # --- helpers -----------------------------------------------------------------
+
+    def _container(self, cid: str) -> Container:
+        c = self.containers.get(cid)
+        if c is None:
+            raise not_found(f"container {cid} not found")
+        return c
+
+    def _runc(self, c: Container) -> Runc:
+        return self.runcs[c.id]
+
+    def _publish(self, name: str, **fields) -> None:
+        self.publisher.publish(getattr(self.pb.task_events, name)(**fields))
+
+    def _watch(self, c: Container, p: Proc) -> None:
+        fut = self.reaper.watch(p.pid)
+        fut.add_done_callback(lambda f: self._exits.put((c, p, f.result())))
+
+    def _exit_loop(self) -> None:
+        while True:
+            c, p, ex = self._exits.get()
+            threading.Thread(target=self._process_exit, args=(c, p, ex), name="exit", daemon=True).start()
+
+    def _process_exit(self, c: Container, p: Proc, ex: Exit) -> None:
+        p.started.wait()
+        if p is c.init:
+            runc = self.runcs.get(c.id)
+            if runc is not None and not c.owns_pid_namespace():
+                # Processes sharing the host's (or another) pid namespace outlive init.
+                try:
+                    runc.kill(c.id, 9, all_procs=True)
+                except RuncError as e:
+                    log.debug("kill --all after init exit of %s: %s", c.id, e)
+            # The init's exit is the container's last event: wait for running execs.
+            for e in list(c.execs.values()):
+                if e.status in ("running", "paused"):
+                    e.published.wait()
+        p.set_exited(ex.status, ex.at_ns)
+        if p.io is not None:
+            p.io.close_stdin()
+        self._publish("TaskExit", container_id=c.id, id=p.id, pid=ex.pid, exit_status=ex.status,
+                      exited_at=_timestamp(ex.at_ns))
+        p.published.set()
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    @rpc
+    def Create(self, req, context):
+        with self.lock:
+            if req.id in self.containers:
+                raise ShimError("ALREADY_EXISTS", f"container {req.id} already exists")
+            opts = _unpack(req.options, RUNC_OPTIONS, self.pb.runc_options.Options)
+            runc = Runc(self.reaper, bundle_state.runc_root(opts.root, self.namespace),
+                        os.path.join(req.bundle, "log.json"), opts.binary_name or "runc")
+            bundle_state.write_state(req.bundle, runc.root, runc.binary)
+            paths = Paths(req.stdin, req.stdout, req.stderr, req.terminal)
+            c = Container(req.id, req.bundle, Proc(req.id, paths), checkpoint=req.checkpoint,
+                          parent_checkpoint=req.parent_checkpoint, no_pivot=opts.no_pivot_root,
+                          no_new_keyring=opts.no_new_keyring, criu_work=opts.criu_work_path)
+            self._create(c, runc, list(req.rootfs))
+            self.containers[c.id] = c
+            self.runcs[c.id] = runc
+        self._publish("TaskCreate", container_id=c.id, bundle=c.bundle, rootfs=req.rootfs,
+                      io=self.pb.task_events.TaskIO(stdin=req.stdin, stdout=req.stdout, stderr=req.stderr,
+                                                    terminal=req.terminal),
+                      checkpoint=req.checkpoint, pid=c.init.pid)
+        return self.pb.shim.CreateTaskResponse(pid=c.init.pid)
+
+    def _create(self, c: Container, runc: Runc, rootfs: list) -> None:
+        if rootfs:
+            c.rootfs = os.path.join(c.bundle, "rootfs")
+            os.makedirs(c.rootfs, mode=0o711, exist_ok=True)
+        p = c.init
+        try:
+            for m in rootfs:
+                mounts.mount(m.type, m.source, os.path.join(c.rootfs, m.target.lstrip("/")), list(m.options))
+            p.io = ProcessIO(p.paths)
+            if c.checkpoint:
+                return  # restored at Start, as containerd's runc shim does
+            console = p.io.console_socket(c.bundle) if p.paths.terminal else None
+            runc.create(c.id, c.bundle, c.pid_file(p), p.io.stdio, console, c.no_pivot, c.no_new_keyring)
+            p.io.started()
+            p.pid = read_pid(c.pid_file(p))
+        except BaseException:
+            if p.io is not None:
+                p.io.close()
+            if p.pid == 0 and not c.checkpoint:
+                try:
+                    runc.delete(c.id, force=True)
+                except RuncError:
+                    pass
+            if c.rootfs:
+                mounts.unmount_all(c.rootfs)
+            raise
+        self._watch(c, p)
+
+    @rpc
+    def Start(self, req, context):
+        c = self._container(req.id)
+        p = c.process(req.exec_id)
+        if p.status != "created":
+            raise precondition(f"process {p.id} is {p.status}, not created")
+        runc = self._runc(c)
+        try:
+            if p is c.init:
+                if c.checkpoint:
+                    self._restore(c, runc)
+                else:
+                    runc.start(c.id)
+                p.status = "running"
+                self._publish("TaskStart", container_id=c.id, pid=p.pid)
+            else:
+                if c.init.exited.is_set():
+                    raise precondition(f"container {c.id} init process is not running")
+                self._exec_start(c, p, runc)
+                p.status = "running"
+                self._publish("TaskExecStarted", container_id=c.id, exec_id=p.id, pid=p.pid)
+        finally:
+            p.started.set()
+        return self.pb.shim.StartResponse(pid=p.pid)
+
+    def _restore(self, c: Container, runc: Runc) -> None:
+        p = c.init
+        assert p.io is not None
+        work = c.criu_work or os.path.join(c.bundle, "criu-work")
+        os.makedirs(work, exist_ok=True)
+        console = p.io.console_socket(c.bundle) if p.paths.terminal else None
+        runc.restore(c.id, c.bundle, c.pid_file(p), p.io.stdio, c.checkpoint, work, console, c.no_pivot,
+                     c.parent_checkpoint)
+        p.io.started()
+        p.pid = read_pid(c.pid_file(p))
+        self._watch(c, p)
+
+    def _exec_start(self, c: Container, p: Proc, runc: Runc) -> None:
+        spec_path = os.path.join(c.bundle, p.file_stem() + ".json")
+        with open(spec_path, "wb") as f:
+            f.write(p.spec)
+        p.io = ProcessIO(p.paths)
+        try:
+            console = p.io.console_socket(c.bundle) if p.paths.terminal else None
+            runc.exec(c.id, spec_path, c.pid_file(p), p.io.stdio, console)
+            p.io.started()
+            p.pid = read_pid(c.pid_file(p))
+        except BaseException:
+            p.io.close()
+            raise
+        finally:
+            os.unlink(spec_path)
+        self._watch(c, p)
+
+    @rpc
+    def Exec(self, req, context):
+        c = self._container(req.id)
+        with self.lock:
+            if req.exec_id in c.execs:
+                raise ShimError("ALREADY_EXISTS", f"id {req.exec_id}")
+            if c.init.exited.is_set():
+                raise precondition(f"container {c.id} init process is not running")
+            c.execs[req.exec_id] = Proc(req.exec_id, Paths(req.stdin, req.stdout, req.stderr, req.terminal),
+                                        spec=req.spec.value)
+        self._publish("TaskExecAdded", container_id=c.id, exec_id=req.exec_id)
+        return empty_pb2.Empty()
+
+    @rpc
+    def Delete(self, req, context):
+        c = self._container(req.id)
+        p = c.process(req.exec_id)
+        if p.status in ("running", "paused"):
+            raise precondition(f"cannot delete running process {p.id}")
+        p.started.set()
+        if p is c.init:
+            self._delete_init(c, p)
+        else:
+            with self.lock:
+                c.execs.pop(p.id, None)
+            if p.io is not None:
+                p.io.wait(_IO_DRAIN)
+                p.io.close()
+        return self.pb.shim.DeleteResponse(pid=p.pid, exit_status=p.exit_status,
+                                           exited_at=_timestamp(p.exited_at_ns))
+
+    def _delete_init(self, c: Container, p: Proc) -> None:
+        runc = self._runc(c)
+        if not (c.checkpoint and p.pid == 0):
+            try:
+                runc.delete(c.id, force=not p.exited.is_set())
+            except RuncError as e:
+                if "does not exist" not in str(e):
+                    raise
+            if p.pid and not p.exited.wait(5):
+                log.warning("init %d of %s not reaped after delete", p.pid, c.id)
+        if p.io is not None:
+            p.io.wait(_IO_DRAIN)
+            p.io.close()
+        if c.rootfs:
+            mounts.unmount_all(c.rootfs)
+        bundle_state.clear_state(c.bundle)
+        with self.lock:
+            self.containers.pop(c.id, None)
+            self.runcs.pop(c.id, None)
+        self._publish("TaskDelete", container_id=c.id, pid=p.pid, exit_status=p.exit_status,
+                      exited_at=_timestamp(p.exited_at_ns))
+
+    @rpc
+    def Kill(self, req, context):
+        c = self._container(req.id)
+        p = c.process(req.exec_id)
+        if p.exited.is_set():
+            raise not_found(f"process {p.id} already finished")
+        if p is c.init:
+            if p.status == "created":
+                p.started.set()  # never started: its exit may be published at once
+            if c.checkpoint and p.pid == 0:
+                raise precondition(f"container {c.id} is not restored yet")
+            self._runc(c).kill(c.id, req.signal, req.all)
+        else:
+            if p.pid == 0:
+                raise precondition(f"process {p.id} is not started")
+            try:
+                os.kill(p.pid, req.signal)
+            except ProcessLookupError:
+                raise not_found(f"process {p.id} already finished") from None
+        return empty_pb2.Empty()
+
+    @rpc
+    def Wait(self, req, context):
+        p = self._container(req.id).process(req.exec_id)
+        p.exited.wait()
+        return self.pb.shim.WaitResponse(exit_status=p.exit_status, exited_at=_timestamp(p.exited_at_ns))
+
+    # --- queries -----------------------------------------------------------------
+
+    @rpc
+    def State(self, req, context):
+        c = self._container(req.id)
+        p = c.process(req.exec_id)
+        status = self.pb.task_types.Status.Value(p.status.upper())
+        return self.pb.shim.StateResponse(
+            id=p.id, bundle=c.bundle, pid=p.pid, status=status, stdin=p.paths.stdin, stdout=p.paths.stdout,
+            stderr=p.paths.stderr, terminal=p.paths.terminal, exit_status=p.exit_status,
+            exited_at=_timestamp(p.exited_at_ns), exec_id=req.exec_id)
+
+    @rpc
+    def Pids(self, req, context):
+        c = self._container(req.id)
+        by_pid = {p.pid: p.id for p in c.execs.values() if p.pid}
+        out = []
+        for pid in self._runc(c).ps(c.id):
+            info = None
+            if pid in by_pid:
+                details = self.pb.runc_options.ProcessDetails(exec_id=by_pid[pid])
+                info = any_pb2.Any(type_url=details.DESCRIPTOR.full_name, value=details.SerializeToString())
+            out.append(self.pb.task_types.ProcessInfo(pid=pid, info=info))
+        return self.pb.shim.PidsResponse(processes=out)
+
+    @rpc
+    def Stats(self, req, context):
+        self._container(req.id)
+        return self.pb.shim.StatsResponse()  # no cgroup metrics yet
+
+    @rpc
+    def Connect(self, req, context):
+        c = self.containers.get(req.id)
+        return self.pb.shim.ConnectResponse(shim_pid=os.getpid(), task_pid=c.init.pid if c else 0,
+                                            version="gpusnap-shim 1")
+
+    # --- control -----------------------------------------------------------------
+
+    def _running_init(self, cid: str) -> tuple[Container, Proc]:
+        c = self._container(cid)
+        if c.init.status not in ("running", "paused"):
+            raise precondition(f"container {cid} is {c.init.status}")
+        return c, c.init
+
+    @rpc
+    def Pause(self, req, context):
+        c, p = self._running_init(req.id)
+        self._runc(c).pause(c.id)
+        p.status = "paused"
+        self._publish("TaskPaused", container_id=c.id)
+        return empty_pb2.Empty()
+
+    @rpc
+    def Resume(self, req, context):
+        c, p = self._running_init(req.id)
+        self._runc(c).resume(c.id)
+        p.status = "running"
+        self._publish("TaskResumed", container_id=c.id)
+        return empty_pb2.Empty()
+
+    @rpc
+    def Checkpoint(self, req, context):
+        c, _ = self._running_init(req.id)
+        o = _unpack(req.options, RUNC_CHECKPOINT_OPTIONS, self.pb.runc_options.CheckpointOptions)
+        work = o.work_path or os.path.join(c.bundle, "criu-work")
+        t0 = time.monotonic()
+        # The CRIU action script (/etc/criu/runc.conf) quiesces CUDA processes
+        # and writes the GPU manifest into req.path before CRIU dumps.
+        try:
+            self._runc(c).checkpoint(c.id, CheckpointOpts(
+                image_path=req.path, work_path=work, leave_running=not o.exit, tcp_established=o.open_tcp,
+                ext_unix_sk=o.external_unix_sockets, shell_job=o.terminal, file_locks=o.file_locks,
+                empty_ns=list(o.empty_namespaces)))
+        except RuncError as e:
+            dump_log = os.path.join(c.bundle, "criu-dump.log")
+            try:
+                shutil.copyfile(os.path.join(work, "dump.log"), dump_log)
+            except OSError:
+                pass
+            raise RuncError(f"{e} (CRIU log: {dump_log})") from None
+        finally:
+            if not o.work_path:
+                shutil.rmtree(work, ignore_errors=True)
+        log.info("checkpoint of %s into %s took %.2fs", c.id, req.path, time.monotonic() - t0)
+        self._publish("TaskCheckpointed", container_id=c.id, checkpoint=req.path)
+        return empty_pb2.Empty()
+
+    @rpc
+    def Update(self, req, context):
+        c, _ = self._running_init(req.id)
+        if req.resources.value:
+            self._runc(c).update(c.id, req.resources.value)
+        return empty_pb2.Empty()
+
+    @rpc
+    def ResizePty(self, req, context):
+        p = self._container(req.id).process(req.exec_id)
+        if p.io is None or p.io.console is None:
+            raise precondition(f"process {p.id} has no terminal")
+        p.io.resize(req.width, req.height)
+        return empty_pb2.Empty()
+
+    @rpc
+    def CloseIO(self, req, context):
+        p = self._container(req.id).process(req.exec_id)
+        if req.stdin and p.io is not None:
+            p.io.close_stdin()
+        return empty_pb2.Empty()
+
+    @rpc
+    def Shutdown(self, req, context):
+        with self.lock:
+            if self.containers and not req.now:
+                return empty_pb2.Empty()
+        self.on_shutdown()
+        return empty_pb2.Empty()

@@ -1,0 +1,471 @@
+"""containerd-shim-gpusnap-v1 under a real containerd 1.7 on a private socket.
+
+Each module run starts its own containerd (config, root, state, socket and the
+shims' socket directory in a fresh directory under /run), imports the demo
+image from Podman, and drives tasks through `ctr --runtime io.containerd.gpusnap.v1`
+(and the shim's own socket for Update, which ctr 1.7 lacks). Cleanup kills
+this containerd, its shims and their zygote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from google.protobuf import any_pb2
+
+from tests.conftest import COUNTER, DEMO_IMAGE, run
+
+RUNTIME = "io.containerd.gpusnap.v1"
+SHIM = "containerd-shim-gpusnap-v1"
+VENV_BIN = "/opt/gpusnap/venv/bin"
+
+
+class PrivateContainerd:
+    """A containerd of our own: `start()`, `ctr(...)`, `restart()`, `stop()`."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="gst-", dir="/run"))
+        self.address = str(self.dir / "c.sock")
+        self.namespace = f"gpusnap-test-{uuid.uuid4().hex[:8]}"
+        self.proc: subprocess.Popen | None = None
+        self.log = self.dir / "containerd.log"
+        (self.dir / "config.toml").write_text(f"""version = 2
+root = "{self.dir}/root"
+state = "{self.dir}/state"
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.tracing", "io.containerd.tracing.processor.v1.otlp"]
+[grpc]
+  address = "{self.address}"
+[ttrpc]
+  address = "{self.address}.ttrpc"
+[debug]
+  level = "debug"
+""")
+        # The shim is found on containerd's PATH, as in production. Bytecode is
+        # written as under a service manager, so shims start from .pyc files.
+        self.env = dict(os.environ, PATH=f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        self.env.pop("PYTHONDONTWRITEBYTECODE", None)
+        # Shim sockets, server info files and the zygote of this containerd only.
+        self.shim_dir = self.dir / "s"
+        self.env["GPUSNAP_SHIM_DIR"] = str(self.shim_dir)
+
+    def start(self) -> None:
+        logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(["containerd", "--config", str(self.dir / "config.toml")],
+                                     stdout=logf, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        logf.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"containerd exited: {self.log.read_text()[-2000:]}")
+            if run(["ctr", "--address", self.address, "version"]).returncode == 0:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"containerd did not come up: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def ctr(self, *args: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        cmd = ["ctr", "--address", self.address, "--namespace", self.namespace, *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env, **kw)
+        if check and res.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+        return res
+
+    def import_demo_image(self) -> None:
+        tar = self.dir / "demo.tar"
+        run(["podman", "save", "--format", "docker-archive", "-o", str(tar), DEMO_IMAGE], check=True)
+        self.ctr("images", "import", str(tar))
+        tar.unlink()
+
+    def shim_servers(self) -> dict[int, dict]:
+        """Live shim servers of this containerd, from the SOCKET.json each leaves beside its socket."""
+        out = {}
+        for info in self.shim_dir.glob("*.json"):
+            try:
+                d = json.loads(info.read_text())
+            except (OSError, ValueError):
+                continue
+            if d.get("address") == self.address and Path(f"/proc/{d['pid']}").exists():
+                out[d["pid"]] = d
+        return out
+
+    def shim_pids(self) -> list[int]:
+        return sorted(self.shim_servers())
+
+    def wait_no_shims(self, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while self.shim_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.shim_pids() == [], self.shim_servers()
+
+    def server_of(self, task: str) -> dict:
+        (info,) = [d for d in self.shim_servers().values() if d["bundle"].endswith(f"/{task}")]
+        return info
+
+    def zygote_pid(self) -> int | None:
+        try:
+            pid = json.loads((self.shim_dir / "zygote.json").read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            return None
+        return pid if Path(f"/proc/{pid}").exists() else None
+
+    def _zygotes(self) -> list[int]:
+        """Zygote processes of our shim directory (also one still starting, without its info file)."""
+        pids = []
+        for d in Path("/proc").iterdir():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0") if d.name.isdigit() else []
+            except OSError:
+                continue
+            if b"gpusnap.shim.zygote" in cmd and str(self.shim_dir).encode() in cmd:
+                pids.append(int(d.name))
+        return pids
+
+    def cleanup(self) -> None:
+        """Kill what is left (tasks, shims, containerd) and remove the directory."""
+        if self.proc is not None:
+            for line in self.ctr("tasks", "ls", "-q", check=False).stdout.split():
+                self.ctr("tasks", "kill", "-s", "KILL", line, check=False)
+                time.sleep(0.2)
+                self.ctr("tasks", "delete", "-f", line, check=False)
+        self.stop()
+        for pid in [*self.shim_pids(), *self._zygotes()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        root = Path(f"/run/containerd/runc/{self.namespace}")
+        for state in root.glob("*/state.json") if root.exists() else []:
+            run(["runc", "--root", str(root), "delete", "--force", state.parent.name])
+        shutil.rmtree(root, ignore_errors=True)
+        for m in reversed(Path("/proc/self/mounts").read_text().splitlines()):
+            target = m.split()[1]
+            if target.startswith(str(self.dir)):
+                run(["umount", "-l", target])
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def containerd():
+    if shutil.which("containerd") is None or shutil.which(SHIM, path=VENV_BIN) is None:
+        raise pytest.UsageError(f"test_shim needs containerd and {SHIM} (`make install`)")
+    c = PrivateContainerd()
+    try:
+        c.start()
+        c.import_demo_image()
+        yield c
+    finally:
+        c.cleanup()
+
+
+def tasks(c: PrivateContainerd) -> dict[str, tuple[int, str]]:
+    """`ctr t ls` as {task: (pid, status)}."""
+    out = {}
+    for line in c.ctr("tasks", "ls").stdout.splitlines()[1:]:
+        name, pid, status = line.split()
+        out[name] = (int(pid), status)
+    return out
+
+
+def counter_value(c: PrivateContainerd, task: str) -> int:
+    return int(c.ctr("tasks", "exec", "--exec-id", f"read-{uuid.uuid4().hex[:6]}", task, "cat", "/tmp/c").stdout)
+
+
+def wait_counter(c: PrivateContainerd, task: str, above: int, timeout: float = 15) -> int:
+    deadline = time.monotonic() + timeout
+    value = -1
+    while time.monotonic() < deadline:
+        try:
+            value = counter_value(c, task)
+        except (AssertionError, ValueError):
+            value = -1
+        if value > above:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"counter of {task} stuck at {value} (wanted > {above})")
+
+
+def run_counter(c: PrivateContainerd, name: str) -> int:
+    c.ctr("run", "-d", "--runtime", RUNTIME, DEMO_IMAGE, name, "sh", "-c", COUNTER)
+    return wait_counter(c, name, 2)
+
+
+def remove(c: PrivateContainerd, name: str) -> None:
+    c.ctr("tasks", "kill", "-s", "KILL", name, check=False)
+    deadline = time.monotonic() + 10
+    while tasks(c).get(name, (0, "STOPPED"))[1] != "STOPPED" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    c.ctr("tasks", "delete", name, check=False)
+    c.ctr("containers", "delete", name)
+
+
+def wait_status(c: PrivateContainerd, name: str, status: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if tasks(c).get(name, (0, ""))[1] == status:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{name} is {tasks(c).get(name)}, not {status}")
+
+
+def test_run_rm_stdio_exit_code_and_events(containerd):
+    events = subprocess.Popen(["ctr", "--address", containerd.address, "events"], stdout=subprocess.PIPE,
+                              text=True, env=containerd.env)
+    try:
+        time.sleep(0.3)  # subscribed before the task exists
+        res = containerd.ctr("run", "--rm", "--runtime", RUNTIME, DEMO_IMAGE, "io1",
+                             "sh", "-c", "read line; echo out:$line; echo err >&2; exit 3",
+                             check=False, input="from-stdin\n")
+        time.sleep(0.3)
+    finally:
+        events.terminate()
+        out, _ = events.communicate(timeout=10)
+    assert res.returncode == 3, res.stderr
+    assert res.stdout == "out:from-stdin\n"
+    assert res.stderr.strip() == "err"
+    assert "io1" not in containerd.ctr("containers", "ls", "-q").stdout.split()
+    containerd.wait_no_shims()  # the shim exited after Shutdown
+
+    # `ctr events` lines: date time zone zone namespace topic json
+    seen = {}
+    for line in out.splitlines():
+        parts = line.split(" ", 6)
+        if len(parts) == 7 and parts[4] == containerd.namespace and parts[5].startswith("/tasks/"):
+            body = json.loads(parts[6])
+            if body.get("container_id") == "io1":
+                seen.setdefault(parts[5], body)
+    assert list(seen) == ["/tasks/create", "/tasks/start", "/tasks/exit", "/tasks/delete"], out
+    assert seen["/tasks/exit"]["exit_status"] == 3
+    assert seen["/tasks/start"]["pid"] == seen["/tasks/exit"]["pid"] > 0
+
+
+def test_terminal(containerd):
+    # ctr sends its window size (ResizePty) only after Start: wait for it in the container.
+    script = "tty; n=0; until busybox stty -a 2>/dev/null | grep -q \"rows [1-9]\" || [ $n -gt 50 ]; do " \
+             "n=$((n+1)); sleep 0.1; done; busybox stty -a"
+    cmd = (f"ctr --address {containerd.address} --namespace {containerd.namespace} run -t --rm "
+           f"--runtime {RUNTIME} {DEMO_IMAGE} tty1 sh -c '{script}'")
+    res = run(["script", "-qec", f"stty rows 33 cols 77; {cmd}", "/dev/null"], env=containerd.env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "/dev/pts/" in res.stdout, res.stdout  # the process has a pty
+    assert "rows 33; columns 77;" in res.stdout, res.stdout  # ctr's ResizePty reached it
+
+
+def shim_call(c: PrivateContainerd, task: str, method: str, **fields):
+    """One RPC straight to the shim serving TASK (containerd.task.v3.Task)."""
+    import grpc
+
+    from gpusnap.proto import load
+    from gpusnap.proto.rpc import unary_stub
+
+    pb = load().shim
+    (info,) = [p for p in c.shim_dir.glob("*.json")
+               if json.loads(p.read_text()).get("bundle", "").endswith(f"/{task}")]
+    service = pb.DESCRIPTOR.services_by_name["Task"]
+    with grpc.insecure_channel(f"unix:{info.with_suffix('.sock')}") as ch:
+        req_cls = getattr(pb, service.methods_by_name[method].input_type.name)
+        return unary_stub(ch, service, method)(req_cls(**fields), timeout=30)
+
+
+def memory_limit(pid: int) -> int:
+    """The memory cgroup limit of PID (cgroup v1 or v2)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return int(Path(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes").read_text())
+        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            return int(Path(f"/sys/fs/cgroup{path}/memory.max").read_text())
+    raise AssertionError(f"no memory cgroup for {pid}")
+
+
+def test_exec_ls_ps_update_pause_resume_kill(containerd):
+    c = containerd
+    run_counter(c, "ctr1")
+    pid, status = tasks(c)["ctr1"]
+    assert status == "RUNNING" and pid > 0
+    assert os.path.exists(f"/proc/{pid}")
+
+    res = c.ctr("tasks", "exec", "--exec-id", "e1", "ctr1", "sh", "-c", "echo exec-out; exit 7", check=False)
+    assert res.returncode == 7 and res.stdout == "exec-out\n"
+
+    c.ctr("tasks", "exec", "-d", "--exec-id", "sleeper", "ctr1", "sleep", "300")
+    ps = c.ctr("tasks", "ps", "ctr1").stdout
+    assert str(pid) in ps and "sleeper" in ps  # exec'd pids carry their exec id
+
+    # ctr 1.7 has no `tasks update`: call the shim's Update as containerd's Tasks.Update would.
+    shim_call(c, "ctr1", "Update", id="ctr1", resources=any_pb2.Any(
+        type_url="types.containerd.io/opencontainers/runtime-spec/1/LinuxResources",
+        value=json.dumps({"memory": {"limit": 96 << 20}}).encode()))
+    assert memory_limit(pid) == 96 << 20
+
+    c.ctr("tasks", "pause", "ctr1")
+    wait_status(c, "ctr1", "PAUSED")
+    frozen = int((Path(f"/proc/{pid}/root/tmp/c")).read_text())
+    time.sleep(0.5)
+    assert int((Path(f"/proc/{pid}/root/tmp/c")).read_text()) == frozen
+    c.ctr("tasks", "resume", "ctr1")
+    wait_status(c, "ctr1", "RUNNING")
+    wait_counter(c, "ctr1", frozen)
+
+    c.ctr("tasks", "kill", "-s", "KILL", "ctr1")
+    wait_status(c, "ctr1", "STOPPED")
+    assert not os.path.exists(f"/proc/{pid}")
+    c.ctr("tasks", "delete", "ctr1")
+    assert "ctr1" not in tasks(c)
+    c.ctr("containers", "delete", "ctr1")
+
+
+# Counts from start-time-in-seconds * 100000: a fresh start after the checkpoint
+# would begin at least 100000 higher, a restored one goes on where it stopped.
+STAMPED_COUNTER = COUNTER.replace("i=0;", "i=$(($(date +%s)*100000));")
+
+
+def read_tmp_c(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/root/tmp/c").read_text())
+
+
+def test_checkpoint_then_restore_continues(containerd):
+    c = containerd
+    c.ctr("run", "-d", "--runtime", RUNTIME, DEMO_IMAGE, "ck1", "sh", "-c", STAMPED_COUNTER)
+    wait_counter(c, "ck1", 0)
+    before = read_tmp_c(tasks(c)["ck1"][0])
+    c.ctr("containers", "checkpoint", "--task", "--rw", "ck1", "localhost/ck1:ckpt")
+    assert tasks(c)["ck1"][1] == "RUNNING"  # no --exit: the task goes on
+    assert "localhost/ck1:ckpt" in c.ctr("images", "ls", "-q").stdout.split()
+    remove(c, "ck1")
+    time.sleep(1.0)  # a fresh start would now stamp a later second
+
+    c.ctr("containers", "restore", "--live", "--rw", "ck1", "localhost/ck1:ckpt")
+    wait_status(c, "ck1", "RUNNING")
+    pid = tasks(c)["ck1"][0]
+    first = read_tmp_c(pid)
+    assert before <= first < before + 50000, (before, first)
+    assert wait_counter(c, "ck1", first) > first  # and it keeps counting
+    remove(c, "ck1")
+
+
+def test_containerd_restart_keeps_task(containerd):
+    c = containerd
+    run_counter(c, "rs1")
+    pid, _ = tasks(c)["rs1"]
+    shim = c.server_of("rs1")["pid"]
+    c.restart()
+    assert c.server_of("rs1")["pid"] == shim and Path(f"/proc/{shim}").exists()  # the same shim serves on
+    assert tasks(c)["rs1"] == (pid, "RUNNING")
+    value = counter_value(c, "rs1")
+    wait_counter(c, "rs1", value)
+    c.ctr("tasks", "kill", "-s", "KILL", "rs1")
+    wait_status(c, "rs1", "STOPPED")  # the exit is seen through the reconnected shim
+    c.ctr("tasks", "delete", "rs1")
+    c.ctr("containers", "delete", "rs1")
+
+
+def test_killed_shim_is_cleaned_up_by_delete(containerd):
+    c = containerd
+    run_counter(c, "dead1")
+    pid, _ = tasks(c)["dead1"]
+    os.kill(c.server_of("dead1")["pid"], signal.SIGKILL)
+    # containerd sees the connection drop and runs `SHIM delete`: runc force-deletes the container.
+    deadline = time.monotonic() + 15
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}")
+    assert "dead1" not in tasks(c)
+    root = f"/run/containerd/runc/{c.namespace}"
+    assert run(["runc", "--root", root, "state", "dead1"]).returncode != 0
+    assert [p.name for p in c.shim_dir.glob("*.sock") if p.name != "zygote.sock"] == []  # `delete` removed it
+    assert not [d for d in c.shim_servers().values() if d["bundle"].endswith("/dead1")]
+    c.ctr("containers", "delete", "dead1")
+
+
+def test_bad_invocation_is_one_line():
+    res = run([f"{VENV_BIN}/{SHIM}", "-namespace", "x", "frobnicate"])
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1 and "unknown action 'frobnicate'" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_delete_of_an_empty_bundle_answers_a_delete_response(tmp_path):
+    from gpusnap.proto import load
+
+    res = subprocess.run([f"{VENV_BIN}/{SHIM}", "-namespace", "x", "-address", "/nonexistent/c.sock", "-id", "gone",
+                          "-bundle", str(tmp_path), "delete"], capture_output=True)
+    assert res.returncode == 0, res.stderr
+    msg = load().shim.DeleteResponse.FromString(res.stdout)
+    assert msg.exit_status == 137
+    assert abs(msg.exited_at.ToNanoseconds() - time.time_ns()) < 10e9
+
+
+def test_zygote_forks_later_shims_and_retires_on_code_change(containerd):
+    c = containerd
+    c.ctr("run", "--rm", "--runtime", RUNTIME, DEMO_IMAGE, "z0", "sh", "-c", ":")  # makes sure one runs
+    zygote = c.zygote_pid()
+    assert zygote is not None
+    c.ctr("run", "-d", "--runtime", RUNTIME, DEMO_IMAGE, "z1", "sleep", "300")
+    assert c.server_of("z1")["origin"] == "zygote"
+    remove(c, "z1")
+
+    # The shim's code changes on disk (an upgrade): the old zygote must not serve it.
+    marker = Path(__file__).resolve().parents[2] / "gpusnap" / "shim" / "__init__.py"
+    os.utime(marker)
+    c.ctr("run", "-d", "--runtime", RUNTIME, DEMO_IMAGE, "z2", "sleep", "300")
+    assert c.server_of("z2")["origin"] == "cold"
+    assert not Path(f"/proc/{zygote}").exists() or Path(f"/proc/{zygote}/status").read_text().find("zombie") > 0
+    deadline = time.monotonic() + 15
+    while c.zygote_pid() in (None, zygote) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert c.zygote_pid() not in (None, zygote)  # a fresh one took over
+    remove(c, "z2")
+
+
+def test_failed_create_reports_runc_error_and_leaves_nothing(containerd):
+    c = containerd
+    res = c.ctr("run", "--rm", "--runtime", RUNTIME, DEMO_IMAGE, "bad1", "/no/such/binary", check=False)
+    assert res.returncode != 0
+    assert "/no/such/binary" in res.stderr and "no such file or directory" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert "bad1" not in tasks(c)
+    assert run(["runc", "--root", f"/run/containerd/runc/{c.namespace}", "state", "bad1"]).returncode != 0
+    assert not any(str(c.dir) in line and "bad1" in line for line in Path("/proc/self/mounts").read_text().splitlines())
+    c.wait_no_shims()
+    c.ctr("containers", "delete", "bad1", check=False)
+
+
+def test_protos_build_from_scratch_with_containerd_wire_names(tmp_path):
+    out = tmp_path / "pb"
+    res = run([f"{VENV_BIN}/python", "-m", "gpusnap.proto.build", "--out", str(out)])
+    assert res.returncode == 0, res.stderr
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "from gpusnap_pb import shim_pb2, task_events_pb2, events_service_pb2;"
+        "t = shim_pb2.DESCRIPTOR.services_by_name['Task'];"
+        "print(t.full_name, ' '.join(m.name for m in t.methods));"
+        "print(task_events_pb2.TaskExit.DESCRIPTOR.full_name,"
+        " events_service_pb2.DESCRIPTOR.services_by_name['Events'].full_name)"
+    )
+    res = run([f"{VENV_BIN}/python", "-c", probe, str(out)], check=True)
+    service, events = res.stdout.splitlines()
+    assert service == ("containerd.task.v3.Task State Create Start Delete Pids Pause Resume Checkpoint Kill Exec "
+                       "ResizePty CloseIO Update Wait Stats Connect Shutdown")
+    assert events == "containerd.events.TaskExit containerd.services.events.v1.Events"
