@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from gpusnap import __version__
-from gpusnap.cli import checkpoint, doctor, freeze, gpus, inspect, migrate, pull, push, restore
+from gpusnap.cli import (checkpoint, doctor, freeze, gpus, inspect, migrate, move, pull, push,
+                         restore)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -26,13 +27,15 @@ def cli() -> None:
       gpusnap pull HOST/REPO:TAG -o ctr.tar.zst     back into an archive
       gpusnap restore HOST/REPO:TAG                 pull and restore in one go
       gpusnap migrate CTR HOST/REPO:TAG             checkpoint + push; prints what to run on the target
+      gpusnap restore ctr.tar.zst --gpu-map 0=1     onto another GPU (--dry-run: the plan only)
+      gpusnap move CTR --gpu 1                      live onto another GPU of this host
       gpusnap freeze CTR / gpusnap thaw CTR         release GPU memory in place, take it back
       gpusnap gpus                                  this host's GPUs
       gpusnap doctor                                what this host is missing
     """
 
 
-for module in (checkpoint, restore, inspect, push, pull, migrate, gpus, freeze, doctor):
+for module in (checkpoint, restore, inspect, push, pull, migrate, move, gpus, freeze, doctor):
     for command in module.COMMANDS:
         cli.add_command(command)
 

@@ -28,7 +28,7 @@ from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import mps_active, read_inventory
-from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume
+from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume_onto
 from gpusnap.procs import cuda_processes
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
@@ -116,43 +116,25 @@ def post_resume(init_pid: int, criu_pid: int) -> None:
         if MANIFEST_NAME in kept else None
     if manifest is not None and manifest.quiesced_by == "criu-cuda-plugin":
         return  # CRIU's plugin brings them back itself
-    driver, pids = _driver(), [p.pid for p in procs]
-    tried: list[str] = []
-    for label, pairs in _pair_choices(kept.get(PLAN_NAME)):
-        timing = Timing()
-        try:
-            changed = resume(driver, pids, pairs, timing=timing)
-        except QuiesceError as exc:
-            tried.append(f"{label}: {exc}")
-            continue
+    timing = Timing()
+    label, changed, refused = resume_onto(_driver(), [p.pid for p in procs],
+                                          _pair_choices(kept.get(PLAN_NAME)), timing)
+    if changed:
         journal.record("resumed", init_pid=init_pid, pids=changed, timing=timing.phases,
-                       gpu_pairs=label, pairs=[list(p) for p in pairs or []], failed_first=tried)
-        return
-    raise QuiesceError("restore", {pid: RuntimeError("; ".join(tried)) for pid in pids})
+                       gpu_pairs=label, failed_first=refused)
 
 
 def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]] | None]]:
-    """The GPU UUID pairs to offer the driver, in order, when `gpusnap restore` moved
-    the GPUs: every GPU the driver sees (what it asks of a process that can reach
-    them all), then only the moved ones (a container reaches only its own nodes),
-    then none (the driver maps by the nodes the process can open)."""
+    """What to offer the driver: the plan's choices when `gpusnap restore` moved the GPUs."""
     if plan_text is None:
         return [("none", None)]
     from gpusnap.gpu.plan import Plan
 
     try:
-        plan = Plan.from_dict(json.loads(plan_text))
+        return Plan.from_dict(json.loads(plan_text)).pair_choices()
     except (ValueError, KeyError, TypeError) as exc:
         raise GpusnapError(f"the checkpoint's {PLAN_NAME} is not a GPU plan gpusnap can read "
                            f"({exc})") from None
-    every = plan.driver_pairs()
-    if every is None:
-        return [("none", None)]
-    moved = [(m.source.uuid, m.target.uuid) for m in plan.moves if m.moved]
-    choices = [("every GPU", every)]
-    if sorted(moved) != sorted(every):
-        choices.append(("moved GPUs", moved))
-    return choices + [("none", None)]
 
 
 def _run(action: str) -> int:

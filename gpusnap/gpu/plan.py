@@ -128,6 +128,20 @@ class Plan:
         (then no r580 driver is needed), else the complete pairs."""
         return list(self.uuid_pairs) if self.needs_remap else None
 
+    def pair_choices(self) -> list[tuple[str, list[tuple[str, str]] | None]]:
+        """The GPU UUID pairs to offer the driver, in order: every GPU it sees (what it
+        asks of a process that can reach them all), then only the moved ones (what it
+        takes in a container that reaches only its own GPUs: measured on H200 x2),
+        then none (it maps by the nodes the process can open)."""
+        every = self.driver_pairs()
+        if every is None:
+            return [("none", None)]
+        moved = [(m.source.uuid, m.target.uuid) for m in self.moves if m.moved]
+        choices: list[tuple[str, list[tuple[str, str]] | None]] = [("every GPU", every)]
+        if sorted(moved) != sorted(every):
+            choices.append(("moved GPUs", moved))
+        return choices + [("none", None)]
+
     def describe(self) -> list[str]:
         lines = [m.describe() for m in self.moves]
         lines += [f"check overridden: {p.message}" for p in self.overridden]

@@ -151,3 +151,20 @@ def resume(driver: Driver, pids: list[int], gpu_pairs: list[tuple[str, str]] | N
     if failures:
         raise QuiesceError("unlock", failures)
     return to_unlock
+
+
+def resume_onto(driver: Driver, pids: list[int],
+                choices: list[tuple[str, list[tuple[str, str]] | None]],
+                timing: Timing | None = None) -> tuple[str, list[int], list[str]]:
+    """Resume with the first GPU pair choice the driver takes (Plan.pair_choices).
+
+    A refused restore leaves the processes CHECKPOINTED, so the next choice can
+    be tried. Returns (the choice taken, pids changed, what was refused first).
+    """
+    refused: list[str] = []
+    for label, pairs in choices:
+        try:
+            return label, resume(driver, pids, pairs, timing), refused
+        except QuiesceError as exc:
+            refused.append(f"{label}: {exc}")
+    raise QuiesceError("restore", {pid: RuntimeError("; ".join(refused)) for pid in pids})

@@ -15,7 +15,8 @@ from gpusnap.procs import cuda_processes
 from gpusnap.runtime import podman
 
 
-def _targets(name: str, verb: str):
+def cuda_targets(name: str, verb: str):
+    """The running container, its CUDA processes and the driver; one line if any is missing."""
     ctr = podman.inspect(name)
     require_running(ctr, verb)
     procs = cuda_processes(ctr.pid)
@@ -34,7 +35,7 @@ def _gpu_used() -> dict[str, int]:
 
 
 def freeze(name: str, lock_timeout_ms: int) -> dict:
-    ctr, procs, driver = _targets(name, "be frozen")
+    ctr, procs, driver = cuda_targets(name, "be frozen")
     before = _gpu_used()
     timing = Timing()
     try:
@@ -49,7 +50,7 @@ def freeze(name: str, lock_timeout_ms: int) -> dict:
 
 
 def thaw(name: str) -> dict:
-    ctr, procs, driver = _targets(name, "be thawed")
+    ctr, procs, driver = cuda_targets(name, "be thawed")
     timing = Timing()
     try:
         changed = resume(driver, [p.pid for p in procs], timing=timing)

@@ -120,3 +120,21 @@ def test_a_map_to_a_missing_gpu_changes_nothing(on_gpu0):
     assert_one_line_error(res, "GPU 7", "nothing was changed")
     assert podman("container", "exists", ctr.name, check=False).returncode == 1
     assert _sha(archive) == before
+
+
+def test_move_live_onto_gpu1_keeps_the_pids():
+    ctr = harness.start(nproc=1, gib=2.0, gpus=[0])
+    try:
+        pids = harness.host_pids(ctr.name)
+        assert_one_line_error(gpusnap("move", ctr.name, "--gpu", "0"), "already")
+        plan = gpusnap_json("move", ctr.name, "--gpu", "1", "--dry-run")
+        assert plan["dry_run"] and "-> GPU 1 (" in plan["moves"][0]
+        its = ctr.iterations()
+        used1 = harness.gpu_memory_used(1)
+        moved = gpusnap_json("move", ctr.name, "--gpu", "1")
+        assert moved["pids"] == pids
+        _restored_on_gpu1(ctr, its, used1)
+        assert harness.host_pids(ctr.name) == pids  # the same processes, now on GPU 1
+        assert harness.gpu_memory_used(0) < GIB
+    finally:
+        ctr.remove()

@@ -1,0 +1,95 @@
+"""Live move: a running container's CUDA processes onto other GPUs of this host, no CRIU.
+
+discover (the container, its CUDA processes, this host's GPUs) -> plan (the
+same planner and checks as a restore) -> act (quiesce: GPU memory to host
+memory; swap the container's GPU nodes and device cgroup rule; driver restore
+onto the new GPUs) -> record. The processes keep their pids throughout. Any
+failure after the quiesce puts the nodes and the rule back and resumes the
+processes on their old GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from gpusnap import journal
+from gpusnap.criu.version import criu_version
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu import manifest as gpu_manifest
+from gpusnap.gpu.inventory import read_inventory
+from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume, resume_onto
+from gpusnap.oci.spec import SpecError, rewrite_spec
+from gpusnap.ops.freeze import cuda_targets
+from gpusnap.ops.gpu_plan import plan_here
+from gpusnap.runtime.livedev import plan_live
+
+
+def gpu_map_for(index: int | None, gpu_map: str | None, used: list[dict]) -> str:
+    """--gpu N is --gpu-map SRC=N for a container on one GPU."""
+    if gpu_map:
+        if index is not None:
+            raise GpusnapError("give --gpu or --gpu-map, not both")
+        return gpu_map
+    if index is None:
+        raise GpusnapError("say where to: --gpu N (or --gpu-map SRC=DST,...)")
+    if len(used) != 1:
+        raise GpusnapError(f"the container uses {len(used)} GPUs; --gpu names one",
+                           "say where each goes with --gpu-map SRC=DST,...")
+    return f"{used[0]['index']}={index}"
+
+
+def move(name: str, index: int | None, gpu_map: str | None, lock_timeout_ms: int,
+         dry_run: bool = False) -> dict:
+    ctr, procs, driver = cuda_targets(name, "be moved")
+    manifest = gpu_manifest.build(procs, read_inventory(), criu_version(), "gpusnap")
+    plan = plan_here(manifest, gpu_map_for(index, gpu_map, manifest.gpus),
+                     refusal_hint="`gpusnap gpus` lists this host's GPUs; nothing was changed")
+    if not plan.needs_remap:
+        raise GpusnapError(f"{ctr.name} is on those GPUs already; nothing was changed")
+    spec = json.loads((ctr.userdata / "config.json").read_text())
+    try:
+        rewrite_spec(spec, plan.remap)  # the same checks a restore's spec passes
+    except SpecError as exc:
+        raise GpusnapError(f"cannot move {ctr.name}'s devices: {exc}; nothing was changed") from None
+    live = plan_live(ctr.pid, spec, plan.remap)
+    report = {"container": ctr.name, "moves": plan.describe(), "plan": plan.to_dict()}
+    if dry_run:
+        return {**report, "dry_run": True}
+    pids = [p.pid for p in procs]
+    timing = Timing()
+    start = time.monotonic()
+    try:
+        quiesce(driver, pids, lock_timeout_ms, timing)
+    except QuiesceError as exc:
+        raise GpusnapError(f"could not stop {ctr.name}'s GPU work, nothing was changed: {exc}",
+                           "a process may be in a long kernel; retry with a longer --timeout") \
+            from None
+    try:
+        live.apply()
+        label, _, refused = resume_onto(driver, pids, plan.pair_choices(), timing)
+    except BaseException as exc:  # Ctrl-C included: never leave the container off its GPU
+        _back(ctr.name, live, driver, pids, exc)
+    finally:
+        live.close()
+    seconds = time.monotonic() - start
+    journal.record("moved", container=ctr.id, pids=pids, moves=plan.describe(), gpu_pairs=label,
+                   failed_first=refused, timing=timing.phases, seconds=round(seconds, 3))
+    return {**report, "pids": pids, "gpu_pairs": label, "timing": timing.phases,
+            "seconds": round(seconds, 3)}
+
+
+def _back(name: str, live, driver, pids: list[int], exc: BaseException) -> None:
+    """Undo a half-done move: old nodes and rule, processes resumed on their old GPUs."""
+    try:
+        live.undo()
+        resume(driver, pids)
+    except Exception as undo_exc:  # noqa: BLE001 -- both reported
+        journal.record("move-undo-failed", container=name, error=str(exc), undo=str(undo_exc))
+        raise GpusnapError(f"moving {name} failed ({exc}) and so did putting it back ({undo_exc})",
+                           "`gpusnap doctor --fix` unlocks its GPU processes") from None
+    journal.record("move-undone", container=name, error=str(exc))
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
+    raise GpusnapError(f"moving {name} failed, it runs on its old GPUs again: {exc}",
+                       "`gpusnap gpus` shows the target's free memory") from None
