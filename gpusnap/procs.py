@@ -112,3 +112,13 @@ def rss_bytes(pids: list[int], proc: Path = PROC) -> int:
         except (OSError, IndexError, ValueError):
             continue
     return total
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22):
+    with the pid, it names one process, not whichever reuses the number later."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])

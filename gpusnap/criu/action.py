@@ -29,7 +29,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import mps_active, read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume_onto
-from gpusnap.procs import cuda_processes
+from gpusnap.procs import cuda_processes, start_time
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
 
@@ -117,11 +117,41 @@ def post_resume(init_pid: int, criu_pid: int) -> None:
     if manifest is not None and manifest.quiesced_by == "criu-cuda-plugin":
         return  # CRIU's plugin brings them back itself
     timing = Timing()
-    label, changed, refused = resume_onto(_driver(), [p.pid for p in procs],
-                                          _pair_choices(kept.get(PLAN_NAME)), timing)
+    live = _live_remap(init_pid)
+    choices = live[1].pair_choices() if live else _pair_choices(kept.get(PLAN_NAME))
+    try:
+        if live:
+            live[0].apply()
+        label, changed, refused = resume_onto(_driver(), [p.pid for p in procs], choices, timing)
+    except BaseException:
+        if live:
+            live[0].undo()
+        raise
+    finally:
+        if live:
+            live[0].close()
     if changed:
         journal.record("resumed", init_pid=init_pid, pids=changed, timing=timing.phases,
-                       gpu_pairs=label, failed_first=refused)
+                       gpu_pairs=label, failed_first=refused,
+                       moved_live=live[1].describe() if live else None)
+
+
+def _live_remap(init_pid: int):
+    """A plain `podman container restore` onto GPUs other than the checkpoint's: the
+    OCI hook planned it (the runtime spec still names the old GPUs); the restored
+    container gets the new nodes and cgroup rule here, before its GPU state returns."""
+    stash = journal.state_dir() / "restores" / f"{init_pid}.json"
+    if not stash.exists():
+        return None
+    from gpusnap.gpu.plan import Plan
+    from gpusnap.runtime.livedev import plan_live
+
+    data = json.loads(stash.read_text())
+    stash.unlink()
+    if data.get("start_time") != start_time(init_pid):
+        return None  # left by a restore that failed: the pid names another process now
+    plan = Plan.from_dict(data["plan"])
+    return plan_live(init_pid, data["spec"], plan.remap), plan
 
 
 def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]] | None]]:

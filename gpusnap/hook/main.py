@@ -17,9 +17,15 @@ import re
 import sys
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 
+if TYPE_CHECKING:
+    from gpusnap.gpu.plan import Plan
+
 STAGES = ("prestart", "poststop")
+GPU_MAP_ANNOTATION = "io.gpusnap.gpu-map"  # SRC=DST[,...], for restores gpusnap does not drive
 _GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
 
 
@@ -46,23 +52,48 @@ def record_assignment(container_id: str, devices: list[dict]) -> Path:
     return path
 
 
-def validate_restore(manifest_path: Path) -> list[str]:
-    """Problems with restoring here; with a plan beside the manifest (a remapping
-    `gpusnap restore`), its target GPUs are checked as the plan pinned them."""
-    from gpusnap.gpu.compat import restore_problems
+def plan_restore_here(manifest_path: Path, spec: dict) -> tuple[list[str], "Plan | None"]:
+    """(problems, plan) for restoring here.
+
+    With a plan beside the manifest (`gpusnap restore` rewrote the spec for it),
+    its targets are re-checked. Without one (a plain `podman container restore`),
+    the spec still names the checkpoint's GPUs; where they cannot take it, other
+    GPUs are planned (or the `io.gpusnap.gpu-map` annotation's), and the CRIU
+    action script moves the restored processes onto them before they resume.
+    """
     from gpusnap.gpu.inventory import read_inventory
     from gpusnap.gpu.manifest import Manifest
+    from gpusnap.gpu.plan import Plan, plan_restore
+    from gpusnap.ops.gpu_plan import pinned_map
 
     manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
     plan_path = manifest_path.with_name(PLAN_NAME)
-    if not plan_path.exists():
-        return restore_problems(manifest, read_inventory())
-    from gpusnap.gpu.plan import Plan
-    from gpusnap.ops.gpu_plan import pinned_map
+    if plan_path.exists():
+        pinned = Plan.from_dict(json.loads(plan_path.read_text()))
+        result = plan_restore(manifest, read_inventory(), gpu_map=pinned_map(pinned),
+                              skip=frozenset(p.check for p in pinned.overridden))
+        return ([p.line for p in result], None) if isinstance(result, list) else ([], None)
+    annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
+    from gpusnap.gpu.gpumap import parse_gpu_map
 
-    plan = Plan.from_dict(json.loads(plan_path.read_text()))
-    return restore_problems(manifest, read_inventory(), remap=True, gpu_map=pinned_map(plan),
-                            skip=frozenset(p.check for p in plan.overridden))
+    result = plan_restore(manifest, read_inventory(),
+                          gpu_map=parse_gpu_map(annotation) if annotation else None)
+    if isinstance(result, list):
+        return [p.line for p in result], None
+    return [], result
+
+
+def stash_live_remap(pid: int, plan: "Plan", spec: dict) -> Path:
+    """What post-resume needs to move the restored processes (keyed by the restored init pid)."""
+    folder = journal.state_dir() / "restores"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / f"{pid}.json"
+    from gpusnap.procs import start_time
+
+    path.write_text(json.dumps({"plan": plan.to_dict(), "spec": spec,
+                                "start_time": start_time(pid)}))
+    os.chmod(path, 0o600)
+    return path
 
 
 def forget_assignment(container_id: str) -> None:
@@ -81,11 +112,14 @@ def run(state: dict, stage: str | None = None) -> int:
     spec = json.loads((bundle / "config.json").read_text())
     manifest_path = bundle / "checkpoint" / MANIFEST_NAME
     if manifest_path.exists():
-        problems = validate_restore(manifest_path)
+        problems, plan = plan_restore_here(manifest_path, spec)
         if problems:
             journal.record("hook-refused-restore", container=container_id, problems=problems)
             print("gpusnap: cannot restore here: " + "; ".join(problems), file=sys.stderr)
             return 1
+        if plan is not None and plan.needs_remap:
+            stash_live_remap(int(state["pid"]), plan, spec)
+            journal.record("restore-remap-planned", container=container_id, moves=plan.describe())
     devices = gpu_devices(spec)
     if devices:
         record_assignment(container_id, devices)

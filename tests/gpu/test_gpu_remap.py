@@ -104,6 +104,20 @@ def test_restore_while_gpu0_is_taken_moves_to_gpu1(on_gpu0):
         hog.remove()
 
 
+def test_plain_podman_restore_while_gpu0_is_taken_moves_to_gpu1(on_gpu0):
+    """Unchanged `podman container restore --import`: the OCI hook plans GPU 1, the
+    CRIU action script gives the restored container GPU 1's node and cgroup rule and
+    the driver the UUID pair before the processes get their GPU state back."""
+    ctr, archive, its = on_gpu0
+    hog = harness.hold_memory(0, max(_free(0) / GIB - 1.5, 1.0))
+    try:
+        used1 = harness.gpu_memory_used(1)
+        podman("container", "restore", "--import", str(archive))
+        _restored_on_gpu1(ctr, its, used1)
+    finally:
+        hog.remove()
+
+
 def test_restore_with_gpu_map_puts_it_on_gpu1(on_gpu0):
     ctr, archive, its = on_gpu0
     used1 = harness.gpu_memory_used(1)

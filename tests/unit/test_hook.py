@@ -153,11 +153,12 @@ def test_restore_onto_the_checkpoints_gpus_is_allowed(tmp_path, state_dir, host,
 def test_restore_onto_an_incompatible_host_is_refused_in_one_line(tmp_path, state_dir, host,
                                                                   monkeypatch, capsys):
     missing = "GPU-deadbeef-0000-0000-0000-000000000000"
-    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0, missing))
+    # three GPUs in the checkpoint, two here: no plan can place them all
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0, UUID1, missing))
     assert run_main(monkeypatch, json.dumps(state(b))) == 1
     err = capsys.readouterr().err
-    assert err == (f"gpusnap: cannot restore here: GPU 1 of the checkpoint (NVIDIA H100 80GB HBM3, "
-                   f"{missing}) is not on this host\n")
+    assert err.startswith("gpusnap: cannot restore here: ") and err.count("\n") == 1, err
+    assert f"GPU 2 of the checkpoint (NVIDIA H100 80GB HBM3, {missing})" in err, err
     refused = events("hook-refused-restore")
     assert len(refused) == 1 and refused[0]["container"] == CTR
     assert not record_file(state_dir).exists()
@@ -278,8 +279,33 @@ def test_restore_with_a_plan_checks_the_plans_targets(tmp_path, state_dir, monke
     b = bundle(tmp_path, [dev("/dev/nvidia1", 1)], man)
     (b / "checkpoint" / PLAN_NAME).write_text(json.dumps(plan))
     assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 0
+    assert not (state_dir / "restores" / "4242.json").exists()  # gpusnap restore moved it already
+    # A plain `podman container restore` of the same: the hook plans GPU 1 itself and
+    # leaves the move for the CRIU action script, keyed by the restored init pid.
     (b / "checkpoint" / PLAN_NAME).unlink()
+    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 0
+    stash = json.loads((state_dir / "restores" / "4242.json").read_text())
+    assert stash["plan"]["moves"][0]["target"]["uuid"] == UUID1
+    assert stash["spec"]["linux"]["devices"][0]["path"] == "/dev/nvidia1"
+
+
+def test_the_gpu_map_annotation_pins_a_plain_restore(tmp_path, state_dir, monkeypatch, capsys):
+    g0, g1 = gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1)
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inventory(g0, g1))
+    man = manifest_for(UUID0)
+    man["gpus"][0].update(minor=0, memory_total=80 << 30, compute_capability="9.0",
+                          pci_bus_id=g0.pci_bus_id)
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], man)
+    spec = json.loads((b / "config.json").read_text())
+    spec["annotations"] = {hook.GPU_MAP_ANNOTATION: "0=1"}
+    (b / "config.json").write_text(json.dumps(spec))
+    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 0
+    stash = json.loads((state_dir / "restores" / "4242.json").read_text())
+    assert "chosen by --gpu-map 0=1" in stash["plan"]["moves"][0]["reasons"]
+    spec["annotations"] = {hook.GPU_MAP_ANNOTATION: "0=5"}
+    (b / "config.json").write_text(json.dumps(spec))
     assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+    assert "no GPU 5" in capsys.readouterr().err
 
 
 def test_restore_with_a_plan_whose_target_is_gone_is_refused(tmp_path, state_dir, monkeypatch,
