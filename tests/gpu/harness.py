@@ -107,45 +107,35 @@ class CudaContainer:
         _sh("podman", "rm", "-f", "-t", "0", self.name, check=False)
 
 
-def start(nproc: int = 1, gib: float = 2.0, gpus: list[int] | None = None,
-          name: str | None = None) -> CudaContainer:
-    name = name or f"gpusnap-cuda-{uuid.uuid4().hex[:8]}"
+def _run(name: str, gpus: list[int], nproc: int, *command: str) -> CudaContainer:
+    """A CUDA container running ``command`` with a /status folder; waits for its workers."""
     status = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/var/tmp"))
-    cmd = ["podman", "run", "-d", "--name", name, "--network", "none",
-           *gpu_device_args(gpus if gpus is not None else [0]), *mount_args(),
-           "-v", f"{status}:/status", "-v", f"{HERE}:/work:ro",
-           "-e", f"LD_LIBRARY_PATH={DRIVER_DIR}/lib64:{DRIVER_DIR}/lib",
-           "-e", "PYTHONUNBUFFERED=1",
-           IMAGE, PYTHON, "/work/workload.py", str(nproc), str(gib)]
-    _sh(*cmd)
+    _sh("podman", "run", "-d", "--name", name, "--network", "none", *gpu_device_args(gpus),
+        *mount_args(), "-v", f"{status}:/status", "-v", f"{HERE}:/work:ro",
+        "-e", f"LD_LIBRARY_PATH={DRIVER_DIR}/lib64:{DRIVER_DIR}/lib", "-e", "PYTHONUNBUFFERED=1",
+        IMAGE, *command)
     ctr = CudaContainer(name, status, nproc)
     try:
         ctr.wait_running()
     except AssertionError:
         logs = _sh("podman", "logs", name, check=False)
         ctr.remove()
-        raise AssertionError(f"CUDA container did not start: {logs.stdout[-2000:]}{logs.stderr[-2000:]}")
+        raise AssertionError(f"{name} did not start: {logs.stdout[-2000:]}{logs.stderr[-2000:]}")
     return ctr
+
+
+def start(nproc: int = 1, gib: float = 2.0, gpus: list[int] | None = None,
+          name: str | None = None) -> CudaContainer:
+    return _run(name or f"gpusnap-cuda-{uuid.uuid4().hex[:8]}", gpus if gpus is not None else [0],
+                nproc, PYTHON, "/work/workload.py", str(nproc), str(gib))
 
 
 def hold_memory(gpu: int, gib: float) -> CudaContainer:
     """A container that only holds ``gib`` GiB on ``gpu`` (uninitialised: quick even
     for nearly all of an H200), to make that GPU too full for a restore."""
-    name = f"gpusnap-hog-{uuid.uuid4().hex[:8]}"
-    status = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/var/tmp"))
     hold = (f"import torch, time; x = torch.empty({int(gib * (1 << 30))}, dtype=torch.uint8, "
             "device='cuda'); open('/status/w0', 'w').write('1 ok'); time.sleep(1e6)")
-    _sh("podman", "run", "-d", "--name", name, "--network", "none", *gpu_device_args([gpu]),
-        *mount_args(), "-v", f"{status}:/status",
-        "-e", f"LD_LIBRARY_PATH={DRIVER_DIR}/lib64:{DRIVER_DIR}/lib", IMAGE, PYTHON, "-c", hold)
-    ctr = CudaContainer(name, status, 1)
-    try:
-        ctr.wait_running()
-    except AssertionError:
-        logs = _sh("podman", "logs", name, check=False)
-        ctr.remove()
-        raise AssertionError(f"memory holder did not start: {logs.stderr[-2000:]}")
-    return ctr
+    return _run(f"gpusnap-hog-{uuid.uuid4().hex[:8]}", [gpu], 1, PYTHON, "-c", hold)
 
 
 def gpu_memory_used(index: int = 0) -> int:
