@@ -6,7 +6,7 @@
 #   /usr/share/containers/oci/hooks.d/gpusnap-{prestart,poststop}.json   the OCI hook
 # GPUSNAP_OFFLINE=1 installs with no package index (the GPU machines): the
 # venv then uses GPUSNAP_PYTHON's packages for click, rich and nvidia-ml-py.
-# GPUSNAP_PYTHON picks the interpreter.
+# GPUSNAP_PYTHON picks the interpreter; GPUSNAP_PYLIB adds a folder of unpacked wheels.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 SRC=$(dirname "$HERE")
@@ -21,8 +21,10 @@ if [ "${GPUSNAP_OFFLINE:-0}" = 1 ]; then
   [ -x $ROOT/venv/bin/python ] || "$PY" -m venv --without-pip $ROOT/venv
   host_site=$("$PY" -c 'import site; print(site.getsitepackages()[0])')
   venv_site=$($ROOT/venv/bin/python -c 'import site; print(site.getsitepackages()[0])')
-  printf '%s\n%s\n' "$host_site" "$SRC" > "$venv_site/gpusnap-offline.pth"
-  for script in gpusnap:gpusnap.cli.main gpusnap-hook:gpusnap.hook.main gpusnap-criu-action:gpusnap.criu.action; do
+  # GPUSNAP_PYLIB (unpacked wheels the interpreter lacks, e.g. grpcio) goes first.
+  printf '%s\n' ${GPUSNAP_PYLIB:-} "$host_site" "$SRC" > "$venv_site/gpusnap-offline.pth"
+  for script in gpusnap:gpusnap.cli.main gpusnap-hook:gpusnap.hook.main gpusnap-criu-action:gpusnap.criu.action \
+                containerd-shim-gpusnap-v1:gpusnap.shim.main; do
     printf '#!%s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$ROOT/venv/bin/python" "${script#*:}" > "$ROOT/venv/bin/${script%%:*}"
     chmod 755 "$ROOT/venv/bin/${script%%:*}"
   done
