@@ -14,7 +14,19 @@ from gpusnap.oci import reference
 from gpusnap.runtime import podman
 
 
+def _human_podman(r: dict) -> None:
+    c = r["container"]
+    console.print(f"[bold]{r['source']}[/]: a Podman checkpoint image")
+    console.print(f"  container: {c['name']}, image {c['image']}, runtime {r['runtime']}, "
+                  f"CRIU {r['criu_version'] or '?'}, Podman {r['podman_version'] or '?'}, "
+                  f"{r['host']['arch']}; {human_bytes(r['stored_bytes'])} stored")
+    console.print(f"  restore with: {r['restore']}")
+
+
 def _human(r: dict) -> None:
+    if r.get("format") == "podman":
+        _human_podman(r)
+        return
     c = r["container"]
     console.print(f"[bold]{r['source']}[/]")
     reg = r.get("registry")

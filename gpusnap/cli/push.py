@@ -12,6 +12,13 @@ from gpusnap.oci.registry import RegistryOptions
 
 
 def human_push(r: dict) -> None:
+    if r.get("format") == "podman":
+        console.print(f"[bold green]Pushed[/] {r['reference']} as a Podman checkpoint image in "
+                      f"{r['seconds']:.2f} s: {r['files']} files, {human_bytes(r['bytes'])}, "
+                      f"one layer of {human_bytes(r['bytes_sent'])}")
+        console.print(f"  digest: {r['digest']}")
+        console.print(f"  restore with: {r['restore_command']}")
+        return
     had = r["chunks"] - r["chunks_sent"]
     console.print(f"[bold green]Pushed[/] {r['reference']} in {r['seconds']:.2f} s: "
                   f"{r['files']} files, {human_bytes(r['bytes'])} in {r['chunks']} chunks; "
@@ -22,7 +29,7 @@ def human_push(r: dict) -> None:
 
 
 def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_json: bool,
-             leave_running: bool, level: int) -> dict:
+             leave_running: bool, level: int, image_format: str = "gpusnap") -> dict:
     from gpusnap.ops import push as ops  # registry code: imported only when used
 
     with transfer_progress(as_json, f"Pushing {source}") as bar:
@@ -34,7 +41,8 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
             bar.total(total)
 
         return ops.push(source, ref, registry(), leave_running=leave_running, level=level,
-                        progress=bar.advance, total=pushing, on_checkpoint=checkpointing)
+                        progress=bar.advance, total=pushing, on_checkpoint=checkpointing,
+                        image_format=image_format)
 
 
 def checkpoint_options(fn: Callable) -> Callable:
@@ -50,10 +58,14 @@ def checkpoint_options(fn: Callable) -> Callable:
 @click.argument("source")
 @click.argument("ref")
 @checkpoint_options
+@click.option("--format", "image_format", type=click.Choice(["gpusnap", "podman"]),
+              default="gpusnap", show_default=True,
+              help="gpusnap: chunks that later pushes and pulls reuse; podman: a checkpoint "
+                   "image `podman container restore REF` takes (as --create-image makes).")
 @registry_options
 @json_option
 @handle_errors
-def push_cmd(source: str, ref: str, leave_running: bool, level: int,
+def push_cmd(source: str, ref: str, leave_running: bool, level: int, image_format: str,
              registry: Callable[[], RegistryOptions], as_json: bool) -> None:
     """Push a checkpoint to an OCI registry as REF (HOST[:PORT]/REPO:TAG).
 
@@ -61,7 +73,8 @@ def push_cmd(source: str, ref: str, leave_running: bool, level: int,
     container (checkpointed first). Chunks the registry already has are not
     sent again.
     """
-    emit(as_json, run_push(source, ref, registry, as_json, leave_running, level), human_push)
+    emit(as_json, run_push(source, ref, registry, as_json, leave_running, level, image_format),
+         human_push)
 
 
 COMMANDS = [push_cmd]

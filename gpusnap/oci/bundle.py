@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from gpusnap.errors import GpusnapError
+from gpusnap.oci import podman_image
 
 ARTIFACT_TYPE = "application/vnd.gpusnap.checkpoint.v1"
 CONFIG_MEDIA_TYPE = "application/vnd.gpusnap.checkpoint.config.v1+json"
@@ -169,12 +170,25 @@ def build_manifest(bundle: Bundle, config_digest: str, config_size: int,
     return json.dumps(manifest, separators=(",", ":")).encode()
 
 
+class PodmanCheckpointImage(GpusnapError):
+    """A checkpoint image for Podman itself (`push --format podman`, or Podman's
+    own `--create-image`): Podman restores it, gpusnap only describes it."""
+
+    def __init__(self, where: str, manifest: dict) -> None:
+        super().__init__(f"{where} is a Podman checkpoint image, not a gpusnap checkpoint",
+                         f"restore it with `podman pull {where} && podman container restore "
+                         f"{where}`")
+        self.manifest = manifest
+
+
 def parse_manifest(body: bytes, media_type: str, where: str) -> dict:
     """The manifest, if it is a gpusnap checkpoint; else one clear error."""
     try:
         manifest = json.loads(body)
     except ValueError:
         raise GpusnapError(f"{where}: the registry returned a manifest that is not JSON") from None
+    if podman_image.is_checkpoint_image(manifest):
+        raise PodmanCheckpointImage(where, manifest)
     media = manifest.get("mediaType") or media_type
     artifact = manifest.get("artifactType") or (manifest.get("config") or {}).get("mediaType")
     if media != OCI_MANIFEST or artifact != ARTIFACT_TYPE:

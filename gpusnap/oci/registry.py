@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 from urllib.parse import urlencode, urljoin, urlsplit, urlunsplit
 
 from gpusnap.errors import GpusnapError
@@ -115,9 +116,18 @@ class RegistryClient:
     def close(self) -> None:
         self.session.close()
 
+    def _tls_misconfigured(self, exc: Exception) -> bool:
+        """A TLS error that another try cannot fix (certificate, plain HTTP), as
+        opposed to a connection cut during a handshake or a read (a registry
+        that died: SSL EOF errors), which is retried like any cut connection."""
+        text = str(exc).lower()
+        return isinstance(exc, self._exc.SSLError) and any(
+            s in text for s in ("certificate verify failed", "wrong version number",
+                                "doesn't match", "unknown ca", "bad certificate"))
+
     def _unreachable(self, exc: Exception) -> GpusnapError:
         text = str(exc)
-        if isinstance(exc, self._exc.SSLError):
+        if self._tls_misconfigured(exc):
             if "WRONG_VERSION_NUMBER" in text.upper() or "wrong version number" in text:
                 return GpusnapError(f"registry {self.ref.registry} does not speak TLS",
                                     "pass --plain-http for a registry served over plain HTTP")
@@ -155,10 +165,10 @@ class RegistryClient:
                 resp = self.session.request(method, url, headers=hdrs, data=data,
                                             stream=stream, verify=self.verify,
                                             timeout=(10, 120), allow_redirects=True)
-            except self._exc.SSLError as exc:
-                raise self._unreachable(exc) from None
             except (self._exc.ConnectionError, self._exc.Timeout,
                     self._exc.ChunkedEncodingError) as exc:
+                if self._tls_misconfigured(exc):
+                    raise self._unreachable(exc) from None
                 attempt += 1
                 if attempt >= attempts:
                     raise self._unreachable(exc) from None
@@ -262,7 +272,7 @@ class RegistryClient:
                                f"answered HTTP {resp.status_code}")
         return resp.status_code == 200
 
-    def put_blob(self, digest: str, data: bytes) -> None:
+    def put_blob(self, digest: str, data: bytes | bytearray) -> None:
         """Upload one blob (POST, then one PUT or PATCH pieces + PUT).
 
         A session that broke half way is restarted from the POST: its pieces
@@ -279,7 +289,7 @@ class RegistryClient:
                     raise
                 time.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
 
-    def _upload(self, digest: str, data: bytes) -> None:
+    def _upload(self, digest: str, data: bytes | bytearray) -> None:
         octet = {"Content-Type": "application/octet-stream"}
         start = self.request("POST", self.url("blobs/uploads/"), retry=False, ok=(202, 201),
                              headers={"Content-Length": "0"})
@@ -287,8 +297,9 @@ class RegistryClient:
             return
         location = urljoin(self.url(""), start.headers["Location"])
         if len(data) > UPLOAD_PIECE:
+            view = memoryview(data)  # pieces are views, not copies of the blob
             for off in range(0, len(data), UPLOAD_PIECE):
-                piece = data[off:off + UPLOAD_PIECE]
+                piece = view[off:off + UPLOAD_PIECE]
                 resp = self.request("PATCH", location, retry=False, data=piece, ok=(202,),
                                     headers={**octet, "Content-Range": f"{off}-{off + len(piece) - 1}",
                                              "Content-Length": str(len(piece))})
@@ -299,7 +310,43 @@ class RegistryClient:
         self.request("PUT", urlunsplit(parts._replace(query=query)), retry=False, ok=(201,),
                      data=data, headers={**octet, "Content-Length": str(len(data))})
 
-    def get_blob(self, digest: str, size: int) -> bytes:
+    def put_blob_stream(self, pieces: Iterable[bytes]) -> tuple[str, int]:
+        """Upload a blob while it is being made: PATCH pieces of at most
+        UPLOAD_PIECE as they come, the digest only in the closing PUT.
+        (digest, size). A broken connection fails it: a stream cannot be
+        sent again, the caller starts over."""
+        start = self.request("POST", self.url("blobs/uploads/"), ok=(202,),
+                             headers={"Content-Length": "0"})
+        location = urljoin(self.url(""), start.headers["Location"])
+        octet = {"Content-Type": "application/octet-stream"}
+        h = hashlib.sha256()
+        buf = bytearray()
+        size = 0
+
+        def send(data: bytes) -> None:
+            nonlocal location, size
+            resp = self.request("PATCH", location, retry=False, data=data, ok=(202,),
+                                headers={**octet, "Content-Range": f"{size}-{size + len(data) - 1}",
+                                         "Content-Length": str(len(data))})
+            location = urljoin(location, resp.headers.get("Location", location))
+            size += len(data)
+
+        for piece in pieces:
+            h.update(piece)
+            buf += piece
+            while len(buf) >= UPLOAD_PIECE:
+                send(bytes(buf[:UPLOAD_PIECE]))
+                del buf[:UPLOAD_PIECE]
+        if buf:
+            send(bytes(buf))
+        digest = "sha256:" + h.hexdigest()
+        parts = urlsplit(location)
+        query = (parts.query + "&" if parts.query else "") + urlencode({"digest": digest})
+        self.request("PUT", urlunsplit(parts._replace(query=query)), retry=False, ok=(201,),
+                     data=b"", headers={**octet, "Content-Length": "0"})
+        return digest, size
+
+    def get_blob(self, digest: str, size: int) -> bytearray:
         """The blob's bytes, checked against ``digest``; at most ``size`` are read."""
         attempt = 0
         while True:
@@ -311,11 +358,20 @@ class RegistryClient:
                 if resp.status_code != 200:
                     raise GpusnapError(f"registry {self.ref.registry}: GET blob {digest[:19]}: "
                                        f"{_registry_error(resp)}")
-                buf = bytearray()
+                # Filled in place (sized by Content-Length, which must not exceed
+                # ``size``): growing a buffer and copying it out would hold two or
+                # three copies of each blob.
+                length = int(resp.headers.get("Content-Length") or 0)
+                buf = bytearray(min(length, size))
+                got = 0
                 for piece in resp.iter_content(1 << 20):
-                    buf += piece
-                    if len(buf) > size:
-                        break
+                    if got + len(piece) > size:
+                        raise DigestMismatch(f"blob {digest} from {self.ref.registry} is longer "
+                                             f"than the {size} bytes the manifest says",
+                                             "the registry's copy is damaged: push the "
+                                             "checkpoint again")
+                    buf[got:got + len(piece)] = piece
+                    got += len(piece)
                 break
             except (self._exc.ConnectionError, self._exc.ChunkedEncodingError) as exc:
                 attempt += 1
@@ -324,9 +380,9 @@ class RegistryClient:
                 time.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
             finally:
                 resp.close()
-        data = bytes(buf)
-        check_digest(data, digest, f"blob {digest} from {self.ref.registry}")
-        return data
+        del buf[got:]  # a short body: the digest check below names it
+        check_digest(buf, digest, f"blob {digest} from {self.ref.registry}")
+        return buf
 
     def get_manifest(self, target: str | None = None) -> tuple[bytes, str, str]:
         """(body, media type, digest) of the reference's manifest."""
@@ -372,7 +428,7 @@ class RegistryClient:
         return digest
 
 
-def check_digest(data: bytes, digest: str, what: str) -> None:
+def check_digest(data: bytes | bytearray, digest: str, what: str) -> None:
     algo, _, expected = digest.partition(":")
     if algo not in ("sha256", "sha512"):
         raise GpusnapError(f"{what}: unsupported digest algorithm {algo!r}")

@@ -155,12 +155,23 @@ class ArchiveWriter:
         try:
             self.out.write(data)
         except (BrokenPipeError, OSError) as exc:
-            raise GpusnapError(f"writing {self.path} failed: {self._zstd_error() or exc}",
-                               "free space there or pull elsewhere (-o FILE)") from None
+            raise self._failed(self._zstd_error() or exc.strerror or str(exc)) from None
         self.written += len(data)
 
+    def _failed(self, why: str) -> GpusnapError:
+        if "No space left on device" in why:  # zstd: "error 70 : Write error : ... No space ..."
+            why = f"the disk is full (No space left on device in {self.path.absolute().parent})"
+        return GpusnapError(f"writing {self.path} failed: {why}",
+                            "free space there or pull elsewhere (-o FILE)")
+
     def _zstd_error(self) -> str:
-        if self.proc is None or self.proc.poll() is None:
+        """zstd's own words, once it has exited: a broken pipe on our side means
+        it is exiting (its stdin closed), and why (a full disk) is in its stderr."""
+        if self.proc is None:
+            return ""
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
             return ""
         return self.proc.stderr.read().decode(errors="replace").strip().removeprefix("zstd: ")
 
@@ -185,10 +196,9 @@ class ArchiveWriter:
         try:
             self.out.close()
         except OSError as exc:
-            raise GpusnapError(f"writing {self.path} failed: {exc}") from None
+            raise self._failed(self._zstd_error() or exc.strerror or str(exc)) from None
         if self.proc is not None and self.proc.wait() != 0:
-            raise GpusnapError(f"writing {self.path} failed: {self._zstd_error() or 'zstd failed'}",
-                               "free space there or pull elsewhere (-o FILE)")
+            raise self._failed(self._zstd_error() or "zstd failed")
         os.replace(self.partial, self.path)
 
     def abort(self) -> None:

@@ -4,7 +4,12 @@ Upload: hash the raw chunk, skip it when the registry already has its blob
 (a HEAD; the cache remembers which blob a raw chunk became, so unchanged
 memory is not even compressed again), else compress and upload.
 Download: cache or registry, blob digest checked, decompressed, raw digest
-checked, handed out in order. At most ``2 * workers`` chunks are held.
+checked, handed out in order.
+
+Memory is bounded by bytes, not by a count of chunks (chunks are 64 KiB to
+16 MiB and more): at most IN_FLIGHT_BYTES of raw chunk data are queued or
+being worked on, each chunk's raw bytes are dropped as soon as they are
+compressed (push) and each blob as soon as it is decompressed (pull).
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ from gpusnap.errors import GpusnapError
 from gpusnap.oci.bundle import Chunk
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.lazy import need
+from gpusnap.oci.malloc import one_heap_for_all_threads
 from gpusnap.oci.registry import DigestMismatch, RegistryClient
+
+# 8 workers x 4 MiB average chunks keep every worker busy; a chunk and its
+# compressed copy coexist briefly, so chunk data stays under ~2x this.
+IN_FLIGHT_BYTES = 48 << 20
 
 Progress = Callable[[int, int], None]  # (raw bytes done, bytes that crossed the network)
 
@@ -41,10 +51,38 @@ class Stats:
         return dict(vars(self))
 
 
+class ByteBudget:
+    """At most ``limit`` bytes taken at once; a chunk larger than the limit is
+    let through alone (after everything else was given back), never refused."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def fits(self, n: int) -> bool:
+        with self._cond:
+            return self.used == 0 or self.used + n <= self.limit
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self.used and self.used + n > self.limit:
+                self._cond.wait()
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
 class _Pool:
-    def __init__(self, workers: int, progress: Progress | None) -> None:
+    def __init__(self, workers: int, progress: Progress | None,
+                 in_flight_bytes: int = IN_FLIGHT_BYTES) -> None:
+        one_heap_for_all_threads()
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpusnap-xfer")
         self.lookahead = 2 * workers
+        self.budget = ByteBudget(in_flight_bytes)
         self.stats = Stats()
         self._lock = threading.Lock()
         self._progress = progress
@@ -70,21 +108,25 @@ class Uploader(_Pool):
         self._zstd = need("zstandard")
         super().__init__(workers, progress)
         self.client, self.cache, self.level = client, cache, level
-        self._slots = threading.BoundedSemaphore(self.lookahead)
         self._present: set[str] = set()  # blobs known to be in the registry
         self._error: BaseException | None = None
 
     def submit(self, data: bytes) -> Future:
-        """Queue one chunk; blocks while 2 * workers are in flight. Future -> Chunk."""
+        """Queue one chunk; blocks while IN_FLIGHT_BYTES are queued or being sent.
+        Future -> Chunk."""
         if self._error is not None:
             raise self._error
-        self._slots.acquire()
-        future = self.pool.submit(self._one, data)
-        future.add_done_callback(self._done)
+        size = len(data)
+        self.budget.acquire(size)
+        # In a list the worker can take it out of: the pool's work item keeps its
+        # arguments until the call returns, which would hold the raw bytes while
+        # the compressed blob is uploaded.
+        future = self.pool.submit(self._one, [data])
+        future.add_done_callback(lambda f: self._done(f, size))
         return future
 
-    def _done(self, future: Future) -> None:
-        self._slots.release()
+    def _done(self, future: Future, size: int) -> None:
+        self.budget.release(size)
         if not future.cancelled() and future.exception() is not None and self._error is None:
             self._error = future.exception()
 
@@ -96,15 +138,18 @@ class Uploader(_Pool):
             return True
         return False
 
-    def _one(self, data: bytes) -> Chunk:
+    def _one(self, box: list[bytes]) -> Chunk:
+        data = box.pop()
+        size = len(data)
         raw = sha256(data)
         known = self.cache.blob_for(raw) if self.cache else None
         if known and self._has(known[0]):
-            self._count(len(data), 0)
-            return Chunk(raw, len(data), known[0], known[1])
+            self._count(size, 0)
+            return Chunk(raw, size, known[0], known[1])
         if not hasattr(self._local, "cctx"):  # a compressor is not thread-safe
             self._local.cctx = self._zstd.ZstdCompressor(level=self.level, write_content_size=True)
         blob = self._local.cctx.compress(data)
+        del data  # only the blob is needed from here on
         digest = sha256(blob)
         sent = 0
         if not self._has(digest):
@@ -113,8 +158,8 @@ class Uploader(_Pool):
             sent = len(blob)
         if self.cache:
             self.cache.remember(raw, digest, len(blob))
-        self._count(len(data), sent)
-        return Chunk(raw, len(data), digest, len(blob))
+        self._count(size, sent)
+        return Chunk(raw, size, digest, len(blob))
 
     def put_small(self, data: bytes) -> str:
         """A blob stored as it is (the config), unless the registry has it."""
@@ -132,7 +177,7 @@ class Downloader(_Pool):
         self.client, self.cache = client, cache
 
     def _one(self, chunk: Chunk) -> bytes:
-        blob = self.cache.get_blob(chunk.blob) if self.cache else None
+        blob: bytes | bytearray | None = self.cache.get_blob(chunk.blob) if self.cache else None
         cached = blob is not None
         if blob is None:
             blob = self.client.get_blob(chunk.blob, chunk.blob_size)
@@ -153,15 +198,26 @@ class Downloader(_Pool):
         return raw
 
     def fetch(self, chunks: Iterable[Chunk]) -> Iterator[bytes]:
-        """The raw chunks' bytes, in order, each verified."""
-        pending: deque[Future] = deque()
+        """The raw chunks' bytes, in order, each verified. A chunk's share of the
+        budget is given back as it is handed out: the caller holds one chunk
+        beyond the budget while it writes it."""
+        pending: deque[tuple[int, Future]] = deque()
         try:
             for chunk in chunks:
-                pending.append(self.pool.submit(self._one, chunk))
-                if len(pending) >= self.lookahead:
-                    yield pending.popleft().result()
+                while pending and (len(pending) >= self.lookahead
+                                   or not self.budget.fits(chunk.size)):
+                    yield self._next(pending)
+                self.budget.acquire(chunk.size)
+                pending.append((chunk.size, self.pool.submit(self._one, chunk)))
             while pending:
-                yield pending.popleft().result()
+                yield self._next(pending)
         finally:
-            for f in pending:
+            for _, f in pending:
                 f.cancel()
+
+    def _next(self, pending: deque[tuple[int, Future]]) -> bytes:
+        size, future = pending.popleft()
+        try:
+            return future.result()
+        finally:
+            self.budget.release(size)

@@ -12,7 +12,7 @@ from typing import Callable
 
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
-from gpusnap.oci import reference
+from gpusnap.oci import podman_image, reference
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.tarfiles import ArchiveWriter
@@ -50,7 +50,10 @@ def open_remote(ref_text: str, opts: RegistryOptions) -> Remote:
 
 
 def inspect(ref_text: str, opts: RegistryOptions) -> dict:
-    remote = open_remote(ref_text, opts)
+    try:
+        remote = open_remote(ref_text, opts)
+    except fmt.PodmanCheckpointImage as image:  # described from its manifest alone
+        return podman_image.summary(image.manifest, str(reference.parse(ref_text)))
     summary = dict(remote.bundle.summary)
     summary["source"] = str(remote.client.ref)
     summary["registry"] = {

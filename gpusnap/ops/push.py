@@ -153,14 +153,20 @@ def _upload_files(src: PushSource, uploader: Uploader, scale: int,
     return [e for e, _ in files], contents
 
 
+FORMATS = ("gpusnap", "podman")
+
+
 def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bool = False,
          level: int = ZSTD_LEVEL, workers: int = WORKERS, cache_root: Path | None = None,
          progress: Progress | None = None, total: Callable[[int], None] | None = None,
-         on_checkpoint: Callable[[str], None] | None = None) -> dict:
+         on_checkpoint: Callable[[str], None] | None = None,
+         image_format: str = "gpusnap") -> dict:
     ref = reference.parse(ref_text)
     if ref.digest:
         raise GpusnapError(f"{ref_text}: push to a tag, not a digest",
                            "the digest is known only once the checkpoint is pushed")
+    if image_format not in FORMATS:
+        raise GpusnapError(f"unknown format {image_format!r}", f"pass one of {', '.join(FORMATS)}")
     client = RegistryClient(ref, opts, push=True)
     client.ping()  # wrong credentials fail before a container is checkpointed
     start = time.monotonic()
@@ -168,6 +174,8 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     with resolve_source(source, leave_running, on_checkpoint) as src:
         if total and src.known_bytes:
             total(src.known_bytes)
+        if image_format == "podman":
+            return _push_podman(src, client, source, level, progress, start)
         scale = layer_scale(src.estimated_bytes)
         uploader = Uploader(client, cache, level, workers, progress)
         try:
@@ -208,3 +216,26 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "gpu": b.summary.get("gpu") is not None, "annotations": notes}
+
+
+def _push_podman(src: PushSource, client: RegistryClient, source: str, level: int,
+                 progress: Progress | None, start: float) -> dict:
+    """One layer, Podman's annotations: `podman container restore REF` takes it."""
+    from gpusnap.ops import push_podman
+
+    criu = None
+    if src.kind == "container":  # checkpointed here, by this CRIU
+        from gpusnap.criu.version import criu_version
+        criu = criu_version()
+    with _entries(src) as entries:
+        pushed = push_podman.push_image(entries, client, str(client.ref), level, criu, progress)
+    seconds = time.monotonic() - start
+    ref = client.ref
+    return {"reference": str(ref), "digest": pushed["digest"], "format": "podman",
+            "pinned": str(ref.with_digest(pushed["digest"])), "source": source,
+            "source_kind": src.kind, "container": src.container, "files": pushed["files"],
+            "bytes": pushed["bytes"], "bytes_sent": pushed["layer_bytes"], "layers": 1,
+            "seconds": round(seconds, 3),
+            "throughput_mb_s": round(pushed["bytes"] / seconds / 1e6, 1) if seconds else None,
+            "annotations": pushed["annotations"],
+            "restore_command": f"podman pull {ref} && podman container restore {ref}"}

@@ -4,9 +4,12 @@ for 127.0.0.1 and localhost, on a free port."""
 
 from __future__ import annotations
 
+import json
+import random
 import shutil
 import socket
 import ssl
+import struct
 import subprocess
 import time
 import urllib.error
@@ -93,6 +96,18 @@ class Registry:
         self.stop()
         raise RuntimeError(f"docker-registry did not start: {(self.root / 'registry.log').read_text()}")
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash or a pulled plug would stop it (storage kept)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def linked_blobs(self, repository: str) -> set[str]:
+        """Blobs the repository holds: what a HEAD there answers 200 for."""
+        layers = self.storage / "docker/registry/v2/repositories" / repository / "_layers/sha256"
+        return {f"sha256:{p.name}" for p in layers.glob("*") if (p / "link").is_file()} \
+            if layers.is_dir() else set()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -125,3 +140,36 @@ auth:
   htpasswd: {{realm: gpusnap-test, path: {root / 'htpasswd'}}}
 """)
     return Registry(root, port, cert).start()
+
+
+def make_large_checkpoint(root: Path, size: int, seed: int = 1) -> int:
+    """A Podman-shaped checkpoint directory with ``size`` bytes of memory pages that
+    neither compress nor deduplicate, written fast: a 32 MiB random period whose
+    every 64 KiB is stamped with a running block number (no two chunks are
+    equal, and zstd finds no repeat inside one chunk, the period being longer
+    than the largest chunk). Returns the directory's total bytes."""
+    ckpt = root / "checkpoint"
+    ckpt.mkdir(parents=True)
+    name = f"large-{seed}"
+    (root / "config.dump").write_text(json.dumps({
+        "id": f"{seed:064x}", "name": name, "rootfsImageName": "localhost/gpusnap-demo:latest",
+        "runtime": "runc", "createdTime": "2026-11-23T00:00:00Z"}))
+    (root / "spec.dump").write_text(json.dumps({"ociVersion": "1.0.2", "linux": {}}))
+    (root / "stats-dump").write_bytes(b"\x00" * 64)
+    rng = random.Random(seed)
+    for small in ("inventory.img", "core-1.img", "mm-1.img", "pagemap-1.img", "files.img"):
+        (ckpt / small).write_bytes(rng.randbytes(4096 + rng.randrange(60000)))
+    period = 32 << 20
+    base = bytearray(rng.randbytes(period))
+    stamp = struct.Struct("<QQ")
+    block = 0
+    with open(ckpt / "pages-1.img", "wb") as f:
+        left = size
+        while left > 0:
+            for off in range(0, period, 65536):
+                stamp.pack_into(base, off, seed, block)
+                block += 1
+            n = min(left, period)
+            f.write(memoryview(base)[:n])
+            left -= n
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

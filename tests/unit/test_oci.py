@@ -214,3 +214,53 @@ def test_registry_packages_missing_is_one_clear_error(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "requests", None)
     with pytest.raises(GpusnapError, match="needs? the Python package 'requests'"):
         RegistryClient(reference.parse("reg.io/a:b"), RegistryOptions())
+
+
+def test_byte_budget_bounds_bytes_and_lets_a_big_chunk_through_alone():
+    import threading
+
+    from gpusnap.oci.transfer import ByteBudget
+
+    budget = ByteBudget(10)
+    budget.acquire(6)
+    assert budget.fits(4) and not budget.fits(5)
+    got = threading.Event()
+
+    def big() -> None:
+        budget.acquire(25)  # larger than the whole budget: waits until it is alone
+        got.set()
+
+    t = threading.Thread(target=big)
+    t.start()
+    assert not got.wait(0.2)
+    budget.release(6)
+    assert got.wait(5)
+    t.join()
+    assert budget.used == 25 and not budget.fits(1)
+
+
+def test_podman_checkpoint_image_annotations_and_refusal():
+    from gpusnap.oci import podman_image
+
+    assert podman_image.criu_number("4.1.1") == "40101"
+    assert podman_image.criu_number("3.17") == "31700"
+    assert podman_image.criu_number(None) == ""
+    info = {"version": {"Version": "4.3.1"},
+            "host": {"arch": "amd64", "kernel": "6.1", "cgroupVersion": "v2",
+                     "ociRuntime": {"name": "crun", "version": "crun 1.8"},
+                     "conmon": {"version": "conmon 2.1"},
+                     "distribution": {"distribution": "debian", "version": "12"}}}
+    config = {"name": "ctr", "rootfsImageName": "localhost/app:latest", "runtime": "runc"}
+    notes = podman_image.annotations(config, info, "4.1.1")
+    # Podman restores only with the runtime the checkpoint was made by.
+    assert notes[podman_image.RUNTIME_NAME] == "runc"
+    assert notes[podman_image.NAME] == "ctr"
+    assert notes[podman_image.PREFIX + "criu.version"] == "40101"
+    body = podman_image.manifest("sha256:" + "c" * 64, 10, "sha256:" + "l" * 64, 99, notes)
+    with pytest.raises(bundle.PodmanCheckpointImage) as err:
+        bundle.parse_manifest(body, podman_image.OCI_MANIFEST, "reg/x:v1")
+    assert "podman container restore reg/x:v1" in err.value.hint
+    summary = podman_image.summary(json.loads(body), "reg/x:v1")
+    assert summary["container"]["name"] == "ctr" and summary["stored_bytes"] == 99
+    with pytest.raises(GpusnapError, match="which OCI runtime"):
+        podman_image.annotations({"name": "ctr"}, {"host": {}}, None)
