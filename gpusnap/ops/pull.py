@@ -158,7 +158,16 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
                                  dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
     try:
         archive = work / "checkpoint.tar"
-        pulled = write_archive(remote, archive, **kw)
+        try:
+            pulled = write_archive(remote, archive, **kw)
+        except GpusnapError as exc:
+            if "disk is full" not in exc.message:
+                raise
+            raise GpusnapError(exc.message.replace(str(archive), str(remote.client.ref)),
+                               f"free {remote.bundle.total_bytes >> 20} MiB in {work.parent} "
+                               "(restore stages the pull beside Podman's storage or in "
+                               "/var/tmp, whichever has more room); nothing was restored") \
+                from None
         try:
             result = ops_restore.run(str(archive), name, keep, tcp_established, gpu_map=gpu_map)
         except GpusnapError as exc:
