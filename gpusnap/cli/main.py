@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from gpusnap import __version__
-from gpusnap.cli import (checkpoint, doctor, freeze, gpus, inspect, migrate, move, pull, push,
-                         restore)
+from gpusnap.cli import (checkpoint, doctor, freeze, gpus, inspect, key, migrate, move, pull,
+                         push, restore)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -31,11 +31,12 @@ def cli() -> None:
       gpusnap move CTR --gpu 1                      live onto another GPU of this host
       gpusnap freeze CTR / gpusnap thaw CTR         release GPU memory in place, take it back
       gpusnap gpus                                  this host's GPUs
+      gpusnap key generate -o PREFIX                a signing key pair (PREFIX.key, PREFIX.pub)
       gpusnap doctor                                what this host is missing
     """
 
 
-for module in (checkpoint, restore, inspect, push, pull, migrate, move, gpus, freeze, doctor):
+for module in (checkpoint, restore, inspect, push, pull, migrate, move, gpus, freeze, key, doctor):
     for command in module.COMMANDS:
         cli.add_command(command)
 

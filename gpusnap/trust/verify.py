@@ -1,0 +1,48 @@
+"""The restore-time decision: does the policy accept this checkpoint?
+
+Pure: the caller fetches the signature manifest (tag signature.signature_tag
+of the checkpoint's digest; None when the registry has no such tag) and
+passes a blob fetcher. Call it after the checkpoint manifest was read and
+before any chunk is downloaded; pin every later read to ``manifest_digest``.
+"""
+
+from __future__ import annotations
+
+from gpusnap.errors import GpusnapError
+from gpusnap.oci.reference import Reference
+from gpusnap.trust import signature
+from gpusnap.trust.policy import Policy
+
+SKIP_WARNING = ("signature verification skipped (--insecure-skip-verify): this checkpoint "
+                "runs as root with nobody vouching for it")
+
+
+def check(policy: Policy, ref: Reference, manifest_digest: str, signature_manifest: bytes | None,
+          fetch: signature.FetchBlob, skip_verify: bool = False) -> dict:
+    """What was decided, for --json output; a refusal is one GpusnapError."""
+    req = policy.for_reference(ref)
+    base = {"policy": str(policy.source) if policy.source else None, "scope": req.scope,
+            "requirement": req.type, "digest": manifest_digest}
+    if skip_verify:
+        return {**base, "verified": False, "skipped": True, "warning": SKIP_WARNING}
+    where = f"{ref.registry}/{ref.repository}@{manifest_digest}"
+    if req.type == "insecureAcceptAnything":
+        return {**base, "verified": False, "skipped": False,
+                "warning": f"the policy accepts anything for {req.scope}: not verified"}
+    if req.type == "reject":
+        if policy.source is None:
+            raise GpusnapError(f"{where}: no trust policy (/etc/gpusnap/policy.json), so no "
+                               "checkpoint is trusted",
+                               "write a policy with the signers' public keys (docs/trust.md), "
+                               "or pass --insecure-skip-verify to restore it unverified")
+        raise GpusnapError(f"{where}: the policy {policy.source} rejects checkpoints from "
+                           f"{req.scope if req.scope != 'default' else 'this registry'}",
+                           "add a signedBy scope for it, or pass --insecure-skip-verify")
+    if signature_manifest is None:
+        raise GpusnapError(f"{where} is not signed (no {signature.signature_tag(manifest_digest)} "
+                           "tag)", "push it with --sign-key KEY, or pass --insecure-skip-verify "
+                           "to restore it unverified; nothing was restored")
+    ok = signature.verify_artifact(signature_manifest, fetch, f"{ref.registry}/{ref.repository}",
+                                   manifest_digest, req.keys, req.match_repository, where)
+    return {**base, "verified": True, "skipped": False, "key_id": ok.key_id,
+            "algorithm": ok.algorithm}
