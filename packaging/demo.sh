@@ -1,8 +1,11 @@
 #!/bin/bash
-# make demo: a container is checkpointed with its memory, exported, removed,
-# and restored from the archive; its counter goes on from where it was.
+# make demo: a container's memory travels through a registry and back.
+# A docker-registry on loopback (plain HTTP, a temp folder) is started; a
+# counter container is checkpointed and pushed (`gpusnap migrate`), removed,
+# pulled back into an archive Podman imports, inspected, and restored from
+# the registry reference; its counter goes on from where it was.
 # On a host with an NVIDIA GPU the container holds a CUDA tensor instead
-# (tests/gpu/workload.py), checked after restore.
+# (tests/gpu/demo-gpu.sh), checked after restore.
 set -euo pipefail
 NAME=gpusnap-demo
 ARCHIVE=${DEMO_ARCHIVE:-/var/tmp/gpusnap-demo.tar.zst}
@@ -10,14 +13,41 @@ podman rm -f -t 0 $NAME >/dev/null 2>&1 || true
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   exec bash "$(dirname "$0")/../tests/gpu/demo-gpu.sh"
 fi
+
+REG_DIR=$(mktemp -d /var/tmp/gpusnap-demo-registry.XXXXXX)
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+cat > "$REG_DIR/config.yml" <<EOC
+version: 0.1
+log: {level: warn, accesslog: {disabled: true}}
+storage: {filesystem: {rootdirectory: $REG_DIR/storage}}
+http: {addr: 127.0.0.1:$PORT, secret: gpusnap-demo}
+EOC
+docker-registry serve "$REG_DIR/config.yml" > "$REG_DIR/registry.log" 2>&1 &
+REG_PID=$!
+cleanup() { kill $REG_PID 2>/dev/null || true; rm -rf "$REG_DIR"; podman rm -f -t 0 $NAME >/dev/null 2>&1 || true; }
+trap cleanup EXIT
+python3 - "$PORT" <<'EOP'
+import sys, time, urllib.request
+for _ in range(100):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/v2/", timeout=1)
+        break
+    except OSError:
+        time.sleep(0.1)
+else:
+    sys.exit("demo: docker-registry did not start")
+EOP
+REF=127.0.0.1:$PORT/demo/counter:v1
+echo "registry: http://127.0.0.1:$PORT (loopback, $REG_DIR)"
+
 podman run -d --name $NAME --network none localhost/gpusnap-demo:latest \
   sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.1; done' >/dev/null
 sleep 2
 echo "counter before checkpoint: $(podman exec $NAME cat /tmp/c)"
-gpusnap checkpoint $NAME --export "$ARCHIVE"
-gpusnap inspect "$ARCHIVE"
+gpusnap migrate $NAME "$REF" --plain-http            # checkpoint + push
 podman rm $NAME >/dev/null
-gpusnap restore "$ARCHIVE"
+gpusnap pull "$REF" --plain-http -o "$ARCHIVE"        # an archive plain Podman imports
+gpusnap inspect "$REF" --plain-http                   # manifest + config only
+gpusnap restore "$REF" --plain-http                   # pull and restore in one go
 sleep 1
 echo "counter after restore:     $(podman exec $NAME cat /tmp/c)  (it went on, not from 0)"
-podman rm -f -t 0 $NAME >/dev/null
