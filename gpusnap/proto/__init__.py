@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 @functools.cache
 def load() -> SimpleNamespace:
-    """The generated modules: mount, task_types, shim, task_events, events_service, runc_options."""
+    """The generated modules, one attribute per name in build.PROTOS (shim side and client side)."""
     from gpusnap.proto import build
 
     path = str(build.build())

@@ -20,7 +20,9 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent / "src"
 PACKAGE = "gpusnap_pb"
-PROTOS = ("mount", "task_types", "shim", "task_events", "events_service", "runc_options")
+PROTOS = ("mount", "task_types", "shim", "task_events", "events_service", "runc_options",
+          # containerd's client API (checkpoint clients: tests, gpusnap.ops.containerd_api)
+          "descriptor", "containers", "tasks", "content", "images", "leases", "snapshots", "diff")
 
 
 class ProtoBuildError(RuntimeError):

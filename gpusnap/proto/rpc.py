@@ -55,3 +55,14 @@ def stream_stub(channel: grpc.Channel, service: ServiceDescriptor, name: str) ->
         request_serializer=req.SerializeToString,
         response_deserializer=resp.FromString,
     )
+
+
+def bidi_stub(channel: grpc.Channel, service: ServiceDescriptor, name: str) -> grpc.StreamStreamMultiCallable:
+    """A client callable for SERVICE's bidirectional-streaming method NAME (content Write)."""
+    method = service.methods_by_name[name]
+    req, resp = _classes(method)
+    return channel.stream_stream(
+        f"/{service.full_name}/{name}",
+        request_serializer=req.SerializeToString,
+        response_deserializer=resp.FromString,
+    )

@@ -69,16 +69,22 @@ class Reaper:
         return fut
 
     def spawn(self, argv: list[str], *, stdin: int | None = None, stdout: int | None = None,
-              stderr: int | None = None) -> tuple[int, Future]:
-        """Start ARGV with the given fds as its stdio (None: /dev/null)."""
+              stderr: int | None = None, extra_fds: tuple[int, ...] = (),
+              env: dict[str, str] | None = None) -> tuple[int, Future]:
+        """Start ARGV with the given fds as its stdio (None: /dev/null) and EXTRA_FDS as fds 3, 4, ...
+
+        EXTRA_FDS must not be numbered below 3 + len(EXTRA_FDS) (dup them high first).
+        """
         actions = []
         for target, fd, mode in ((0, stdin, os.O_RDONLY), (1, stdout, os.O_WRONLY), (2, stderr, os.O_WRONLY)):
             if fd is None:
                 actions.append((os.POSIX_SPAWN_OPEN, target, os.devnull, mode, 0))
             else:
                 actions.append((os.POSIX_SPAWN_DUP2, fd, target))
+        for target, fd in enumerate(extra_fds, start=3):
+            actions.append((os.POSIX_SPAWN_DUP2, fd, target))
         with self._lock:
-            pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions)
+            pid = os.posix_spawnp(argv[0], argv, os.environ if env is None else env, file_actions=actions)
             fut = self._watch_locked(pid)
         self._wake.set()
         return pid, fut

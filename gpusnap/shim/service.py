@@ -23,6 +23,7 @@ from gpusnap.proto import load
 from gpusnap.shim import bundle as bundle_state
 from gpusnap.shim import mounts
 from gpusnap.shim.events import Publisher
+from gpusnap.shim.logbinary import BinaryLogger, LoggerError
 from gpusnap.shim.process import Container, Proc, ShimError, not_found, precondition, read_pid
 from gpusnap.shim.reaper import Exit, Reaper
 from gpusnap.shim.runc import CheckpointOpts, Runc, RuncError
@@ -51,6 +52,12 @@ def _unpack(anyv: any_pb2.Any, name: str, cls):
     return msg
 
 
+def _uses_cuda(pid: int) -> bool:
+    from gpusnap.procs import cuda_processes  # only a checkpoint of a paused task asks
+
+    return bool(pid) and bool(cuda_processes(pid))
+
+
 def rpc(fn: Callable) -> Callable:
     """Map the shim's errors onto gRPC status codes containerd understands."""
 
@@ -61,7 +68,7 @@ def rpc(fn: Callable) -> Callable:
             return fn(self, request, context)
         except ShimError as e:
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
-        except (RuncError, mounts.MountError, ValueError) as e:
+        except (RuncError, mounts.MountError, LoggerError, ValueError) as e:
             log.error("%s: %s", fn.__name__, e)
             context.abort(grpc.StatusCode.UNKNOWN, str(e))
         except Exception as e:
@@ -96,6 +103,9 @@ class TaskService:
 
     def _runc(self, c: Container) -> Runc:
         return self.runcs[c.id]
+
+    def _logger_for(self, c: Container) -> Callable[[str], BinaryLogger]:
+        return lambda uri: BinaryLogger(uri, c.id, self.namespace, self.reaper)
 
     def _publish(self, name: str, **fields) -> None:
         self.publisher.publish(getattr(self.pb.task_events, name)(**fields))
@@ -162,7 +172,7 @@ class TaskService:
         try:
             for m in rootfs:
                 mounts.mount(m.type, m.source, os.path.join(c.rootfs, m.target.lstrip("/")), list(m.options))
-            p.io = ProcessIO(p.paths)
+            p.io = ProcessIO(p.paths, self._logger_for(c))
             if c.checkpoint:
                 return  # restored at Start, as containerd's runc shim does
             console = p.io.console_socket(c.bundle) if p.paths.terminal else None
@@ -213,8 +223,23 @@ class TaskService:
         work = c.criu_work or os.path.join(c.bundle, "criu-work")
         os.makedirs(work, exist_ok=True)
         console = p.io.console_socket(c.bundle) if p.paths.terminal else None
-        runc.restore(c.id, c.bundle, c.pid_file(p), p.io.stdio, c.checkpoint, work, console, c.no_pivot,
-                     c.parent_checkpoint)
+        # Imported here: GPU planning is for restores only and stays out of the shim's startup.
+        from gpusnap.errors import GpusnapError
+        from gpusnap.shim import remap
+
+        try:
+            edits = remap.plan_edits(c.bundle, c.checkpoint)
+        except GpusnapError as e:
+            raise precondition(str(e)) from None
+        if edits is not None:
+            remap.apply(c.bundle, c.checkpoint, edits)
+        try:
+            runc.restore(c.id, c.bundle, c.pid_file(p), p.io.stdio, c.checkpoint, work, console, c.no_pivot,
+                         c.parent_checkpoint)
+        except BaseException:
+            if edits is not None:
+                remap.undo(c.bundle)
+            raise
         p.io.started()
         p.pid = read_pid(c.pid_file(p))
         self._watch(c, p)
@@ -223,7 +248,7 @@ class TaskService:
         spec_path = os.path.join(c.bundle, p.file_stem() + ".json")
         with open(spec_path, "wb") as f:
             f.write(p.spec)
-        p.io = ProcessIO(p.paths)
+        p.io = ProcessIO(p.paths, self._logger_for(c))
         try:
             console = p.io.console_socket(c.bundle) if p.paths.terminal else None
             runc.exec(c.id, spec_path, c.pid_file(p), p.io.stdio, console)
@@ -282,6 +307,10 @@ class TaskService:
             p.io.close()
         if c.rootfs:
             mounts.unmount_all(c.rootfs)
+        if c.checkpoint and os.path.basename(c.checkpoint.rstrip("/")).startswith("ctrd-checkpoint"):
+            # containerd 1.7 unpacks a restore's checkpoint into a temporary directory
+            # (Tasks.Create) and never removes it; a GPU checkpoint there holds GBs.
+            shutil.rmtree(c.checkpoint, ignore_errors=True)
         bundle_state.clear_state(c.bundle)
         with self.lock:
             self.containers.pop(c.id, None)
@@ -378,17 +407,27 @@ class TaskService:
 
     @rpc
     def Checkpoint(self, req, context):
-        c, _ = self._running_init(req.id)
+        c, p = self._running_init(req.id)
         o = _unpack(req.options, RUNC_CHECKPOINT_OPTIONS, self.pb.runc_options.CheckpointOptions)
         work = o.work_path or os.path.join(c.bundle, "criu-work")
+        runc = self._runc(c)
         t0 = time.monotonic()
+        # containerd's client (ctr, nerdctl) pauses the task before Checkpoint, but
+        # the CUDA driver's lock (the action script's pre-dump) needs the processes
+        # running: thaw a paused task that uses CUDA for the dump (CRIU freezes it
+        # itself) and pause it again afterwards unless it exited.
+        thawed = p.status == "paused" and _uses_cuda(p.pid)
+        if thawed:
+            runc.resume(c.id)
+        dumped = False
         # The CRIU action script (/etc/criu/runc.conf) quiesces CUDA processes
         # and writes the GPU manifest into req.path before CRIU dumps.
         try:
-            self._runc(c).checkpoint(c.id, CheckpointOpts(
+            runc.checkpoint(c.id, CheckpointOpts(
                 image_path=req.path, work_path=work, leave_running=not o.exit, tcp_established=o.open_tcp,
                 ext_unix_sk=o.external_unix_sockets, shell_job=o.terminal, file_locks=o.file_locks,
                 empty_ns=list(o.empty_namespaces)))
+            dumped = True
         except RuncError as e:
             dump_log = os.path.join(c.bundle, "criu-dump.log")
             try:
@@ -399,6 +438,11 @@ class TaskService:
         finally:
             if not o.work_path:
                 shutil.rmtree(work, ignore_errors=True)
+            if thawed and not (dumped and o.exit):
+                try:
+                    runc.pause(c.id)
+                except RuncError as e:  # the dump's own outcome is what the client must see
+                    log.warning("re-pausing %s after its checkpoint: %s", c.id, e)
         log.info("checkpoint of %s into %s took %.2fs", c.id, req.path, time.monotonic() - t0)
         self._publish("TaskCheckpointed", container_id=c.id, checkpoint=req.path)
         return empty_pb2.Empty()

@@ -17,7 +17,9 @@ import struct
 import termios
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
+from gpusnap.shim.logbinary import BinaryLogger
 from gpusnap.shim.runc import Stdio
 
 log = logging.getLogger("gpusnap.shim")
@@ -34,8 +36,6 @@ class Paths:
 def _open_output(path: str) -> int:
     if path.startswith("file://"):
         return os.open(path[len("file://"):], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-    if path.startswith("binary://"):
-        raise ValueError(f"stdio {path}: binary:// log drivers are not supported by this shim")
     return os.open(path, os.O_RDWR | os.O_CLOEXEC)
 
 
@@ -58,11 +58,16 @@ def _copy(src: int, dst: int, on_done=None) -> None:
             on_done()
 
 
-class ProcessIO:
-    """Pipes for runc's child plus the threads copying them to the FIFOs."""
+def is_binary(path: str) -> bool:
+    return path.startswith("binary://")
 
-    def __init__(self, paths: Paths) -> None:
+
+class ProcessIO:
+    """Pipes for runc's child plus the threads copying them to the FIFOs (or a binary:// logger)."""
+
+    def __init__(self, paths: Paths, binary_logger: Callable[[str], BinaryLogger] | None = None) -> None:
         self.paths = paths
+        self.logger: BinaryLogger | None = None
         self._lock = threading.Lock()
         self._stdin_w: int | None = None
         self._child_ends: list[int] = []
@@ -75,14 +80,29 @@ class ProcessIO:
         self._console_dir: str | None = None
         # Outputs are opened before runc runs, so a bad path fails the request
         # while nothing has started yet.
+        if is_binary(paths.stdout):
+            if binary_logger is None:
+                raise ValueError(f"stdio {paths.stdout}: binary:// log URIs are not supported here")
+            self.logger = binary_logger(paths.stdout)
         if paths.terminal:
-            if paths.stdout:
+            if self.logger is not None:
+                # The console's output goes to the logger's stdout; it gets no stderr.
+                self._console_out, self.logger.stdout = self.logger.stdout, None
+                os.close(self.logger.stderr)
+                self.logger.stderr = None
+            elif paths.stdout:
                 self._console_out = _open_output(paths.stdout)
             return
         if paths.stdin:
             r, w = os.pipe()
             self.stdio.stdin, self._stdin_w = r, w
             self._child_ends.append(r)
+        if self.logger is not None:
+            # The child writes straight into the logger's pipes: nothing to copy here.
+            self.stdio.stdout, self.stdio.stderr = self.logger.stdout, self.logger.stderr
+            self._child_ends += [self.logger.stdout, self.logger.stderr]
+            self.logger.stdout = self.logger.stderr = None
+            return
         for name in ("stdout", "stderr"):
             path = getattr(paths, name)
             if path:
@@ -186,6 +206,8 @@ class ProcessIO:
         for t in self._threads:
             if t.name == "stdout":
                 t.join(timeout)
+        if self.logger is not None:
+            self.logger.wait(timeout)
 
     def close(self) -> None:
         """Drop everything (a failed create, or delete)."""
@@ -201,6 +223,9 @@ class ProcessIO:
             self._console_out = None
         self.close_stdin()
         self._close_console_socket()
+        if self.logger is not None:
+            self.logger.close(grace=2.0)
+            self.logger = None
         if self.console is not None:
             try:
                 os.close(self.console)

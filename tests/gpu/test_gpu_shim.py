@@ -1,0 +1,153 @@
+"""A CUDA container under containerd-shim-gpusnap-v1: checkpointed and restored, and with 2 GPUs restored onto the other.
+
+A private containerd 1.7 (tests/integration/shim_containerd.py) runs the CUDA
+image of tests/gpu/harness.py with the same mounts and device nodes through
+`ctr run --runtime io.containerd.gpusnap.v1`. The checkpoint and restore go
+through containerd's API the way nerdctl drives them
+(gpusnap.ops.containerd_api): Tasks.Checkpoint with exit, the CRIU image
+unpacked into a directory, then Tasks.Create with it re-tarred and Start, at
+which the shim plans the GPUs, edits the bundle and the image and runs
+`runc restore`; the CRIU action script quiesces and resumes the CUDA processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from gpusnap import MANIFEST_NAME, PLAN_NAME
+from gpusnap.ops.containerd_api import Client, checkpoint_to_dir, restore_from_dir, runc_checkpoint_options
+from gpusnap.shim.remap import BACKUP, GPU_MAP_ANNOTATION
+from tests.gpu import harness
+from tests.integration.shim_containerd import RUNTIME, PrivateContainerd, private_containerd, tasks, wait_status
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def containerd():
+    with private_containerd(harness.IMAGE) as c:
+        yield c
+
+
+def _gpu_count() -> int:
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _ctr_mounts() -> list[str]:
+    """harness.mount_args() in ctr's syntax: read-only, non-recursive binds."""
+    args = []
+    for src in ("/usr", "/opt/torch", harness.DRIVER_DIR, "/etc/ld.so.cache"):
+        if os.path.exists(src):
+            args += ["--mount", f"type=bind,src={src},dst={src},options=bind:ro"]
+    return args
+
+
+def _run_cuda(c: PrivateContainerd, gpus: list[int], annotations: dict[str, str] | None = None,
+              gib: float = 2.0) -> harness.CudaContainer:
+    name = f"gpusnap-shim-{uuid.uuid4().hex[:8]}"
+    status = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/var/tmp"))
+    args = ["run", "-d", "--runtime", RUNTIME, *harness.gpu_device_args(gpus)]  # ctr's --device, as Podman's
+    for k, v in (annotations or {}).items():
+        args += ["--annotation", f"{k}={v}"]
+    args += [*_ctr_mounts(), "--mount", f"type=bind,src={status},dst=/status,options=rbind:rw",
+             "--mount", f"type=bind,src={harness.HERE},dst=/work,options=rbind:ro",
+             "--env", f"LD_LIBRARY_PATH={harness.DRIVER_DIR}/lib64:{harness.DRIVER_DIR}/lib",
+             "--env", "PYTHONUNBUFFERED=1", harness.IMAGE, name,
+             harness.PYTHON, "/work/workload.py", "1", str(gib)]
+    c.ctr(*args)
+    ctr = harness.CudaContainer(name, status, 1)
+    ctr.wait_running()
+    return ctr
+
+
+def _dev_nodes(c: PrivateContainerd, name: str) -> set[str]:
+    out = c.ctr("tasks", "exec", "--exec-id", f"ls-{uuid.uuid4().hex[:6]}", name, "ls", "/dev").stdout.split()
+    return {n for n in out if n.startswith("nvidia") and n[6:].isdigit()}
+
+
+def _checkpoint_and_remove_task(c: PrivateContainerd, ctr: harness.CudaContainer, dest: Path) -> tuple[list[int], float]:
+    """Checkpoint with exit (the GPU memory leaves with the process), then delete the task; (iterations, seconds)."""
+    t0 = time.monotonic()
+    with Client(c.address, c.namespace) as api:
+        checkpoint_to_dir(api, ctr.name, dest, options=runc_checkpoint_options(exit_after=True))
+    took = time.monotonic() - t0
+    wait_status(c, ctr.name, "STOPPED", timeout=60)
+    its = ctr.iterations()
+    c.ctr("tasks", "delete", ctr.name)
+    manifest = json.loads((dest / MANIFEST_NAME).read_text())  # the action script quiesced the GPU at pre-dump
+    assert manifest["quiesced_by"] == "gpusnap" and manifest["processes"], manifest
+    return its, took
+
+
+def _restore(c: PrivateContainerd, ctr: harness.CudaContainer, src: Path) -> float:
+    t0 = time.monotonic()
+    with Client(c.address, c.namespace) as api:
+        restore_from_dir(api, ctr.name, src, stdout=f"file://{ctr.status}/out.log",
+                         stderr=f"file://{ctr.status}/out.log")
+    wait_status(c, ctr.name, "RUNNING")
+    return time.monotonic() - t0
+
+
+def _cleanup(c: PrivateContainerd, ctr: harness.CudaContainer) -> None:
+    c.ctr("tasks", "kill", "-s", "KILL", ctr.name, check=False)
+    deadline = time.monotonic() + 20
+    while tasks(c).get(ctr.name, (0, "STOPPED"))[1] != "STOPPED" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    c.ctr("tasks", "delete", ctr.name, check=False)
+    c.ctr("containers", "delete", ctr.name, check=False)
+    shutil.rmtree(ctr.status, ignore_errors=True)
+
+
+def test_cuda_container_checkpointed_and_restored_under_the_shim(containerd, tmp_path):
+    c = containerd
+    ctr = _run_cuda(c, [0])
+    try:
+        used0 = harness.gpu_memory_used(0)
+        its, took = _checkpoint_and_remove_task(c, ctr, tmp_path / "ck")
+        assert harness.gpu_memory_used(0) < used0 - GIB  # released with the process
+        restored_in = _restore(c, ctr, tmp_path / "ck")
+        ctr.wait_running(above=its)
+        ctr.verify()  # every element of the 2 GiB tensor compared
+        assert harness.gpu_memory_used(0) >= used0 - GIB // 2
+        assert _dev_nodes(c, ctr.name) == {"nvidia0"}
+        print(f"shim checkpoint {took:.1f}s, restore {restored_in:.1f}s")
+    finally:
+        _cleanup(c, ctr)
+
+
+def test_restore_onto_the_other_gpu_by_annotation(containerd, tmp_path):
+    if _gpu_count() < 2:
+        pytest.skip("needs two NVIDIA GPUs (nvidia-h200-x2)")
+    c = containerd
+    ctr = _run_cuda(c, [0], annotations={GPU_MAP_ANNOTATION: "0=1"})
+    try:
+        its, _ = _checkpoint_and_remove_task(c, ctr, tmp_path / "ck")
+        used1 = harness.gpu_memory_used(1)
+        _restore(c, ctr, tmp_path / "ck")
+        ctr.wait_running(above=its)
+        ctr.verify()
+        assert harness.gpu_memory_used(1) - used1 >= 2 * GIB
+        # The container's node follows the host numbering: libcuda opens /dev/nvidia<minor>.
+        assert _dev_nodes(c, ctr.name) == {"nvidia1"}
+        bundle = Path(c.server_of(ctr.name)["bundle"])
+        image_dir = Path((bundle / BACKUP / "image-dir").read_text())
+        plan = json.loads((image_dir / PLAN_NAME).read_text())
+        assert [m["target"]["index"] for m in plan["moves"]] == [1], plan
+        spec = json.loads((bundle / "config.json").read_text())
+        assert [d["path"] for d in spec["linux"]["devices"] if d["path"].startswith("/dev/nvidia")
+                and d["path"][11:].isdigit()] == ["/dev/nvidia1"]
+    finally:
+        _cleanup(c, ctr)
