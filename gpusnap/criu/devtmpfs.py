@@ -43,12 +43,18 @@ def rewrite_dev_tar(data: bytes, remap: DeviceRemap, mount: str = "/dev") -> byt
     # mtime 0 in the gzip header: the same input gives the same bytes
     with gzip.GzipFile(fileobj=out, mode="wb", mtime=0) as gz, \
             tarfile.open(fileobj=gz, mode="w", format=src.format) as dst:
+        written: dict[str, tarfile.TarInfo] = {}
         for member in members:
             new = _edit(member, remap, mount)
             if new.name in names:
+                if _same_node(written[new.name], new):
+                    # The target's node was there already (libcuda mknods the GPUs it
+                    # sees where the container may, e.g. under containerd): keep one.
+                    continue
                 raise DevTarError(f"rewriting /dev would create {_container_path(new.name, mount)} "
                                   f"twice (from {names[new.name]} and {member.name})")
             names[new.name] = member.name
+            written[new.name] = new
             content = src.extractfile(member) if member.isfile() else None
             dst.addfile(new, content)
     return out.getvalue()
@@ -73,6 +79,10 @@ def _edit(member: tarfile.TarInfo, remap: DeviceRemap, mount: str) -> tarfile.Ta
             new_dir = posixpath.dirname(renamed or path)
             new.linkname = posixpath.relpath(node.new_path, new_dir)
     return new
+
+
+def _same_node(a: tarfile.TarInfo, b: tarfile.TarInfo) -> bool:
+    return a.ischr() and b.ischr() and (a.devmajor, a.devminor) == (b.devmajor, b.devminor)
 
 
 def _copy(member: tarfile.TarInfo) -> tarfile.TarInfo:  # Python < 3.12 has no TarInfo.replace

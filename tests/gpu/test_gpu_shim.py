@@ -121,7 +121,9 @@ def test_cuda_container_checkpointed_and_restored_under_the_shim(containerd, tmp
         restored_in = _restore(c, ctr, tmp_path / "ck")
         ctr.wait_running(above=its)
         ctr.verify()  # every element of the 2 GiB tensor compared
-        assert harness.gpu_memory_used(0) >= used0 - GIB // 2
+        # The tensor is back on GPU 0 (the caching allocator's spare blocks need not be:
+        # 7.7 GB before, 3.4 GB after on an H200)
+        assert harness.gpu_memory_used(0) >= 2 * GIB
         assert _dev_nodes(c, ctr.name) == {"nvidia0"}
         print(f"shim checkpoint {took:.1f}s, restore {restored_in:.1f}s")
     finally:

@@ -83,8 +83,8 @@ def test_a_swap_is_one_pass():
         {"./nvidia1": (195, 1), "./nvidia0": (195, 0)}
 
 
-def test_a_rename_onto_an_existing_node_is_refused():
-    data = make_tar(node("./nvidia0", 195, 0), node("./nvidia2", 195, 2))
+def test_a_rename_onto_an_existing_other_node_is_refused():
+    data = make_tar(node("./nvidia0", 195, 0), node("./nvidia2", 1, 5))
     with pytest.raises(DevTarError, match="would create /dev/nvidia2 twice"):
         rewrite_dev_tar(data, move_0_to_2("host"))
 
@@ -96,3 +96,13 @@ def test_the_same_input_gives_the_same_bytes():
 def test_not_a_tarball():
     with pytest.raises(DevTarError, match="not a gzip tarball"):
         rewrite_dev_tar(b"plain text", STAND_IN)
+
+
+def test_the_targets_node_already_there_is_kept_once():
+    """Under containerd (CAP_MKNOD) libcuda creates /dev/nvidia1 itself when the
+    driver lists GPU 1: moving 0 -> 1 meets an identical node, not a conflict."""
+    data = make_tar(node("./nvidia0", 195, 0), node("./nvidia1", 195, 1), node("./null", 1, 3))
+    remap = DeviceRemap(nodes=(NodeChange("/dev/nvidia0", "/dev/nvidia1", (195, 0), (195, 1)),))
+    after = members(rewrite_dev_tar(data, remap))
+    assert sorted(after) == ["./null", "./nvidia1"]
+    assert (after["./nvidia1"].devmajor, after["./nvidia1"].devminor) == (195, 1)
