@@ -39,7 +39,7 @@ def start(gib: float) -> str:
     name = f"gpusnap-bench-{uuid.uuid4().hex[:8]}"
     half = max(1, int(gib * 512))
     script = (f"dd if=/dev/urandom of=/dev/shm/r bs=1M count={half} 2>/dev/null; "
-              f"yes gpusnap | head -c {half}M > /dev/shm/p; "
+              f"yes gpusnap | head -c {half}m > /dev/shm/p; "  # busybox: m, not M
               "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.05; done")
     sh("podman", "run", "-d", "--name", name, "--network", "none",
        "--shm-size", f"{int(gib * 1024) + 64}m", IMAGE, "sh", "-c", script)
