@@ -137,5 +137,12 @@ def run(fix: bool) -> dict:
                         ("removed " if removed else "") + ", ".join(map(str, left)),
                         "" if not left or removed else "`gpusnap doctor --fix` removes them",
                         required=False))
+    kept = leftovers.kept()  # the only copy of a stopped container: shown, never removed
+    checks.append(Check("kept checkpoints", not kept,
+                        "none from interrupted pushes" if not kept else ", ".join(
+                            f"{k['export']} (container {str(k['container'])[:12]})" for k in kept),
+                        "" if not kept else "`podman rm CTR; gpusnap restore FILE` brings it "
+                        "back here, `gpusnap push FILE REF` finishes the push; then delete it",
+                        required=False))
     return {"ok": ok, "checks": [asdict(c) for c in checks], "stuck": stuck, "fixed": fixed,
-            "leftovers": [str(p) for p in left], "removed": removed}
+            "leftovers": [str(p) for p in left], "removed": removed, "kept": kept}

@@ -3,17 +3,63 @@
 A killed CLI cannot tidy up: the export's hidden `.NAME.partial` and the FIFO
 directories stay. They are never mistaken for a checkpoint (no archive has the
 export's name), but they take space; doctor lists them and --fix removes them.
+A killed push or `restore REF` leaves its staging directory (`.gpusnap-push-*`,
+`.gpusnap-pull-*`) the same way. One thing is not litter: the complete export
+a killed `push CTR`/`migrate` staged is all that is left of the container it
+stopped; `kept()` names it and nothing removes it.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.runtime.fifo_pump import referenced
 from gpusnap.runtime.stream import FIFO_DIR_PREFIX, FIFO_NAME, partial_path
+
+
+STAGING_PREFIXES = (".gpusnap-push-", ".gpusnap-pull-")
+# A live push or pull holds a file in its staging directory open, except for a
+# moment between steps (checks before the export; after the download, before
+# Podman names the archive): one untouched this long is not in use.
+STAGING_IDLE_S = 10
+
+
+def _staging_roots() -> set[Path]:
+    from gpusnap.runtime.storage import storage_root
+
+    root = storage_root()
+    return {d for d in (root.parent if root else None, Path("/var/tmp")) if d and d.is_dir()}
+
+
+def _busy(work: Path) -> bool:
+    """A process names ``work`` on its command line or has a file in it open."""
+    if referenced(str(work)):
+        return True
+    inside = str(work) + "/"
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in os.scandir(fd_dir):
+                if os.readlink(fd.path).startswith(inside):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def kept() -> list[dict]:
+    """Complete exports a killed `push CTR`/`migrate` staged: {container, export}."""
+    found = []
+    for event in journal.read(500):
+        export = Path(event.get("export") or "")
+        if event.get("event") == "checkpointed" and export.parent.name.startswith(
+                STAGING_PREFIXES[0]) and export.is_file() and not _busy(export.parent):
+            found.append({"container": event.get("container"), "export": str(export)})
+    return found
 
 
 def find() -> list[Path]:
@@ -29,6 +75,15 @@ def find() -> list[Path]:
     for d in sorted(dirs):
         for work in d.glob(FIFO_DIR_PREFIX + "*"):
             if work.is_dir() and not referenced(str(work / FIFO_NAME)):
+                found.append(work)
+    keep = {Path(k["export"]).parent for k in kept()}
+    for d in sorted(_staging_roots()):
+        for work in sorted(w for prefix in STAGING_PREFIXES for w in d.glob(prefix + "*")):
+            try:
+                idle = time.time() - work.stat().st_mtime >= STAGING_IDLE_S
+            except OSError:
+                continue
+            if idle and work.is_dir() and work not in keep and not _busy(work):
                 found.append(work)
     # A partial still being written belongs to a live export: leave it.
     return [p for p in found if not (p.suffix == ".partial" and referenced(str(p)))]
