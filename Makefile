@@ -30,8 +30,17 @@ test: install demo-image  ## everything that runs without a GPU
 gpu-bundle:      ## .deb files the bare GPU machine needs, into .gpu-bundle/ (run here, carried there)
 	bash tests/gpu/make-bundle.sh .gpu-bundle
 
-bench: install demo-image
-	$(VENV)/bin/python bench/checkpoint_bench.py
+bench: install demo-image  ## checkpoint bench, then the migration bench: ends with its `speedup X.XX`
+	set -o pipefail; $(VENV)/bin/python bench/checkpoint_bench.py | sed -u 's/^speedup /checkpoint speedup /'
+	$(VENV)/bin/python bench/migrate.py
+
+.PHONY: bench-migrate
+bench-migrate: install demo-image  ## container -> registry -> restored: plain podman + oras against gpusnap
+	$(VENV)/bin/python bench/migrate.py
+
+.PHONY: bench-registry
+bench-registry: install demo-image  ## container -> registry -> archive: gpusnap against podman export + oras
+	$(VENV)/bin/python bench/registry_bench.py
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

@@ -1,0 +1,164 @@
+"""Fault scenarios through the registry phases: a loopback plain-HTTP registry per
+test, a demo container whose memory makes each phase last long enough to be
+interrupted, and the helpers the scenarios share."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, gpusnap, have_podman, podman,
+                            read_counter, wait_counter)
+from tests.faults.netreg import PlainRegistry, make_registry
+
+HERE = Path(__file__).parent
+# Random (incompressible) memory: on 2 cores the export takes ~1 s, the push ~3 s,
+# the pull ~1-2 s: windows wide enough to land a kill inside each.
+FILL_MIB = 160
+
+
+def pytest_collection_modifyitems(config, items):
+    mine = [item for item in items if HERE in Path(item.fspath).parents]
+    for item in mine:
+        item.add_marker(pytest.mark.integration)
+    if mine and not have_podman():
+        raise pytest.UsageError("fault tests need `make install` (podman and gpusnap)")
+
+
+@pytest.fixture
+def registry(tmp_path) -> PlainRegistry:
+    reg = make_registry(tmp_path / "registry")
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """Each test its own chunk cache (the target host's): nothing cached hides a fault."""
+    d = tmp_path / "chunk-cache"
+    monkeypatch.setenv("GPUSNAP_CACHE_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def loaded(name: str) -> str:
+    """A running counter with FILL_MIB of random memory in /dev/shm."""
+    podman("run", "-d", "--name", name, "--network", "none", "--shm-size", f"{FILL_MIB + 32}m",
+           DEMO_IMAGE, "sh", "-c",
+           f"dd if=/dev/urandom of=/dev/shm/fill bs=1M count={FILL_MIB} 2>/dev/null; {COUNTER}")
+    wait_counter(name, 3, timeout=60)
+    return name
+
+
+def unique_repo() -> str:
+    return f"faults/t-{uuid.uuid4().hex[:8]}"
+
+
+def status(name: str) -> str:
+    res = podman("container", "inspect", name, "--format", "{{.State.Status}}", check=False)
+    return res.stdout.strip() if res.returncode == 0 else "gone"
+
+
+def start_cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([GPUSNAP, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finished(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def when(cond: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    """Wait until ``cond()`` holds while ``proc`` still runs; fail if it ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the command ended (rc {proc.returncode}) before {what}: {err}")
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def sigkill(proc: subprocess.Popen) -> None:
+    """SIGKILL the CLI alone (its children go on, as after a crash)."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for stream in (proc.stdout, proc.stderr):
+        stream.close()
+
+
+def journal_since(mark: int) -> list[dict]:
+    path = Path("/run/gpusnap/journal.jsonl")
+    with open(path, "rb") as f:
+        f.seek(mark)
+        return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+
+
+def journal_mark() -> int:
+    try:
+        return Path("/run/gpusnap/journal.jsonl").stat().st_size
+    except OSError:
+        return 0
+
+
+def cached_blobs(cache: Path) -> int:
+    return sum(1 for p in (cache / "blobs/sha256").glob("*/*") if p.is_file())
+
+
+def tag_exists(reg: PlainRegistry, repo: str, tag: str) -> bool:
+    res = subprocess.run(["oras", "manifest", "fetch", "--plain-http", reg.ref(f"{repo}:{tag}")],
+                         capture_output=True, text=True)
+    return res.returncode == 0
+
+
+def settled(paths) -> None:
+    """Wait until staging directories are idle long enough for doctor to call them left over."""
+    from gpusnap.ops.leftovers import STAGING_IDLE_S
+
+    for p in paths:
+        try:
+            time.sleep(max(0.0, p.stat().st_mtime + STAGING_IDLE_S + 0.5 - time.time()))
+        except OSError:
+            continue
+
+
+def doctor_fix() -> dict:
+    return json.loads(gpusnap("doctor", "--fix", "--json").stdout)
+
+
+def doctor() -> dict:
+    return json.loads(gpusnap("doctor", "--json").stdout)
+
+
+def still_counting(name: str) -> int:
+    assert status(name) == "running", status(name)
+    return wait_counter(name, read_counter(name))
+
+
+def wait_quiet(path: Path, timeout: float = 60) -> None:
+    """Until no process names ``path`` (Podman and the FIFO pump outlive a killed CLI)."""
+    from gpusnap.runtime.fifo_pump import referenced
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and referenced(str(path)):
+        time.sleep(0.2)
+    assert not referenced(str(path)), f"a process still works on {path}"
+
+
+def say(capsys, text: str) -> None:
+    """A figure for docs/reliability.md, shown with `pytest -s`-less runs too."""
+    with capsys.disabled():
+        print(f"\n  {text}", flush=True)

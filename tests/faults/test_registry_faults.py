@@ -1,0 +1,109 @@
+"""The registry fails under a migration: SIGKILLed during `migrate`'s upload and
+during `restore REF`'s download, and its disk full during an upload.
+(tests/integration/test_registry_resume.py kills it under pushes and pulls of
+checkpoint directories; here the source is a live container, whose state must
+survive.)"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_one_line_error, gpusnap_json, podman, read_counter, wait_counter
+from tests.faults.conftest import (cached_blobs, finished, say, start_cli, status, tag_exists,
+                                   unique_repo, when)
+from tests.faults.netreg import make_registry
+
+
+def _kept(stderr: str) -> Path:
+    """The archive a failed `migrate` names as all that is left of the container."""
+    found = re.search(r"kept in (\S+)", stderr)
+    assert found, stderr
+    return Path(found.group(1))
+
+
+def _staged() -> set[Path]:
+    return {p for d in ("/var/tmp", "/var/lib/containers") for p in Path(d).glob(".gpusnap-pull-*")}
+
+
+def test_registry_killed_during_migrate_upload(registry, loaded, capsys):
+    before = read_counter(loaded)
+    repo = unique_repo()
+    ref = registry.ref(f"{repo}:v1")
+    cli = start_cli("migrate", loaded, ref, *registry.flags())
+    when(lambda: len(registry.linked_blobs(repo)) >= 10, cli, "10 chunks were uploaded")
+    registry.kill()
+    res = finished(cli)
+    assert_one_line_error(res, f"cannot reach registry {registry.host}",
+                          f"{loaded} is checkpointed and stopped", "kept in")
+    kept = _kept(res.stderr)
+    try:
+        assert kept.is_file() and status(loaded) == "exited"
+        registry.start()
+        assert not tag_exists(registry, repo, "v1"), "a tag for a push that failed"
+        again = gpusnap_json("push", str(kept), ref, *registry.flags())
+        assert 0 < again["chunks_sent"] < again["chunks"], again
+        say(capsys, f"{res.stderr.splitlines()[0]} / re-push sent {again['chunks_sent']} of "
+                    f"{again['chunks']} chunks")
+        podman("rm", loaded)
+        gpusnap_json("restore", ref, *registry.flags())
+        assert wait_counter(loaded, before) > before
+    finally:
+        shutil.rmtree(kept.parent, ignore_errors=True)
+
+
+def test_registry_killed_during_restore_download(registry, loaded, cache_dir, capsys):
+    before = read_counter(loaded)
+    ref = registry.ref(f"{unique_repo()}:v1")
+    gpusnap_json("migrate", loaded, ref, *registry.flags())
+    podman("rm", loaded)
+    earlier = _staged()
+    cli = start_cli("restore", ref, *registry.flags())
+    when(lambda: cached_blobs(cache_dir) >= 10, cli, "10 chunks were fetched")
+    registry.kill()
+    res = finished(cli)
+    assert_one_line_error(res, f"cannot reach registry {registry.host}")
+    assert status(loaded) == "gone", "restored from a partial download"
+    assert not _staged() - earlier, "the staged partial download stayed behind"
+    registry.start()
+    again = gpusnap_json("restore", ref, *registry.flags())
+    assert again["pull"]["bytes_from_cache"] > 0  # what was fetched is not fetched again
+    say(capsys, f"{res.stderr.splitlines()[0]} / re-run: {again['pull']['bytes_from_cache']} "
+                f"bytes from the cache, {again['pull']['bytes_fetched']} fetched")
+    assert wait_counter(loaded, before) > before
+
+
+@pytest.fixture
+def small_registry(tmp_path):
+    """A registry whose storage is a 48 MiB tmpfs: the loaded container does not fit."""
+    store = tmp_path / "small-registry"
+    (store / "storage").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(store / "storage")],
+                   check=True)
+    reg = make_registry(store)
+    yield reg
+    reg.stop()
+    subprocess.run(["umount", "-l", str(store / "storage")])
+
+
+def test_registry_disk_full_during_migrate(small_registry, loaded, capsys):
+    before = read_counter(loaded)
+    repo = unique_repo()
+    res = subprocess.run(["/usr/local/bin/gpusnap", "migrate", loaded,
+                          small_registry.ref(f"{repo}:v1"), *small_registry.flags()],
+                         capture_output=True, text=True, timeout=300)
+    assert_one_line_error(res, f"registry {small_registry.host}",
+                          f"{loaded} is checkpointed and stopped", "kept in")
+    kept = _kept(res.stderr)
+    say(capsys, res.stderr.splitlines()[0])
+    try:
+        assert not tag_exists(small_registry, repo, "v1")
+        podman("rm", loaded)
+        gpusnap_json("restore", str(kept))  # back on the source host
+        assert wait_counter(loaded, before) > before
+    finally:
+        shutil.rmtree(kept.parent, ignore_errors=True)
