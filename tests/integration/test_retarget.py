@@ -64,8 +64,8 @@ def test_a_remap_that_cannot_be_applied_fails_without_a_valid_looking_stream(nam
     wait_counter(name, 3)
     archive = tmp_path / "c.tar.zst"
     gpusnap_json("checkpoint", name, "--export", str(archive), "--leave-running")
-    # /dev/null renamed onto the /dev/zero the container already has.
-    clash = DeviceRemap(nodes=(NodeChange("/dev/null", "/dev/zero", (1, 3), (1, 5)),))
+    # /dev/null renamed onto the /dev/zero the container already has, with other numbers.
+    clash = DeviceRemap(nodes=(NodeChange("/dev/null", "/dev/zero", (1, 3), (1, 7)),))
     cut = tmp_path / "x.tar"
     with open(cut, "wb") as out:
         with pytest.raises(GpusnapError) as failed:

@@ -97,8 +97,8 @@ def _refused_start(c, name: str, src: Path, tmp_path: Path) -> str:
 def test_a_remap_that_cannot_be_applied_is_refused_before_anything_changes(containerd, remap_file, tmp_path):
     c = containerd
     _, bundle = _checkpointed(c, "rm2", tmp_path / "ck")
-    # /dev/null renamed onto the /dev/zero the container already has.
-    remap_file.write_text(json.dumps(DeviceRemap(nodes=(NodeChange("/dev/null", "/dev/zero", (1, 3), (1, 5)),))
+    # /dev/null renamed onto the /dev/zero the container already has, with other numbers.
+    remap_file.write_text(json.dumps(DeviceRemap(nodes=(NodeChange("/dev/null", "/dev/zero", (1, 3), (1, 7)),))
                                      .to_dict()))
     msg = _refused_start(c, "rm2", tmp_path / "ck", tmp_path)
     assert msg.startswith("Tasks.Start: cannot move the container's devices:") and "\n" not in msg, msg
