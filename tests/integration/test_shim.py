@@ -208,7 +208,11 @@ def test_zygote_forks_later_shims_and_retires_on_code_change(containerd):
     remove(c, "z1")
 
     # The shim's code changes on disk (an upgrade): the old zygote must not serve it.
-    marker = Path(__file__).resolve().parents[2] / "gpusnap" / "shim" / "__init__.py"
+    # The installed package's file (an editable install points at this tree, make test's does not).
+    installed = run([f"{VENV_BIN}/python", "-I", "-c",  # -I: not this tree from the cwd
+                     "import gpusnap.shim; print(gpusnap.shim.__file__)"])
+    marker = Path(installed.stdout.strip())
+    assert marker.is_file(), installed.stderr
     os.utime(marker)
     c.ctr("run", "-d", "--runtime", RUNTIME, DEMO_IMAGE, "z2", "sleep", "300")
     assert c.server_of("z2")["origin"] == "cold"
