@@ -116,7 +116,8 @@ def test_inserted_page_changes_only_the_chunks_around_it():
 def test_chunk_sizes_grow_with_files_and_checkpoints():
     assert chunk_params(10 << 10, 1).avg_size == 256 << 10
     assert chunk_params(64 << 20, 1).avg_size == 256 << 10
-    assert chunk_params(1 << 30, 1).avg_size == 4 << 20
+    assert chunk_params(1 << 30, 1).avg_size == 2 << 20
+    assert chunk_params(2 << 30, 1).avg_size == 4 << 20
     assert chunk_params(80 << 30, 1).avg_size == 4 << 20
     assert layer_scale(1 << 30) == 1
     assert layer_scale(200 << 30) > 1
