@@ -83,3 +83,17 @@ def counter(name: str) -> str:
 
 def have_podman() -> bool:
     return shutil.which("podman") is not None and Path(GPUSNAP).exists()
+
+
+def foreign_h100_manifest():
+    """A GPU manifest naming an H100 that no test host has (refusals are tested with it)."""
+    from gpusnap.gpu.manifest import Manifest, ManifestProcess
+
+    uuid = "GPU-6288d6a6-619c-49d1-a845-a5381d6fe0c6"
+    return Manifest(
+        gpus=[{"index": 0, "uuid": uuid, "name": "NVIDIA H100 80GB HBM3", "minor": 0,
+               "pci_bus_id": "00000000:18:00.0", "memory_total": 85520809984,
+               "compute_capability": "9.0", "mig_enabled": False}],
+        processes=[ManifestProcess(pid=7, comm="python3", gpus=[uuid], gpu_memory={uuid: 2 << 30})],
+        driver_version="580.159.04", cuda_driver_version="13.0", criu_version="4.1.1",
+        quiesced_by="gpusnap", host={"hostname": "gpu-host", "kernel": "6.18", "arch": "x86_64"})

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from gpusnap import MANIFEST_NAME
-from gpusnap.gpu.manifest import Manifest, ManifestProcess
 from gpusnap.runtime.fifo_pump import referenced
 from tests.conftest import (GPUSNAP, assert_one_line_error, gpusnap, gpusnap_json, podman,
-                            read_counter, run, wait_counter)
+                            foreign_h100_manifest, read_counter, run, wait_counter)
 
 
 def _refused(res: subprocess.CompletedProcess, *needles: str) -> str:
@@ -220,14 +219,7 @@ def _with_gpu_manifest(export: Path, tmp_path: Path) -> Path:
     root = tmp_path / "unpacked"
     root.mkdir()
     run(["tar", "-I", "zstd", "-xf", str(export), "-C", str(root)], check=True)
-    uuid = "GPU-6288d6a6-619c-49d1-a845-a5381d6fe0c6"
-    manifest = Manifest(
-        gpus=[{"index": 0, "uuid": uuid, "name": "NVIDIA H100 80GB HBM3", "minor": 0,
-               "pci_bus_id": "00000000:18:00.0", "memory_total": 85520809984,
-               "compute_capability": "9.0", "mig_enabled": False}],
-        processes=[ManifestProcess(pid=7, comm="python3", gpus=[uuid], gpu_memory={uuid: 2 << 30})],
-        driver_version="580.159.04", cuda_driver_version="13.0", criu_version="4.1.1",
-        quiesced_by="gpusnap", host={"hostname": "gpu-host", "kernel": "6.18", "arch": "x86_64"})
+    manifest = foreign_h100_manifest()
     (root / "checkpoint" / MANIFEST_NAME).write_text(manifest.to_json())
     out = tmp_path / "gpu.tar.zst"
     run(["tar", "-I", "zstd", "-cf", str(out), "-C", str(root), "."], check=True)

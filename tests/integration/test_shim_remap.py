@@ -18,11 +18,10 @@ from pathlib import Path
 import pytest
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME
-from gpusnap.gpu.manifest import Manifest, ManifestProcess
 from gpusnap.gpu.nodes import DeviceRemap, NodeChange
 from gpusnap.ops.containerd_api import Client, ContainerdError, checkpoint_to_dir, restore_from_dir
 from gpusnap.shim.remap import BACKUP, DEVICE_REMAP_ENV
-from tests.conftest import DEMO_IMAGE
+from tests.conftest import DEMO_IMAGE, foreign_h100_manifest
 from tests.integration.shim_containerd import (
     RUNTIME, STAMPED_COUNTER, private_containerd, read_tmp_c, remove, tasks, wait_counter, wait_status)
 
@@ -115,14 +114,7 @@ def test_a_gpu_checkpoint_on_a_host_without_its_gpu_is_refused_by_the_planner(co
     c = containerd
     _, bundle = _checkpointed(c, "rm3", tmp_path / "ck")
     remap_file.unlink(missing_ok=True)  # no forced remap: the shim plans from the manifest
-    uuid = "GPU-6288d6a6-619c-49d1-a845-a5381d6fe0c6"
-    manifest = Manifest(
-        gpus=[{"index": 0, "uuid": uuid, "name": "NVIDIA H100 80GB HBM3", "minor": 0,
-               "pci_bus_id": "00000000:18:00.0", "memory_total": 85520809984,
-               "compute_capability": "9.0", "mig_enabled": False}],
-        processes=[ManifestProcess(pid=7, comm="python3", gpus=[uuid], gpu_memory={uuid: 2 << 30})],
-        driver_version="580.159.04", cuda_driver_version="13.0", criu_version="4.1.1",
-        quiesced_by="gpusnap", host={"hostname": "gpu-host", "kernel": "6.18", "arch": "x86_64"})
+    manifest = foreign_h100_manifest()
     (tmp_path / "ck" / MANIFEST_NAME).write_text(manifest.to_json())
     msg = _refused_start(c, "rm3", tmp_path / "ck", tmp_path)
     assert msg.startswith("Tasks.Start: cannot restore here:") and "\n" not in msg, msg
