@@ -11,21 +11,28 @@ import os
 import time
 from pathlib import Path
 
+from gpusnap.private import open_private, private_dir
+from gpusnap.redact import redact
+
 
 def state_dir() -> Path:
     """/run/gpusnap (root only); GPUSNAP_STATE_DIR moves it, e.g. for tests."""
-    path = Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap"))
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
+    return private_dir(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap"))
+
+
+def state_subdir(name: str) -> Path:
+    """A root-only folder of state_dir() (requests, containers, restores, actions)."""
+    return private_dir(state_dir() / name)
 
 
 def record(event: str, **fields) -> None:
     """Append one event; never fails the caller (a full /run must not stop a restore)."""
+    # Error texts come from elsewhere too (CRIU, Podman, a registry): no credential in them.
+    fields = {k: redact(v) if isinstance(v, str) else v for k, v in fields.items()}
     line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event": event, **fields},
                       sort_keys=True, default=str)
     try:
-        fd = os.open(state_dir() / "journal.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "a") as f:
+        with open_private(state_dir() / "journal.jsonl", "a") as f:
             f.write(line + "\n")
     except OSError:
         pass

@@ -8,24 +8,17 @@ takes (reads and removes) that file.
 from __future__ import annotations
 
 import json
-import os
 
-from gpusnap.journal import state_dir
+from gpusnap.journal import state_subdir
+from gpusnap.private import write_private
 
 
 def _path(init_pid: int):
-    folder = state_dir() / "requests"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return folder / f"{init_pid}.json"
+    return state_subdir("requests") / f"{init_pid}.json"
 
 
 def put(init_pid: int, **options) -> None:
-    path = _path(init_pid)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(options, f)
-    os.replace(tmp, path)
+    write_private(_path(init_pid), json.dumps(options))
 
 
 def take(init_pid: int) -> dict:

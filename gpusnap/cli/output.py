@@ -12,6 +12,7 @@ import click
 from rich.console import Console
 
 from gpusnap.errors import GpusnapError
+from gpusnap.redact import redact
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 console = Console(highlight=False, soft_wrap=True)
@@ -59,12 +60,14 @@ def handle_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except GpusnapError as exc:
+            # A message may quote what a user typed (user:password@host/...) or a library said.
+            message, hint = redact(exc.message), redact(exc.hint) if exc.hint else exc.hint
             if as_json:
-                click.echo(json.dumps({"error": exc.message, "hint": exc.hint}))
+                click.echo(json.dumps({"error": message, "hint": hint}))
             else:
-                err_console.print(f"[bold red]Error:[/] {exc.message}", soft_wrap=True)
-                if exc.hint:
-                    err_console.print(f"  [dim]->[/] {exc.hint}", soft_wrap=True)
+                err_console.print(f"[bold red]Error:[/] {message}", soft_wrap=True)
+                if hint:
+                    err_console.print(f"  [dim]->[/] {hint}", soft_wrap=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             err_console.print("[bold red]Interrupted.[/] `gpusnap doctor` checks for "

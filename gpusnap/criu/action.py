@@ -29,6 +29,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import mps_active, read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume_onto
+from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, start_time
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
@@ -99,7 +100,7 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
     kept = {name: (folder / name).read_text() for name in (MANIFEST_NAME, PLAN_NAME)
             if (folder / name).exists()}
     if kept:
-        _restore_state(criu_pid).write_text(json.dumps(kept))
+        write_private(_restore_state(criu_pid), json.dumps(kept))
 
 
 def _restore_state(criu_pid: int) -> Path:
@@ -140,7 +141,7 @@ def _live_remap(init_pid: int):
     """A plain `podman container restore` onto GPUs other than the checkpoint's: the
     OCI hook planned it (the runtime spec still names the old GPUs); the restored
     container gets the new nodes and cgroup rule here, before its GPU state returns."""
-    stash = journal.state_dir() / "restores" / f"{init_pid}.json"
+    stash = journal.state_subdir("restores") / f"{init_pid}.json"
     if not stash.exists():
         return None
     from gpusnap.gpu.plan import Plan
@@ -194,9 +195,7 @@ def _run(action: str) -> int:
 
 
 def _marker_dir():
-    folder = journal.state_dir() / "actions"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return folder
+    return journal.state_subdir("actions")
 
 
 def main() -> int:
@@ -214,11 +213,11 @@ def main() -> int:
     marker = folder / f"{criu_pid}-{action}"
     if marker.exists():
         return int(marker.read_text() or 0)
-    for stale in folder.iterdir():  # markers of CRIU runs that have ended
-        if not os.path.exists(f"/proc/{stale.name.split('-', 1)[0]}"):
+    for stale in folder.iterdir():  # markers of CRIU runs that have ended (and their .tmp files)
+        if not os.path.exists(f"/proc/{stale.name.lstrip('.').split('-', 1)[0]}"):
             stale.unlink(missing_ok=True)
     code = _run(action)
-    marker.write_text(str(code))
+    write_private(marker, str(code))
     return code
 
 

@@ -18,6 +18,7 @@ from gpusnap import MANIFEST_NAME
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.drm import read_drm_nodes
 from gpusnap.gpu.inventory import GpuInfo, Inventory
+from gpusnap.private import write_private
 from gpusnap.procs import ProcessGpuUse
 
 SCHEMA = "gpusnap.manifest/v1"
@@ -162,13 +163,8 @@ def build(procs: list[ProcessGpuUse], inventory: Inventory, criu_version: str | 
 
 
 def write(manifest: Manifest, image_dir: str | os.PathLike) -> Path:
-    """Write atomically: a reader never sees half a manifest."""
-    path = Path(image_dir) / MANIFEST_NAME
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(manifest.to_json())
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-    return path
+    """Write atomically (a reader never sees half a manifest), 0600 as CRIU's images."""
+    return write_private(Path(image_dir) / MANIFEST_NAME, manifest.to_json())
 
 
 def read(image_dir: str | os.PathLike) -> Manifest | None:

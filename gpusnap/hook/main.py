@@ -12,7 +12,6 @@ journal; only a restore onto GPUs that cannot take the checkpoint fails.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
+from gpusnap.private import write_private
 
 if TYPE_CHECKING:
     from gpusnap.gpu.plan import Plan
@@ -44,12 +44,8 @@ def record_assignment(container_id: str, devices: list[dict]) -> Path:
         gpu = inv.by_minor(int(dev.get("minor", -1)))
         gpus.append({"path": dev["path"], "minor": dev.get("minor"),
                      "uuid": gpu.uuid if gpu else None, "name": gpu.name if gpu else None})
-    folder = journal.state_dir() / "containers"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    path = folder / f"{container_id}.json"
-    path.write_text(json.dumps({"id": container_id, "gpus": gpus}, indent=2))
-    os.chmod(path, 0o600)
-    return path
+    path = journal.state_subdir("containers") / f"{container_id}.json"
+    return write_private(path, json.dumps({"id": container_id, "gpus": gpus}, indent=2))
 
 
 def plan_restore_here(manifest_path: Path, spec: dict) -> tuple[list[str], "Plan | None"]:
@@ -85,15 +81,12 @@ def plan_restore_here(manifest_path: Path, spec: dict) -> tuple[list[str], "Plan
 
 def stash_live_remap(pid: int, plan: "Plan", spec: dict) -> Path:
     """What post-resume needs to move the restored processes (keyed by the restored init pid)."""
-    folder = journal.state_dir() / "restores"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    path = folder / f"{pid}.json"
     from gpusnap.procs import start_time
 
-    path.write_text(json.dumps({"plan": plan.to_dict(), "spec": spec,
-                                "start_time": start_time(pid)}))
-    os.chmod(path, 0o600)
-    return path
+    # The spec holds the container's environment (API keys): root only, like the bundle's.
+    return write_private(journal.state_subdir("restores") / f"{pid}.json",
+                         json.dumps({"plan": plan.to_dict(), "spec": spec,
+                                     "start_time": start_time(pid)}))
 
 
 def forget_assignment(container_id: str) -> None:

@@ -7,7 +7,7 @@ import base64
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap.errors import GpusnapError
@@ -16,7 +16,7 @@ from gpusnap.errors import GpusnapError
 @dataclass(frozen=True)
 class Credentials:
     username: str
-    password: str
+    password: str = field(repr=False)  # never in a repr or traceback
     source: str  # where they came from, for error messages
 
     def basic_header(self) -> str:

@@ -9,11 +9,14 @@ appear by rename, so a killed process leaves no half-written entry.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 import time
 from pathlib import Path
+
+from gpusnap.private import open_private, private_dir, restrict
 
 DEFAULT_ROOT = Path("/var/cache/gpusnap/chunks")
 DEFAULT_MAX_BYTES = 16 << 30
@@ -25,9 +28,8 @@ class ChunkCache:
         self.max_bytes = max_bytes
         self._seq = 0
         self._lock = threading.Lock()
-        for sub in ("", "blobs", "index", "tmp"):
-            (root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(root, 0o700)  # chunks are process memory: root only
+        for sub in ("", "blobs", "index", "tmp"):  # chunks are process memory: root only
+            private_dir(root / sub)
 
     @classmethod
     def open(cls, root: Path | None = None) -> "ChunkCache | None":
@@ -50,8 +52,8 @@ class ChunkCache:
             self._seq += 1
             tmp = self.root / "tmp" / f"{os.getpid()}-{threading.get_ident()}-{self._seq}"
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
+            private_dir(path.parent)
+            with open_private(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
         except OSError:  # a full disk must not fail the transfer: the cache is optional
@@ -88,10 +90,14 @@ class ChunkCache:
         """Drop the least recently used blobs beyond max_bytes; returns bytes freed."""
         entries = []
         for dirpath, _, names in os.walk(self.root / "blobs"):
+            with contextlib.suppress(OSError):
+                restrict(dirpath)  # folders of a version that made them 0755
             for name in names:
                 p = Path(dirpath) / name
                 try:
                     st = p.stat()
+                    if st.st_mode & 0o077:  # written by a version that made files 0644
+                        restrict(p)
                 except OSError:
                     continue
                 entries.append((st.st_mtime, st.st_size, p))

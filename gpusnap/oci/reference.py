@@ -53,8 +53,25 @@ def _looks_like_host(part: str) -> bool:
     return part == "localhost" or "." in part or ":" in part or part.startswith("[")
 
 
+def _userinfo(text: str) -> tuple[str, str] | None:
+    """(credentials, HOST/...) of a reference typed as user:password@HOST/REPO (as in
+    a URL): a valid one has an @ only before its digest."""
+    before, at, after = text.rpartition("@")
+    names_host = "/" in after or (_looks_like_host(after) and not after.startswith("sha"))
+    if at and ":" in before and names_host and "/" not in before.split(":", 1)[0]:
+        return before, after
+    return None
+
+
 def parse(text: str) -> Reference:
-    """Parse REF; GpusnapError names what is wrong with it."""
+    """Parse REF; GpusnapError names what is wrong with it (never a password in it)."""
+    creds = _userinfo(text)
+    if creds is not None:
+        raise GpusnapError(f"{'***@' + creds[1]!r} is not a registry reference: it carries "
+                           "credentials (user:password@), which would show in `ps`, shell "
+                           "history and logs",
+                           "pass --username and --password-stdin, or `podman login "
+                           f"{creds[1].split('/', 1)[0]}`")
     bad = f"{text!r} is not a registry reference"
     name, _, digest = text.partition("@")
     if digest and not _DIGEST.match(digest):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlencode, urljoin, urlsplit, urlunsplit
@@ -39,7 +39,7 @@ _SYSTEM_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 class RegistryOptions:
     """The registry flags every command takes (Podman/ORAS names)."""
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a repr or traceback
     authfile: str | None = None
     insecure: bool = False  # skip TLS verification
     plain_http: bool = False
@@ -69,6 +69,12 @@ def _tls_verify(registry: str, opts: RegistryOptions) -> bool | str:
         if ca.is_file():
             return str(ca)
     return str(_SYSTEM_CA) if _SYSTEM_CA.is_file() else True
+
+
+def _shown_url(url: str) -> str:
+    """URL as messages show it: scheme, host and path; no user:password@, no query."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
 def _registry_error(resp) -> str:
@@ -174,6 +180,8 @@ class RegistryClient:
                     raise self._unreachable(exc) from None
                 time.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
                 continue
+            except self._exc.RequestException as exc:
+                raise self._failed(method, url, exc) from None
             if resp.status_code == 401 and not authed_again:
                 resp.close()
                 self._authenticate(resp, sent_auth)
@@ -199,6 +207,12 @@ class RegistryClient:
                 raise kind(f"registry {self.ref.registry}: {method} {urlsplit(url).path} "
                            f"failed: {_registry_error(resp)}")
             return resp
+
+    def _failed(self, method: str, url: str, exc: Exception) -> GpusnapError:
+        """Any other requests error, by its type only: its text may quote a header
+        (InvalidHeader repeats the Authorization value) or a URL with its query."""
+        return GpusnapError(f"registry {self.ref.registry}: {method} {urlsplit(url).path} "
+                            f"failed: {type(exc).__name__}")
 
     def _denied(self, resp) -> GpusnapError:
         who = f"user {self.creds.username!r} ({self.creds.source})" if self.creds else "anonymous"
@@ -234,19 +248,26 @@ class RegistryClient:
         if params.get("service"):
             query["service"] = params["service"]
         headers = {"Authorization": self.creds.basic_header()} if self.creds else {}
+        url = f"{realm}?{urlencode(query)}"
+        shown = _shown_url(realm)  # the registry chose it: it may carry anything
         try:
-            resp = self.session.get(f"{realm}?{urlencode(query)}", headers=headers,
-                                    verify=self.verify, timeout=(10, 60))
+            resp = self.session.get(url, headers=headers, verify=self.verify, timeout=(10, 60))
         except (self._exc.ConnectionError, self._exc.Timeout) as exc:
             raise self._unreachable(exc) from None
+        except self._exc.RequestException as exc:
+            raise self._failed("GET", shown, exc) from None
         if resp.status_code in (401, 403):
             raise self._denied(resp)
         if resp.status_code != 200:
-            raise GpusnapError(f"token service {realm} answered {_registry_error(resp)}")
-        body = resp.json()
-        token = body.get("token") or body.get("access_token")
-        if not token:
-            raise GpusnapError(f"token service {realm} returned no token")
+            raise GpusnapError(f"token service {shown} answered {_registry_error(resp)}")
+        try:
+            body = resp.json()
+        except ValueError:
+            raise GpusnapError(f"token service {shown} answered something other than "
+                               "JSON") from None
+        token = body.get("token") or body.get("access_token") if isinstance(body, dict) else None
+        if not token or not isinstance(token, str):
+            raise GpusnapError(f"token service {shown} returned no token")
         return token
 
     # -- API -----------------------------------------------------------------------

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 from google.protobuf import any_pb2
 
+from gpusnap.private import restrict_tree
 from gpusnap.proto import load
 from gpusnap.proto.rpc import bidi_stub, stream_stub, unary_stub
 
@@ -183,11 +184,12 @@ def _tar_dir(src: Path, out: io.BufferedIOBase) -> None:
 
 
 def extract_tar(tar_path: Path, dest: Path) -> None:
-    """TAR_PATH unpacked into DEST (made, 0700), owners and modes kept."""
-    dest.mkdir(parents=True, exist_ok=False)
-    os.chmod(dest, 0o700)
+    """TAR_PATH unpacked into DEST (made, 0700), owners kept, modes root only."""
+    dest.mkdir(parents=True, mode=0o700)
     with tarfile.open(tar_path) as tar:
-        tar.extractall(dest, filter="fully_trusted")  # root-owned CRIU images: owners and modes must stay
+        tar.extractall(dest, filter="fully_trusted")  # root-owned CRIU images: owners must stay
+    # CRIU wrote its images 0644 (and a "./" member sets DEST's mode): group and others out
+    restrict_tree(dest)
 
 
 NERDCTL = "nerdctl"

@@ -17,8 +17,10 @@ def runc_root(root_option: str, namespace: str) -> str:
 
 
 def write_state(bundle: str, runc_root_dir: str, runc_binary: str) -> None:
-    with open(os.path.join(bundle, SHIM_STATE), "w") as f:
-        json.dump({"runc_root": runc_root_dir, "runc": runc_binary}, f)
+    from gpusnap.private import write_private  # not at the top: `delete` only reads
+
+    write_private(os.path.join(bundle, SHIM_STATE),
+                  json.dumps({"runc_root": runc_root_dir, "runc": runc_binary}))
 
 
 def read_state(bundle: str) -> dict | None:

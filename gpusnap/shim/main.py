@@ -100,8 +100,11 @@ def start(flags: dict[str, str]) -> int:
         raise UsageError("start needs -namespace, -address and -id")
     path = socket_path(address, ns, cid)
     response = json.dumps({"version": 2, "address": path, "protocol": "grpc"})
+    from gpusnap.private import private_dir, write_private
+
     if not _listening(path):
-        os.makedirs(SOCKET_DIR, mode=0o711, exist_ok=True)
+        # 0700: containerd (root) is the only client of the sockets in it.
+        private_dir(SOCKET_DIR)
         from gpusnap.shim import zygote
 
         warm = zygote.enabled()
@@ -115,8 +118,7 @@ def start(flags: dict[str, str]) -> int:
             if warm:
                 zygote.launch(SOCKET_DIR)
     # containerd reads this file back to reconnect after it restarts.
-    with open("address", "w") as f:
-        f.write(response)
+    write_private("address", response)
     sys.stdout.write(response)
     sys.stdout.flush()
     return 0

@@ -29,6 +29,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.nodes import DeviceRemap
 from gpusnap.oci.spec import SpecError, rewrite_spec
+from gpusnap.private import open_private
 
 log = logging.getLogger("gpusnap.shim")
 
@@ -110,9 +111,13 @@ def plan_edits(bundle: str | Path, image_dir: str | Path) -> Edits | None:
 
 
 def _replace(path: Path, data: bytes) -> None:
+    """PATH's content replaced, its mode kept (containerd's config.json is 0644 or
+    so); the copy is 0600 while it is written: the spec holds the environment."""
     tmp = path.with_name(f".{path.name}.gpusnap")
-    tmp.write_bytes(data)
-    os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o600)
+    with open_private(tmp, "wb") as f:
+        f.write(data)
+    if path.exists():
+        os.chmod(tmp, path.stat().st_mode & 0o7777)
     os.replace(tmp, path)
 
 

@@ -10,6 +10,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from gpusnap.private import private_umask, write_private
 from gpusnap.shim.logfifo import setup_logging
 
 log = logging.getLogger("gpusnap.shim")
@@ -42,14 +43,18 @@ def serve(namespace: str, containerd_address: str, socket_path: str, ready_fd: i
     # Wait() holds a worker until its process exits: keep plenty of them.
     server = grpc.server(ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"))
     server.add_generic_rpc_handlers((generic_handler(load().shim.DESCRIPTOR.services_by_name["Task"], service),))
-    if server.add_insecure_port(f"unix:{socket_path}") == 0:
+    # 0600: containerd connects as root; nobody else may drive this shim's containers.
+    with private_umask():
+        bound = server.add_insecure_port(f"unix:{socket_path}")
+    if bound == 0:
         log.error("cannot listen on %s", socket_path)
         return 1
     server.start()
     info = os.path.splitext(socket_path)[0] + ".json"
-    with open(info, "w") as f:  # who serves this socket, for operators and tests
-        json.dump({"pid": os.getpid(), "address": containerd_address, "namespace": namespace,
-                   "bundle": os.getcwd(), "origin": origin}, f)
+    # who serves this socket, for operators and tests
+    write_private(info, json.dumps({"pid": os.getpid(), "address": containerd_address,
+                                    "namespace": namespace, "bundle": os.getcwd(),
+                                    "origin": origin}))
     _set_name(b"gpusnap-shim")
     os.write(ready_fd, b"1")
     os.close(ready_fd)

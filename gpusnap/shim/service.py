@@ -19,6 +19,7 @@ from typing import Callable
 import grpc
 from google.protobuf import any_pb2, empty_pb2, timestamp_pb2
 
+from gpusnap.private import open_private, private_dir
 from gpusnap.proto import load
 from gpusnap.shim import bundle as bundle_state
 from gpusnap.shim import mounts
@@ -220,8 +221,9 @@ class TaskService:
     def _restore(self, c: Container, runc: Runc) -> None:
         p = c.init
         assert p.io is not None
-        work = c.criu_work or os.path.join(c.bundle, "criu-work")
-        os.makedirs(work, exist_ok=True)
+        if c.criu_work:
+            os.makedirs(c.criu_work, exist_ok=True)  # the caller's folder, the caller's mode
+        work = c.criu_work or str(private_dir(os.path.join(c.bundle, "criu-work")))  # CRIU's logs
         console = p.io.console_socket(c.bundle) if p.paths.terminal else None
         # Imported here: GPU planning is for restores only and stays out of the shim's startup.
         from gpusnap.errors import GpusnapError
@@ -246,7 +248,7 @@ class TaskService:
 
     def _exec_start(self, c: Container, p: Proc, runc: Runc) -> None:
         spec_path = os.path.join(c.bundle, p.file_stem() + ".json")
-        with open(spec_path, "wb") as f:
+        with open_private(spec_path, "wb") as f:  # the process's environment: root only
             f.write(p.spec)
         p.io = ProcessIO(p.paths, self._logger_for(c))
         try:
@@ -431,7 +433,9 @@ class TaskService:
         except RuncError as e:
             dump_log = os.path.join(c.bundle, "criu-dump.log")
             try:
-                shutil.copyfile(os.path.join(work, "dump.log"), dump_log)
+                with open(os.path.join(work, "dump.log"), "rb") as src, \
+                        open_private(dump_log, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
             except OSError:
                 pass
             raise RuncError(f"{e} (CRIU log: {dump_log})") from None

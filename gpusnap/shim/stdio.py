@@ -35,6 +35,8 @@ class Paths:
 
 def _open_output(path: str) -> int:
     if path.startswith("file://"):
+        # The container's output, at a path its owner chose (--log-uri): a log as
+        # they expect it, 0644; gpusnap's own state and checkpoints are 0600.
         return os.open(path[len("file://"):], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
     return os.open(path, os.O_RDWR | os.O_CLOEXEC)
 

@@ -33,7 +33,7 @@ def enabled() -> bool:
 def code_stamp() -> str:
     """Changes when any file the shim server runs from changes."""
     newest = 0
-    for pattern in ("__init__.py", "shim/*.py", "proto/*.py", "proto/src/gpusnap_pb/*.proto"):
+    for pattern in ("__init__.py", "private.py", "shim/*.py", "proto/*.py", "proto/src/gpusnap_pb/*.proto"):
         for f in _PKG.glob(pattern):
             newest = max(newest, f.stat().st_mtime_ns)
     return f"{sys.executable}:{newest}"
@@ -101,6 +101,8 @@ def main(socket_dir: str) -> int:
     import signal
     import time
 
+    from gpusnap.private import private_umask, write_private
+
     # One zygote per directory: the lock lives as long as this process.
     lock = os.open(os.path.join(socket_dir, "zygote.lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
@@ -124,15 +126,13 @@ def main(socket_dir: str) -> int:
     except FileNotFoundError:
         pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o077)
-    listener.bind(path)
-    os.umask(old)
+    with private_umask():  # 0600: only root asks for servers
+        listener.bind(path)
     listener.listen(16)
     listener.settimeout(_CHECK_EVERY)
     ino = os.stat(path).st_ino
     info = os.path.join(socket_dir, "zygote.json")
-    with open(info, "w") as f:
-        json.dump({"pid": os.getpid(), "stamp": stamp}, f)
+    write_private(info, json.dumps({"pid": os.getpid(), "stamp": stamp}))
     try:
         idle_until = time.monotonic() + IDLE_EXIT
         while True:

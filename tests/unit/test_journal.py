@@ -28,9 +28,20 @@ def test_state_dir_follows_the_environment_and_is_created_private(state_dir):
 def test_state_dir_defaults_to_run_gpusnap(monkeypatch, tmp_path):
     monkeypatch.delenv("GPUSNAP_STATE_DIR", raising=False)
     made = []
-    monkeypatch.setattr(Path, "mkdir", lambda self, **kw: made.append(self))
+    monkeypatch.setattr(journal, "private_dir", lambda p: made.append(Path(p)) or Path(p))
     assert journal.state_dir() == Path("/run/gpusnap")
     assert made == [Path("/run/gpusnap")]
+
+
+def test_a_state_dir_an_older_version_left_open_is_narrowed(state_dir):
+    state_dir.mkdir(parents=True, mode=0o755)
+    state_dir.chmod(0o755)
+    (state_dir / "journal.jsonl").write_text("")
+    (state_dir / "journal.jsonl").chmod(0o644)
+    journal.record("x")
+    assert stat.S_IMODE(state_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((state_dir / "journal.jsonl").stat().st_mode) == 0o600
+    assert stat.S_IMODE(journal.state_subdir("restores").stat().st_mode) == 0o700
 
 
 def test_record_then_read_returns_the_events_in_order(state_dir):

@@ -50,7 +50,7 @@ def broken(edit) -> dict:
     (lambda s: s["mounts"][2].update(options="rbind"), "spec: mounts[2].options is a string, expected an array"),
     (lambda s: s["annotations"].update({"cdi.k8s.io/x": 1}),
      "spec: annotations['cdi.k8s.io/x'] is an integer, expected a string"),
-    (lambda s: s["process"]["env"].append("NOVALUE"), "spec: process.env[2] is 'NOVALUE', expected NAME=VALUE"),
+    (lambda s: s["process"]["env"].append("NOVALUE"), "spec: process.env[2] has no '=', expected NAME=VALUE"),
 ])
 def test_malformed_fields_are_named(edit, message):
     with pytest.raises(SpecError) as err:

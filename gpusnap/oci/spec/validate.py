@@ -144,8 +144,11 @@ def validate_env(process: Any) -> None:
         return
     _list(env, "process.env")
     for i, item in enumerate(env):
-        if not isinstance(item, str) or "=" not in item:
-            raise SpecError(f"spec: process.env[{i}] is {item!r}, expected NAME=VALUE")
+        # Never the value itself: the environment holds API keys.
+        if not isinstance(item, str):
+            raise SpecError(f"spec: process.env[{i}] is {_kind(item)}, expected NAME=VALUE")
+        if "=" not in item:
+            raise SpecError(f"spec: process.env[{i}] has no '=', expected NAME=VALUE")
 
 
 def validate_spec(spec: Any) -> None:
