@@ -38,7 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.integration.oci_registry import PASSWORD, USER, Registry, make_registry  # noqa: E402
+from tests.integration.oci_registry import (PASSWORD, USER, Registry, make_registry,  # noqa: E402
+                                            permissive_policy)
 
 IMAGE = "localhost/gpusnap-demo:latest"
 GPUSNAP = "/usr/local/bin/gpusnap"
@@ -107,6 +108,8 @@ def main() -> None:
     ap.add_argument("--out", help="also write the figures as JSON here")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpusnap-regbench-", dir="/var/tmp"))
+    # unsigned pushes: the pulls take them (trust costs are bench/trust_bench.py's)
+    os.environ["GPUSNAP_POLICY"] = str(permissive_policy(work))
     reg = make_registry(work / "registry")
     gflags = ["--ca-file", str(reg.ca), "--username", USER, "--password-stdin"]
     oflags = ["--ca-file", str(reg.ca), "--username", USER, "--password-stdin"]

@@ -1,9 +1,11 @@
 #!/bin/bash
 # make demo: a container's memory travels through a registry and back.
 # A docker-registry on loopback (plain HTTP, a temp folder) is started; a
-# counter container is checkpointed and pushed (`gpusnap migrate`), removed,
-# pulled back into an archive Podman imports, inspected, and restored from
-# the registry reference; its counter goes on from where it was.
+# signing key is generated and a trust policy written that trusts it for the
+# demo registry (docs/trust.md); a counter container is checkpointed, signed
+# and pushed (`gpusnap migrate --sign-key`), removed, pulled back into an
+# archive Podman imports, inspected, and restored from the registry reference
+# once its signature verified; its counter goes on from where it was.
 # On a host with an NVIDIA GPU the container holds a CUDA tensor instead
 # (tests/gpu/demo-gpu.sh), checked after restore.
 set -euo pipefail
@@ -40,14 +42,24 @@ EOP
 REF=127.0.0.1:$PORT/demo/counter:v1
 echo "registry: http://127.0.0.1:$PORT (loopback, $REG_DIR)"
 
+# Trust: a signing key, and a policy that accepts only what it signed here
+gpusnap key generate --output "$REG_DIR/demo-signer" >/dev/null
+cat > "$REG_DIR/policy.json" <<EOJ
+{"default": {"type": "reject"},
+ "scopes": {"127.0.0.1:$PORT/demo": {"type": "signedBy", "keyPaths": ["$REG_DIR/demo-signer.pub"]}}}
+EOJ
+chmod 0644 "$REG_DIR/policy.json"
+export GPUSNAP_POLICY=$REG_DIR/policy.json
+echo "signing key: $(gpusnap key id "$REG_DIR/demo-signer.pub"), trusted by $GPUSNAP_POLICY"
+
 podman run -d --name $NAME --network none localhost/gpusnap-demo:latest \
   sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.1; done' >/dev/null
 sleep 2
 echo "counter before checkpoint: $(podman exec $NAME cat /tmp/c)"
-gpusnap migrate $NAME "$REF" --plain-http            # checkpoint + push
+gpusnap migrate $NAME "$REF" --plain-http --sign-key "$REG_DIR/demo-signer.key"  # checkpoint + sign + push
 podman rm $NAME >/dev/null
-gpusnap pull "$REF" --plain-http -o "$ARCHIVE"        # an archive plain Podman imports
-gpusnap inspect "$REF" --plain-http                   # manifest + config only
-gpusnap restore "$REF" --plain-http                   # pull and restore in one go
+gpusnap pull "$REF" --plain-http -o "$ARCHIVE"        # verified, then an archive plain Podman imports
+gpusnap inspect "$REF" --plain-http                   # manifest + config only; signed by whom
+gpusnap restore "$REF" --plain-http                   # verify, pull and restore in one go
 sleep 1
 echo "counter after restore:     $(podman exec $NAME cat /tmp/c)  (it went on, not from 0)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -15,6 +16,23 @@ DEMO_IMAGE = "localhost/gpusnap-demo:latest"
 GPUSNAP = "/usr/local/bin/gpusnap"
 # Written to a new file and renamed: a reader never sees the file truncated and empty.
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.05; done"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def permissive_trust_policy(tmp_path_factory) -> Path:
+    """Restores from the test registries take unsigned checkpoints: a session
+    policy accepting anything (GPUSNAP_POLICY, inherited by every gpusnap the
+    tests start). tests/integration/test_registry_trust.py sets its own per test."""
+    path = tmp_path_factory.mktemp("trust") / "policy.json"
+    path.write_text(json.dumps({"default": {"type": "insecureAcceptAnything"}}))
+    os.chmod(path, 0o644)  # as root, a policy others can write is refused
+    before = os.environ.get("GPUSNAP_POLICY")
+    os.environ["GPUSNAP_POLICY"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("GPUSNAP_POLICY", None)
+    else:
+        os.environ["GPUSNAP_POLICY"] = before
 
 
 def run(cmd: list[str], check: bool = False, **kw) -> subprocess.CompletedProcess:

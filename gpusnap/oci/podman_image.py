@@ -99,11 +99,17 @@ def image_config(diff_id: str, arch: str) -> bytes:
 
 
 def manifest(config_digest: str, config_size: int, layer_digest: str, layer_size: int,
-             notes: dict[str, str]) -> bytes:
+             notes: dict[str, str], layer_notes: dict[str, str] | None = None) -> bytes:
+    """``layer_notes``: the layer is encrypted (ocicrypt's "+encrypted" media type
+    and its key annotations, gpusnap/trust/ocicrypt_layer.py)."""
+    layer = {"mediaType": LAYER_ZSTD + ("+encrypted" if layer_notes else ""),
+             "digest": layer_digest, "size": layer_size}
+    if layer_notes:
+        layer["annotations"] = layer_notes
     return json.dumps({
         "schemaVersion": 2, "mediaType": OCI_MANIFEST,
         "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": config_size},
-        "layers": [{"mediaType": LAYER_ZSTD, "digest": layer_digest, "size": layer_size}],
+        "layers": [layer],
         "annotations": notes,
     }, separators=(",", ":")).encode()
 

@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.bundle import Chunk
@@ -27,6 +27,9 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.lazy import need
 from gpusnap.oci.malloc import one_heap_for_all_threads
 from gpusnap.oci.registry import DigestMismatch, RegistryClient
+
+if TYPE_CHECKING:  # cryptography: only where a checkpoint is encrypted
+    from gpusnap.trust.encrypt import ChunkCipher
 
 # 8 workers x 4 MiB average chunks keep every worker busy; a chunk and its
 # compressed copy coexist briefly, so chunk data stays under ~2x this.
@@ -103,11 +106,16 @@ class _Pool:
 
 
 class Uploader(_Pool):
+    """With a ``cipher``, each zstd frame is sealed before its blob digest is
+    taken (docs/trust.md); the cache then indexes the chunk under
+    ``cipher.cache_index``, so plain and sealed blobs of a chunk never mix."""
+
     def __init__(self, client: RegistryClient, cache: ChunkCache | None, level: int,
-                 workers: int, progress: Progress | None = None) -> None:
+                 workers: int, progress: Progress | None = None,
+                 cipher: ChunkCipher | None = None) -> None:
         self._zstd = need("zstandard")
         super().__init__(workers, progress)
-        self.client, self.cache, self.level = client, cache, level
+        self.client, self.cache, self.level, self.cipher = client, cache, level, cipher
         self._present: set[str] = set()  # blobs known to be in the registry
         self._error: BaseException | None = None
 
@@ -142,7 +150,8 @@ class Uploader(_Pool):
         data = box.pop()
         size = len(data)
         raw = sha256(data)
-        known = self.cache.blob_for(raw) if self.cache else None
+        index = self.cipher.cache_index(raw) if self.cipher else raw
+        known = self.cache.blob_for(index) if self.cache else None
         if known and self._has(known[0]):
             self._count(size, 0)
             return Chunk(raw, size, known[0], known[1])
@@ -150,6 +159,8 @@ class Uploader(_Pool):
             self._local.cctx = self._zstd.ZstdCompressor(level=self.level, write_content_size=True)
         blob = self._local.cctx.compress(data)
         del data  # only the blob is needed from here on
+        if self.cipher:
+            blob = self.cipher.seal_chunk(raw, blob)
         digest = sha256(blob)
         sent = 0
         if not self._has(digest):
@@ -157,7 +168,7 @@ class Uploader(_Pool):
             self._present.add(digest)
             sent = len(blob)
         if self.cache:
-            self.cache.remember(raw, digest, len(blob))
+            self.cache.remember(index, digest, len(blob))
         self._count(size, sent)
         return Chunk(raw, size, digest, len(blob))
 
@@ -170,11 +181,14 @@ class Uploader(_Pool):
 
 
 class Downloader(_Pool):
+    """With a ``cipher`` (an encrypted checkpoint, Remote.cipher), each blob is
+    opened (AES-GCM, authenticated) before it is decompressed."""
+
     def __init__(self, client: RegistryClient, cache: ChunkCache | None, workers: int,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, cipher: ChunkCipher | None = None) -> None:
         self._zstd = need("zstandard")
         super().__init__(workers, progress)
-        self.client, self.cache = client, cache
+        self.client, self.cache, self.cipher = client, cache, cipher
 
     def _one(self, chunk: Chunk) -> bytes:
         blob: bytes | bytearray | None = self.cache.get_blob(chunk.blob) if self.cache else None
@@ -185,8 +199,10 @@ class Downloader(_Pool):
                 self.cache.put_blob(chunk.blob, blob)
         if not hasattr(self._local, "dctx"):
             self._local.dctx = self._zstd.ZstdDecompressor()
+        frame = self.cipher.open_chunk(chunk.digest, blob, str(self.client.ref)) \
+            if self.cipher else blob
         try:
-            raw = self._local.dctx.decompress(blob, max_output_size=chunk.size)
+            raw = self._local.dctx.decompress(frame, max_output_size=chunk.size)
         except self._zstd.ZstdError as exc:
             raise GpusnapError(f"chunk {chunk.blob} of {self.client.ref} is not valid zstd "
                                f"({exc})", "push the checkpoint again") from None

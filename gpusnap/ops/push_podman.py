@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import platform
 import tarfile
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from gpusnap import archive
 from gpusnap.errors import GpusnapError
@@ -16,6 +16,9 @@ from gpusnap.oci.lazy import need
 from gpusnap.oci.malloc import one_heap_for_all_threads
 from gpusnap.oci.registry import RegistryClient
 from gpusnap.oci.transfer import Progress
+
+if TYPE_CHECKING:  # cryptography: only where a push is encrypted
+    from gpusnap.trust.ocicrypt_layer import LayerEncryptor
 
 _READ = 1 << 20
 
@@ -79,11 +82,16 @@ class LayerStream:
 
 
 def push_image(src_entries, client: RegistryClient, label: str, level: int,
-               criu_version: str | None, progress: Progress | None) -> dict:
-    """Upload the layer and config, then the manifest; what was pushed."""
+               criu_version: str | None, progress: Progress | None,
+               encryptor: LayerEncryptor | None = None, recipients: Sequence = ()) -> dict:
+    """Upload the layer and config, then the manifest; what was pushed. With an
+    ``encryptor`` (gpusnap/trust/ocicrypt_layer.py) the zstd layer is encrypted
+    as it streams, and its descriptor says so as ocicrypt writes it."""
     info = podman_image.host_facts()  # before gigabytes are sent: `podman info` must work
     layer = LayerStream(src_entries, label, level, progress)
-    layer_digest, layer_size = client.put_blob_stream(layer)
+    pieces = (encryptor.update(p) for p in layer) if encryptor else iter(layer)
+    layer_digest, layer_size = client.put_blob_stream(pieces)
+    layer_notes = encryptor.finish(recipients) if encryptor else None
     contents = layer.contents
     if not contents.is_podman_checkpoint:
         raise GpusnapError(f"{label} is not a Podman checkpoint (no spec.dump, config.dump and "
@@ -95,8 +103,10 @@ def push_image(src_entries, client: RegistryClient, label: str, level: int,
     config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
     if not client.blob_exists(config_digest):
         client.put_blob(config_digest, config)
-    body = podman_image.manifest(config_digest, len(config), layer_digest, layer_size, notes)
+    body = podman_image.manifest(config_digest, len(config), layer_digest, layer_size, notes,
+                                 layer_notes)
     digest = client.put_manifest(body, podman_image.OCI_MANIFEST, client.ref.target)
-    return {"digest": digest, "files": layer.files, "bytes": sum(contents.sizes.values()),
+    return {"digest": digest, "manifest_bytes": len(body), "files": layer.files,
+            "bytes": sum(contents.sizes.values()),
             "layer_bytes": layer_size, "annotations": notes, "arch": platform.machine(),
             "summary": contents.summary()}

@@ -142,6 +142,15 @@ auth:
     return Registry(root, port, cert).start()
 
 
+def permissive_policy(directory: Path) -> Path:
+    """A trust policy accepting unsigned checkpoints (docs/trust.md), for tests and
+    benches whose restores are not about trust: point GPUSNAP_POLICY at it."""
+    path = directory / "policy-accept-anything.json"
+    path.write_text(json.dumps({"default": {"type": "insecureAcceptAnything"}}))
+    path.chmod(0o644)  # as root, a policy others can write is refused
+    return path
+
+
 def make_large_checkpoint(root: Path, size: int, seed: int = 1) -> int:
     """A Podman-shaped checkpoint directory with ``size`` bytes of memory pages that
     neither compress nor deduplicate, written fast: a 32 MiB random period whose

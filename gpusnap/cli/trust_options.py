@@ -1,0 +1,80 @@
+"""Trust flags (docs/trust.md): sign and encrypt on push and migrate; verify and
+decrypt on pull and restore; decrypt (optional) on inspect. The command
+receives one ``trust: TrustOptions``; keys are loaded when it runs."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import click
+
+from gpusnap.cli.output import err_console
+from gpusnap.trust import PASSPHRASE_ENV
+from gpusnap.trust.options import TrustOptions
+
+# verify.SKIP_WARNING, without importing `cryptography` at start-up
+SKIP_WARNING = ("signature verification skipped (--insecure-skip-verify): this checkpoint "
+                "runs as root with nobody vouching for it")
+_PASSPHRASE = click.option("--passphrase-file", metavar="FILE",
+                           help=f"Passphrase of the private keys (else ${PASSPHRASE_ENV}).")
+_FLAGS = {
+    "sign": click.option("--sign-key", "sign_keys", multiple=True, metavar="KEY",
+                         type=click.Path(dir_okay=False),
+                         help="Sign the pushed checkpoint with this private key (repeatable); "
+                              "restores check it against /etc/gpusnap/policy.json."),
+    "encrypt": click.option("--encrypt-to", "encrypt_to", multiple=True, metavar="PUBKEY",
+                            type=click.Path(dir_okay=False),
+                            help="Encrypt to this public key (P-256 or RSA, repeatable): only "
+                                 "its private key can restore the checkpoint."),
+    "decrypt": click.option("--decrypt-key", "decrypt_keys", multiple=True, metavar="KEY",
+                            type=click.Path(dir_okay=False),
+                            help="Private key of a recipient of an encrypted checkpoint "
+                                 "(repeatable)."),
+    "skip": click.option("--insecure-skip-verify", "skip_verify", is_flag=True,
+                         help="Restore without checking the signature against the trust "
+                              "policy (the checkpoint runs as root: only for testing)."),
+}
+KINDS = {"push": ("sign", "encrypt"), "pull": ("decrypt", "skip"), "inspect": ("decrypt",)}
+
+
+def trust_options(kind: str) -> Callable[[Callable], Callable]:
+    """The flags of ``kind`` (push, pull, inspect) and --passphrase-file."""
+    names = KINDS[kind]
+    params = {"sign": "sign_keys", "encrypt": "encrypt_to", "decrypt": "decrypt_keys",
+              "skip": "skip_verify"}
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            values = {params[n]: kwargs.pop(params[n]) for n in names}
+            for key in ("sign_keys", "encrypt_to", "decrypt_keys"):
+                if key in values:
+                    values[key] = tuple(values[key])
+            kwargs["trust"] = TrustOptions(passphrase_file=kwargs.pop("passphrase_file"),
+                                           **values)
+            return fn(*args, **kwargs)
+
+        for option in reversed([_FLAGS[n] for n in names] + [_PASSPHRASE]):
+            wrapper = option(wrapper)
+        return wrapper
+    return decorate
+
+
+def warn_skip(trust: TrustOptions) -> None:
+    """Loud, on stderr, before anything is pulled (with --json too)."""
+    if trust.skip_verify:
+        err_console.print(f"[bold yellow]WARNING:[/] {SKIP_WARNING}", soft_wrap=True)
+
+
+def trust_line(decision: dict | None) -> str | None:
+    """One line for the human output of pull and restore."""
+    if not decision:
+        return None
+    enc = "; decrypted" if decision.get("encrypted") else ""
+    if decision.get("verified"):
+        return (f"  signature: verified, key {decision.get('key_id', '')[:19]} "
+                f"(policy {decision.get('policy')}, scope {decision.get('scope')}){enc}")
+    if decision.get("skipped"):
+        return f"  [bold yellow]signature: NOT verified[/] (--insecure-skip-verify){enc}"
+    return f"  [bold yellow]signature: not verified[/]: {decision.get('warning', '')}{enc}"

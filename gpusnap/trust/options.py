@@ -1,0 +1,25 @@
+"""What the trust flags of push, migrate, pull, restore and inspect asked for:
+file paths only. The keys are loaded by gpusnap/trust/remote.py when the
+command runs (this module imports no `cryptography`: the CLI loads it at
+start-up on hosts that may lack it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrustOptions:
+    sign_keys: tuple[str, ...] = ()  # push: private keys to sign the manifest digest with
+    encrypt_to: tuple[str, ...] = ()  # push: recipients' public keys
+    decrypt_keys: tuple[str, ...] = ()  # pull/restore/inspect: recipients' private keys
+    passphrase_file: str | None = None  # for passphrase-protected private keys
+    skip_verify: bool = False  # pull/restore: --insecure-skip-verify
+
+    @property
+    def signs(self) -> bool:
+        return bool(self.sign_keys)
+
+    @property
+    def encrypts(self) -> bool:
+        return bool(self.encrypt_to)
