@@ -20,7 +20,8 @@ from gpusnap.gpu.manifest import Manifest, ManifestError
 from gpusnap.tarstream import DamagedStream, TarStream
 
 METADATA = ("config.dump", "spec.dump", "stats-dump", "network.status",
-            f"checkpoint/{MANIFEST_NAME}", MANIFEST_NAME)
+            f"checkpoint/{MANIFEST_NAME}", MANIFEST_NAME,
+            "containerd.json", "spec.json")  # the last two: a containerd checkpoint's
 _METADATA_LIMIT = 8 << 20
 
 
@@ -55,17 +56,37 @@ class CheckpointContents:
         return ("spec.dump" in self.files and "config.dump" in self.files
                 and any(n.startswith("checkpoint/") for n in self.sizes))
 
+    @property
+    def is_containerd_checkpoint(self) -> bool:
+        """The layout of gpusnap.ops.containerd_checkpoint (containerd.json, spec.json, checkpoint/)."""
+        return ("containerd.json" in self.files and "spec.json" in self.files
+                and any(n.startswith("checkpoint/") for n in self.sizes))
+
+    def _containerd(self) -> dict | None:
+        """containerd.json's facts, for a containerd checkpoint."""
+        if not self.is_containerd_checkpoint:
+            return None
+        meta = self.json_file("containerd.json") or {}
+        return {k: meta.get(k) for k in ("image", "runtime", "snapshotter", "namespace", "source")}
+
     def summary(self) -> dict:
         """What `gpusnap inspect` shows: the container, the CRIU images, the GPUs."""
         config = self.json_file("config.dump") or {}
-        spec = self.json_file("spec.dump") or {}
+        spec = self.json_file("spec.dump") or self.json_file("spec.json") or {}
+        containerd = self._containerd()
+        if containerd is not None:  # the same fields, from containerd.json
+            name = (self.json_file("containerd.json") or {}).get("container")
+            config = {"name": name, "id": name, "rootfsImageName": containerd["image"],
+                      "runtime": containerd["runtime"]}
         images = {n: s for n, s in self.sizes.items() if n.startswith("checkpoint/")}
         pages = sum(s for n, s in images.items() if re.match(r"checkpoint/pages-\d+\.img$", n))
         tasks = sorted(int(m.group(1)) for n in images
                        if (m := re.match(r"checkpoint/mm-(\d+)\.img$", n)))
         devices = [d.get("path") for d in spec.get("linux", {}).get("devices") or []]
         manifest = self.manifest
+        engine = {} if containerd is None else {"engine": "containerd", "containerd": containerd}
         return {
+            **engine,
             "source": self.source,
             "container": {"name": config.get("name"), "id": config.get("id"),
                           "image": config.get("rootfsImageName"),
@@ -74,7 +95,7 @@ class CheckpointContents:
             "devices": devices,
             "criu": {"processes": len(tasks), "memory_pages_bytes": pages,
                      "images_bytes": sum(images.values())},
-            "rootfs_diff_bytes": self.sizes.get("rootfs-diff.tar", 0),
+            "rootfs_diff_bytes": self.sizes.get("rootfs-diff.tar", self.sizes.get("rw.layer", 0)),
             "total_bytes": sum(self.sizes.values()),
             "gpu": None if manifest is None else {
                 "quiesced_by": manifest.quiesced_by, "driver": manifest.driver_version,

@@ -26,6 +26,7 @@ def cli() -> None:
       gpusnap push CTR|FILE|DIR HOST/REPO:TAG       checkpoint into an OCI registry (chunked, deduplicated)
       gpusnap pull HOST/REPO:TAG -o ctr.tar.zst     back into an archive
       gpusnap restore HOST/REPO:TAG                 pull and restore in one go
+      gpusnap push containerd://NS/CTR HOST/REPO:TAG  from containerd (restore it --to containerd://NS/ID)
       gpusnap migrate CTR HOST/REPO:TAG             checkpoint + push; prints what to run on the target
       gpusnap restore ctr.tar.zst --gpu-map 0=1     onto another GPU (--dry-run: the plan only)
       gpusnap move CTR --gpu 1                      live onto another GPU of this host

@@ -6,12 +6,15 @@ from pathlib import Path
 
 import click
 
+from gpusnap.cli import containerd
 from gpusnap.cli.output import console, emit, handle_errors, json_option, step
 from gpusnap.cli.registry_options import registry_options, transfer_progress
+from gpusnap.cli.trust_options import trust_line, trust_options, warn_skip
 from gpusnap.oci import reference
 from gpusnap.ops import restore as ops
 from gpusnap.ops.gpu_plan import GPU_MAP_ENV
 from gpusnap.runtime import podman
+from gpusnap.trust.options import TrustOptions
 
 
 def _human_plan(r: dict) -> None:
@@ -28,7 +31,9 @@ def _human(r: dict) -> None:
         _human_plan(r)
         return
     c = r["container"]
-    console.print(f"[bold green]Restored[/] {c['name']} ({c['id'][:12]}) in {r['seconds']:.2f} s, "
+    where = f" into containerd namespace {c['namespace']}, pid {c['pid']}," \
+        if r.get("engine") == "containerd" else f" ({c['id'][:12]})"
+    console.print(f"[bold green]Restored[/] {c['name']}{where} in {r['seconds']:.2f} s, "
                   f"{c['status']}")
     for g in r.get("gpus", []):
         if g["from"]["uuid"] != g["to"]["uuid"]:
@@ -36,6 +41,9 @@ def _human(r: dict) -> None:
                           f"here ({g['to']['uuid']}): {'; '.join(g['why'])}")
     for p in r["gpu_processes"]:
         console.print(f"  GPU process {p['pid']} ({p['comm']}): {p['state']}")
+    line = trust_line(r.get("trust"))
+    if line:
+        console.print(line)
 
 
 @click.command("restore")
@@ -48,11 +56,15 @@ def _human(r: dict) -> None:
                    f"also ${GPU_MAP_ENV}). Default: its own GPUs where they fit, else the "
                    "least loaded suitable ones.")
 @click.option("--dry-run", is_flag=True, help="Check and print the GPU plan; change nothing.")
+@containerd.target_options
+@trust_options("pull")
 @registry_options
 @json_option
 @handle_errors
 def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool,
-                gpu_map: str | None, dry_run: bool, registry, as_json: bool) -> None:
+                gpu_map: str | None, dry_run: bool, to: str | None, log_uri: str | None,
+                containerd_address: str | None, trust: TrustOptions, registry,
+                as_json: bool) -> None:
     """Restore a container from SOURCE: an exported archive, a checkpointed container,
     or a registry reference (pulled first, see `gpusnap pull`).
 
@@ -60,13 +72,26 @@ def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool
     reference, the container may land on other GPUs of this host (same chip,
     enough free memory; driver r580+): its device nodes, cgroup rules and the
     driver's GPU UUIDs are moved with it.
+
+    A reference is restored only if the trust policy (/etc/gpusnap/policy.json,
+    docs/trust.md) accepts its signature, checked before anything is downloaded;
+    an encrypted one needs --decrypt-key.
+
+    With --to containerd://NS/ID, a checkpoint pushed from containerd (`gpusnap
+    push containerd://NS/CTR REF`) is restored into containerd instead.
     """
+    if to:
+        emit(as_json, containerd.restore_into(source, to, name, keep, tcp_established, gpu_map,
+                                              dry_run, trust, registry, as_json,
+                                              containerd_address, log_uri), _human)
+        return
     if reference.try_parse(source) and not Path(source).exists() and not podman.exists(source):
         from gpusnap.ops import pull  # registry code: imported only when used
 
+        warn_skip(trust)
         with transfer_progress(as_json, f"Pulling {source}", verb="fetched") as bar:
             result = pull.restore(source, name, keep, tcp_established, registry(),
-                                  gpu_map=gpu_map, dry_run=dry_run,
+                                  gpu_map=gpu_map, dry_run=dry_run, trust=trust,
                                   progress=bar.advance, total=bar.total)
         emit(as_json, result, _human)
         return

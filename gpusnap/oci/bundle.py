@@ -18,6 +18,8 @@ from gpusnap.oci import podman_image
 ARTIFACT_TYPE = "application/vnd.gpusnap.checkpoint.v1"
 CONFIG_MEDIA_TYPE = "application/vnd.gpusnap.checkpoint.config.v1+json"
 CHUNK_MEDIA_TYPE = "application/vnd.gpusnap.checkpoint.chunk.v1+zstd"
+# Sealed to recipients (docs/trust.md): ocicrypt's "+encrypted" suffix
+ENCRYPTED_CONFIG_MEDIA_TYPE = CONFIG_MEDIA_TYPE + "+encrypted"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 CONFIG_SCHEMA = "gpusnap.checkpoint/v1"
 TITLE = "org.opencontainers.image.title"
@@ -136,6 +138,9 @@ def annotations(bundle: Bundle, criu_version: str | None, arch: str | None) -> d
         ANNOTATION + "gpu.names": ",".join(sorted({g.get("name", "") for g in gpus})),
         ANNOTATION + "gpu.driver": gm.get("driver_version") or "",
         ANNOTATION + "gpu.cuda": gm.get("cuda_driver_version") or "",
+        # absent: Podman (bundles from before containerd was carried have none)
+        ANNOTATION + "engine": s.get("engine") or "",
+        ANNOTATION + "containerd.snapshotter": (s.get("containerd") or {}).get("snapshotter") or "",
     }
     return {k: v for k, v in out.items() if v != ""}
 
@@ -197,7 +202,7 @@ def parse_manifest(body: bytes, media_type: str, where: str) -> dict:
                            "pass a reference written by `gpusnap push`; `gpusnap inspect REF` "
                            "shows what a reference holds")
     config = manifest.get("config") or {}
-    if config.get("mediaType") != CONFIG_MEDIA_TYPE:
+    if config.get("mediaType") not in (CONFIG_MEDIA_TYPE, ENCRYPTED_CONFIG_MEDIA_TYPE):
         raise GpusnapError(f"{where}: unknown checkpoint config type {config.get('mediaType')!r}",
                            "it was pushed by a newer gpusnap: upgrade")
     return manifest

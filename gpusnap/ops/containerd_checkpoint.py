@@ -12,6 +12,9 @@ CRIU files as for Podman checkpoints):
     rw.layer          the read-write layer as containerd stored it (when --rw)
     containerd.json   image, runtime, snapshotter, the layer's media type
 
+`checkpoint_container` is `ctr c checkpoint --task --rw` through the API: a
+running container checkpointed into such an image.
+
 `import_dir` makes the container again in a namespace (its image must be
 there): a snapshot on the image's layers with the rw layer applied,
 Containers.Create with the spec, then the task restored from checkpoint/ as
@@ -23,15 +26,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import platform
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 from google.protobuf import any_pb2
 
 from gpusnap.ops.containerd_api import (
-    CHECKPOINT_CONFIG_MEDIA, CHECKPOINT_MEDIA, Client, ContainerdError, extract_tar, restore_from_dir)
+    CHECKPOINT_CONFIG_MEDIA, CHECKPOINT_MEDIA, Client, ContainerdError, extract_tar, restore_from_dir,
+    runc_checkpoint_options)
+from gpusnap.private import open_private, write_private
 
 FORMAT = "gpusnap.containerd-checkpoint.v1"
 SPEC_TYPE = "types.containerd.io/opencontainers/runtime-spec/1/Spec"
@@ -54,27 +61,98 @@ def export_image(c: Client, image: str, dest: Path) -> dict:
     notes = index.get("annotations") or {}
     if CHECKPOINT_MEDIA not in by_type or CHECKPOINT_CONFIG_MEDIA not in by_type:
         raise ContainerdError(f"{image} is not a containerd checkpoint image (no CRIU tar and spec in its index)")
+    rw = next((m for t, m in by_type.items() if t in RW_MEDIA), None)
+    meta = {"format": FORMAT, "image": notes.get("org.opencontainers.image.ref.name", ""),
+            "runtime": notes.get("io.containerd.checkpoint.runtime", ""),
+            "snapshotter": notes.get("io.containerd.checkpoint.snapshotter", ""),
+            "rw_media_type": rw["mediaType"] if rw else None, "source": image}
+    _write_layout(c, dest, by_type[CHECKPOINT_MEDIA]["digest"], by_type[CHECKPOINT_CONFIG_MEDIA]["digest"],
+                  rw["digest"] if rw else None, meta)
+    return meta
+
+
+def _write_layout(c: Client, dest: Path, criu: str, spec: str, rw: str | None, meta: dict) -> None:
+    """DEST made from content blobs: the CRIU images' tar unpacked, the spec (an Any), the rw layer, META."""
     dest.mkdir(parents=True, mode=0o700)
     try:
         with tempfile.NamedTemporaryFile(dir=dest, prefix=".criu-", suffix=".tar") as tmp:
-            c.read_blob(by_type[CHECKPOINT_MEDIA]["digest"], tmp)
+            c.read_blob(criu, tmp)
             tmp.flush()
             extract_tar(Path(tmp.name), dest / "checkpoint")
-        spec_any = any_pb2.Any.FromString(c.read_blob(by_type[CHECKPOINT_CONFIG_MEDIA]["digest"]))
-        (dest / "spec.json").write_bytes(spec_any.value)
-        rw = next((m for t, m in by_type.items() if t in RW_MEDIA), None)
+        spec_any = any_pb2.Any.FromString(c.read_blob(spec))
+        write_private(dest / "spec.json", spec_any.value)  # the environment (API keys): root only
         if rw is not None:
-            with open(dest / "rw.layer", "wb") as f:
-                c.read_blob(rw["digest"], f)
-        meta = {"format": FORMAT, "image": notes.get("org.opencontainers.image.ref.name", ""),
-                "runtime": notes.get("io.containerd.checkpoint.runtime", ""),
-                "snapshotter": notes.get("io.containerd.checkpoint.snapshotter", ""),
-                "rw_media_type": rw["mediaType"] if rw else None, "source": image}
-        (dest / "containerd.json").write_text(json.dumps(meta, indent=1))
+            with open_private(dest / "rw.layer", "wb") as f:
+                c.read_blob(rw, f)
+        write_private(dest / "containerd.json", json.dumps(meta, indent=1))
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
-    return meta
+
+
+def checkpoint_container(c: Client, container_id: str, image: str, exit_after: bool = True) -> None:
+    """`ctr c checkpoint --task --rw CONTAINER_ID IMAGE`: the running container checkpointed into a new image.
+
+    As ctr: the task is paused while its read-write layer is diffed and CRIU
+    dumps it, then stopped (EXIT_AFTER: runc's CheckpointOptions{exit}, which
+    runc.v2 and our shim honour) or resumed. The image holds the checkpoint
+    until it is deleted, so a stopped container stays restorable from it
+    whatever happens to a copy made from it (export_image).
+    """
+    ctr = c.call("containers", "Containers", "Get", id=container_id).container
+    try:
+        status = c.call("tasks", "Tasks", "Get", container_id=container_id).process.status
+    except ContainerdError:
+        status = None
+    if status != c.pb.task_types.RUNNING:
+        raise ContainerdError(f"container {container_id} has no running task")
+    with c.leased():
+        c.call("tasks", "Tasks", "Pause", container_id=container_id)
+        try:
+            rw = _rw_diff(c, ctr)
+            descs = list(c.call("tasks", "Tasks", "Checkpoint", container_id=container_id, timeout=3600,
+                                options=runc_checkpoint_options(exit_after)).descriptors)
+            target = _write_checkpoint_index(c, ctr, descs + ([rw] if rw is not None else []))
+            c.call("images", "Images", "Create", image=c.pb.images.Image(
+                name=image, target=target, labels={"containerd.io/checkpoint": "true"}))
+        finally:
+            # As ctr's deferred Resume: a task that exited has none to do.
+            with contextlib.suppress(ContainerdError):
+                c.call("tasks", "Tasks", "Resume", container_id=container_id)
+
+
+def _write_checkpoint_index(c: Client, ctr: Any, descs: list[Any]) -> Any:
+    """The index `ctr c checkpoint` writes: its blobs, and the image, runtime and snapshotter as annotations."""
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+    manifests = [{"mediaType": d.media_type, "digest": d.digest, "size": d.size,
+                  "platform": {"os": "linux", "architecture": arch}} for d in descs]
+    annotations = {"org.opencontainers.image.ref.name": ctr.image,
+                   "io.containerd.checkpoint.runtime": ctr.runtime.name,
+                   "io.containerd.checkpoint.snapshotter": ctr.snapshotter}
+    data = json.dumps({"schemaVersion": 2, "mediaType": _INDEX_TYPES[0], "manifests": manifests,
+                       "annotations": annotations}).encode()
+    # The labels keep the blobs as long as the index (the image) lives, once the lease is gone.
+    labels = {f"containerd.io/gc.ref.content.{i}": m["digest"] for i, m in enumerate(manifests)}
+    digest = c.write_bytes(data, labels)
+    return c.pb.descriptor.Descriptor(media_type=_INDEX_TYPES[0], digest=digest, size=len(data))
+
+
+def _rw_diff(c: Client, ctr: Any) -> Any:
+    """The container's read-write layer as a layer in the content store (containerd's rootfs.CreateDiff)."""
+    if not ctr.snapshot_key:
+        return None
+    sn, key = ctr.snapshotter, ctr.snapshot_key
+    parent = c.call("snapshots", "Snapshots", "Stat", snapshotter=sn, key=key).info.parent
+    view = f"{key}-parent-view-{uuid.uuid4().hex[:12]}"
+    lower = c.call("snapshots", "Snapshots", "View", snapshotter=sn, key=view, parent=parent).mounts
+    try:
+        upper = c.call("snapshots", "Snapshots", "Mounts", snapshotter=sn, key=key).mounts
+        # gzip, as ctr's: `ctr c restore --rw` takes no other layer type.
+        return c.call("diff", "Diff", "Diff", left=list(lower), right=list(upper), media_type=RW_MEDIA[1],
+                      ref=f"checkpoint-rw-{key}-{uuid.uuid4().hex[:8]}", timeout=3600).diff
+    finally:
+        with contextlib.suppress(ContainerdError):
+            c.call("snapshots", "Snapshots", "Remove", snapshotter=sn, key=view)
 
 
 def _chain_id(diff_ids: list[str]) -> str:
@@ -102,8 +180,11 @@ def _image_chain_id(c: Client, image: str, arch: str = "amd64") -> str:
 
 
 def import_dir(c: Client, src: Path, container_id: str, stdout: str = "", stderr: str = "",
-               runtime: str | None = None) -> int:
-    """A container CONTAINER_ID made from the exported checkpoint SRC and restored; the task's pid."""
+               runtime: str | None = None, annotations: dict[str, str] | None = None) -> int:
+    """A container CONTAINER_ID made from the exported checkpoint SRC and restored; the task's pid.
+
+    ANNOTATIONS are added to the spec (e.g. io.gpusnap.gpu-map, which the shim's GPU plan reads).
+    """
     try:
         meta = json.loads((src / "containerd.json").read_text())
         spec = json.loads((src / "spec.json").read_text())
@@ -115,6 +196,8 @@ def import_dir(c: Client, src: Path, container_id: str, stdout: str = "", stderr
     snapshotter = meta["snapshotter"] or "overlayfs"
     # The cgroup follows containerd's own naming (/NAMESPACE/ID), as a container created here would get.
     spec.setdefault("linux", {})["cgroupsPath"] = f"/{c.namespace}/{container_id}"
+    if annotations:
+        spec.setdefault("annotations", {}).update(annotations)
     made: list[str] = []
     try:
         with c.leased():

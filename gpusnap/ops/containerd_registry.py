@@ -1,0 +1,481 @@
+"""containerd checkpoints through a registry: `gpusnap push containerd://[NS/]NAME REF` and
+`gpusnap restore REF --to containerd://NS[/ID]`.
+
+Push: NAME is looked up in namespace NS as a container, then as an image. A
+container is checkpointed into a checkpoint image as `ctr c checkpoint --task
+--rw` makes one (the task paused, then stopped unless --leave-running); that
+image, or one the user made, is laid out as a directory
+(gpusnap.ops.containerd_checkpoint.export_image) and pushed by the chunked
+path like a Podman checkpoint directory. The image made here is deleted once
+the push succeeded: until then the stopped container is restorable from it.
+
+The bundle's summary says `engine: containerd` with the image, runtime and
+snapshotter (gpusnap.archive), so `inspect` shows it and a restore refuses the
+wrong engine before anything is downloaded.
+
+Restore: checks (the engine, the image in the target namespace, the container
+id free, the GPU plan), then the chunks are written into a staged directory,
+import_dir makes the container and restores its task (the shim applies the GPU
+plan at Start), and the staging goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from gpusnap.errors import GpusnapError
+
+if TYPE_CHECKING:
+    from gpusnap.gpu.manifest import Manifest
+    from gpusnap.oci.registry import RegistryOptions
+    from gpusnap.oci.transfer import Progress
+    from gpusnap.ops.containerd_api import Client
+    from gpusnap.ops.pull import Remote
+    from gpusnap.ops.push import PushSource
+    from gpusnap.trust.options import TrustOptions
+
+SCHEME = "containerd://"
+DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
+ADDRESS_ENV = "CONTAINERD_ADDRESS"  # as ctr reads them
+NAMESPACE_ENV = "CONTAINERD_NAMESPACE"
+ENGINE = "containerd"
+CHECKPOINT_IMAGE_PREFIX = "localhost/gpusnap-checkpoint/"
+# containerd's namespace rule (identifiers.Validate)
+_NAMESPACE = re.compile(r"^[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*$")
+
+
+@dataclass(frozen=True)
+class Location:
+    """A namespace of one containerd, and a container or image name in it ("" when none was given)."""
+
+    namespace: str
+    name: str
+
+
+def is_uri(text: str) -> bool:
+    return text.startswith(SCHEME)
+
+
+def parse_uri(text: str) -> Location:
+    """containerd://[NAMESPACE/]NAME: with a slash the first segment is the namespace
+    (so an image such as localhost/app:ckpt is containerd://NS/localhost/app:ckpt);
+    without one, NAME in $CONTAINERD_NAMESPACE or "default", as ctr."""
+    rest = text[len(SCHEME):] if is_uri(text) else text
+    namespace, slash, name = rest.partition("/")
+    if not slash:
+        namespace, name = os.environ.get(NAMESPACE_ENV) or "default", rest
+    if not _NAMESPACE.match(namespace):
+        raise GpusnapError(f"{text}: {namespace!r} is not a containerd namespace",
+                           "write containerd://[NAMESPACE/]NAME (letters, digits, '.', '_', '-')")
+    return Location(namespace, name)
+
+
+def staging_dir(size: int) -> Path:
+    """Where a checkpoint directory is staged: /var/tmp (never /tmp, often a small tmpfs).
+    Not beside Podman's storage as for Podman checkpoints: a containerd host may have no
+    Podman, and `podman info` waits on other Podman commands' locks."""
+    root = Path(os.environ.get("GPUSNAP_STAGING_DIR") or "/var/tmp")
+    if not root.is_dir():
+        raise GpusnapError(f"{root} is not a directory: there is nowhere to stage the checkpoint",
+                           "create it, or set GPUSNAP_STAGING_DIR to a directory with room")
+    free = shutil.disk_usage(root).free
+    if free < size:
+        raise GpusnapError(f"not enough disk space to stage a {size >> 20} MiB checkpoint "
+                           f"({root} has {free >> 20} MiB free)",
+                           "free space there (or set GPUSNAP_STAGING_DIR to a larger disk)")
+    return root
+
+
+def _address(address: str | None) -> str:
+    return address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+
+
+def _ctr(address: str, namespace: str) -> str:
+    """The ctr command line a hint names, with --address when it is not the default."""
+    flag = f" --address {address}" if address != DEFAULT_ADDRESS else ""
+    return f"ctr{flag} -n {namespace}"
+
+
+@contextmanager
+def _client(address: str, namespace: str) -> Iterator["Client"]:
+    """A containerd client; its failures become one line."""
+    from gpusnap.ops.containerd_api import Client, ContainerdError  # grpc: only for containerd
+
+    if not Path(address).exists():
+        raise GpusnapError(f"no containerd socket at {address}",
+                           "start containerd, or pass --containerd-address PATH (or set "
+                           f"${ADDRESS_ENV})")
+    try:
+        with Client(address, namespace) as c:
+            yield c
+    except ContainerdError as exc:
+        raise GpusnapError(f"containerd at {address}: {exc}",
+                           "check containerd's log; nothing else was changed") from None
+
+
+def _exists(c: "Client", kind: str, name: str) -> bool:
+    from gpusnap.ops.containerd_api import ContainerdError
+
+    try:
+        if kind == "container":
+            c.call("containers", "Containers", "Get", id=name)
+        else:
+            c.call("images", "Images", "Get", name=name)
+        return True
+    except ContainerdError as exc:
+        if "not found" in str(exc):
+            return False
+        raise
+
+
+def _running(c: "Client", container: str) -> bool:
+    from gpusnap.ops.containerd_api import ContainerdError
+
+    try:
+        status = c.call("tasks", "Tasks", "Get", container_id=container).process.status
+    except ContainerdError:
+        return False
+    return status == c.pb.task_types.RUNNING
+
+
+# --- push --------------------------------------------------------------------------------
+
+
+def _dir_size(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _container_of(spec: dict) -> str:
+    """The container id a checkpoint image does not record: ctr and nerdctl put it last in the cgroup path."""
+    cgroup = (spec.get("linux") or {}).get("cgroupsPath") or ""
+    return re.split(r"[/:]", cgroup)[-1] if cgroup else ""
+
+
+def _record_origin(dest: Path, namespace: str, container: str | None) -> dict:
+    """containerd.json completed with where the checkpoint comes from (inspect shows it)."""
+    meta_file = dest / "containerd.json"
+    meta = json.loads(meta_file.read_text())
+    spec = json.loads((dest / "spec.json").read_text())
+    meta["namespace"] = namespace
+    meta["container"] = container or _container_of(spec)
+    meta_file.write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+@contextmanager
+def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str], None] | None,
+                address: str | None = None) -> Iterator["PushSource"]:
+    """SOURCE (containerd://[NS/]NAME) as a checkpoint directory for push(): a container
+    checkpointed first, or a checkpoint image laid out."""
+    from gpusnap.ops.containerd_api import ContainerdError
+    from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image
+    from gpusnap.ops.push import PushSource
+
+    address = _address(address)
+    loc = parse_uri(source)
+    if not loc.name:
+        raise GpusnapError(f"{source} names no container or image",
+                           "pass containerd://[NAMESPACE/]NAME")
+    ctr = _ctr(address, loc.namespace)
+    work = Path(tempfile.mkdtemp(prefix=".gpusnap-push-", dir=staging_dir(0)))
+    dest = work / "checkpoint"
+    image = None  # the checkpoint image made here
+    stopped = False  # the task is down: the image and DEST are what is left of it
+    try:
+        with _client(address, loc.namespace) as c:
+            if _exists(c, "container", loc.name):
+                if not _running(c, loc.name):
+                    raise GpusnapError(f"container {loc.name} in namespace {loc.namespace} has no "
+                                       "running task: there is nothing to checkpoint",
+                                       f"start its task (`{ctr} tasks ls` shows it), or push "
+                                       f"a checkpoint image: {SCHEME}{loc.namespace}/IMAGE")
+                if on_checkpoint:
+                    on_checkpoint(loc.name)
+                image = (f"{CHECKPOINT_IMAGE_PREFIX}{loc.name}:"
+                         f"{time.strftime('%Y%m%d%H%M%S')}-{os.urandom(3).hex()}")
+                try:
+                    checkpoint_container(c, loc.name, image, exit_after=not leave_running)
+                except ContainerdError as exc:
+                    state = "it was left running" if _running(c, loc.name) else \
+                        f"its task stopped (`{ctr} tasks ls` shows it)"
+                    raise GpusnapError(f"checkpointing {loc.name} in namespace {loc.namespace} "
+                                       f"failed: {exc}",
+                                       f"{state}; the shim's log (containerd's journal) says "
+                                       "more") from None
+                stopped = not leave_running
+                what, container = image, loc.name
+            elif _exists(c, "image", loc.name):
+                what, container = loc.name, None
+            else:
+                raise GpusnapError(f"{source}: no container or image {loc.name} in namespace "
+                                   f"{loc.namespace}",
+                                   f"`{ctr} containers ls` and `{ctr} images ls` list them")
+            try:
+                export_image(c, what, dest)
+            except ContainerdError as exc:
+                hint = (f"make one with `{ctr} containers checkpoint --task --rw CONTAINER IMAGE`, "
+                        "or name a running container") if container is None else \
+                    f"free space in {work.parent}"
+                raise GpusnapError(f"{what}: {exc}", hint) from None
+            _record_origin(dest, loc.namespace, container)
+        size = _dir_size(dest)
+        yield PushSource("containerd-container" if container else "containerd-image", dest, size,
+                         size, container=container)
+    except (GpusnapError, KeyboardInterrupt) as exc:
+        if image and not stopped:  # failed or interrupted once CRIU was done: is it stopped?
+            stopped = _only_copy(address, loc.namespace, loc.name, image)
+        if not stopped:
+            raise
+        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else exc.message
+        kept = f" and in {dest}" if dest.is_dir() else ""
+        again = f"`gpusnap push {dest} REF`" if dest.is_dir() else \
+            f"`gpusnap push {SCHEME}{loc.namespace}/{image} REF`"
+        raise GpusnapError(
+            f"{why}; {loc.name} in namespace {loc.namespace} is checkpointed and stopped, its "
+            f"checkpoint is kept as image {image}{kept}",
+            f"{again} tries again (chunks already sent are skipped); `{ctr} tasks rm {loc.name}; "
+            f"{ctr} containers rm {loc.name}; {ctr} containers restore --rw --live {loc.name} "
+            f"{image}` brings it back here",
+            exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1) from None
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        if image:  # pushed: the registry holds the checkpoint now
+            _delete_image(address, loc.namespace, image)
+            image = None
+    finally:
+        if not stopped:
+            shutil.rmtree(work, ignore_errors=True)
+            if image:
+                _delete_image(address, loc.namespace, image)
+
+
+def _only_copy(address: str, namespace: str, container: str, image: str) -> bool:
+    """The checkpoint image was made and the container's task is no longer running."""
+    try:
+        with _client(address, namespace) as c:
+            return _exists(c, "image", image) and not _running(c, container)
+    except GpusnapError:
+        return True  # cannot tell: keep it rather than lose it
+
+
+def _delete_image(address: str, namespace: str, image: str) -> None:
+    from gpusnap.ops.containerd_api import Client, ContainerdError
+
+    try:
+        with Client(address, namespace) as c:
+            c.call("images", "Images", "Delete", name=image, sync=True)
+    except ContainerdError:
+        pass  # a leftover image is harmless: `ctr images rm` removes it
+
+
+# --- restore -----------------------------------------------------------------------------
+
+
+def target_location(to: str, name: str | None) -> Location:
+    """--to containerd://NAMESPACE[/ID] with -n/--name: the namespace (always the first segment
+    here: a target names one; empty: $CONTAINERD_NAMESPACE or "default") and the container id
+    ("": the checkpoint's)."""
+    if not is_uri(to):
+        raise GpusnapError(f"--to {to}: not a containerd target", "write --to containerd://NAMESPACE/ID")
+    namespace, _, container = to[len(SCHEME):].partition("/")
+    namespace = namespace or os.environ.get(NAMESPACE_ENV) or "default"
+    if not _NAMESPACE.match(namespace) or "/" in container:
+        raise GpusnapError(f"--to {to}: not containerd://NAMESPACE[/ID]",
+                           "e.g. --to containerd://default/trainer")
+    if name and container and name != container:
+        raise GpusnapError(f"--to names container {container}, --name {name}", "give one of them")
+    return Location(namespace, container or name or "")
+
+
+def refuse_engine(summary: dict, where: str, want: str, to: str | None = None) -> None:
+    """One line when a checkpoint of one engine is restored onto the other (before any download)."""
+    engine = summary.get("engine") or "podman"
+    if engine == want:
+        return
+    if engine == ENGINE:
+        c = summary.get(ENGINE) or {}
+        raise GpusnapError(f"{where} is a containerd checkpoint (runtime {c.get('runtime')}); "
+                           "Podman cannot restore it",
+                           f"restore it into containerd: `gpusnap restore {where} --to "
+                           f"containerd://{c.get('namespace') or 'NAMESPACE'}/"
+                           f"{(summary.get('container') or {}).get('name') or 'ID'}`; "
+                           "nothing was downloaded or changed")
+    raise GpusnapError(f"{where} is a Podman checkpoint; containerd cannot restore it",
+                       f"restore it with Podman: `gpusnap restore {where}` without --to {to}; "
+                       "nothing was downloaded or created")
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What the checks decided: where the container goes, and what it needs there."""
+
+    address: str
+    namespace: str
+    container: str
+    image: str
+    runtime: str
+    gpu_plan: object  # gpusnap.gpu.plan.Plan
+    gpu_map: str | None
+
+
+def plan_restore(summary: dict, gpu_manifest: "Manifest | None", where: str, to: str,
+                 name: str | None, address: str | None, gpu_map: str | None) -> RestorePlan:
+    """Everything a containerd restore would refuse, refused before anything is downloaded or made."""
+    from gpusnap.ops.gpu_plan import plan_here
+
+    refuse_engine(summary, where, ENGINE, to)
+    loc = target_location(to, name)
+    meta = summary.get(ENGINE) or {}
+    container = loc.name or (summary.get("container") or {}).get("name") or ""
+    if not container:
+        raise GpusnapError(f"{where} does not say which container it was",
+                           "name one: --to containerd://NAMESPACE/ID")
+    address = _address(address)
+    ctr = _ctr(address, loc.namespace)
+    image = meta.get("image") or ""
+    with _client(address, loc.namespace) as c:
+        if not image or not _exists(c, "image", image):
+            raise GpusnapError(f"image {image or '(none recorded)'} is not in containerd namespace "
+                               f"{loc.namespace}",
+                               f"pull it there (`{ctr} images pull {image}`) or import it "
+                               f"(`{ctr} images import FILE`), then restore again; nothing was "
+                               "downloaded")
+        if _exists(c, "container", container):
+            raise GpusnapError(f"a container named {container} already exists in namespace "
+                               f"{loc.namespace}",
+                               f"remove it (`{ctr} containers rm {container}`) or restore with "
+                               f"--to containerd://{loc.namespace}/NEW; nothing was downloaded")
+    gpu = plan_here(gpu_manifest, gpu_map,
+                    refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
+                                 "inspect` lists them), or name targets with --gpu-map; nothing "
+                                 "was downloaded")
+    return RestorePlan(address, loc.namespace, container, image, meta.get("runtime") or "", gpu,
+                       gpu_map)
+
+
+def _import(plan: RestorePlan, src: Path, source: str, log_uri: str | None) -> dict:
+    """The container made from SRC in the plan's namespace and its task restored; the report."""
+    from gpusnap import journal
+    from gpusnap.ops import restore as ops_restore
+    from gpusnap.ops.containerd_api import ContainerdError
+    from gpusnap.ops.containerd_checkpoint import import_dir
+    from gpusnap.shim.remap import GPU_MAP_ANNOTATION
+
+    notes = {GPU_MAP_ANNOTATION: plan.gpu_map} if plan.gpu_map else None
+    start = time.monotonic()
+    with _client(plan.address, plan.namespace) as c:
+        try:
+            pid = import_dir(c, src, plan.container, stdout=log_uri or "", stderr=log_uri or "",
+                             annotations=notes)
+        except ContainerdError as exc:
+            raise GpusnapError(f"restoring {plan.container} in namespace {plan.namespace} failed: "
+                               f"{exc}", f"nothing was left there; {source} is unchanged (the "
+                               "shim's log, in containerd's journal, says more)") from None
+    seconds = time.monotonic() - start
+    moves = plan.gpu_plan.describe() if plan.gpu_plan.needs_remap else None
+    journal.record("restored", container=plan.container, namespace=plan.namespace,
+                   engine=ENGINE, source=source, seconds=round(seconds, 3), moves=moves)
+    result = {"engine": ENGINE, "source": source, "seconds": round(seconds, 3),
+              "container": {"id": plan.container, "name": plan.container, "status": "running",
+                            "namespace": plan.namespace, "pid": pid, "image": plan.image,
+                            "runtime": plan.runtime},
+              "gpu_processes": ops_restore._gpu_report(pid)}  # noqa: SLF001 -- the same report
+    if plan.gpu_plan.moves:
+        result["gpus"] = [{"from": m.source.to_dict(), "to": m.target.to_dict(),
+                           "why": list(m.reasons)} for m in plan.gpu_plan.moves]
+    return result
+
+
+def write_directory(remote: "Remote", dest: Path, *, use_cache: bool = True,
+                    cache_root: Path | None = None, workers: int = 8,
+                    progress: "Progress | None" = None,
+                    total: Callable[[int], None] | None = None) -> dict:
+    """Fetch every chunk (cache first), verify it, and write the files under DEST."""
+    from gpusnap.oci.cache import ChunkCache
+    from gpusnap.oci.dirfiles import DirectoryWriter
+    from gpusnap.oci.transfer import Downloader
+
+    cache = ChunkCache.open(cache_root) if use_cache else None
+    b = remote.bundle
+    if total:
+        total(b.total_bytes)
+    start = time.monotonic()
+    downloader = Downloader(remote.client, cache, workers, progress, cipher=remote.cipher)
+    writer = DirectoryWriter(dest)
+    stream = downloader.fetch(c for f in b.files for c in f.chunks)
+    try:
+        for entry in b.files:
+            writer.add(entry, islice(stream, len(entry.chunks)))
+        writer.commit()
+    finally:
+        stream.close()
+        downloader.close()
+    if cache:
+        cache.prune()
+    seconds = time.monotonic() - start
+    s = downloader.stats
+    return {"reference": str(remote.client.ref), "digest": remote.digest, "output": str(dest),
+            "bytes": b.total_bytes, "files": len(b.files), "chunks": s.chunks,
+            "bytes_fetched": s.network_bytes, "bytes_from_cache": s.cached_bytes,
+            "seconds": round(seconds, 3),
+            "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
+            "trust": remote.trust}
+
+
+def restore_remote(ref_text: str, to: str, name: str | None, opts: "RegistryOptions", *,
+                   address: str | None = None, gpu_map: str | None = None, dry_run: bool = False,
+                   log_uri: str | None = None, trust: "TrustOptions | None" = None, **kw) -> dict:
+    """`gpusnap restore REF --to containerd://NS/ID`: checks, pull into a staged directory, import_dir."""
+    from gpusnap.gpu.manifest import Manifest
+    from gpusnap.ops import pull
+    from gpusnap.ops import restore as ops_restore
+
+    remote = pull.open_remote(ref_text, opts, trust)
+    where = str(remote.client.ref)
+    manifest = remote.bundle.gpu_manifest
+    plan = plan_restore(remote.bundle.summary, Manifest.from_dict(manifest) if manifest else None,
+                        where, to, name, address, gpu_map)
+    if dry_run:
+        return {**ops_restore.plan_report(where, plan.gpu_plan), "engine": ENGINE,
+                "namespace": plan.namespace, "container": plan.container}
+    work = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-",
+                                 dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
+    try:
+        pulled = write_directory(remote, work / "checkpoint", **kw)
+        result = _import(plan, work / "checkpoint", where, log_uri)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["pull"] = pulled
+    result["trust"] = remote.trust
+    return result
+
+
+def restore_directory(path: Path, to: str, name: str | None, *, address: str | None = None,
+                      gpu_map: str | None = None, dry_run: bool = False,
+                      log_uri: str | None = None) -> dict:
+    """`gpusnap restore DIR --to containerd://NS/ID`: a directory export_image (or a failed push) left."""
+    from gpusnap import archive
+    from gpusnap.ops import restore as ops_restore
+
+    contents = archive.read_directory(path)
+    if not contents.is_containerd_checkpoint:
+        refuse_engine(contents.summary(), str(path), ENGINE, to)
+        raise GpusnapError(f"{path} is not a containerd checkpoint directory (no containerd.json, "
+                           "spec.json and checkpoint/ inside)",
+                           "pass the directory a failed `gpusnap push containerd://...` kept")
+    plan = plan_restore(contents.summary(), contents.manifest, str(path), to, name, address,
+                        gpu_map)
+    if dry_run:
+        return {**ops_restore.plan_report(str(path), plan.gpu_plan), "engine": ENGINE,
+                "namespace": plan.namespace, "container": plan.container}
+    return _import(plan, path, str(path), log_uri)
