@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import tarfile
 from pathlib import Path
+from typing import BinaryIO
 
 from gpusnap.runtime.stream import ZSTD_MAGIC
 
@@ -23,12 +24,17 @@ class DamagedStream(Exception):
 
 
 class TarStream:
-    """Opens ``path`` for streaming (mode ``r|``); raises OSError if it cannot be read."""
+    """Opens ``path`` for streaming (mode ``r|``); raises OSError if it cannot be read.
+    ``source``: the plain tar's bytes come from there instead (an export still
+    being written, runtime/follow.py); ``path`` only names it."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, source: BinaryIO | None = None) -> None:
+        self._proc: subprocess.Popen | None = None
+        if source is not None:
+            self.tar = tarfile.open(fileobj=source, mode="r|", bufsize=_BUFFER)
+            return
         with open(path, "rb") as f:
             magic = f.read(4)
-        self._proc: subprocess.Popen | None = None
         if magic.startswith(ZSTD_MAGIC):
             self._proc = subprocess.Popen(["zstd", "-dcq", str(path)], stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE)

@@ -18,6 +18,7 @@ from typing import BinaryIO, Iterable, Iterator
 from gpusnap import MANIFEST_NAME
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.bundle import FileEntry
+from gpusnap.private import open_private
 from gpusnap.tarstream import DamagedStream, TarStream
 
 _TYPES = {tarfile.REGTYPE: "file", tarfile.AREGTYPE: "file", tarfile.DIRTYPE: "dir",
@@ -50,13 +51,15 @@ def entry_from_tarinfo(info: tarfile.TarInfo) -> FileEntry | None:
 
 
 @contextmanager
-def archive_entries(path: Path) -> Iterator[Iterator[tuple[FileEntry, BinaryIO | None]]]:
+def archive_entries(path: Path, source: BinaryIO | None = None
+                    ) -> Iterator[Iterator[tuple[FileEntry, BinaryIO | None]]]:
     """Yield an iterator of (entry, data stream or None) over an archive, in order.
 
-    Each data stream must be read before the next entry is taken.
+    Each data stream must be read before the next entry is taken. ``source``:
+    the plain tar's bytes, when they do not come from ``path`` itself.
     """
     try:
-        stream = TarStream(path)
+        stream = TarStream(path, source)
     except OSError as exc:
         raise GpusnapError(f"cannot read {path}: {exc.strerror}") from None
     except DamagedStream as exc:
@@ -139,16 +142,25 @@ class ArchiveWriter:
         self.path = path
         self.partial = path.with_name(f".{path.name}.partial")
         self.proc: subprocess.Popen | None = None
+        if path.suffix == ".zst" and shutil.which("zstd") is None:
+            raise GpusnapError("zstd is not installed; it compresses checkpoint archives",
+                               "install zstd, or pull to a .tar file")
+        # 0600 from the start: a checkpoint is process memory. zstd writes to its
+        # stdout, this file (`-o` would make its own, 0644).
+        sink = open_private(self.partial, "wb")
         if path.suffix == ".zst":
-            if shutil.which("zstd") is None:
-                raise GpusnapError("zstd is not installed; it compresses checkpoint archives",
-                                   "install zstd, or pull to a .tar file")
-            self.proc = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-f", "-o",
-                                          str(self.partial)], stdin=subprocess.PIPE,
-                                         stderr=subprocess.PIPE)
+            try:
+                self.proc = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-c"],
+                                             stdin=subprocess.PIPE, stdout=sink,
+                                             stderr=subprocess.PIPE)
+            except BaseException:
+                self.partial.unlink(missing_ok=True)
+                raise
+            finally:
+                sink.close()  # zstd holds its own copy
             self.out = self.proc.stdin
         else:
-            self.out = open(self.partial, "wb")
+            self.out = sink
         self.written = 0
 
     def _write(self, data: bytes) -> None:

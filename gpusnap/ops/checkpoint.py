@@ -14,6 +14,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.ops.gpu_state import ensure_running
 from gpusnap.ops.preconditions import has_checkpoint, require_running
+from gpusnap.private import restrict_tree
 from gpusnap.procs import ProcessGpuUse, cuda_processes, process_tree, rss_bytes
 from gpusnap.runtime import podman
 from gpusnap.runtime.stream import export_fifo
@@ -33,6 +34,7 @@ class CheckpointPlan:
     lock_timeout_ms: int
     estimate_bytes: int  # host memory + GPU memory in use: an upper bound of the dump
     keep: bool = False  # keep the local checkpoint files after an export (podman --keep)
+    export_level: int = EXPORT_ZSTD_LEVEL  # 0: the plain tar, for a push that follows it
 
 
 def _free_bytes(path: Path) -> int:
@@ -40,7 +42,8 @@ def _free_bytes(path: Path) -> int:
 
 
 def plan(name: str, export: str | None, leave_running: bool, tcp_established: bool,
-         lock_timeout_ms: int, skip_space_check: bool = False) -> CheckpointPlan:
+         lock_timeout_ms: int, skip_space_check: bool = False,
+         export_level: int = EXPORT_ZSTD_LEVEL) -> CheckpointPlan:
     container = podman.inspect(name)
     require_running(container, "be checkpointed")
     require_supported("checkpoint")
@@ -66,7 +69,7 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
                     f"{estimate >> 20} MiB, {free >> 20} MiB are free; the container keeps running",
                     "free space or export elsewhere (--skip-space-check tries anyway)")
     return CheckpointPlan(container, cuda, export_path, leave_running, tcp_established,
-                          lock_timeout_ms, estimate)
+                          lock_timeout_ms, estimate, export_level=export_level)
 
 
 def _criu_error(log: Path) -> str | None:
@@ -102,7 +105,7 @@ def _dump(p: CheckpointPlan) -> None:
         return
     head = p.container.checkpoint_dir / MANIFEST_NAME
     journal.record("export-started", container=p.container.id, export=str(p.export))
-    with export_fifo(p.export, EXPORT_ZSTD_LEVEL, head) as fifo:
+    with export_fifo(p.export, p.export_level, head) as fifo:
         podman.checkpoint(p.container.id, fifo, p.leave_running, p.tcp_established,
                           keep=True, compress="none")
 
@@ -157,6 +160,10 @@ def run(p: CheckpointPlan) -> dict:
     contents = archive.read_directory(p.container.userdata)
     if p.export is not None and not p.keep:
         _drop_local(p.container.userdata)
+    elif p.container.checkpoint_dir.is_dir():
+        # CRIU writes its images 0644 (in runc's checkpoint/, in Podman's 0700
+        # userdata/): root only, even should the folder above be opened up.
+        restrict_tree(p.container.checkpoint_dir)
     journal.record("checkpointed", container=p.container.id, export=str(p.export or ""),
                    seconds=round(seconds, 3))
     result = contents.summary()

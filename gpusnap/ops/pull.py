@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import shutil
+import tarfile
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
@@ -18,7 +23,10 @@ from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.tarfiles import ArchiveWriter
 from gpusnap.oci.transfer import Downloader, Progress
 from gpusnap.runtime import podman
+from gpusnap.runtime import stream as stream_module
 from gpusnap.runtime.storage import staging_dir
+from gpusnap.trust import remote as trust_remote
+from gpusnap.trust.options import TrustOptions
 
 WORKERS = 8
 
@@ -26,46 +34,95 @@ WORKERS = 8
 @dataclass
 class Remote:
     client: RegistryClient
-    digest: str
+    digest: str  # the verified manifest's: every later read is a blob it names
     manifest: dict
     bundle: fmt.Bundle
+    trust: dict = field(default_factory=dict)  # the policy's decision (verify.check), for --json
+    cipher: Any = None  # encrypt.ChunkCipher of an encrypted checkpoint: pass it to Downloader
 
 
-def open_remote(ref_text: str, opts: RegistryOptions) -> Remote:
-    """Manifest and config only: what inspect and the pre-download checks read."""
+def _read_manifest(ref_text: str, opts: RegistryOptions) -> tuple[RegistryClient, bytes, str, str]:
     ref = reference.parse(ref_text)
     client = RegistryClient(ref, opts)
     client.ping()
     body, media, digest = client.get_manifest()
-    manifest = fmt.parse_manifest(body, media, str(ref))
-    config = manifest["config"]
-    raw = client.get_blob(config["digest"], int(config["size"]))
-    b = fmt.Bundle.from_json(raw, str(ref))
+    return client, body, media, digest
+
+
+def _bundle(raw: bytes, manifest: dict, where: str) -> fmt.Bundle:
+    b = fmt.Bundle.from_json(raw, where)
     layers = {layer["digest"] for layer in manifest.get("layers") or []}
     missing = {c.blob for f in b.files for c in f.chunks} - layers
     if missing:
-        raise GpusnapError(f"{ref}: the file list names {len(missing)} chunk(s) the manifest "
+        raise GpusnapError(f"{where}: the file list names {len(missing)} chunk(s) the manifest "
                            "does not list", "the checkpoint in the registry is damaged; push it again")
-    return Remote(client, digest, manifest, b)
+    return b
 
 
-def inspect(ref_text: str, opts: RegistryOptions) -> dict:
+def open_remote(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = None) -> Remote:
+    """Manifest and config only: what the pre-download checks read. The manifest
+    is checked against the trust policy (docs/trust.md) before the config or any
+    chunk is read; an encrypted config is opened with a --decrypt-key."""
+    trust = trust or TrustOptions()
+    # keys before the network: a wrong passphrase fails first
+    private = trust_remote.load_private_keys(trust.decrypt_keys, trust.passphrase_file)
+    client, body, media, digest = _read_manifest(ref_text, opts)
+    where = str(client.ref)
+    manifest = fmt.parse_manifest(body, media, where)
+    decision = trust_remote.check(client, digest, trust)
+    raw, cipher = trust_remote.open_config(client, manifest, private, where)
+    decision["encrypted"] = cipher is not None
+    return Remote(client, digest, manifest, _bundle(raw, manifest, where), decision, cipher)
+
+
+def _registry_facts(client: RegistryClient, digest: str, manifest: dict) -> dict:
+    layers = manifest.get("layers") or []
+    notes = manifest.get("annotations") or {}
+    return {"reference": str(client.ref), "digest": digest,
+            "artifact_type": manifest.get("artifactType"), "annotations": notes,
+            "subject": manifest.get("subject"),
+            "created": notes.get("org.opencontainers.image.created"), "files": None,
+            "chunks": None, "layers": len(layers),
+            "stored_bytes": sum(int(layer["size"]) for layer in layers)}
+
+
+def _sealed_summary(client: RegistryClient, digest: str, manifest: dict, facts: dict) -> dict:
+    """An encrypted checkpoint inspected without a key: its manifest's annotations."""
+    notes = manifest.get("annotations") or {}
+    a = fmt.ANNOTATION
+    return {"source": str(client.ref), "sealed": True,
+            "container": {"name": notes.get(a + "container.name"),
+                          "image": notes.get(a + "container.image"), "id": None},
+            "runtime": notes.get(a + "runtime"),
+            "total_bytes": int(notes.get(a + "size") or 0) or None,
+            "gpu_count": int(notes.get(a + "gpu.count") or 0),
+            "registry": _registry_facts(client, digest, manifest), "trust": facts}
+
+
+def inspect(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = None) -> dict:
+    """What REF holds, and whether it is signed and encrypted (to whom); needs no
+    key and no policy (nothing is verified). With a --decrypt-key, an encrypted
+    checkpoint's config is opened and described like a plain one."""
+    trust = trust or TrustOptions()
+    private = trust_remote.load_private_keys(trust.decrypt_keys, trust.passphrase_file)
+    client, body, media, digest = _read_manifest(ref_text, opts)
+    where = str(client.ref)
     try:
-        remote = open_remote(ref_text, opts)
+        manifest = fmt.parse_manifest(body, media, where)
     except fmt.PodmanCheckpointImage as image:  # described from its manifest alone
-        return podman_image.summary(image.manifest, str(reference.parse(ref_text)))
-    summary = dict(remote.bundle.summary)
-    summary["source"] = str(remote.client.ref)
-    summary["registry"] = {
-        "reference": str(remote.client.ref), "digest": remote.digest,
-        "artifact_type": remote.manifest.get("artifactType"),
-        "annotations": remote.manifest.get("annotations") or {},
-        "subject": remote.manifest.get("subject"),
-        "created": remote.bundle.created, "files": len(remote.bundle.files),
-        "chunks": sum(len(f.chunks) for f in remote.bundle.files),
-        "layers": len(remote.manifest.get("layers") or []),
-        "stored_bytes": sum(int(layer["size"]) for layer in remote.manifest.get("layers") or []),
-    }
+        summary = podman_image.summary(image.manifest, where)
+        summary["trust"] = trust_remote.describe(client, digest, image.manifest)
+        return summary
+    facts = trust_remote.describe(client, digest, manifest)
+    if facts["encrypted"] and not private:
+        return _sealed_summary(client, digest, manifest, facts)
+    raw, _ = trust_remote.open_config(client, manifest, private, where)
+    b = _bundle(raw, manifest, where)
+    summary = dict(b.summary)
+    summary["source"] = where
+    summary["registry"] = {**_registry_facts(client, digest, manifest), "created": b.created,
+                           "files": len(b.files), "chunks": sum(len(f.chunks) for f in b.files)}
+    summary["trust"] = facts
     return summary
 
 
@@ -88,17 +145,21 @@ def check_output(output: Path) -> None:
 def write_archive(remote: Remote, output: Path, *, use_cache: bool = True,
                   cache_root: Path | None = None, workers: int = WORKERS,
                   progress: Progress | None = None,
-                  total: Callable[[int], None] | None = None) -> dict:
-    """Fetch every chunk (cache first), verify it, and write the archive."""
+                  total: Callable[[int], None] | None = None,
+                  cancel: threading.Event | None = None) -> dict:
+    """Fetch every chunk (cache first), verify it, and write the archive.
+    ``cancel`` set stops it between two chunks (the reader gave up)."""
     check_output(output)
     cache = ChunkCache.open(cache_root) if use_cache else None
     b = remote.bundle
     if total:
         total(b.total_bytes)
     start = time.monotonic()
-    downloader = Downloader(remote.client, cache, workers, progress)
+    downloader = Downloader(remote.client, cache, workers, progress, cipher=remote.cipher)
     writer = ArchiveWriter(output)
     stream = downloader.fetch(c for f in b.files for c in f.chunks)
+    if cancel is not None:
+        stream = _until(stream, cancel)
     try:
         for entry in b.files:
             writer.add(entry, islice(stream, len(entry.chunks)))
@@ -117,19 +178,34 @@ def write_archive(remote: Remote, output: Path, *, use_cache: bool = True,
             "output": str(output), "bytes": b.total_bytes, "files": len(b.files),
             "chunks": s.chunks, "bytes_fetched": s.network_bytes,
             "bytes_from_cache": s.cached_bytes, "seconds": round(seconds, 3),
-            "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None}
+            "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
+            "trust": remote.trust}
 
 
-def pull(ref_text: str, output: str | None, opts: RegistryOptions, **kw) -> dict:
+def _until(stream: Iterator[bytes], cancel: threading.Event) -> Iterator[bytes]:
+    try:
+        for piece in stream:
+            if cancel.is_set():
+                raise GpusnapError("the download was stopped: the restore failed")
+            yield piece
+    finally:
+        stream.close()
+
+
+def pull(ref_text: str, output: str | None, opts: RegistryOptions,
+         trust: TrustOptions | None = None, **kw) -> dict:
     if output:
         check_output(Path(output))  # before any network
-    remote = open_remote(ref_text, opts)
+    remote = open_remote(ref_text, opts, trust)
     out = Path(output) if output else default_output(remote.client.ref)
     return write_archive(remote, out, **kw)
 
 
 def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_run: bool):
     """What restore would refuse, refused before gigabytes are downloaded; the GPU plan."""
+    if remote.bundle.summary.get("engine", "podman") != "podman":  # containerd's: --to containerd://
+        from gpusnap.ops.containerd_registry import refuse_engine
+        refuse_engine(remote.bundle.summary, str(remote.client.ref), "podman")
     target = name or (remote.bundle.summary.get("container") or {}).get("name")
     if target and podman.exists(target) and not dry_run:
         raise GpusnapError(f"a container named {target} already exists",
@@ -144,37 +220,105 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_r
                                   "nothing was downloaded")
 
 
-def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
-            opts: RegistryOptions, gpu_map: str | None = None, dry_run: bool = False,
-            **kw) -> dict:
-    """Pull into a staged plain tar (no compression round trip), restore it, drop it."""
+def _staged_pull(remote: Remote, archive: Path, work: Path, **kw) -> dict:
+    try:
+        return write_archive(remote, archive, **kw)
+    except GpusnapError as exc:
+        if "disk is full" not in exc.message:
+            raise
+        raise GpusnapError(exc.message.replace(str(archive), str(remote.client.ref)),
+                           f"free {remote.bundle.total_bytes >> 20} MiB in {work.parent} "
+                           "(restore stages the pull beside Podman's storage or in "
+                           "/var/tmp, whichever has more room); nothing was restored") \
+            from None
+
+
+def _config_files(remote: Remote, use_cache: bool = True, cache_root: Path | None = None,
+                  **_) -> bytes | None:
+    """A tar of config.dump and spec.dump, fetched ahead of the rest: what Podman
+    reads on the opens before the one that imports (None: this Podman is not
+    known to do so, or the bundle lacks them; the restore is staged then)."""
+    opens = stream_module.config_only_opens(podman.version())
+    entries = {f.path: f for f in remote.bundle.files if f.path in stream_module.CONFIG_FILES}
+    if not opens or len(entries) != len(stream_module.CONFIG_FILES):
+        return None
+    downloader = Downloader(remote.client, ChunkCache.open(cache_root) if use_cache else None,
+                            2, None, cipher=remote.cipher)
+    try:
+        files = {name: b"".join(downloader.fetch(entries[name].chunks)) for name in entries}
+    finally:
+        downloader.close()
+    return stream_module.config_tar(files)
+
+
+def _restore_streaming(remote: Remote, archive: Path, head: bytes, plan, name: str | None,
+                       keep: bool, tcp_established: bool, work: Path, **kw) -> tuple[dict, dict]:
+    """Download into ``archive`` while Podman imports it through a FIFO that
+    follows the file: the restore overlaps the download instead of following it."""
+    from gpusnap import archive as archive_files
+    from gpusnap.criu.version import require_supported
     from gpusnap.ops import restore as ops_restore
 
-    remote = open_remote(ref_text, opts)
+    require_supported("restore")
+    contents = archive_files.CheckpointContents(source=str(remote.client.ref))
+    with tarfile.open(fileobj=io.BytesIO(head)) as tar:
+        for member in tar:
+            contents.files[member.name] = tar.extractfile(member).read()
+    cancel = threading.Event()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-download")
+    job = pool.submit(_staged_pull, remote, archive, work, cancel=cancel, **kw)
+    # A failed download must end Podman's stream too, or Podman waits for ever
+    # on the FIFO (the pump follows the file until it is complete).
+    failed = archive.with_name(f".{archive.name}.failed")
+    job.add_done_callback(lambda f: f.exception() is not None and failed.touch())
+    try:
+        opens = stream_module.config_only_opens(podman.version())
+        result = ops_restore.import_archive(
+            stream_module.import_following(archive, head, opens), contents, plan, name, keep,
+            tcp_established, str(remote.client.ref))
+    except BaseException as exc:
+        cancel.set()
+        futures_wait([job])
+        failed = job.exception()
+        if isinstance(failed, GpusnapError) and not failed.message.startswith(
+                "the download was stopped"):
+            raise failed from None  # the download's failure is why Podman failed
+        raise exc
+    finally:
+        pool.shutdown(wait=True)
+    return result, {**job.result(), "streamed": True}
+
+
+def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
+            opts: RegistryOptions, gpu_map: str | None = None, dry_run: bool = False,
+            trust: TrustOptions | None = None, **kw) -> dict:
+    """Pull into a staged plain tar (no compression round trip) that Podman imports
+    while it is written, then drop it."""
+    from gpusnap.ops import restore as ops_restore
+
+    remote = open_remote(ref_text, opts, trust)
     plan = _restore_checks(remote, name, gpu_map, dry_run)
     if dry_run:
         return ops_restore.plan_report(str(remote.client.ref), plan)
     work = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-",
                                  dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
+    archive = work / "checkpoint.tar"
+    label = str(remote.client.ref)
     try:
-        archive = work / "checkpoint.tar"
-        try:
-            pulled = write_archive(remote, archive, **kw)
-        except GpusnapError as exc:
-            if "disk is full" not in exc.message:
-                raise
-            raise GpusnapError(exc.message.replace(str(archive), str(remote.client.ref)),
-                               f"free {remote.bundle.total_bytes >> 20} MiB in {work.parent} "
-                               "(restore stages the pull beside Podman's storage or in "
-                               "/var/tmp, whichever has more room); nothing was restored") \
-                from None
-        try:
-            result = ops_restore.run(str(archive), name, keep, tcp_established, gpu_map=gpu_map)
-        except GpusnapError as exc:
-            raise GpusnapError(exc.message.replace(str(archive), str(remote.client.ref)),
-                               exc.hint) from None
+        head = None if plan.needs_remap else _config_files(remote, **kw)
+        if head is not None:  # Podman imports while the chunks arrive
+            result, pulled = _restore_streaming(remote, archive, head, plan, name, keep,
+                                                tcp_established, work, **kw)
+        else:  # GPUs move (the archive is rewritten on its way), or an unknown Podman
+            pulled = _staged_pull(remote, archive, work, **kw)
+            try:
+                result = ops_restore.run(str(archive), name, keep, tcp_established,
+                                         gpu_map=gpu_map)
+            except GpusnapError as exc:
+                raise GpusnapError(exc.message.replace(str(archive), label), exc.hint) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["source"] = str(remote.client.ref)
     result["pull"] = pulled
+    result["trust"] = remote.trust
     return result

@@ -6,11 +6,12 @@ import platform
 import shutil
 import tempfile
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
 
 from gpusnap import MANIFEST_NAME, archive
 from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
@@ -21,7 +22,13 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.runtime import podman
+from gpusnap.runtime.follow import follow
 from gpusnap.runtime.storage import image_repo_digests, staging_dir
+from gpusnap.runtime.stream import partial_path
+from gpusnap.trust.options import TrustOptions
+
+if TYPE_CHECKING:  # cryptography: imported by push() itself
+    from gpusnap.trust.remote import PushTrust
 
 ZSTD_LEVEL = 3  # chunks cross a network: -3 is 5-10% smaller than -1 at ~1 GB/s per core
 WORKERS = 8
@@ -55,6 +62,11 @@ class PushSource:
     estimated_bytes: int  # decides the chunk scale
     known_bytes: int | None = None  # for a progress bar, where it is known
     container: str | None = None  # checkpointed by this push
+    # A container's export as it is written (the checkpoint runs beside the push).
+    follow: Callable[[], BinaryIO] | None = None
+    # Waits for that checkpoint and raises its error: called before the manifest
+    # is put, so a checkpoint that failed late is never published.
+    finish: Callable[[], None] = lambda: None
 
 
 def _dir_size(root: Path) -> int:
@@ -63,8 +75,19 @@ def _dir_size(root: Path) -> int:
 
 @contextmanager
 def resolve_source(source: str, leave_running: bool,
-                   on_checkpoint: Callable[[str], None] | None = None) -> Iterator[PushSource]:
-    """SOURCE as a file stream; a container is checkpointed into a staged archive first."""
+                   on_checkpoint: Callable[[str], None] | None = None,
+                   stream: bool = True, containerd_address: str | None = None
+                   ) -> Iterator[PushSource]:
+    """SOURCE as a file stream. A container is checkpointed into a staged plain
+    tar; with ``stream`` the push reads that tar while Podman still writes it
+    (upload overlaps the dump), else once it is complete."""
+    if source.startswith("containerd://"):  # a containerd container or checkpoint image
+        from gpusnap.ops import containerd_registry
+
+        with containerd_registry.push_source(source, leave_running, on_checkpoint,
+                                             containerd_address) as src:
+            yield src
+        return
     path = Path(source)
     if path.is_dir():
         size = _dir_size(path)
@@ -80,17 +103,34 @@ def resolve_source(source: str, leave_running: bool,
     from gpusnap.ops import checkpoint as ops_checkpoint  # CRIU/GPU code, only when needed
 
     work = Path(tempfile.mkdtemp(prefix=".gpusnap-push-", dir=staging_dir(0)))
-    export = work / "checkpoint.tar.zst"
+    # Plain, not zstd: the chunks are compressed one by one anyway, so a
+    # compressed export would be compressed twice and decompressed once more.
+    export = work / "checkpoint.tar"
     stopped = False  # the container is down and this archive is all that is left of it
+    pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
     try:
         plan = ops_checkpoint.plan(source, str(export), leave_running, False,
-                                   DEFAULT_LOCK_TIMEOUT_MS)
+                                   DEFAULT_LOCK_TIMEOUT_MS, export_level=0)
         if on_checkpoint:
             on_checkpoint(plan.container.name)
-        ops_checkpoint.run(plan)
+        job = pool.submit(ops_checkpoint.run, plan)
+        if not stream:
+            job.result()
+        try:
+            yield PushSource("container", export, plan.estimate_bytes, plan.estimate_bytes,
+                             container=plan.container.name,
+                             follow=(lambda: follow([partial_path(export), export], job.done))
+                             if stream else None,
+                             finish=job.result)
+        except BaseException:
+            # The dump goes on to its end whatever the upload did: what is left
+            # of the container decides what to say.
+            futures_wait([job])
+            job.result()  # a failed checkpoint is the cause: its words
+            stopped = not leave_running
+            raise
+        job.result()
         stopped = not leave_running
-        yield PushSource("container", export, plan.estimate_bytes, plan.estimate_bytes,
-                         container=plan.container.name)
     except (GpusnapError, KeyboardInterrupt) as exc:
         if not stopped:
             raise
@@ -104,17 +144,18 @@ def resolve_source(source: str, leave_running: bool,
     else:
         shutil.rmtree(work, ignore_errors=True)
     finally:
+        pool.shutdown(wait=True)
         if not stopped:
             shutil.rmtree(work, ignore_errors=True)
 
 
 def _entries(src: PushSource):
-    if src.kind == "directory":
+    if src.path.is_dir():  # a directory, or one made from a containerd checkpoint
         @contextmanager
         def walk():
             yield tarfiles.directory_entries(src.path)
         return walk()
-    return tarfiles.archive_entries(src.path)
+    return tarfiles.archive_entries(src.path, src.follow() if src.follow else None)
 
 
 def _subject(client: RegistryClient, image: str | None) -> dict | None:
@@ -163,27 +204,38 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
          level: int = ZSTD_LEVEL, workers: int = WORKERS, cache_root: Path | None = None,
          progress: Progress | None = None, total: Callable[[int], None] | None = None,
          on_checkpoint: Callable[[str], None] | None = None,
-         image_format: str = "gpusnap") -> dict:
+         image_format: str = "gpusnap", trust: TrustOptions | None = None,
+         containerd_address: str | None = None) -> dict:
+    from gpusnap.trust.remote import PushTrust  # cryptography: imported only when pushing
+
     ref = reference.parse(ref_text)
     if ref.digest:
         raise GpusnapError(f"{ref_text}: push to a tag, not a digest",
                            "the digest is known only once the checkpoint is pushed")
     if image_format not in FORMATS:
         raise GpusnapError(f"unknown format {image_format!r}", f"pass one of {', '.join(FORMATS)}")
+    if image_format == "podman" and source.startswith("containerd://"):
+        raise GpusnapError("--format podman makes images Podman restores, not containerd",
+                           "push containerd checkpoints in gpusnap's format (the default)")
+    # keys first: a wrong key or passphrase fails before a container is checkpointed
+    sealing = PushTrust.load(trust, chunked=image_format == "gpusnap")
     client = RegistryClient(ref, opts, push=True)
     client.ping()  # wrong credentials fail before a container is checkpointed
     start = time.monotonic()
     cache = ChunkCache.open(cache_root)
-    with resolve_source(source, leave_running, on_checkpoint) as src:
+    with resolve_source(source, leave_running, on_checkpoint,
+                        stream=image_format == "gpusnap",
+                        containerd_address=containerd_address) as src:
         if total and src.known_bytes:
             total(src.known_bytes)
         if image_format == "podman":
-            return _push_podman(src, client, source, level, progress, start)
+            return _push_podman(src, client, source, level, progress, start, sealing)
         scale = layer_scale(src.estimated_bytes)
-        uploader = Uploader(client, cache, level, workers, progress)
+        uploader = Uploader(client, cache, level, workers, progress, cipher=sealing.cipher)
         try:
             files, contents = _upload_files(src, uploader, scale, str(ref))
-            if not contents.is_podman_checkpoint:
+            src.finish()
+            if not (contents.is_podman_checkpoint or contents.is_containerd_checkpoint):
                 raise GpusnapError(f"{source} is not a Podman checkpoint (no spec.dump, "
                                    "config.dump and checkpoint/ inside)",
                                    "pass an export of `podman container checkpoint --export`, "
@@ -194,18 +246,22 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
                                      "avg": "clamp(file size / 256, 256 KiB, 4 MiB) * scale",
                                      "min": "avg / 4", "max": "avg * 4"},
                            compression={"algorithm": "zstd", "level": level})
-            config = b.to_json()
+            config = sealing.seal_config(b.to_json())
             config_digest = uploader.put_small(config)
         finally:
             uploader.close()
         criu = None
-        if src.kind == "container":  # checkpointed here, by this CRIU
+        if src.kind in ("container", "containerd-container"):  # checkpointed here, by this CRIU
             from gpusnap.criu.version import criu_version
             criu = criu_version()
         notes = fmt.annotations(b, criu, platform.machine())
         image = (b.summary.get("container") or {}).get("image")
-        manifest = fmt.build_manifest(b, config_digest, len(config), notes, _subject(client, image))
+        if b.summary.get("engine") == "containerd":
+            image = None  # Podman's repo digests (the subject) do not describe containerd's images
+        manifest = sealing.finish_manifest(
+            fmt.build_manifest(b, config_digest, len(config), notes, _subject(client, image)))
         digest = client.put_manifest(manifest, fmt.OCI_MANIFEST, ref.target)
+        signed_by = sealing.sign(client, digest, len(manifest))
     if cache:
         cache.prune()
     seconds = time.monotonic() - start
@@ -218,12 +274,14 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             "bytes_stored": sum(b.unique_blobs().values()),
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
-            "gpu": b.summary.get("gpu") is not None, "annotations": notes}
+            "gpu": b.summary.get("gpu") is not None, "annotations": notes,
+            "trust": sealing.facts(signed_by)}
 
 
 def _push_podman(src: PushSource, client: RegistryClient, source: str, level: int,
-                 progress: Progress | None, start: float) -> dict:
-    """One layer, Podman's annotations: `podman container restore REF` takes it."""
+                 progress: Progress | None, start: float, sealing: PushTrust) -> dict:
+    """One layer, Podman's annotations: `podman container restore REF` takes it;
+    encrypted to ``sealing.recipients`` as ocicrypt encrypts layers."""
     from gpusnap.ops import push_podman
 
     criu = None
@@ -231,14 +289,17 @@ def _push_podman(src: PushSource, client: RegistryClient, source: str, level: in
         from gpusnap.criu.version import criu_version
         criu = criu_version()
     with _entries(src) as entries:
-        pushed = push_podman.push_image(entries, client, str(client.ref), level, criu, progress)
+        pushed = push_podman.push_image(entries, client, str(client.ref), level, criu, progress,
+                                        sealing.layer_encryptor(), sealing.recipients)
+    signed_by = sealing.sign(client, pushed["digest"], pushed["manifest_bytes"])
     seconds = time.monotonic() - start
     ref = client.ref
+    pull = f"podman pull --decryption-key KEY {ref}" if sealing.encrypts else f"podman pull {ref}"
     return {"reference": str(ref), "digest": pushed["digest"], "format": "podman",
             "pinned": str(ref.with_digest(pushed["digest"])), "source": source,
             "source_kind": src.kind, "container": src.container, "files": pushed["files"],
             "bytes": pushed["bytes"], "bytes_sent": pushed["layer_bytes"], "layers": 1,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(pushed["bytes"] / seconds / 1e6, 1) if seconds else None,
-            "annotations": pushed["annotations"],
-            "restore_command": f"podman pull {ref} && podman container restore {ref}"}
+            "annotations": pushed["annotations"], "trust": sealing.facts(signed_by),
+            "restore_command": f"{pull} && podman container restore {ref}"}

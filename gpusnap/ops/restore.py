@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import ContextManager
 
 from gpusnap import archive, journal
 from gpusnap.criu.version import require_supported
@@ -16,7 +17,7 @@ from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.procs import cuda_processes
 from gpusnap.runtime import podman
-from gpusnap.runtime.stream import import_fifo
+from gpusnap.runtime.stream import config_only_opens, config_tar, import_fifo
 
 
 _NOT_HERE = ("restore on a host with GPUs like the checkpoint's (`gpusnap inspect` lists them, "
@@ -56,6 +57,9 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
     retarget = None
     if path.exists():
         contents = archive.read(str(path), head_only=True)
+        if contents.is_containerd_checkpoint:  # restored with --to containerd://
+            from gpusnap.ops.containerd_registry import refuse_engine
+            refuse_engine(contents.summary(), source, "podman")
         config = contents.json_file("config.dump") or {}
         target = name or config.get("name")
         if target and podman.exists(target) and not dry_run:
@@ -90,21 +94,39 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
                            "container's name (`podman ps -a`)")
     if dry_run:
         return plan_report(source, plan)
-    start = time.monotonic()
     if archive_mode:
-        try:
-            with import_fifo(path.absolute(), retarget=retarget) as src:
-                podman.restore(str(src), archive=True, name=name, keep=keep,
-                               tcp_established=tcp_established)
-        except GpusnapError as exc:
-            _drop_half_restored(target)
-            raise GpusnapError(f"{exc.message}; nothing was restored, {source} is unchanged",
-                               exc.hint) from None
-    else:
-        podman.restore(source, archive=False, name=name, keep=keep,
-                       tcp_established=tcp_established)
-    seconds = time.monotonic() - start
-    target = name or (contents.json_file("config.dump") or {}).get("name") or source
+        head = config_tar(contents.files)
+        opens = config_only_opens(podman.version()) if head else 0
+        return import_archive(import_fifo(path.absolute(), retarget=retarget, head=head,
+                                          head_opens=opens),
+                              contents, plan, name, keep, tcp_established, source)
+    start = time.monotonic()
+    podman.restore(source, archive=False, name=name, keep=keep,
+                   tcp_established=tcp_established)
+    return restored(name or (contents.json_file("config.dump") or {}).get("name") or source,
+                    source, time.monotonic() - start, plan)
+
+
+def import_archive(opener: ContextManager[Path], contents: archive.CheckpointContents,
+                   plan: Plan, name: str | None, keep: bool, tcp_established: bool,
+                   source: str) -> dict:
+    """`podman container restore --import` of the path ``opener`` yields (a FIFO
+    that streams the archive); a failure removes what Podman half-created."""
+    target = name or (contents.json_file("config.dump") or {}).get("name")
+    start = time.monotonic()
+    try:
+        with opener as src:
+            podman.restore(str(src), archive=True, name=name, keep=keep,
+                           tcp_established=tcp_established)
+    except GpusnapError as exc:
+        _drop_half_restored(target)
+        raise GpusnapError(f"{exc.message}; nothing was restored, {source} is unchanged",
+                           exc.hint) from None
+    return restored(target or source, source, time.monotonic() - start, plan)
+
+
+def restored(target: str, source: str, seconds: float, plan: Plan) -> dict:
+    """The restored container's report (and journal record), its GPU processes checked."""
     ctr = podman.inspect(target)
     gpu = _gpu_report(ctr.pid)
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),

@@ -6,12 +6,18 @@ mid-checkpoint, Podman would hang for ever. This process outlives the CLI and
 ends when no process refers to the FIFO any more.
 
     python -m gpusnap.runtime.fifo_pump export FIFO PARTIAL LEVEL [HEAD]
-    python -m gpusnap.runtime.fifo_pump import FIFO ARCHIVE [RETARGET]
+    python -m gpusnap.runtime.fifo_pump import FIFO ARCHIVE [RETARGET|- [HEAD HEAD_OPENS]]
 
 export: FIFO -> (HEAD as a tar member, if the file exists then) -> zstd -T0
-        -> PARTIAL. The exit status is zstd's. Renaming PARTIAL is the
+        -> PARTIAL (LEVEL 0: no zstd, the plain tar into PARTIAL). The exit status is zstd's. Renaming PARTIAL is the
         CLI's job, once Podman has succeeded: an orphaned pump leaves it.
-import: every open of FIFO gets a fresh `zstd -dc ARCHIVE` stream, or with
+    python -m gpusnap.runtime.fifo_pump follow FIFO ARCHIVE HEAD HEAD_OPENS
+
+follow: a restore streamed from a registry: the first HEAD_OPENS opens get the
+        small tar HEAD, later ones ARCHIVE while the CLI is still writing it.
+import: the first HEAD_OPENS opens get HEAD (config.dump and spec.dump: all
+        Podman 4 reads on them); every other open of FIFO gets a fresh
+        `zstd -dc ARCHIVE` stream (a plain ARCHIVE as it is), or with
         RETARGET (JSON: remap and plan) the archive rewritten for other GPUs;
         a rewrite that fails leaves its reason in RETARGET's folder, retarget.error.
 """
@@ -26,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from gpusnap.private import open_private
 from gpusnap.runtime.stream import PUMP_PARENT_ENV, tar_member
 
 _SPLICE = 1 << 20
@@ -66,8 +73,13 @@ def _watchdog(fifo: str, parent: int) -> None:
 def export(fifo: str, partial: str, level: str, head: str | None) -> int:
     src = os.open(fifo, os.O_RDONLY)  # returns once Podman opens it to write
     _widen(src)
-    zstd = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-f", "-o", partial],
-                            stdin=subprocess.PIPE)
+    if level == "0":
+        return _export_plain(src, partial, head)
+    # PARTIAL is 0600 from the start (a checkpoint is process memory); zstd
+    # writes to its stdout: with `-o` it would make the file itself, 0644.
+    with open_private(partial, "wb") as out:
+        zstd = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-c"],
+                                stdin=subprocess.PIPE, stdout=out)
     sink = zstd.stdin.fileno()
     _widen(sink)
     failed = False
@@ -90,6 +102,27 @@ def export(fifo: str, partial: str, level: str, head: str | None) -> int:
     return zstd.wait() or (1 if failed else 0)
 
 
+def _export_plain(src: int, partial: str, head: str | None) -> int:
+    """Level 0: the tar as Podman writes it, spliced into PARTIAL, which a
+    reader may follow while it grows (a push uploads it as the dump goes on)."""
+    failed = False
+    sink = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        if head and os.path.isfile(head):
+            with open(head, "rb") as f:
+                os.write(sink, tar_member(os.path.basename(head), f.read()))
+        while os.splice(src, sink, _SPLICE):
+            pass
+    except OSError as exc:
+        failed = True  # as above: read on, the CLI reports it
+        print(f"gpusnap export pump: {exc}", file=sys.stderr)
+        _drain(src)
+    finally:
+        os.close(src)
+        os.close(sink)
+    return 1 if failed else 0
+
+
 def _drain(src: int) -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     try:
@@ -102,6 +135,17 @@ def _drain(src: int) -> None:
 
 
 def _serve_one(fd: int, archive: str) -> None:
+    if not _is_zstd(archive):  # a plain tar: straight from the page cache
+        src = os.open(archive, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            while os.splice(src, fd, _SPLICE):
+                pass
+        except OSError:
+            pass  # the reader had what it wanted and closed its end
+        finally:
+            os.close(src)
+            os.close(fd)
+        return
     zstd = subprocess.Popen(["zstd", "-dcq", archive], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL)
     _widen(zstd.stdout.fileno())
@@ -132,7 +176,14 @@ def _serve_retargeted(fd: int, archive: str, retarget: str) -> None:
         os.close(fd)
 
 
-def serve(fifo: str, archive: str, retarget: str | None = None) -> int:
+def _is_zstd(path: str) -> bool:
+    from gpusnap.runtime.stream import is_zstd
+    return is_zstd(Path(path))
+
+
+def serve(fifo: str, archive: str, retarget: str | None = None, head: str | None = None,
+          head_opens: int = 0) -> int:
+    served = 0
     while True:
         fd = os.open(fifo, os.O_WRONLY)  # returns once a reader opens it
         _widen(fd)
@@ -143,11 +194,89 @@ def serve(fifo: str, archive: str, retarget: str | None = None) -> int:
         fresh = f"{fifo}.next"
         os.mkfifo(fresh, 0o600)
         os.replace(fresh, fifo)
-        if retarget:
+        served += 1
+        if head and served <= head_opens:  # Podman reads only config.dump and spec.dump
+            threading.Thread(target=_serve_bytes, args=(fd, Path(head).read_bytes()),
+                             daemon=True).start()
+        elif retarget:
             threading.Thread(target=_serve_retargeted, args=(fd, archive, retarget),
                              daemon=True).start()
         else:
             threading.Thread(target=_serve_one, args=(fd, archive), daemon=True).start()
+
+
+def _serve_growing(fd: int, archive: str, parent: int) -> None:
+    """ARCHIVE as the CLI writes it (.ARCHIVE.partial, renamed to ARCHIVE when
+    complete). A download that failed (the partial file removed, or
+    .ARCHIVE.failed written) or a CLI gone ends the stream short: Podman then
+    fails on a cut archive instead of waiting for ever."""
+    from gpusnap.runtime.follow import GrowingFile
+
+    final = Path(archive)
+    partial = final.with_name(f".{final.name}.partial")
+    failed = final.with_name(f".{final.name}.failed")
+
+    def finished() -> bool:
+        if final.exists():
+            return True
+        if failed.exists() or src.unlinked():
+            raise OSError("the download failed")
+        if os.getppid() != parent and not _alive(parent):
+            raise OSError("gpusnap exited before the download was complete")
+        return False
+
+    src = GrowingFile([partial, final], finished)
+    buf = bytearray(_SPLICE)
+    try:
+        while n := src.readinto(buf):
+            view = memoryview(buf)[:n]
+            while view:
+                view = view[os.write(fd, view):]
+    except OSError:
+        pass  # the reader closed its end, or the writer is gone: the stream ends short
+    finally:
+        src.close()
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def follow(fifo: str, archive: str, head: str, head_opens: int, parent: int) -> int:
+    """The first HEAD_OPENS readers get HEAD (a small tar of config.dump and
+    spec.dump: all Podman reads on those opens), later ones the growing ARCHIVE."""
+    served = 0
+    while True:
+        fd = os.open(fifo, os.O_WRONLY)
+        _widen(fd)
+        fresh = f"{fifo}.next"  # a fresh FIFO per reader, as in serve()
+        os.mkfifo(fresh, 0o600)
+        os.replace(fresh, fifo)
+        served += 1
+        if served <= head_opens:
+            threading.Thread(target=_serve_bytes, args=(fd, Path(head).read_bytes()),
+                             daemon=True).start()
+        else:
+            threading.Thread(target=_serve_growing, args=(fd, archive, parent),
+                             daemon=True).start()
+
+
+def _serve_bytes(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def main(argv: list[str]) -> int:
@@ -158,7 +287,10 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watchdog, args=(fifo, parent), daemon=True).start()
     if mode == "export":
         return export(fifo, argv[2], argv[3], argv[4] if len(argv) > 4 else None)
-    return serve(fifo, argv[2], argv[3] if len(argv) > 3 else None)
+    if mode == "follow":
+        return follow(fifo, argv[2], argv[3], int(argv[4]), parent)
+    rest = [None if a == "-" else a for a in argv[3:]]
+    return serve(fifo, argv[2], *rest[:2], int(rest[2]) if len(rest) > 2 else 0)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,12 @@ def inspect(name: str) -> Container:
     )
 
 
+def version() -> str:
+    """The Podman client's version ("4.3.1"), "" when it cannot be told."""
+    res = _run(["version", "--format", "{{.Client.Version}}"])
+    return res.stdout.strip() if res.returncode == 0 else ""
+
+
 def exists(name: str) -> bool:
     return _run(["container", "exists", name]).returncode == 0
 

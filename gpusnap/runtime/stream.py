@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Iterator
 
 from gpusnap.errors import GpusnapError
+from gpusnap.private import write_private
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 PUMP_PARENT_ENV = "GPUSNAP_PUMP_PARENT"  # the CLI's pid, for the pump's watchdog
@@ -84,9 +85,11 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
 
     ``head``, if the file exists once Podman starts writing (the dump is
     complete then), goes ahead of Podman's own members. On a clean exit the
-    archive is at ``dest``; on an exception nothing is left there.
+    archive is at ``dest``; on an exception nothing is left there. Level 0
+    writes the plain tar, which a reader may follow while it grows
+    (``partial_path(dest)``, then ``dest``: see follow.py).
     """
-    if shutil.which("zstd") is None:
+    if level and shutil.which("zstd") is None:
         raise GpusnapError("zstd is not installed; it compresses checkpoint archives",
                            "install zstd (`make deps`)")
     work, fifo = _fifo_dir(dest.parent)
@@ -117,23 +120,33 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
 
 
 @contextmanager
-def import_fifo(src: Path, near: Path | None = None,
-                retarget: dict | None = None) -> Iterator[Path]:
-    """Yield a path Podman can `restore --import`: a FIFO for zstd archives, else src.
+def import_fifo(src: Path, near: Path | None = None, retarget: dict | None = None,
+                head: bytes | None = None, head_opens: int = 0) -> Iterator[Path]:
+    """Yield a path Podman can `restore --import`: a FIFO, or src itself.
 
     ``retarget`` ({"remap": DeviceRemap dict, "plan": Plan dict}) always goes
     through the FIFO: every reader gets the archive rewritten for other GPUs
     (runtime/retarget.py). A rewrite that failed leaves its reason in
-    GpusnapError raised on leaving, when Podman has failed too.
+    GpusnapError raised on leaving, when Podman has failed too. ``head`` (a tar
+    of config.dump and spec.dump, see config_only_opens) serves the first
+    ``head_opens`` opens instead of the whole archive.
     """
-    if retarget is None and (not is_zstd(src) or shutil.which("zstd") is None):
+    short = head is not None and head_opens > 0 and retarget is None
+    zstd = is_zstd(src)
+    if retarget is None and not short and (not zstd or shutil.which("zstd") is None):
         yield src  # Podman reads it itself, slower
         return
+    if zstd and shutil.which("zstd") is None:
+        raise GpusnapError("zstd is not installed; it decompresses checkpoint archives",
+                           "install zstd (`make deps`)")
     work, fifo = _fifo_dir(near or Path(tempfile.gettempdir()))
     args = ["import", str(fifo), str(src.absolute())]
     if retarget is not None:
-        (work / "retarget.json").write_text(json.dumps(retarget))
+        write_private(work / "retarget.json", json.dumps(retarget))
         args.append(str(work / "retarget.json"))
+    elif short:
+        write_private(work / "head.tar", head)
+        args += ["-", str(work / "head.tar"), str(head_opens)]
     server = _pump(*args)
     try:
         yield fifo
@@ -146,6 +159,41 @@ def import_fifo(src: Path, near: Path | None = None,
     finally:
         _stop(server)
         shutil.rmtree(work, ignore_errors=True)
+
+
+# Podman 4 opens an import archive three times; the first two opens read only
+# config.dump and spec.dump (seen with 4.3.1: opens 1 and 2 served a tar of those
+# two files alone, open 3 the whole archive, restored). Other versions get the
+# whole archive on every open: correct, with less overlap.
+def config_only_opens(podman_version: str) -> int:
+    return 2 if podman_version.startswith("4.") else 0
+
+
+@contextmanager
+def import_following(archive: Path, head: bytes, head_opens: int) -> Iterator[Path]:
+    """Yield a FIFO Podman can `restore --import` while ``archive`` is still
+    being written (by an ArchiveWriter: partial file, renamed when complete).
+    ``head`` (a tar of config.dump and spec.dump) serves the first
+    ``head_opens`` opens, so Podman starts before the download ends."""
+    work, fifo = _fifo_dir(archive.parent)
+    write_private(work / "head.tar", head)  # config.dump and spec.dump: the environment
+    server = _pump("follow", str(fifo), str(archive), str(work / "head.tar"), str(head_opens))
+    try:
+        yield fifo
+    finally:
+        _stop(server)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+CONFIG_FILES = ("config.dump", "spec.dump")
+
+
+def config_tar(files: dict[str, bytes]) -> bytes | None:
+    """The tar Podman's config-only opens are served: config.dump and spec.dump
+    (None when one is missing: then every open gets the whole archive)."""
+    if any(name not in files for name in CONFIG_FILES):
+        return None
+    return b"".join(tar_member(name, files[name]) for name in CONFIG_FILES) + b"\0" * 1024
 
 
 def tar_member(name: str, data: bytes, mode: int = 0o600) -> bytes:

@@ -70,14 +70,22 @@ def test_migrate_killed_during_upload_resumes_from_the_kept_archive(registry, lo
     repo = unique_repo()
     ref = registry.ref(f"{repo}:v1")
     cli = start_cli("migrate", loaded, ref, *registry.flags())
-    when(lambda: len(registry.linked_blobs(repo)) >= 10, cli, "10 chunks were uploaded")
+
+    def checkpointed() -> list[dict]:
+        return [e for e in journal_since(mark) if e.get("event") == "checkpointed"
+                and e.get("container") == cid]
+
+    # The upload reads the export while Podman writes it: kill once the dump is
+    # complete (killed before, see test_migrate_killed_during_export) and the
+    # upload has started.
+    when(lambda: len(registry.linked_blobs(repo)) >= 10 and bool(checkpointed()), cli,
+         "10 chunks were uploaded and the checkpoint was complete")
     sigkill(cli)
     assert not tag_exists(registry, repo, "v1"), "a manifest for a push that never finished"
     # The container is checkpointed and stopped; the complete export the journal
     # names is all that is left of it, and doctor points at it.
     assert status(loaded) == "exited"
-    done = [e for e in journal_since(mark) if e.get("event") == "checkpointed"
-            and e.get("container") == cid]
+    done = checkpointed()
     kept = Path(done[0]["export"])
     assert kept.is_file() and not referenced(str(kept))
     try:

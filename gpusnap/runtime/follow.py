@@ -1,0 +1,74 @@
+"""Read an export while the pump is still writing it (tail -f for one file).
+
+A push from a running container starts chunking and uploading the checkpoint
+as Podman writes it, instead of after: the pump writes the plain tar into a
+file (runtime/stream.py, level 0), and this reader follows that file. The file,
+not a pipe, sits between the two on purpose: Podman never waits for the
+network, and a failed upload leaves a complete archive to retry from.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+_POLL = 0.005  # seconds between looks when the reader has caught up with the writer
+
+
+class GrowingFile(io.RawIOBase):
+    """The bytes of ``paths[0]`` (the partial file) as they are written.
+
+    ``finished()`` says the writer is done: then what is left is read and the
+    stream ends. A writer that renamed its file on success (partial -> final)
+    is found under the later names in ``paths``, when it finished before this
+    reader opened the first. No file at all once finished is an empty stream:
+    the caller asks the writer why.
+    """
+
+    def __init__(self, paths: list[Path], finished: Callable[[], bool]) -> None:
+        super().__init__()
+        self._paths = paths
+        self._finished = finished
+        self._fd: int | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def _open(self) -> bool:
+        for path in self._paths:
+            try:
+                self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                return True
+            except FileNotFoundError:
+                continue
+        return False
+
+    def readinto(self, buf) -> int:
+        while True:
+            done = self._finished()  # asked before reading: a last read follows it
+            if self._fd is None and not self._open():
+                if done:
+                    return 0
+                time.sleep(_POLL)
+                continue
+            n = os.readv(self._fd, [buf])
+            if n or done:
+                return n
+            time.sleep(_POLL)
+
+    def unlinked(self) -> bool:
+        """The file being followed was removed (its writer gave up)."""
+        return self._fd is not None and os.fstat(self._fd).st_nlink == 0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        super().close()
+
+
+def follow(paths: list[Path], finished: Callable[[], bool], buffer: int = 1 << 20) -> io.BufferedReader:
+    return io.BufferedReader(GrowingFile(paths, finished), buffer)

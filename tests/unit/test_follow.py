@@ -1,0 +1,61 @@
+"""runtime/follow.py: reading an export while another process still writes it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from gpusnap.runtime.follow import GrowingFile, follow
+
+
+def _writer(partial: Path, final: Path, pieces: list[bytes], done: threading.Event,
+            rename: bool = True, delay: float = 0.01) -> threading.Thread:
+    def run() -> None:
+        time.sleep(delay)  # the reader starts before the file exists
+        with open(partial, "wb", buffering=0) as f:
+            for piece in pieces:
+                f.write(piece)
+                time.sleep(delay)
+        if rename:
+            os.replace(partial, final)
+        done.set()
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_reads_everything_written_while_it_grows_and_after_the_rename(tmp_path):
+    partial, final = tmp_path / ".a.tar.partial", tmp_path / "a.tar"
+    pieces = [bytes([i]) * (1000 + i) for i in range(20)]
+    done = threading.Event()
+    t = _writer(partial, final, pieces, done)
+    with follow([partial, final], done.is_set, buffer=4096) as f:
+        got = f.read()
+    t.join()
+    assert got == b"".join(pieces)
+
+
+def test_a_writer_that_finished_before_the_reader_opened_is_found_under_the_final_name(tmp_path):
+    partial, final = tmp_path / ".a.tar.partial", tmp_path / "a.tar"
+    final.write_bytes(b"complete")
+    with follow([partial, final], lambda: True) as f:
+        assert f.read() == b"complete"
+
+
+def test_no_file_once_finished_is_an_empty_stream(tmp_path):
+    with follow([tmp_path / "never"], lambda: True) as f:
+        assert f.read() == b""
+
+
+def test_a_removed_file_is_seen_as_given_up(tmp_path):
+    path = tmp_path / ".b.partial"
+    path.write_bytes(b"x" * 10)
+    g = GrowingFile([path], lambda: False)
+    buf = bytearray(10)
+    assert g.readinto(buf) == 10
+    assert not g.unlinked()
+    path.unlink()
+    assert g.unlinked()
+    g.close()
