@@ -61,6 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.faults.netreg import PlainRegistry, make_registry  # noqa: E402
+from tests.integration.oci_registry import permissive_policy  # noqa: E402
 
 IMAGE = "localhost/gpusnap-demo:latest"
 GPUSNAP = "/usr/local/bin/gpusnap"
@@ -140,6 +141,18 @@ class Beat:
         self._thread.join()
 
 
+class _Phases(dict):
+    """Each phase printed as it ends: a run cut short by a time limit still tells."""
+
+    def __init__(self, who: str) -> None:
+        super().__init__()
+        self.who = who
+
+    def __setitem__(self, phase: str, seconds: float) -> None:
+        super().__setitem__(phase, seconds)
+        print(f"  {self.who}: {phase} {seconds:.2f} s", flush=True)
+
+
 @dataclass
 class Migration:
     pipeline: str
@@ -152,6 +165,9 @@ class Migration:
     downtime_s: float = 0.0
     driver: dict[str, float] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.phases = _Phases(f"{self.pipeline}, {self.label}")
 
     @property
     def total(self) -> float:
@@ -463,6 +479,8 @@ def main() -> int:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed (make deps)")
     work = Path(tempfile.mkdtemp(prefix="gpusnap-migbench-", dir=args.workdir))
+    # unsigned pushes: the restores take them (trust costs are bench/trust_bench.py's)
+    os.environ["GPUSNAP_POLICY"] = str(permissive_policy(work))
     try:
         if args.gpu:
             rows, speedup = run_gpu(args, work)

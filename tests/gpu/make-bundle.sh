@@ -19,18 +19,34 @@ PODMAN=(podman conmon runc golang-github-containers-common golang-github-contain
 (cd "$DIR/podman" && apt-get download -q "${PODMAN[@]}" >/dev/null 2>&1)
 mapfile -t pkgs < <(grep -v '^#' "$HERE/../../packaging/criu-debs.list" | tr ' ' '\n' | sed '/^$/d')
 (cd "$DIR/criu" && apt-get download -q "${pkgs[@]/%//trixie}" >/dev/null 2>&1)
-# The containerd shim's tests: containerd 1.7 (trixie, pinned by `make deps`) and the
-# gRPC wheels for the GPU machine's Python (3.12, the PyTorch venv), unzipped there.
-# Only containerd and ctr, squeezed: the device tool carries 64 MiB in all.
-mkdir -p "$DIR/containerd" "$DIR/wheels"
-if [ ! -f "$DIR/containerd/containerd-bin.tar.zst" ]; then
+# The device tool carries 64 MiB in all, so the rest comes in two parts that
+# travel in separate runs (name the folders in `carry`):
+# - bin/ + wheels/, the containerd shim's tests: containerd 1.7 and ctr
+#   (trixie, pinned by `make deps`), squeezed, and the gRPC wheels for the GPU
+#   machine's Python (3.12, the PyTorch venv), unzipped there;
+# - bench/, the registry benches: docker-registry and oras, and the wheels the
+#   registry code needs that the PyTorch image lacks (zstandard, cryptography,
+#   pyroute2 for the benches' registry helper).
+mkdir -p "$DIR/bin" "$DIR/wheels" "$DIR/bench/wheels"
+rm -rf "$DIR/containerd"  # the older layout
+if [ ! -f "$DIR/bin/tools.tar.zst" ]; then
   tmp=$(mktemp -d)
   (cd "$tmp" && apt-get download -q containerd >/dev/null 2>&1 && dpkg -x containerd_*.deb root)
-  tar -C "$tmp/root/usr/bin" -cf - containerd ctr | zstd -q -19 -T0 -o "$DIR/containerd/containerd-bin.tar.zst"
+  tar -C "$tmp/root/usr/bin" -cf - containerd ctr | zstd -q -19 -T0 -o "$DIR/bin/tools.tar.zst"
+  rm -rf "$tmp"
+fi
+if [ ! -f "$DIR/bench/tools.tar.zst" ]; then
+  tmp=$(mktemp -d)
+  cp "$(command -v docker-registry)" "$(command -v oras)" "$tmp/"
+  tar -C "$tmp" -cf - docker-registry oras | zstd -q -19 --long=27 -T0 -o "$DIR/bench/tools.tar.zst"
   rm -rf "$tmp"
 fi
 VENV_PIP=${GPUSNAP_VENV:-/opt/gpusnap/venv}/bin/pip
 versions=$("$VENV_PIP" list --format=freeze 2>/dev/null | grep -iE '^(grpcio|grpcio-tools|protobuf)==')
 pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$DIR/wheels" $versions
-du -sh "$DIR"
+bench_versions=$("$VENV_PIP" list --format=freeze 2>/dev/null | grep -iE '^(zstandard|cryptography|cffi|pyroute2)==')
+pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+  -d "$DIR/bench/wheels" $bench_versions
+du -sh "$DIR" "$DIR"/*

@@ -68,15 +68,16 @@ if ! ldconfig -p | grep -q 'libcuda.so.1 '; then
 fi
 
 bash "$REPO/packaging/criu-prefix.sh" "$BUNDLE/criu" /opt/gpusnap/criu /usr/local/sbin/criu
-# containerd (a static Go binary) and the gRPC wheels for the shim tests.
-if [ -f "$BUNDLE/containerd/containerd-bin.tar.zst" ]; then
-  zstd -dcq "$BUNDLE/containerd/containerd-bin.tar.zst" | tar -C /usr/local/bin -xf -
-fi
-if [ -d "$BUNDLE/wheels" ]; then
-  mkdir -p /opt/gpusnap/pylib
-  for whl in "$BUNDLE"/wheels/*.whl; do "$TORCH_PY" -m zipfile -e "$whl" /opt/gpusnap/pylib; done
-  export GPUSNAP_PYLIB=/opt/gpusnap/pylib
-fi
+# What came of the bundle's optional parts (make-bundle.sh: bin/ + wheels/ for
+# the shim tests, bench/ for the registry benches): Go binaries and wheels.
+for tools in "$BUNDLE/bin/tools.tar.zst" "$BUNDLE/bench/tools.tar.zst"; do
+  [ -f "$tools" ] && zstd -dcq --long=27 "$tools" | tar -C /usr/local/bin -xf -
+done
+mkdir -p /opt/gpusnap/pylib
+for whl in "$BUNDLE"/wheels/*.whl "$BUNDLE"/bench/wheels/*.whl; do
+  [ -f "$whl" ] && "$TORCH_PY" -m zipfile -e "$whl" /opt/gpusnap/pylib
+done
+export GPUSNAP_PYLIB=/opt/gpusnap/pylib
 GPUSNAP_OFFLINE=1 GPUSNAP_PYTHON=$TORCH_PY bash "$REPO/packaging/install.sh"
 podman info --format 'podman {{.Version.Version}}: {{.Store.GraphDriverName}}, cgroups {{.Host.CgroupsVersion}}, runtime {{.Host.OCIRuntime.Path}}'
 bash "$REPO/tests/gpu/gpu-image.sh"
