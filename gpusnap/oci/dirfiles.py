@@ -83,3 +83,6 @@ class DirectoryWriter:
         for path, entry in reversed(self._dirs):
             os.chmod(path, entry.mode)
             os.utime(path, (entry.mtime, entry.mtime))
+
+    def abort(self) -> None:
+        """Nothing to undo here: the caller removes the staging directory it gave."""

@@ -29,7 +29,6 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -401,35 +400,11 @@ def write_directory(remote: "Remote", dest: Path, *, use_cache: bool = True,
                     progress: "Progress | None" = None,
                     total: Callable[[int], None] | None = None) -> dict:
     """Fetch every chunk (cache first), verify it, and write the files under DEST."""
-    from gpusnap.oci.cache import ChunkCache
     from gpusnap.oci.dirfiles import DirectoryWriter
-    from gpusnap.oci.transfer import Downloader
+    from gpusnap.ops.pull import write_files
 
-    cache = ChunkCache.open(cache_root) if use_cache else None
-    b = remote.bundle
-    if total:
-        total(b.total_bytes)
-    start = time.monotonic()
-    downloader = Downloader(remote.client, cache, workers, progress, cipher=remote.cipher)
-    writer = DirectoryWriter(dest)
-    stream = downloader.fetch(c for f in b.files for c in f.chunks)
-    try:
-        for entry in b.files:
-            writer.add(entry, islice(stream, len(entry.chunks)))
-        writer.commit()
-    finally:
-        stream.close()
-        downloader.close()
-    if cache:
-        cache.prune()
-    seconds = time.monotonic() - start
-    s = downloader.stats
-    return {"reference": str(remote.client.ref), "digest": remote.digest, "output": str(dest),
-            "bytes": b.total_bytes, "files": len(b.files), "chunks": s.chunks,
-            "bytes_fetched": s.network_bytes, "bytes_from_cache": s.cached_bytes,
-            "seconds": round(seconds, 3),
-            "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
-            "trust": remote.trust}
+    return write_files(remote, DirectoryWriter(dest), dest, use_cache=use_cache,
+                       cache_root=cache_root, workers=workers, progress=progress, total=total)
 
 
 def restore_remote(ref_text: str, to: str, name: str | None, opts: "RegistryOptions", *,

@@ -142,21 +142,26 @@ def check_output(output: Path) -> None:
         raise GpusnapError(f"cannot write {output}: {output.absolute().parent} does not exist")
 
 
-def write_archive(remote: Remote, output: Path, *, use_cache: bool = True,
-                  cache_root: Path | None = None, workers: int = WORKERS,
-                  progress: Progress | None = None,
-                  total: Callable[[int], None] | None = None,
-                  cancel: threading.Event | None = None) -> dict:
-    """Fetch every chunk (cache first), verify it, and write the archive.
-    ``cancel`` set stops it between two chunks (the reader gave up)."""
+def write_archive(remote: Remote, output: Path, **kw) -> dict:
+    """Fetch every chunk (cache first), verify it, and write the archive."""
     check_output(output)
+    return write_files(remote, ArchiveWriter(output), output, **kw)
+
+
+def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
+                cache_root: Path | None = None, workers: int = WORKERS,
+                progress: Progress | None = None,
+                total: Callable[[int], None] | None = None,
+                cancel: threading.Event | None = None) -> dict:
+    """The bundle's files, each chunk fetched (cache first) and verified, into
+    ``writer`` (an ArchiveWriter, or a DirectoryWriter: add/commit/abort).
+    ``cancel`` set stops it between two chunks (the reader gave up)."""
     cache = ChunkCache.open(cache_root) if use_cache else None
     b = remote.bundle
     if total:
         total(b.total_bytes)
     start = time.monotonic()
     downloader = Downloader(remote.client, cache, workers, progress, cipher=remote.cipher)
-    writer = ArchiveWriter(output)
     stream = downloader.fetch(c for f in b.files for c in f.chunks)
     if cancel is not None:
         stream = _until(stream, cancel)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, gpusnap_json, podman, read_counter, run,
                             wait_counter)
-from tests.integration.oci_registry import PASSWORD, Registry, make_registry
+from tests.integration.oci_registry import PASSWORD, Registry
 from tests.integration.shim_containerd import private_containerd, remove, run_counter, tasks
 from tests.integration.shim_containerd import wait_counter as shim_wait_counter
 
@@ -178,13 +178,6 @@ def state_files_since(t0: float) -> dict[str, int]:
             if st.st_mtime >= t0 - 1 and not stat.S_ISSOCK(st.st_mode) and mode(p) != 0o600:
                 wrong[str(p)] = mode(p)
     return wrong
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory) -> Registry:
-    reg = make_registry(tmp_path_factory.mktemp("registry"))
-    yield reg
-    reg.stop()
 
 
 @pytest.fixture

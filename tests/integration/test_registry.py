@@ -20,13 +20,6 @@ from tests.conftest import (DEMO_IMAGE, GPUSNAP, COUNTER, assert_one_line_error,
 from tests.integration.oci_registry import PASSWORD, USER, Registry, make_registry
 
 
-@pytest.fixture(scope="session")
-def registry(tmp_path_factory) -> Registry:
-    reg = make_registry(tmp_path_factory.mktemp("registry"))
-    yield reg
-    reg.stop()
-
-
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch) -> Path:
     """Each test its own chunk cache: a blob cached by one must not hide another's failure."""

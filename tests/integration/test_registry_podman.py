@@ -12,17 +12,10 @@ import pytest
 
 from tests.conftest import DEMO_IMAGE, assert_one_line_error, podman, read_counter, run, \
     wait_counter
-from tests.integration.oci_registry import PASSWORD, USER, Registry, make_registry
+from tests.integration.oci_registry import PASSWORD, USER, Registry
 from tests.integration.test_registry import fetch_manifest, gs, gs_json
 
 PREFIX = "io.podman.annotations.checkpoint."
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory) -> Registry:
-    reg = make_registry(tmp_path_factory.mktemp("registry-podman"))
-    yield reg
-    reg.stop()
 
 
 @pytest.fixture

@@ -31,13 +31,6 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 JOURNAL = Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap")) / "journal.jsonl"
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory) -> Registry:
-    reg = make_registry(tmp_path_factory.mktemp("registry-trust"))
-    yield reg
-    reg.stop()
-
-
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch) -> None:
     """Each test its own chunk cache and data key secret (docs/trust.md)."""

@@ -36,13 +36,6 @@ def containerd():
         yield c
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory) -> Registry:
-    reg = make_registry(tmp_path_factory.mktemp("registry"))
-    yield reg
-    reg.stop()
-
-
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch) -> Path:
     """Each test its own chunk cache."""
