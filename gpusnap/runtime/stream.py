@@ -161,12 +161,12 @@ def import_fifo(src: Path, near: Path | None = None, retarget: dict | None = Non
         shutil.rmtree(work, ignore_errors=True)
 
 
-# Podman 4 opens an import archive three times; the first two opens read only
+# Podman 4.3 opens an import archive three times; the first two opens read only
 # config.dump and spec.dump (seen with 4.3.1: opens 1 and 2 served a tar of those
-# two files alone, open 3 the whole archive, restored). Other versions get the
-# whole archive on every open: correct, with less overlap.
+# two files alone, open 3 the whole archive, restored). Versions not seen doing
+# so get the whole archive on every open: correct, with less overlap.
 def config_only_opens(podman_version: str) -> int:
-    return 2 if podman_version.startswith("4.") else 0
+    return 2 if podman_version.startswith("4.3.") else 0
 
 
 @contextmanager

@@ -59,3 +59,16 @@ def test_a_removed_file_is_seen_as_given_up(tmp_path):
     path.unlink()
     assert g.unlinked()
     g.close()
+
+
+def test_only_the_podman_seen_reading_config_first_gets_the_short_tar():
+    from gpusnap.runtime.stream import config_only_opens, config_tar
+    assert config_only_opens("4.3.1") == 2
+    assert config_only_opens("4.9.4") == 0  # not seen: whole archive on every open
+    assert config_only_opens("5.2.0") == 0 and config_only_opens("") == 0
+    assert config_tar({"config.dump": b"{}"}) is None  # spec.dump missing: the whole archive
+    import io
+    import tarfile
+    tar = config_tar({"config.dump": b"{}", "spec.dump": b"[]"})
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        assert t.getnames() == ["config.dump", "spec.dump"]
