@@ -278,9 +278,10 @@ def _restore_streaming(remote: Remote, archive: Path, head: bytes, plan, name: s
     job.add_done_callback(lambda f: f.exception() is not None and failed.touch())
     try:
         opens = stream_module.config_only_opens(podman.version())
+        target = name or (remote.bundle.summary.get("container") or {}).get("name")
         result = ops_restore.import_archive(
-            stream_module.import_following(archive, head, opens), contents, plan, name, keep,
-            tcp_established, str(remote.client.ref))
+            stream_module.import_following(archive, head, opens, target), contents, plan, name,
+            keep, tcp_established, str(remote.client.ref))
     except BaseException as exc:
         cancel.set()
         futures_wait([job])

@@ -11,10 +11,12 @@ ends when no process refers to the FIFO any more.
 export: FIFO -> (HEAD as a tar member, if the file exists then) -> zstd -T0
         -> PARTIAL (LEVEL 0: no zstd, the plain tar into PARTIAL). The exit status is zstd's. Renaming PARTIAL is the
         CLI's job, once Podman has succeeded: an orphaned pump leaves it.
-    python -m gpusnap.runtime.fifo_pump follow FIFO ARCHIVE HEAD HEAD_OPENS
+    python -m gpusnap.runtime.fifo_pump follow FIFO ARCHIVE HEAD HEAD_OPENS [NAME]
 
 follow: a restore streamed from a registry: the first HEAD_OPENS opens get the
-        small tar HEAD, later ones ARCHIVE while the CLI is still writing it.
+        small tar HEAD, later ones ARCHIVE while the CLI is still writing it;
+        a CLI gone mid-way cuts the stream and, once Podman is done, removes
+        the container NAME it half-made.
 import: the first HEAD_OPENS opens get HEAD (config.dump and spec.dump: all
         Podman 4 reads on them); every other open of FIFO gets a fresh
         `zstd -dc ARCHIVE` stream (a plain ARCHIVE as it is), or with
@@ -62,11 +64,12 @@ def referenced(path: str) -> bool:
     return False
 
 
-def _watchdog(fifo: str, parent: int) -> None:
+def _watchdog(fifo: str, parent: int, on_orphaned_exit=lambda: None) -> None:
     """While the CLI lives it decides; once it is gone, leave with the last user."""
     while True:
         time.sleep(0.5)
         if os.getppid() != parent and not referenced(fifo):
+            on_orphaned_exit()
             os._exit(3)
 
 
@@ -205,7 +208,7 @@ def serve(fifo: str, archive: str, retarget: str | None = None, head: str | None
             threading.Thread(target=_serve_one, args=(fd, archive), daemon=True).start()
 
 
-def _serve_growing(fd: int, archive: str, parent: int) -> None:
+def _serve_growing(fd: int, archive: str, parent: int, cut: threading.Event) -> None:
     """ARCHIVE as the CLI writes it (.ARCHIVE.partial, renamed to ARCHIVE when
     complete). A download that failed (the partial file removed, or
     .ARCHIVE.failed written) or a CLI gone ends the stream short: Podman then
@@ -222,6 +225,7 @@ def _serve_growing(fd: int, archive: str, parent: int) -> None:
         if failed.exists() or src.unlinked():
             raise OSError("the download failed")
         if os.getppid() != parent and not _alive(parent):
+            cut.set()
             raise OSError("gpusnap exited before the download was complete")
         return False
 
@@ -249,7 +253,22 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def follow(fifo: str, archive: str, head: str, head_opens: int, parent: int) -> int:
+def _remove_unfinished(name: str) -> None:
+    """The container Podman made from the config before its stream was cut
+    (the CLI, which removes it itself, is gone): its name was free before this
+    restore, so a container under it that does not run is the restore's debris."""
+    try:
+        state = subprocess.run(["podman", "container", "inspect", "--format",
+                                "{{.State.Status}}", name], capture_output=True, text=True,
+                               timeout=60)
+        if state.returncode == 0 and state.stdout.strip() != "running":
+            subprocess.run(["podman", "rm", "-f", name], capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        pass
+
+
+def follow(fifo: str, archive: str, head: str, head_opens: int, parent: int,
+           cut: threading.Event) -> int:
     """The first HEAD_OPENS readers get HEAD (a small tar of config.dump and
     spec.dump: all Podman reads on those opens), later ones the growing ARCHIVE."""
     served = 0
@@ -264,7 +283,7 @@ def follow(fifo: str, archive: str, head: str, head_opens: int, parent: int) -> 
             threading.Thread(target=_serve_bytes, args=(fd, Path(head).read_bytes()),
                              daemon=True).start()
         else:
-            threading.Thread(target=_serve_growing, args=(fd, archive, parent),
+            threading.Thread(target=_serve_growing, args=(fd, archive, parent, cut),
                              daemon=True).start()
 
 
@@ -284,11 +303,17 @@ def main(argv: list[str]) -> int:
     # The CLI names itself: by the time we get here it may already be dead and
     # our parent init, which would then never look gone.
     parent = int(os.environ.get(PUMP_PARENT_ENV) or os.getppid())
+    if mode == "follow":
+        # A stream cut because the CLI died leaves Podman's half-made container:
+        # removed once Podman is done with the FIFO, as the CLI would have.
+        cut, name = threading.Event(), argv[5] if len(argv) > 5 else None
+        threading.Thread(target=_watchdog, daemon=True,
+                         args=(fifo, parent, lambda: cut.is_set() and name and
+                               _remove_unfinished(name))).start()
+        return follow(fifo, argv[2], argv[3], int(argv[4]), parent, cut)
     threading.Thread(target=_watchdog, args=(fifo, parent), daemon=True).start()
     if mode == "export":
         return export(fifo, argv[2], argv[3], argv[4] if len(argv) > 4 else None)
-    if mode == "follow":
-        return follow(fifo, argv[2], argv[3], int(argv[4]), parent)
     rest = [None if a == "-" else a for a in argv[3:]]
     return serve(fifo, argv[2], *rest[:2], int(rest[2]) if len(rest) > 2 else 0)
 

@@ -170,14 +170,17 @@ def config_only_opens(podman_version: str) -> int:
 
 
 @contextmanager
-def import_following(archive: Path, head: bytes, head_opens: int) -> Iterator[Path]:
+def import_following(archive: Path, head: bytes, head_opens: int,
+                     name: str | None = None) -> Iterator[Path]:
     """Yield a FIFO Podman can `restore --import` while ``archive`` is still
     being written (by an ArchiveWriter: partial file, renamed when complete).
     ``head`` (a tar of config.dump and spec.dump) serves the first
-    ``head_opens`` opens, so Podman starts before the download ends."""
+    ``head_opens`` opens, so Podman starts before the download ends. ``name``:
+    the container being restored, removed by the pump if the CLI dies mid-way."""
     work, fifo = _fifo_dir(archive.parent)
     write_private(work / "head.tar", head)  # config.dump and spec.dump: the environment
-    server = _pump("follow", str(fifo), str(archive), str(work / "head.tar"), str(head_opens))
+    server = _pump("follow", str(fifo), str(archive), str(work / "head.tar"), str(head_opens),
+                   *([name] if name else []))
     try:
         yield fifo
     finally:
