@@ -26,7 +26,8 @@ mapfile -t pkgs < <(grep -v '^#' "$HERE/../../packaging/criu-debs.list" | tr ' '
 #   machine's Python (3.12, the PyTorch venv), unzipped there;
 # - bench/, the registry benches: docker-registry and oras, and the wheels the
 #   registry code needs that the PyTorch image lacks (zstandard, cryptography,
-#   pyroute2 for the benches' registry helper).
+#   pyroute2 for the benches' registry helper, bcrypt for its htpasswd) and a
+#   static busybox for the demo image the CPU-sized benches run.
 mkdir -p "$DIR/bin" "$DIR/wheels" "$DIR/bench/wheels"
 rm -rf "$DIR/containerd"  # the older layout
 if [ ! -f "$DIR/bin/tools.tar.zst" ]; then
@@ -35,6 +36,7 @@ if [ ! -f "$DIR/bin/tools.tar.zst" ]; then
   tar -C "$tmp/root/usr/bin" -cf - containerd ctr | zstd -q -19 -T0 -o "$DIR/bin/tools.tar.zst"
   rm -rf "$tmp"
 fi
+cp /bin/busybox "$DIR/bench/busybox"  # static: the CPU benches' demo image (packaging/demo-image.sh)
 if [ ! -f "$DIR/bench/tools.tar.zst" ]; then
   tmp=$(mktemp -d)
   cp "$(command -v docker-registry)" "$(command -v oras)" "$tmp/"
@@ -45,7 +47,7 @@ VENV_PIP=${GPUSNAP_VENV:-/opt/gpusnap/venv}/bin/pip
 versions=$("$VENV_PIP" list --format=freeze 2>/dev/null | grep -iE '^(grpcio|grpcio-tools|protobuf)==')
 pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$DIR/wheels" $versions
-bench_versions=$("$VENV_PIP" list --format=freeze 2>/dev/null | grep -iE '^(zstandard|cryptography|cffi|pyroute2)==')
+bench_versions=$("$VENV_PIP" list --format=freeze 2>/dev/null | grep -iE '^(zstandard|cryptography|cffi|bcrypt|pyroute2)==')
 pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   -d "$DIR/bench/wheels" $bench_versions

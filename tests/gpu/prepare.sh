@@ -81,3 +81,7 @@ export GPUSNAP_PYLIB=/opt/gpusnap/pylib
 GPUSNAP_OFFLINE=1 GPUSNAP_PYTHON=$TORCH_PY bash "$REPO/packaging/install.sh"
 podman info --format 'podman {{.Version.Version}}: {{.Store.GraphDriverName}}, cgroups {{.Host.CgroupsVersion}}, runtime {{.Host.OCIRuntime.Path}}'
 bash "$REPO/tests/gpu/gpu-image.sh"
+if [ -f "$BUNDLE/bench/busybox" ]; then  # the demo image of the CPU-sized benches
+  [ -x /bin/busybox ] || install -m 755 "$BUNDLE/bench/busybox" /bin/busybox
+  sh "$REPO/packaging/demo-image.sh"
+fi
