@@ -85,6 +85,15 @@ def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str) -> No
 
 
 @pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """The test's own chunk cache (GPUSNAP_CACHE_DIR): a blob cached by one test
+    must not hide another's failure."""
+    d = tmp_path / "chunk-cache"
+    monkeypatch.setenv("GPUSNAP_CACHE_DIR", str(d))
+    return d
+
+
+@pytest.fixture
 def name() -> str:
     n = f"gpusnap-test-{uuid.uuid4().hex[:8]}"
     yield n

@@ -15,6 +15,7 @@ from typing import Iterable
 
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.bundle import FileEntry
+from gpusnap.oci.tarfiles import sized
 
 
 class DirectoryWriter:
@@ -64,15 +65,8 @@ class DirectoryWriter:
     def _file(self, path: Path, entry: FileEntry, data: Iterable[bytes]) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
-            n = 0
-            for piece in data:
-                n += len(piece)
-                if n > entry.size:
-                    break
+            for piece in sized(entry, data):
                 f.write(piece)
-            if n != entry.size:
-                raise GpusnapError(f"{entry.path}: its chunks hold {n} bytes, the file list says "
-                                   f"{entry.size}", "the checkpoint in the registry is damaged")
             if self._root_is_root:
                 os.fchown(f.fileno(), entry.uid, entry.gid)
             os.fchmod(f.fileno(), entry.mode)

@@ -19,6 +19,7 @@ from gpusnap import MANIFEST_NAME
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.bundle import FileEntry
 from gpusnap.private import open_private
+from gpusnap.runtime.stream import partial_path
 from gpusnap.tarstream import DamagedStream, TarStream
 
 _TYPES = {tarfile.REGTYPE: "file", tarfile.AREGTYPE: "file", tarfile.DIRTYPE: "dir",
@@ -134,13 +135,26 @@ def tarinfo(entry: FileEntry) -> tarfile.TarInfo:
     return info
 
 
+def sized(entry: FileEntry, data: Iterable[bytes]) -> Iterator[bytes]:
+    """The pieces of a pulled file, checked to add up to the size its entry says."""
+    n = 0
+    for piece in data:
+        n += len(piece)
+        if n > entry.size:
+            break
+        yield piece
+    if n != entry.size:
+        raise GpusnapError(f"{entry.path}: its chunks hold {n} bytes, the file list says "
+                           f"{entry.size}", "the checkpoint in the registry is damaged")
+
+
 class ArchiveWriter:
     """A tar stream into ``path`` (zstd -T0 when it ends in .zst), written to
     a hidden partial file that becomes ``path`` only on commit()."""
 
     def __init__(self, path: Path, level: int = 1) -> None:
         self.path = path
-        self.partial = path.with_name(f".{path.name}.partial")
+        self.partial = partial_path(path)
         self.proc: subprocess.Popen | None = None
         if path.suffix == ".zst" and shutil.which("zstd") is None:
             raise GpusnapError("zstd is not installed; it compresses checkpoint archives",
@@ -191,15 +205,8 @@ class ArchiveWriter:
         self._write(tarinfo(entry).tobuf(format=tarfile.PAX_FORMAT))
         if entry.type != "file":
             return
-        n = 0
-        for piece in data:
-            n += len(piece)
-            if n > entry.size:
-                break
+        for piece in sized(entry, data):
             self._write(piece)
-        if n != entry.size:
-            raise GpusnapError(f"{entry.path}: its chunks hold {n} bytes, the file list says "
-                               f"{entry.size}", "the checkpoint in the registry is damaged")
         self._write(b"\0" * (-entry.size % tarfile.BLOCKSIZE))
 
     def commit(self) -> None:

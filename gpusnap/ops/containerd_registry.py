@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from gpusnap.errors import GpusnapError
+from gpusnap.runtime.storage import roomiest
 
 if TYPE_CHECKING:
     from gpusnap.gpu.manifest import Manifest
@@ -87,12 +88,7 @@ def staging_dir(size: int) -> Path:
     if not root.is_dir():
         raise GpusnapError(f"{root} is not a directory: there is nowhere to stage the checkpoint",
                            "create it, or set GPUSNAP_STAGING_DIR to a directory with room")
-    free = shutil.disk_usage(root).free
-    if free < size:
-        raise GpusnapError(f"not enough disk space to stage a {size >> 20} MiB checkpoint "
-                           f"({root} has {free >> 20} MiB free)",
-                           "free space there (or set GPUSNAP_STAGING_DIR to a larger disk)")
-    return root
+    return roomiest([root], size, "free space there (or set GPUSNAP_STAGING_DIR to a larger disk)")
 
 
 def _address(address: str | None) -> str:
@@ -150,10 +146,6 @@ def _running(c: "Client", container: str) -> bool:
 # --- push --------------------------------------------------------------------------------
 
 
-def _dir_size(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
-
-
 def _container_of(spec: dict) -> str:
     """The container id a checkpoint image does not record: ctr and nerdctl put it last in the cgroup path."""
     cgroup = (spec.get("linux") or {}).get("cgroupsPath") or ""
@@ -178,7 +170,7 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
     checkpointed first, or a checkpoint image laid out."""
     from gpusnap.ops.containerd_api import ContainerdError
     from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image
-    from gpusnap.ops.push import PushSource
+    from gpusnap.ops.push import PushSource, dir_size
 
     address = _address(address)
     loc = parse_uri(source)
@@ -227,7 +219,7 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
                     f"free space in {work.parent}"
                 raise GpusnapError(f"{what}: {exc}", hint) from None
             _record_origin(dest, loc.namespace, container)
-        size = _dir_size(dest)
+        size = dir_size(dest)
         yield PushSource("containerd-container" if container else "containerd-image", dest, size,
                          size, container=container)
     except (GpusnapError, KeyboardInterrupt) as exc:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import io
 import shutil
-import tarfile
 import tempfile
 import threading
 import time
@@ -187,11 +185,15 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             "trust": remote.trust}
 
 
+class _Stopped(GpusnapError):
+    """The download was stopped because its reader (Podman's import) failed."""
+
+
 def _until(stream: Iterator[bytes], cancel: threading.Event) -> Iterator[bytes]:
     try:
         for piece in stream:
             if cancel.is_set():
-                raise GpusnapError("the download was stopped: the restore failed")
+                raise _Stopped("the download was stopped: the restore failed")
             yield piece
     finally:
         stream.close()
@@ -239,56 +241,51 @@ def _staged_pull(remote: Remote, archive: Path, work: Path, **kw) -> dict:
 
 
 def _config_files(remote: Remote, use_cache: bool = True, cache_root: Path | None = None,
-                  **_) -> bytes | None:
-    """A tar of config.dump and spec.dump, fetched ahead of the rest: what Podman
-    reads on the opens before the one that imports (None: this Podman is not
-    known to do so, or the bundle lacks them; the restore is staged then)."""
-    opens = stream_module.config_only_opens(podman.version())
+                  **_) -> dict[str, bytes] | None:
+    """config.dump and spec.dump, fetched ahead of the rest: what Podman reads on
+    the opens before the one that imports (None: the bundle lacks one)."""
     entries = {f.path: f for f in remote.bundle.files if f.path in stream_module.CONFIG_FILES}
-    if not opens or len(entries) != len(stream_module.CONFIG_FILES):
+    if len(entries) != len(stream_module.CONFIG_FILES):
         return None
     downloader = Downloader(remote.client, ChunkCache.open(cache_root) if use_cache else None,
                             2, None, cipher=remote.cipher)
     try:
-        files = {name: b"".join(downloader.fetch(entries[name].chunks)) for name in entries}
+        return {name: b"".join(downloader.fetch(entries[name].chunks)) for name in entries}
     finally:
         downloader.close()
-    return stream_module.config_tar(files)
 
 
-def _restore_streaming(remote: Remote, archive: Path, head: bytes, plan, name: str | None,
-                       keep: bool, tcp_established: bool, work: Path, **kw) -> tuple[dict, dict]:
+def _restore_streaming(remote: Remote, archive: Path, files: dict[str, bytes], opens: int,
+                       plan, name: str | None, keep: bool, tcp_established: bool, work: Path,
+                       **kw) -> tuple[dict, dict]:
     """Download into ``archive`` while Podman imports it through a FIFO that
-    follows the file: the restore overlaps the download instead of following it."""
+    follows the file: the restore overlaps the download instead of following it.
+    Podman's first ``opens`` opens get a tar of ``files`` (config.dump, spec.dump)."""
     from gpusnap import archive as archive_files
     from gpusnap.criu.version import require_supported
     from gpusnap.ops import restore as ops_restore
 
     require_supported("restore")
-    contents = archive_files.CheckpointContents(source=str(remote.client.ref))
-    with tarfile.open(fileobj=io.BytesIO(head)) as tar:
-        for member in tar:
-            contents.files[member.name] = tar.extractfile(member).read()
+    contents = archive_files.CheckpointContents(source=str(remote.client.ref), files=dict(files))
     cancel = threading.Event()
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-download")
     job = pool.submit(_staged_pull, remote, archive, work, cancel=cancel, **kw)
     # A failed download must end Podman's stream too, or Podman waits for ever
     # on the FIFO (the pump follows the file until it is complete).
-    failed = archive.with_name(f".{archive.name}.failed")
+    failed = stream_module.failed_marker(archive)
     job.add_done_callback(lambda f: f.exception() is not None and failed.touch())
     try:
-        opens = stream_module.config_only_opens(podman.version())
         target = name or (remote.bundle.summary.get("container") or {}).get("name")
         result = ops_restore.import_archive(
-            stream_module.import_following(archive, head, opens, target), contents, plan, name,
-            keep, tcp_established, str(remote.client.ref))
+            stream_module.import_following(archive, stream_module.config_tar(files), opens,
+                                           target),
+            contents, plan, name, keep, tcp_established, str(remote.client.ref))
     except BaseException as exc:
         cancel.set()
         futures_wait([job])
-        failed = job.exception()
-        if isinstance(failed, GpusnapError) and not failed.message.startswith(
-                "the download was stopped"):
-            raise failed from None  # the download's failure is why Podman failed
+        cause = job.exception()
+        if isinstance(cause, GpusnapError) and not isinstance(cause, _Stopped):
+            raise cause from None  # the download's failure is why Podman failed
         raise exc
     finally:
         pool.shutdown(wait=True)
@@ -311,11 +308,14 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     archive = work / "checkpoint.tar"
     label = str(remote.client.ref)
     try:
-        head = None if plan.needs_remap else _config_files(remote, **kw)
-        if head is not None:  # Podman imports while the chunks arrive
-            result, pulled = _restore_streaming(remote, archive, head, plan, name, keep,
+        # Moved GPUs need the archive rewritten on its way: staged, as with a
+        # Podman not known to read only the config on its first opens.
+        opens = 0 if plan.needs_remap else stream_module.config_only_opens(podman.version())
+        files = _config_files(remote, **kw) if opens else None
+        if files is not None:  # Podman imports while the chunks arrive
+            result, pulled = _restore_streaming(remote, archive, files, opens, plan, name, keep,
                                                 tcp_established, work, **kw)
-        else:  # GPUs move (the archive is rewritten on its way), or an unknown Podman
+        else:
             pulled = _staged_pull(remote, archive, work, **kw)
             try:
                 result = ops_restore.run(str(archive), name, keep, tcp_established,

@@ -69,7 +69,8 @@ class PushSource:
     finish: Callable[[], None] = lambda: None
 
 
-def _dir_size(root: Path) -> int:
+def dir_size(root: Path) -> int:
+    """Bytes of the regular files under ``root``: a directory source's size."""
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
@@ -90,7 +91,7 @@ def resolve_source(source: str, leave_running: bool,
         return
     path = Path(source)
     if path.is_dir():
-        size = _dir_size(path)
+        size = dir_size(path)
         yield PushSource("directory", path, size, size)
         return
     if path.is_file():

@@ -26,6 +26,7 @@ import: the first HEAD_OPENS opens get HEAD (config.dump and spec.dump: all
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -33,9 +34,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from gpusnap.private import open_private
-from gpusnap.runtime.stream import PUMP_PARENT_ENV, tar_member
+from gpusnap.runtime.stream import (PUMP_PARENT_ENV, failed_marker, is_zstd, partial_path,
+                                    tar_member)
 
 _SPLICE = 1 << 20
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named only from Python 3.10 on Linux
@@ -76,15 +79,18 @@ def _watchdog(fifo: str, parent: int, on_orphaned_exit=lambda: None) -> None:
 def export(fifo: str, partial: str, level: str, head: str | None) -> int:
     src = os.open(fifo, os.O_RDONLY)  # returns once Podman opens it to write
     _widen(src)
-    if level == "0":
-        return _export_plain(src, partial, head)
     # PARTIAL is 0600 from the start (a checkpoint is process memory); zstd
     # writes to its stdout: with `-o` it would make the file itself, 0644.
-    with open_private(partial, "wb") as out:
-        zstd = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-c"],
-                                stdin=subprocess.PIPE, stdout=out)
-    sink = zstd.stdin.fileno()
-    _widen(sink)
+    out = open_private(partial, "wb")
+    zstd = None
+    if level != "0":
+        with out:
+            zstd = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-c"],
+                                    stdin=subprocess.PIPE, stdout=out)
+        sink = zstd.stdin.fileno()
+        _widen(sink)
+    else:  # the plain tar, which a push follows while it grows
+        sink = out.fileno()
     failed = False
     try:
         if head and os.path.isfile(head):  # written by the CRIU action script during the dump
@@ -94,36 +100,15 @@ def export(fifo: str, partial: str, level: str, head: str | None) -> int:
             pass
     except OSError as exc:
         failed = True
-        # zstd died (disk full). Podman 4.3 deadlocks when its export write
-        # fails (its tar goroutine blocks for ever), so read on to the end and
-        # let the CLI report the failure: the dump itself is kept locally.
+        # zstd died or the disk is full. Podman 4.3 deadlocks when its export
+        # write fails (its tar goroutine blocks for ever), so read on to the end
+        # and let the CLI report the failure: the dump itself is kept locally.
         print(f"gpusnap export pump: {exc}", file=sys.stderr)
         _drain(src)
     finally:
         os.close(src)
-        zstd.stdin.close()
-    return zstd.wait() or (1 if failed else 0)
-
-
-def _export_plain(src: int, partial: str, head: str | None) -> int:
-    """Level 0: the tar as Podman writes it, spliced into PARTIAL, which a
-    reader may follow while it grows (a push uploads it as the dump goes on)."""
-    failed = False
-    sink = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        if head and os.path.isfile(head):
-            with open(head, "rb") as f:
-                os.write(sink, tar_member(os.path.basename(head), f.read()))
-        while os.splice(src, sink, _SPLICE):
-            pass
-    except OSError as exc:
-        failed = True  # as above: read on, the CLI reports it
-        print(f"gpusnap export pump: {exc}", file=sys.stderr)
-        _drain(src)
-    finally:
-        os.close(src)
-        os.close(sink)
-    return 1 if failed else 0
+        (zstd.stdin if zstd else out).close()
+    return (zstd.wait() if zstd else 0) or (1 if failed else 0)
 
 
 def _drain(src: int) -> None:
@@ -138,7 +123,7 @@ def _drain(src: int) -> None:
 
 
 def _serve_one(fd: int, archive: str) -> None:
-    if not _is_zstd(archive):  # a plain tar: straight from the page cache
+    if not is_zstd(Path(archive)):  # a plain tar: straight from the page cache
         src = os.open(archive, os.O_RDONLY | os.O_CLOEXEC)
         try:
             while os.splice(src, fd, _SPLICE):
@@ -179,13 +164,10 @@ def _serve_retargeted(fd: int, archive: str, retarget: str) -> None:
         os.close(fd)
 
 
-def _is_zstd(path: str) -> bool:
-    from gpusnap.runtime.stream import is_zstd
-    return is_zstd(Path(path))
-
-
-def serve(fifo: str, archive: str, retarget: str | None = None, head: str | None = None,
+def serve(fifo: str, whole: Callable[[int], None], head: str | None = None,
           head_opens: int = 0) -> int:
+    """Serve each reader of FIFO: the first HEAD_OPENS get HEAD (config.dump and
+    spec.dump: all Podman 4.3 reads on those opens), the others ``whole(fd)``."""
     served = 0
     while True:
         fd = os.open(fifo, os.O_WRONLY)  # returns once a reader opens it
@@ -198,14 +180,11 @@ def serve(fifo: str, archive: str, retarget: str | None = None, head: str | None
         os.mkfifo(fresh, 0o600)
         os.replace(fresh, fifo)
         served += 1
-        if head and served <= head_opens:  # Podman reads only config.dump and spec.dump
+        if head and served <= head_opens:
             threading.Thread(target=_serve_bytes, args=(fd, Path(head).read_bytes()),
                              daemon=True).start()
-        elif retarget:
-            threading.Thread(target=_serve_retargeted, args=(fd, archive, retarget),
-                             daemon=True).start()
         else:
-            threading.Thread(target=_serve_one, args=(fd, archive), daemon=True).start()
+            threading.Thread(target=whole, args=(fd,), daemon=True).start()
 
 
 def _serve_growing(fd: int, archive: str, parent: int, cut: threading.Event) -> None:
@@ -216,8 +195,7 @@ def _serve_growing(fd: int, archive: str, parent: int, cut: threading.Event) -> 
     from gpusnap.runtime.follow import GrowingFile
 
     final = Path(archive)
-    partial = final.with_name(f".{final.name}.partial")
-    failed = final.with_name(f".{final.name}.failed")
+    partial, failed = partial_path(final), failed_marker(final)
 
     def finished() -> bool:
         if final.exists():
@@ -233,9 +211,7 @@ def _serve_growing(fd: int, archive: str, parent: int, cut: threading.Event) -> 
     buf = bytearray(_SPLICE)
     try:
         while n := src.readinto(buf):
-            view = memoryview(buf)[:n]
-            while view:
-                view = view[os.write(fd, view):]
+            _write_all(fd, memoryview(buf)[:n])
     except OSError:
         pass  # the reader closed its end, or the writer is gone: the stream ends short
     finally:
@@ -267,31 +243,14 @@ def _remove_unfinished(name: str) -> None:
         pass
 
 
-def follow(fifo: str, archive: str, head: str, head_opens: int, parent: int,
-           cut: threading.Event) -> int:
-    """The first HEAD_OPENS readers get HEAD (a small tar of config.dump and
-    spec.dump: all Podman reads on those opens), later ones the growing ARCHIVE."""
-    served = 0
-    while True:
-        fd = os.open(fifo, os.O_WRONLY)
-        _widen(fd)
-        fresh = f"{fifo}.next"  # a fresh FIFO per reader, as in serve()
-        os.mkfifo(fresh, 0o600)
-        os.replace(fresh, fifo)
-        served += 1
-        if served <= head_opens:
-            threading.Thread(target=_serve_bytes, args=(fd, Path(head).read_bytes()),
-                             daemon=True).start()
-        else:
-            threading.Thread(target=_serve_growing, args=(fd, archive, parent, cut),
-                             daemon=True).start()
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _serve_bytes(fd: int, data: bytes) -> None:
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        _write_all(fd, memoryview(data))
     except OSError:
         pass
     finally:
@@ -310,12 +269,16 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=_watchdog, daemon=True,
                          args=(fifo, parent, lambda: cut.is_set() and name and
                                _remove_unfinished(name))).start()
-        return follow(fifo, argv[2], argv[3], int(argv[4]), parent, cut)
+        return serve(fifo, functools.partial(_serve_growing, archive=argv[2], parent=parent,
+                                             cut=cut), argv[3], int(argv[4]))
     threading.Thread(target=_watchdog, args=(fifo, parent), daemon=True).start()
     if mode == "export":
         return export(fifo, argv[2], argv[3], argv[4] if len(argv) > 4 else None)
-    rest = [None if a == "-" else a for a in argv[3:]]
-    return serve(fifo, argv[2], *rest[:2], int(rest[2]) if len(rest) > 2 else 0)
+    archive = argv[2]
+    retarget, head, opens = ([None if a == "-" else a for a in argv[3:]] + [None, None, "0"])[:3]
+    whole = (functools.partial(_serve_retargeted, archive=archive, retarget=retarget)
+             if retarget else functools.partial(_serve_one, archive=archive))
+    return serve(fifo, whole, head, int(opens))
 
 
 if __name__ == "__main__":

@@ -30,12 +30,16 @@ def staging_dir(size: int) -> Path:
     root = storage_root()
     candidates = [c for c in (root.parent if root else None, Path("/var/tmp"))
                   if c is not None and c.is_dir()]
+    return roomiest(candidates, size, "free space beside Podman's storage or in /var/tmp")
+
+
+def roomiest(candidates: list[Path], size: int, hint: str) -> Path:
+    """The candidate directory with the most free space, if ``size`` bytes fit there."""
     best = max(candidates, key=lambda c: shutil.disk_usage(c).free)
     free = shutil.disk_usage(best).free
     if free < size:
         raise GpusnapError(f"not enough disk space to stage a {size >> 20} MiB checkpoint "
-                           f"archive ({best} has {free >> 20} MiB free)",
-                           "free space beside Podman's storage or in /var/tmp")
+                           f"({best} has {free >> 20} MiB free)", hint)
     return best
 
 

@@ -50,8 +50,13 @@ FIFO_NAME = "archive.tar"
 
 
 def partial_path(dest: Path) -> Path:
-    """Where an export is written until it is complete."""
+    """Where an export (or a pull, tarfiles.ArchiveWriter) is written until it is complete."""
     return dest.with_name(f".{dest.name}.partial")
+
+
+def failed_marker(dest: Path) -> Path:
+    """Written beside a streamed pull that failed: the pump then ends Podman's stream."""
+    return dest.with_name(f".{dest.name}.failed")
 
 
 def _fifo_dir(near: Path) -> tuple[Path, Path]:

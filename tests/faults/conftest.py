@@ -41,11 +41,8 @@ def registry(tmp_path) -> PlainRegistry:
 
 
 @pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch) -> Path:
+def _own_cache(cache_dir) -> None:
     """Each test its own chunk cache (the target host's): nothing cached hides a fault."""
-    d = tmp_path / "chunk-cache"
-    monkeypatch.setenv("GPUSNAP_CACHE_DIR", str(d))
-    return d
 
 
 @pytest.fixture

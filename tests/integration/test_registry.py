@@ -20,12 +20,7 @@ from tests.conftest import (DEMO_IMAGE, GPUSNAP, COUNTER, assert_one_line_error,
 from tests.integration.oci_registry import PASSWORD, USER, Registry, make_registry
 
 
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch) -> Path:
-    """Each test its own chunk cache: a blob cached by one must not hide another's failure."""
-    d = tmp_path / "chunk-cache"
-    monkeypatch.setenv("GPUSNAP_CACHE_DIR", str(d))
-    return d
+pytestmark = pytest.mark.usefixtures("cache_dir")  # each test its own chunk cache
 
 
 def gs(*args: str, password: str = PASSWORD, **kw) -> subprocess.CompletedProcess:

@@ -8,21 +8,12 @@ import shutil
 import uuid
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import DEMO_IMAGE, assert_one_line_error, podman, read_counter, run, \
     wait_counter
 from tests.integration.oci_registry import PASSWORD, USER, Registry
 from tests.integration.test_registry import fetch_manifest, gs, gs_json
 
 PREFIX = "io.podman.annotations.checkpoint."
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "chunk-cache"
-    monkeypatch.setenv("GPUSNAP_CACHE_DIR", str(d))
-    return d
 
 
 def podman_pull(registry: Registry, ref: str, tmp_path: Path) -> None:

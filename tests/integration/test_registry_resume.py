@@ -35,13 +35,6 @@ def registry(tmp_path) -> Registry:
 
 
 @pytest.fixture
-def cache_dir(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "chunk-cache"
-    monkeypatch.setenv("GPUSNAP_CACHE_DIR", str(d))
-    return d
-
-
-@pytest.fixture
 def source(tmp_path) -> Path:
     d = tmp_path / "ckpt"
     make_large_checkpoint(d, SIZE, seed=uuid.uuid4().int % 10**6)

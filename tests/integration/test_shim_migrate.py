@@ -40,6 +40,15 @@ def _ctr_ns(c, namespace: str, *args: str, check: bool = True) -> subprocess.Com
     return res
 
 
+def _counts_on(c, ns: str, name: str, pid: int, before: int) -> None:
+    assert f"{name} {pid} RUNNING" in " ".join(_ctr_ns(c, ns, "tasks", "ls").stdout.split())
+    first = read_tmp_c(pid)
+    assert before <= first < before + 50000, (before, first)  # restored, not started afresh
+    time.sleep(0.5)
+    assert read_tmp_c(pid) > first  # and counting
+    assert Path(f"/proc/{pid}/root/marker").read_text() == "kept\n"  # the rw layer came along
+
+
 def _cleanup_ns(c, namespace: str, name: str) -> None:
     _ctr_ns(c, namespace, "tasks", "kill", "-s", "KILL", name, check=False)
     deadline = time.monotonic() + 10
@@ -82,12 +91,7 @@ def test_checkpoint_image_exported_and_restored_in_another_namespace(containerd,
             run(["podman", "save", "--format", "docker-archive", "-o", str(tar), DEMO_IMAGE], check=True)
             _ctr_ns(c, other, "images", "import", str(tar))
             pid = import_dir(api, tmp_path / "exp", "mg1", stdout=f"file://{tmp_path}/out.log")
-        assert f"mg1 {pid} RUNNING" in " ".join(_ctr_ns(c, other, "tasks", "ls").stdout.split())
-        first = read_tmp_c(pid)
-        assert before <= first < before + 50000, (before, first)  # restored, not started afresh
-        time.sleep(0.5)
-        assert read_tmp_c(pid) > first  # and counting
-        assert Path(f"/proc/{pid}/root/marker").read_text() == "kept\n"  # the rw layer came along
+        _counts_on(c, other, "mg1", pid, before)
         info = json.loads(_ctr_ns(c, other, "containers", "info", "mg1").stdout)
         assert info["Runtime"]["Name"] == RUNTIME and info["Spec"]["linux"]["cgroupsPath"] == f"/{other}/mg1"
     finally:

@@ -27,7 +27,7 @@ from tests.integration.oci_registry import Registry, make_registry
 from tests.integration.shim_containerd import (
     RUNTIME, STAMPED_COUNTER, private_containerd, read_tmp_c, remove, tasks, wait_counter)
 from tests.integration.test_registry import gs, gs_json
-from tests.integration.test_shim_migrate import _cleanup_ns, _ctr_ns
+from tests.integration.test_shim_migrate import _cleanup_ns, _counts_on, _ctr_ns
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,7 @@ def containerd():
         yield c
 
 
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch) -> Path:
-    """Each test its own chunk cache."""
-    d = tmp_path / "chunk-cache"
-    monkeypatch.setenv("GPUSNAP_CACHE_DIR", str(d))
-    return d
+pytestmark = pytest.mark.usefixtures("cache_dir")  # each test its own chunk cache
 
 
 @pytest.fixture
@@ -68,15 +63,6 @@ def cd_flags(c) -> list[str]:
 
 def namespaces(c) -> set[str]:
     return set(_ctr_ns(c, "default", "namespaces", "ls", "-q").stdout.split())
-
-
-def _counts_on(c, ns: str, name: str, pid: int, before: int) -> None:
-    assert f"{name} {pid} RUNNING" in " ".join(_ctr_ns(c, ns, "tasks", "ls").stdout.split())
-    first = read_tmp_c(pid)
-    assert before <= first < before + 50000, (before, first)  # restored, not started afresh
-    time.sleep(0.5)
-    assert read_tmp_c(pid) > first  # and counting
-    assert Path(f"/proc/{pid}/root/marker").read_text() == "kept\n"  # the rw layer came along
 
 
 def _start(c, name: str) -> int:
