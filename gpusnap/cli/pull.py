@@ -16,7 +16,9 @@ from gpusnap.trust.options import TrustOptions
 def _human(r: dict) -> None:
     console.print(f"[bold green]Pulled[/] {r['reference']} -> {r['output']} in {r['seconds']:.2f} s: "
                   f"{human_bytes(r['bytes'])}, fetched {human_bytes(r['bytes_fetched'])}, "
-                  f"{human_bytes(r['bytes_from_cache'])} from the local cache; every digest checked")
+                  f"{human_bytes(r['bytes_from_cache'])} from the local cache"
+                  + (f", {human_bytes(r['bytes_repeated'])} repeated within the checkpoint"
+                     if r.get("bytes_repeated") else "") + "; every digest checked")
     line = trust_line(r.get("trust"))
     if line:
         console.print(line)

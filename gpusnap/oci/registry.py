@@ -288,6 +288,12 @@ class RegistryClient:
     def blob_exists(self, digest: str) -> bool:
         resp = self.request("HEAD", self.url(f"blobs/{digest}"))
         resp.close()
+        if resp.status_code >= 500:
+            # Still failing after the retries: a registry killed while linking a
+            # blob answers 500 for it from then on (docker-registry reads an empty
+            # link file). Sending the blob again is always safe, and its PUT
+            # rewrites the link; refusing would leave the push stuck for good.
+            return False
         if resp.status_code not in (200, 404):
             raise GpusnapError(f"registry {self.ref.registry}: HEAD blob {digest[:19]} "
                                f"answered HTTP {resp.status_code}")

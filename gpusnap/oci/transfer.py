@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # cryptography: only where a checkpoint is encrypted
 # 8 workers x 4 MiB average chunks keep every worker busy; a chunk and its
 # compressed copy coexist briefly, so chunk data stays under ~2x this.
 IN_FLIGHT_BYTES = 48 << 20
+# Blobs that occur again later in the same pull (zero pages, repeated weights)
+# are kept until their last occurrence, up to this many compressed bytes.
+REPEAT_BYTES = 64 << 20
 
 Progress = Callable[[int, int], None]  # (raw bytes done, bytes that crossed the network)
 
@@ -49,6 +52,7 @@ class Stats:
     raw_bytes: int = 0
     network_bytes: int = 0  # compressed bytes sent or fetched
     cached_bytes: int = 0  # compressed bytes served by the local cache (pull)
+    repeated_bytes: int = 0  # compressed bytes of a blob seen earlier in this pull
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -91,13 +95,14 @@ class _Pool:
         self._progress = progress
         self._local = threading.local()
 
-    def _count(self, raw: int, network: int, cached: int = 0) -> None:
+    def _count(self, raw: int, network: int, cached: int = 0, repeated: int = 0) -> None:
         with self._lock:
             self.stats.chunks += 1
             self.stats.chunks_transferred += 1 if network else 0
             self.stats.raw_bytes += raw
             self.stats.network_bytes += network
             self.stats.cached_bytes += cached
+            self.stats.repeated_bytes += repeated
         if self._progress:
             self._progress(raw, network)
 
@@ -180,23 +185,76 @@ class Uploader(_Pool):
         return digest
 
 
+class _Once:
+    """The first fetch of a blob in one pull; later occurrences wait for it."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.done = threading.Event()
+        self.blob: bytes | bytearray | None = None  # None: not kept, fetch it again
+        self.left = 0  # occurrences not yet served
+
+
 class Downloader(_Pool):
     """With a ``cipher`` (an encrypted checkpoint, Remote.cipher), each blob is
-    opened (AES-GCM, authenticated) before it is decompressed."""
+    opened (AES-GCM, authenticated) before it is decompressed.
+
+    A blob that occurs several times in one pull is fetched once: the first
+    occurrence's worker fetches it, later ones wait for it and take it from
+    memory (REPEAT_BYTES at most, dropped after its last occurrence). Two
+    workers never fetch one blob at once, so (while REPEAT_BYTES has room) the
+    counts do not depend on which worker ran first."""
 
     def __init__(self, client: RegistryClient, cache: ChunkCache | None, workers: int,
                  progress: Progress | None = None, cipher: ChunkCipher | None = None) -> None:
         self._zstd = need("zstandard")
         super().__init__(workers, progress)
         self.client, self.cache, self.cipher = client, cache, cipher
+        self._once: dict[str, _Once] = {}
+        self._kept = 0  # bytes of blobs held for a later occurrence
+
+    def _load(self, chunk: Chunk) -> tuple[bytes | bytearray, bool]:
+        """The blob from the cache or the registry; True when from the cache."""
+        blob = self.cache.get_blob(chunk.blob) if self.cache else None
+        if blob is not None:
+            return blob, True
+        blob = self.client.get_blob(chunk.blob, chunk.blob_size)
+        if self.cache:
+            self.cache.put_blob(chunk.blob, blob)
+        return blob, False
+
+    def _blob(self, chunk: Chunk) -> tuple[bytes | bytearray, str]:
+        """The blob and where it came from: "network", "cache" or "repeat"."""
+        with self._lock:
+            once = self._once[chunk.blob]
+            first, once.started = not once.started, True
+        if first:
+            try:
+                blob, from_cache = self._load(chunk)
+            except BaseException:
+                once.done.set()  # waiters fetch for themselves (and likely fail alike)
+                raise
+            with self._lock:
+                once.left -= 1
+                if once.left and self._kept + len(blob) <= REPEAT_BYTES:
+                    once.blob = blob
+                    self._kept += len(blob)
+            once.done.set()
+            return blob, "cache" if from_cache else "network"
+        once.done.wait()
+        with self._lock:
+            once.left -= 1
+            blob = once.blob
+            if blob is not None and not once.left:
+                once.blob = None
+                self._kept -= len(blob)
+        if blob is not None:
+            return blob, "repeat"
+        blob, from_cache = self._load(chunk)
+        return blob, "cache" if from_cache else "network"
 
     def _one(self, chunk: Chunk) -> bytes:
-        blob: bytes | bytearray | None = self.cache.get_blob(chunk.blob) if self.cache else None
-        cached = blob is not None
-        if blob is None:
-            blob = self.client.get_blob(chunk.blob, chunk.blob_size)
-            if self.cache:
-                self.cache.put_blob(chunk.blob, blob)
+        blob, source = self._blob(chunk)
         if not hasattr(self._local, "dctx"):
             self._local.dctx = self._zstd.ZstdDecompressor()
         frame = self.cipher.open_chunk(chunk.digest, blob, str(self.client.ref)) \
@@ -210,13 +268,20 @@ class Downloader(_Pool):
             raise DigestMismatch(f"chunk {chunk.digest} of {self.client.ref} does not match its "
                                  "digest after decompression",
                                  "the registry's copy is damaged: push the checkpoint again")
-        self._count(chunk.size, 0 if cached else len(blob), len(blob) if cached else 0)
+        n = len(blob)
+        self._count(chunk.size, n if source == "network" else 0, n if source == "cache" else 0,
+                    n if source == "repeat" else 0)
         return raw
 
     def fetch(self, chunks: Iterable[Chunk]) -> Iterator[bytes]:
         """The raw chunks' bytes, in order, each verified. A chunk's share of the
         budget is given back as it is handed out: the caller holds one chunk
         beyond the budget while it writes it."""
+        chunks = list(chunks)  # descriptors only: a few hundred bytes per chunk
+        self._once, self._kept = {}, 0
+        for d, n in Counter(c.blob for c in chunks).items():
+            self._once[d] = _Once()
+            self._once[d].left = n
         pending: deque[tuple[int, Future]] = deque()
         try:
             for chunk in chunks:

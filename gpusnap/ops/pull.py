@@ -180,7 +180,8 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
     return {"reference": str(remote.client.ref), "digest": remote.digest,
             "output": str(output), "bytes": b.total_bytes, "files": len(b.files),
             "chunks": s.chunks, "bytes_fetched": s.network_bytes,
-            "bytes_from_cache": s.cached_bytes, "seconds": round(seconds, 3),
+            "bytes_from_cache": s.cached_bytes, "bytes_repeated": s.repeated_bytes,
+            "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "trust": remote.trust}
 

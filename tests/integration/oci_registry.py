@@ -108,8 +108,14 @@ class Registry:
     def linked_blobs(self, repository: str) -> set[str]:
         """Blobs the repository holds: what a HEAD there answers 200 for."""
         layers = self.storage / "docker/registry/v2/repositories" / repository / "_layers/sha256"
-        return {f"sha256:{p.name}" for p in layers.glob("*") if (p / "link").is_file()} \
-            if layers.is_dir() else set()
+        if not layers.is_dir():
+            return set()
+        # A registry killed while writing a link leaves it empty: HEAD answers 500
+        # for that blob, so it does not count as held.
+        return {f"sha256:{p.name}" for p in layers.glob("*")
+                if _read(p / "link") == f"sha256:{p.name}"
+                and (self.storage / "docker/registry/v2/blobs/sha256" / p.name[:2] / p.name
+                     / "data").is_file()}
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -185,3 +191,10 @@ def make_large_checkpoint(root: Path, size: int, seed: int = 1) -> int:
             f.write(memoryview(base)[:n])
             left -= n
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""

@@ -154,6 +154,33 @@ def test_pull_stopped_by_a_dead_registry_resumes_from_the_chunk_cache(registry, 
     assert same_pages(out, source)
 
 
+def test_a_blob_left_half_linked_by_a_killed_registry_is_sent_again(registry, cache_dir,
+                                                                      tmp_path):
+    """docker-registry writes a blob's link file in place: SIGKILLed between the
+    truncate and the write, it answers 500 for that blob from then on. The next
+    push must not stop there: it sends the blob again, which rewrites the link."""
+    small = tmp_path / "small-ckpt"
+    make_large_checkpoint(small, 24 << 20, seed=11)
+    repo = f"ckpt/halflink-{uuid.uuid4().hex[:8]}"
+    ref = registry.ref(f"{repo}:v1")
+    first = gs_json("push", str(small), ref, *registry.flags())
+    layers = {layer["digest"]: layer["size"] for layer in fetch_manifest(registry, ref)["layers"]}
+    broken = sorted(layers)[0]
+    link = (registry.storage / "docker/registry/v2/repositories" / repo / "_layers/sha256"
+            / broken.split(":", 1)[1] / "link")
+    link.write_text("")
+    assert broken not in registry.linked_blobs(repo)
+
+    again = gs_json("push", str(small), ref, *registry.flags())
+    assert again["chunks"] == first["chunks"]
+    assert again["chunks_sent"] == 1
+    assert again["bytes_sent"] == layers[broken]
+    assert broken in registry.linked_blobs(repo)
+    out = tmp_path / "check.tar"
+    gs_json("pull", ref, "-o", str(out), "--no-cache", *registry.flags())
+    assert same_pages(out, small)
+
+
 @pytest.mark.parametrize("suffix", [".tar", ".tar.zst"])
 def test_disk_full_on_pull_is_one_line_and_leaves_no_file(registry, cache_dir, tmp_path, suffix):
     small = tmp_path / "small-ckpt"
