@@ -163,7 +163,7 @@ def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
                 continue
             contents.sizes[name] = member.size
             if name in METADATA and member.size <= _METADATA_LIMIT:
-                extracted = stream.tar.extractfile(member)
+                extracted = stream.data(member)
                 if extracted is not None:
                     contents.files[name] = extracted.read()
     except DamagedStream:

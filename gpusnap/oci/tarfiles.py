@@ -75,7 +75,7 @@ def archive_entries(path: Path, source: BinaryIO | None = None
             entry = entry_from_tarinfo(info)
             if entry is None or not entry.path:
                 continue
-            yield entry, stream.tar.extractfile(info) if entry.type == "file" else None
+            yield entry, stream.data(info) if entry.type == "file" else None
 
     ok = False
     try:
