@@ -87,6 +87,11 @@ def _registry_error(resp) -> str:
     return text or f"HTTP {resp.status_code} {resp.reason}"
 
 
+def _leave_as_is(request):
+    """A requests auth hook that adds nothing (see RegistryClient.__init__)."""
+    return request
+
+
 class RegistryClient:
     """One repository on one registry; methods are thread-safe."""
 
@@ -106,6 +111,10 @@ class RegistryClient:
         self.session.mount("https://", adapter)
         self.session.mount("http://", adapter)
         self.session.headers["User-Agent"] = "gpusnap"
+        # Our Authorization header is set per request; without a session auth,
+        # requests looks for ~/.netrc on every request (a tenth of a push's
+        # CPU over hundreds of chunks). Proxies from the environment still apply.
+        self.session.auth = _leave_as_is
         self.creds: Credentials | None = None
         if opts.username is not None:
             self.creds = Credentials(opts.username, opts.password or "", "--username")
