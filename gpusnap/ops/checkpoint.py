@@ -17,7 +17,7 @@ from gpusnap.ops.preconditions import has_checkpoint, require_running
 from gpusnap.private import restrict_tree
 from gpusnap.procs import ProcessGpuUse, cuda_processes, process_tree, rss_bytes
 from gpusnap.runtime import podman
-from gpusnap.runtime.stream import export_fifo
+from gpusnap.runtime.stream import export_fifo, export_plain
 
 # zstd -1 with all cores: an H100 host's checkpoint disk (1.2 GB/s) is the limit
 # from there on; -3 saves 4% of the size of a CUDA checkpoint.
@@ -103,8 +103,13 @@ def _dump(p: CheckpointPlan) -> None:
     if p.export is None:
         podman.checkpoint(p.container.id, None, p.leave_running, p.tcp_established, keep=p.keep)
         return
-    head = p.container.checkpoint_dir / MANIFEST_NAME
     journal.record("export-started", container=p.container.id, export=str(p.export))
+    if p.export_level == 0:  # the plain tar, for a push that follows it (and adds the head)
+        with export_plain(p.export) as target:
+            podman.checkpoint(p.container.id, target, p.leave_running, p.tcp_established,
+                              keep=True, compress="none")
+        return
+    head = p.container.checkpoint_dir / MANIFEST_NAME
     with export_fifo(p.export, p.export_level, head) as fifo:
         podman.checkpoint(p.container.id, fifo, p.leave_running, p.tcp_established,
                           keep=True, compress="none")

@@ -24,7 +24,7 @@ from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.runtime import podman
 from gpusnap.runtime.follow import follow
 from gpusnap.runtime.storage import image_repo_digests, staging_dir
-from gpusnap.runtime.stream import partial_path
+from gpusnap.runtime.stream import partial_path, tar_member
 from gpusnap.trust.options import TrustOptions
 
 if TYPE_CHECKING:  # cryptography: imported by push() itself
@@ -120,7 +120,8 @@ def resolve_source(source: str, leave_running: bool,
         try:
             yield PushSource("container", export, plan.estimate_bytes, plan.estimate_bytes,
                              container=plan.container.name,
-                             follow=(lambda: follow([partial_path(export), export], job.done))
+                             follow=(lambda: follow([partial_path(export), export], job.done,
+                                                    head=_manifest_member(plan)))
                              if stream else None,
                              finish=job.result)
         except BaseException:
@@ -148,6 +149,20 @@ def resolve_source(source: str, leave_running: bool,
         pool.shutdown(wait=True)
         if not stopped:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _manifest_member(plan) -> Callable[[], bytes]:
+    """The GPU manifest as the archive's first member, as `gpusnap checkpoint
+    --export` writes it (restore checks read it without the memory pages).
+    The CRIU action script wrote it during the dump, before Podman's export."""
+    path = plan.container.checkpoint_dir / MANIFEST_NAME
+
+    def member() -> bytes:
+        try:
+            return tar_member(MANIFEST_NAME, path.read_bytes())
+        except FileNotFoundError:
+            return b""  # no CUDA process: no manifest
+    return member
 
 
 def _entries(src: PushSource):

@@ -28,11 +28,14 @@ class GrowingFile(io.RawIOBase):
     the caller asks the writer why.
     """
 
-    def __init__(self, paths: list[Path], finished: Callable[[], bool]) -> None:
+    def __init__(self, paths: list[Path], finished: Callable[[], bool],
+                 head: Callable[[], bytes] | None = None) -> None:
         super().__init__()
         self._paths = paths
         self._finished = finished
         self._fd: int | None = None
+        self._head = head  # asked once the file has its first byte: served before it
+        self._pending = b""
 
     def readable(self) -> bool:
         return True
@@ -54,10 +57,27 @@ class GrowingFile(io.RawIOBase):
                     return 0
                 time.sleep(_POLL)
                 continue
+            if self._head is not None and not self._started(done):
+                time.sleep(_POLL)
+                continue
+            if self._pending:
+                n = min(len(buf), len(self._pending))
+                buf[:n] = self._pending[:n]
+                self._pending = self._pending[n:]
+                return n
             n = os.readv(self._fd, [buf])
             if n or done:
                 return n
             time.sleep(_POLL)
+
+    def _started(self, done: bool) -> bool:
+        """Has the writer begun (or ended)? Then the head is taken, once."""
+        if os.fstat(self._fd).st_size == 0 and not done:
+            return False
+        if os.fstat(self._fd).st_size:
+            self._pending = self._head()
+        self._head = None
+        return True
 
     def unlinked(self) -> bool:
         """The file being followed was removed (its writer gave up)."""
@@ -70,5 +90,8 @@ class GrowingFile(io.RawIOBase):
         super().close()
 
 
-def follow(paths: list[Path], finished: Callable[[], bool], buffer: int = 1 << 20) -> io.BufferedReader:
-    return io.BufferedReader(GrowingFile(paths, finished), buffer)
+def follow(paths: list[Path], finished: Callable[[], bool], head: Callable[[], bytes] | None = None,
+           buffer: int = 1 << 20) -> io.BufferedReader:
+    """``head``: bytes that go ahead of the file's, asked for when its writer
+    has begun (a tar member made from a file that exists by then)."""
+    return io.BufferedReader(GrowingFile(paths, finished, head), buffer)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Iterator
 
 from gpusnap.errors import GpusnapError
-from gpusnap.private import write_private
+from gpusnap.private import open_private, write_private
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 PUMP_PARENT_ENV = "GPUSNAP_PUMP_PARENT"  # the CLI's pid, for the pump's watchdog
@@ -84,6 +84,43 @@ def _stop(proc: subprocess.Popen) -> str:
     return proc.communicate()[1].decode(errors="replace").strip()
 
 
+DISK_FULL = "No space left on device"
+
+
+def disk_full(dest: Path) -> str:
+    return f"the disk is full ({DISK_FULL} in {dest.parent})"
+
+
+@contextmanager
+def export_plain(dest: Path) -> Iterator[Path]:
+    """Yield the path for `podman container checkpoint --export PATH --compress none`.
+
+    Podman writes the plain tar itself into ``partial_path(dest)`` (made 0600
+    first: Podman truncates it and keeps the mode), which a push follows as it
+    grows (follow.py); renamed to ``dest`` on a clean exit, removed on an
+    exception. No FIFO: with nothing to compress, a pump would only copy every
+    byte once more (a second of system CPU per GB on a small host). Podman 4.3
+    returns "no space left on device" on a full disk, it does not hang as it
+    does on a broken FIFO.
+    """
+    partial = partial_path(dest)
+    open_private(partial, "wb").close()
+    ok = False
+    try:
+        yield partial
+        ok = True
+    except GpusnapError as exc:
+        if DISK_FULL.lower() in exc.message.lower():
+            raise GpusnapError(f"writing {dest} failed: {disk_full(dest)}",
+                               "free space there or export elsewhere") from None
+        raise
+    finally:
+        if ok:
+            os.replace(partial, dest)
+        else:
+            partial.unlink(missing_ok=True)
+
+
 @contextmanager
 def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterator[Path]:
     """Yield a FIFO for `podman container checkpoint --export FIFO --compress none`.
@@ -118,8 +155,8 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
         # writing side failed, that is the cause, and Podman's broken pipe the effect.
         if err or (ok and rc != 0):
             reason = err.splitlines()[0] if err else f"zstd exited with {rc}"
-            if "No space left on device" in reason:  # zstd says "error 70 : Write error : ..."
-                reason = f"the disk is full (No space left on device in {dest.parent})"
+            if DISK_FULL in reason:  # zstd says "error 70 : Write error : ..."
+                reason = disk_full(dest)
             raise GpusnapError(f"writing {dest} failed: {reason.removeprefix('zstd: ')}",
                                "free space there or export elsewhere")
 

@@ -72,3 +72,28 @@ def test_only_the_podman_seen_reading_config_first_gets_the_short_tar():
     tar = config_tar({"config.dump": b"{}", "spec.dump": b"[]"})
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:
         assert t.getnames() == ["config.dump", "spec.dump"]
+
+
+def test_a_head_goes_ahead_of_the_file_once_its_writer_has_begun(tmp_path):
+    """The head is asked for only when the file has its first byte (the GPU
+    manifest exists by then), and an empty file that ends gets no head."""
+    partial, final = tmp_path / ".a.tar.partial", tmp_path / "a.tar"
+    partial.write_bytes(b"")  # made before the dump, written after it
+    asked: list[int] = []
+
+    def head() -> bytes:
+        asked.append(partial.stat().st_size if partial.exists() else final.stat().st_size)
+        return b"HEAD"
+    done = threading.Event()
+    t = _writer(partial, final, [b"a" * 100, b"b" * 100], done)
+    with follow([partial, final], done.is_set, head=head, buffer=16) as f:
+        got = f.read()
+    t.join()
+    assert got == b"HEAD" + b"a" * 100 + b"b" * 100
+    assert len(asked) == 1 and asked[0] > 0
+
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    with follow([empty], lambda: True, head=head) as f:
+        assert f.read() == b""
+    assert len(asked) == 1
