@@ -9,8 +9,9 @@ ends when no process refers to the FIFO any more.
     python -m gpusnap.runtime.fifo_pump import FIFO ARCHIVE [RETARGET|- [HEAD HEAD_OPENS]]
 
 export: FIFO -> (HEAD as a tar member, if the file exists then) -> zstd -T0
-        -> PARTIAL (LEVEL 0: no zstd, the plain tar into PARTIAL). The exit status is zstd's. Renaming PARTIAL is the
+        -> PARTIAL. The exit status is zstd's. Renaming PARTIAL is the
         CLI's job, once Podman has succeeded: an orphaned pump leaves it.
+        (A plain export needs no pump: Podman writes it, stream.export_plain.)
     python -m gpusnap.runtime.fifo_pump follow FIFO ARCHIVE HEAD HEAD_OPENS [NAME]
 
 follow: a restore streamed from a registry: the first HEAD_OPENS opens get the
@@ -82,15 +83,11 @@ def export(fifo: str, partial: str, level: str, head: str | None) -> int:
     # PARTIAL is 0600 from the start (a checkpoint is process memory); zstd
     # writes to its stdout: with `-o` it would make the file itself, 0644.
     out = open_private(partial, "wb")
-    zstd = None
-    if level != "0":
-        with out:
-            zstd = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-c"],
-                                    stdin=subprocess.PIPE, stdout=out)
-        sink = zstd.stdin.fileno()
-        _widen(sink)
-    else:  # the plain tar, which a push follows while it grows
-        sink = out.fileno()
+    with out:
+        zstd = subprocess.Popen(["zstd", "-q", "-T0", f"-{level}", "-c"],
+                                stdin=subprocess.PIPE, stdout=out)
+    sink = zstd.stdin.fileno()
+    _widen(sink)
     failed = False
     try:
         if head and os.path.isfile(head):  # written by the CRIU action script during the dump
@@ -107,8 +104,8 @@ def export(fifo: str, partial: str, level: str, head: str | None) -> int:
         _drain(src)
     finally:
         os.close(src)
-        (zstd.stdin if zstd else out).close()
-    return (zstd.wait() if zstd else 0) or (1 if failed else 0)
+        zstd.stdin.close()
+    return zstd.wait() or (1 if failed else 0)
 
 
 def _drain(src: int) -> None:

@@ -127,11 +127,10 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
 
     ``head``, if the file exists once Podman starts writing (the dump is
     complete then), goes ahead of Podman's own members. On a clean exit the
-    archive is at ``dest``; on an exception nothing is left there. Level 0
-    writes the plain tar, which a reader may follow while it grows
-    (``partial_path(dest)``, then ``dest``: see follow.py).
+    archive is at ``dest``; on an exception nothing is left there. (A plain
+    tar needs no FIFO: export_plain.)
     """
-    if level and shutil.which("zstd") is None:
+    if shutil.which("zstd") is None:
         raise GpusnapError("zstd is not installed; it compresses checkpoint archives",
                            "install zstd (`make deps`)")
     work, fifo = _fifo_dir(dest.parent)

@@ -154,6 +154,25 @@ def test_export_to_a_full_disk_leave_running(counter, small_disk):
     assert not (Path(userdata) / "checkpoint").exists(), "a stale dump of a running container"
 
 
+def test_plain_export_for_a_push_to_a_full_disk(counter, small_disk):
+    """The plain tar a push follows is written by Podman itself (no FIFO): a
+    full disk is one clear error, no partial file, and the dump restorable."""
+    from gpusnap.errors import GpusnapError
+    from gpusnap.ops import checkpoint as ops
+
+    podman("exec", counter, "sh", "-c", "dd if=/dev/urandom of=/tmp/fill bs=1M count=4 2>/dev/null")
+    before = read_counter(counter)
+    target = small_disk / "checkpoint.tar"
+    plan = ops.plan(counter, str(target), False, False, 10_000, skip_space_check=True,
+                    export_level=0)
+    with pytest.raises(GpusnapError) as err:
+        ops.run(plan)
+    assert "the disk is full" in err.value.message and "kept locally" in err.value.message
+    assert sorted(os.listdir(small_disk)) == []
+    gpusnap_json("restore", counter)
+    assert wait_counter(counter, before) > before
+
+
 def test_cli_killed_mid_checkpoint_leaves_it_restorable(counter, tmp_path):
     podman("exec", counter, "sh", "-c", "dd if=/dev/urandom of=/dev/shm/fill bs=1M count=48 2>/dev/null")
     before = read_counter(counter)
