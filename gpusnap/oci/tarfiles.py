@@ -19,7 +19,7 @@ from gpusnap import MANIFEST_NAME
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.bundle import FileEntry
 from gpusnap.private import open_private
-from gpusnap.runtime.stream import partial_path
+from gpusnap.runtime.stream import PipeSink, partial_path
 from gpusnap.tarstream import DamagedStream, TarStream
 
 _TYPES = {tarfile.REGTYPE: "file", tarfile.AREGTYPE: "file", tarfile.DIRTYPE: "dir",
@@ -148,7 +148,60 @@ def sized(entry: FileEntry, data: Iterable[bytes]) -> Iterator[bytes]:
                            f"{entry.size}", "the checkpoint in the registry is damaged")
 
 
-class ArchiveWriter:
+class ReaderStopped(GpusnapError):
+    """The archive's reader (Podman's import) stopped: the download stops too."""
+
+
+class _TarWriter:
+    """A tar stream of FileEntries and their chunks; subclasses say where it goes."""
+
+    written = 0
+
+    def _put(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _write(self, data: bytes) -> None:
+        self._put(data)
+        self.written += len(data)
+
+    def add(self, entry: FileEntry, data: Iterable[bytes]) -> None:
+        self._write(tarinfo(entry).tobuf(format=tarfile.PAX_FORMAT))
+        if entry.type != "file":
+            return
+        for piece in sized(entry, data):
+            self._write(piece)
+        self._write(b"\0" * (-entry.size % tarfile.BLOCKSIZE))
+
+    def _write_end(self) -> None:
+        end = b"\0" * (2 * tarfile.BLOCKSIZE)
+        self._write(end + b"\0" * (-(self.written + len(end)) % tarfile.RECORDSIZE))
+
+
+class PipeWriter(_TarWriter):
+    """The tar into a streamed import's pipe (stream.import_piped)."""
+
+    def __init__(self, sink: PipeSink) -> None:
+        self.sink = sink
+
+    def _put(self, data: bytes) -> None:
+        try:
+            self.sink.write(data)
+        except (OSError, ValueError):  # the pump closed the pipe (Podman stopped), or we did
+            raise ReaderStopped("the download was stopped: the restore failed") from None
+
+    def commit(self) -> None:
+        self.sink.done()
+        try:
+            self._write_end()
+        except ReaderStopped:
+            pass  # Podman stops reading at the end marker: it had every member
+        self.sink.close()
+
+    def abort(self) -> None:
+        self.sink.close()
+
+
+class ArchiveWriter(_TarWriter):
     """A tar stream into ``path`` (zstd -T0 when it ends in .zst), written to
     a hidden partial file that becomes ``path`` only on commit()."""
 
@@ -175,14 +228,12 @@ class ArchiveWriter:
             self.out = self.proc.stdin
         else:
             self.out = sink
-        self.written = 0
 
-    def _write(self, data: bytes) -> None:
+    def _put(self, data: bytes) -> None:
         try:
             self.out.write(data)
-        except (BrokenPipeError, OSError) as exc:
+        except OSError as exc:
             raise self._failed(self._zstd_error() or exc.strerror or str(exc)) from None
-        self.written += len(data)
 
     def _failed(self, why: str) -> GpusnapError:
         if "No space left on device" in why:  # zstd: "error 70 : Write error : ... No space ..."
@@ -201,17 +252,8 @@ class ArchiveWriter:
             return ""
         return self.proc.stderr.read().decode(errors="replace").strip().removeprefix("zstd: ")
 
-    def add(self, entry: FileEntry, data: Iterable[bytes]) -> None:
-        self._write(tarinfo(entry).tobuf(format=tarfile.PAX_FORMAT))
-        if entry.type != "file":
-            return
-        for piece in sized(entry, data):
-            self._write(piece)
-        self._write(b"\0" * (-entry.size % tarfile.BLOCKSIZE))
-
     def commit(self) -> None:
-        end = b"\0" * (2 * tarfile.BLOCKSIZE)
-        self._write(end + b"\0" * (-(self.written + len(end)) % tarfile.RECORDSIZE))
+        self._write_end()
         try:
             self.out.close()
         except OSError as exc:

@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -18,7 +19,7 @@ from gpusnap.oci import bundle as fmt
 from gpusnap.oci import podman_image, reference
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
-from gpusnap.oci.tarfiles import ArchiveWriter
+from gpusnap.oci.tarfiles import ArchiveWriter, PipeWriter, ReaderStopped
 from gpusnap.oci.transfer import Downloader, Progress
 from gpusnap.runtime import podman
 from gpusnap.runtime import stream as stream_module
@@ -186,15 +187,11 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             "trust": remote.trust}
 
 
-class _Stopped(GpusnapError):
-    """The download was stopped because its reader (Podman's import) failed."""
-
-
 def _until(stream: Iterator[bytes], cancel: threading.Event) -> Iterator[bytes]:
     try:
         for piece in stream:
             if cancel.is_set():
-                raise _Stopped("the download was stopped: the restore failed")
+                raise ReaderStopped("the download was stopped: the restore failed")
             yield piece
     finally:
         stream.close()
@@ -256,36 +253,40 @@ def _config_files(remote: Remote, use_cache: bool = True, cache_root: Path | Non
         downloader.close()
 
 
-def _restore_streaming(remote: Remote, archive: Path, files: dict[str, bytes], opens: int,
-                       plan, name: str | None, keep: bool, tcp_established: bool, work: Path,
+def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan,
+                       name: str | None, keep: bool, tcp_established: bool,
                        **kw) -> tuple[dict, dict]:
-    """Download into ``archive`` while Podman imports it through a FIFO that
-    follows the file: the restore overlaps the download instead of following it.
-    Podman's first ``opens`` opens get a tar of ``files`` (config.dump, spec.dump)."""
+    """Podman imports through a FIFO fed by the download as it arrives: the
+    restore overlaps the download, and nothing is staged on disk. Podman's
+    first ``opens`` opens get a tar of ``files`` (config.dump, spec.dump)."""
     from gpusnap import archive as archive_files
     from gpusnap.criu.version import require_supported
     from gpusnap.ops import restore as ops_restore
 
     require_supported("restore")
     contents = archive_files.CheckpointContents(source=str(remote.client.ref), files=dict(files))
+    target = name or (remote.bundle.summary.get("container") or {}).get("name")
+    label = str(remote.client.ref)
     cancel = threading.Event()
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-download")
-    job = pool.submit(_staged_pull, remote, archive, work, cancel=cancel, **kw)
-    # A failed download must end Podman's stream too, or Podman waits for ever
-    # on the FIFO (the pump follows the file until it is complete).
-    failed = stream_module.failed_marker(archive)
-    job.add_done_callback(lambda f: f.exception() is not None and failed.touch())
+    job = None
     try:
-        target = name or (remote.bundle.summary.get("container") or {}).get("name")
-        result = ops_restore.import_archive(
-            stream_module.import_following(archive, stream_module.config_tar(files), opens,
-                                           target),
-            contents, plan, name, keep, tcp_established, str(remote.client.ref))
+        # Leaving this stops the pump: a download blocked on the full pipe fails then.
+        # The FIFO's folder is where doctor looks for what a killed CLI left.
+        with tempfile.TemporaryDirectory(prefix=".gpusnap-pull-", dir=staging_dir(0)) as near, \
+                stream_module.import_piped(Path(near), stream_module.config_tar(files), opens,
+                                           target) as (fifo, sink):
+            job = pool.submit(write_files, remote, PipeWriter(sink), Path(label),
+                              cancel=cancel, **kw)
+            result = ops_restore.import_archive(nullcontext(fifo), contents, plan, name, keep,
+                                                tcp_established, label)
     except BaseException as exc:
         cancel.set()
+        if job is None:
+            raise
         futures_wait([job])
         cause = job.exception()
-        if isinstance(cause, GpusnapError) and not isinstance(cause, _Stopped):
+        if isinstance(cause, GpusnapError) and not isinstance(cause, ReaderStopped):
             raise cause from None  # the download's failure is why Podman failed
         raise exc
     finally:
@@ -293,38 +294,47 @@ def _restore_streaming(remote: Remote, archive: Path, files: dict[str, bytes], o
     return result, {**job.result(), "streamed": True}
 
 
+def _restore_staged(remote: Remote, name: str | None, keep: bool, tcp_established: bool,
+                    gpu_map: str | None, **kw) -> tuple[dict, dict]:
+    """Pull into a staged plain tar, then restore it as `gpusnap restore FILE` does."""
+    from gpusnap.ops import restore as ops_restore
+
+    work = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-",
+                                 dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
+    archive = work / "checkpoint.tar"
+    try:
+        pulled = _staged_pull(remote, archive, work, **kw)
+        try:
+            return ops_restore.run(str(archive), name, keep, tcp_established,
+                                   gpu_map=gpu_map), pulled
+        except GpusnapError as exc:
+            raise GpusnapError(exc.message.replace(str(archive), str(remote.client.ref)),
+                               exc.hint) from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
             opts: RegistryOptions, gpu_map: str | None = None, dry_run: bool = False,
             trust: TrustOptions | None = None, **kw) -> dict:
-    """Pull into a staged plain tar (no compression round trip) that Podman imports
-    while it is written, then drop it."""
+    """Podman imports the plain tar as the chunks arrive (no compression round
+    trip, nothing staged); where the archive must be rewritten (moved GPUs) or
+    Podman is not known to read only the config first, a staged pull, then restore."""
     from gpusnap.ops import restore as ops_restore
 
     remote = open_remote(ref_text, opts, trust)
     plan = _restore_checks(remote, name, gpu_map, dry_run)
     if dry_run:
         return ops_restore.plan_report(str(remote.client.ref), plan)
-    work = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-",
-                                 dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
-    archive = work / "checkpoint.tar"
-    label = str(remote.client.ref)
-    try:
-        # Moved GPUs need the archive rewritten on its way: staged, as with a
-        # Podman not known to read only the config on its first opens.
-        opens = 0 if plan.needs_remap else stream_module.config_only_opens(podman.version())
-        files = _config_files(remote, **kw) if opens else None
-        if files is not None:  # Podman imports while the chunks arrive
-            result, pulled = _restore_streaming(remote, archive, files, opens, plan, name, keep,
-                                                tcp_established, work, **kw)
-        else:
-            pulled = _staged_pull(remote, archive, work, **kw)
-            try:
-                result = ops_restore.run(str(archive), name, keep, tcp_established,
-                                         gpu_map=gpu_map)
-            except GpusnapError as exc:
-                raise GpusnapError(exc.message.replace(str(archive), label), exc.hint) from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    # Moved GPUs need the archive rewritten on its way: staged, as with a
+    # Podman not known to read only the config on its first opens.
+    opens = 0 if plan.needs_remap else stream_module.config_only_opens(podman.version())
+    files = _config_files(remote, **kw) if opens else None
+    if files is not None:  # Podman imports while the chunks arrive
+        result, pulled = _restore_streaming(remote, files, opens, plan, name, keep,
+                                            tcp_established, **kw)
+    else:
+        result, pulled = _restore_staged(remote, name, keep, tcp_established, gpu_map, **kw)
     result["source"] = str(remote.client.ref)
     result["pull"] = pulled
     result["trust"] = remote.trust

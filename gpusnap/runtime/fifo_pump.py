@@ -12,12 +12,15 @@ export: FIFO -> (HEAD as a tar member, if the file exists then) -> zstd -T0
         -> PARTIAL. The exit status is zstd's. Renaming PARTIAL is the
         CLI's job, once Podman has succeeded: an orphaned pump leaves it.
         (A plain export needs no pump: Podman writes it, stream.export_plain.)
-    python -m gpusnap.runtime.fifo_pump follow FIFO ARCHIVE HEAD HEAD_OPENS [NAME]
+    python -m gpusnap.runtime.fifo_pump pipe FIFO FD DONE HEAD HEAD_OPENS [NAME]
 
-follow: a restore streamed from a registry: the first HEAD_OPENS opens get the
-        small tar HEAD, later ones ARCHIVE while the CLI is still writing it;
-        a CLI gone mid-way cuts the stream and, once Podman is done, removes
-        the container NAME it half-made.
+pipe:   a restore streamed from a registry: the first HEAD_OPENS opens get the
+        small tar HEAD, the next one what the CLI writes into the pipe FD (the
+        pump's copy of its read end), spliced on as it comes. The CLI creates
+        DONE once the whole tar is in the pipe; a pipe that ends without it (a
+        failed download, a CLI gone) is never handed on as an archive: the
+        reader is killed before its stream ends, and once Podman is done, the
+        container NAME it half-made is removed.
 import: the first HEAD_OPENS opens get HEAD (config.dump and spec.dump: all
         Podman 4 reads on them); every other open of FIFO gets a fresh
         `zstd -dc ARCHIVE` stream (a plain ARCHIVE as it is), or with
@@ -30,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -38,34 +42,28 @@ from pathlib import Path
 from typing import Callable
 
 from gpusnap.private import open_private
-from gpusnap.runtime.stream import (PUMP_PARENT_ENV, failed_marker, is_zstd, partial_path,
-                                    tar_member)
+from gpusnap.runtime.stream import PIPE_SIZE, PUMP_PARENT_ENV, is_zstd, tar_member
+from gpusnap.runtime.stream import widen as _widen
 
-_SPLICE = 1 << 20
-_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named only from Python 3.10 on Linux
-
-
-def _widen(fd: int) -> None:
-    """A 1 MiB pipe buffer instead of 64 KiB: several times the throughput
-    for the gigabytes of a GPU checkpoint (pipe-max-size allows 1 MiB by default)."""
-    import fcntl
-    try:
-        fcntl.fcntl(fd, _F_SETPIPE_SZ, _SPLICE)
-    except OSError:
-        pass
+_SPLICE = PIPE_SIZE
 
 
-def referenced(path: str) -> bool:
-    """Does any process's command line name ``path`` (Podman's --export/--import)?"""
+def referrers(path: str) -> list[int]:
+    """Processes whose command line names ``path`` (Podman's --export/--import)."""
     needle = path.encode()
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
                 if needle in (entry / "cmdline").read_bytes():
-                    return True
+                    found.append(int(entry.name))
             except OSError:
                 continue
-    return False
+    return found
+
+
+def referenced(path: str) -> bool:
+    return bool(referrers(path))
 
 
 def _watchdog(fifo: str, parent: int, on_orphaned_exit=lambda: None) -> None:
@@ -184,36 +182,37 @@ def serve(fifo: str, whole: Callable[[int], None], head: str | None = None,
             threading.Thread(target=whole, args=(fd,), daemon=True).start()
 
 
-def _serve_growing(fd: int, archive: str, parent: int, cut: threading.Event) -> None:
-    """ARCHIVE as the CLI writes it (.ARCHIVE.partial, renamed to ARCHIVE when
-    complete). A download that failed (the partial file removed, or
-    .ARCHIVE.failed written) or a CLI gone ends the stream short: Podman then
-    fails on a cut archive instead of waiting for ever."""
-    from gpusnap.runtime.follow import GrowingFile
+def _serve_pipe(fd: int, src: int, done: str, fifo: str, parent: int,
+                cut: threading.Event) -> None:
+    """What the CLI writes into the pipe ``src``, on to the reader of ``fd``.
 
-    final = Path(archive)
-    partial, failed = partial_path(final), failed_marker(final)
-
-    def finished() -> bool:
-        if final.exists():
-            return True
-        if failed.exists() or src.unlinked():
-            raise OSError("the download failed")
-        if os.getppid() != parent and not _alive(parent):
-            cut.set()
-            raise OSError("gpusnap exited before the download was complete")
-        return False
-
-    src = GrowingFile([partial, final], finished)
-    buf = bytearray(_SPLICE)
+    The pipe may end without DONE: the download failed, or the CLI is gone. A
+    tar cut between two members reads as a complete, shorter archive (Go's
+    reader takes a clean EOF there for the end), so the reader, Podman, is
+    killed first: it must never restore from part of a checkpoint."""
     try:
-        while n := src.readinto(buf):
-            _write_all(fd, memoryview(buf)[:n])
+        while os.splice(src, fd, _SPLICE):
+            pass
     except OSError:
-        pass  # the reader closed its end, or the writer is gone: the stream ends short
+        pass  # the reader closed its end: past the end marker, or failing on its own
     finally:
-        src.close()
+        os.close(src)  # the CLI's next write fails: it stops downloading
+        # DONE is made before the end marker is written: a reader that stops
+        # at the marker, before the pipe ends, has had every member.
+        if not os.path.exists(done):
+            for pid in referrers(fifo):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if not _alive(parent):
+                cut.set()
         os.close(fd)
+
+
+def _serve_spent(fd: int) -> None:
+    """A second whole-archive open: the pipe can be read once (Podman 4.3 does)."""
+    _serve_bytes(fd, b"\xff" * 1024)  # not a tar: the reader fails, it never sees an empty one
 
 
 def _alive(pid: int) -> bool:
@@ -259,15 +258,17 @@ def main(argv: list[str]) -> int:
     # The CLI names itself: by the time we get here it may already be dead and
     # our parent init, which would then never look gone.
     parent = int(os.environ.get(PUMP_PARENT_ENV) or os.getppid())
-    if mode == "follow":
+    if mode == "pipe":
         # A stream cut because the CLI died leaves Podman's half-made container:
         # removed once Podman is done with the FIFO, as the CLI would have.
-        cut, name = threading.Event(), argv[5] if len(argv) > 5 else None
+        src, done, head, opens = int(argv[2]), argv[3], argv[4], int(argv[5])
+        cut, name = threading.Event(), argv[6] if len(argv) > 6 else None
         threading.Thread(target=_watchdog, daemon=True,
                          args=(fifo, parent, lambda: cut.is_set() and name and
                                _remove_unfinished(name))).start()
-        return serve(fifo, functools.partial(_serve_growing, archive=argv[2], parent=parent,
-                                             cut=cut), argv[3], int(argv[4]))
+        once = iter([functools.partial(_serve_pipe, src=src, done=done, fifo=fifo,
+                                       parent=parent, cut=cut)])
+        return serve(fifo, lambda fd: next(once, _serve_spent)(fd), head, opens)
     threading.Thread(target=_watchdog, args=(fifo, parent), daemon=True).start()
     if mode == "export":
         return export(fifo, argv[2], argv[3], argv[4] if len(argv) > 4 else None)
