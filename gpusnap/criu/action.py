@@ -33,6 +33,8 @@ from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, start_time
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
+# The steps with work to do; packaging/bin/criu-action lets only these start Python.
+ACTIONS = ("pre-dump", "pre-restore", "post-resume")
 
 
 def lock_timeout_ms(init_pid: int) -> int:
@@ -206,7 +208,7 @@ def main() -> int:
     the first one's answer (a failed lock must not be retried with defaults).
     """
     action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
-    if action not in ("pre-dump", "pre-restore", "post-resume"):
+    if action not in ACTIONS:
         return 0
     criu_pid = os.getppid()
     folder = _marker_dir()

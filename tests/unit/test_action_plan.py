@@ -87,3 +87,24 @@ def test_post_resume_falls_back_to_fewer_pairs_when_the_driver_refuses(tmp_path,
     action.post_resume(init_pid=70, criu_pid=4242)
     assert offered == [offered[0], [(UUID0, UUID1)]] and len(offered[0]) == 2
     assert driver.states[77] == ProcessState.RUNNING
+
+
+def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tmp_path):
+    """packaging/bin/criu-action runs for every CRIU step; run with a stand-in
+    for the Python entry point, it must reach it for exactly ACTIONS."""
+    import subprocess
+    from pathlib import Path
+
+    wrapper = (Path(__file__).parents[2] / "packaging/bin/criu-action").read_text()
+    probe = tmp_path / "probe"
+    probe.write_text("#!/bin/sh\necho reached\n")
+    probe.chmod(0o755)
+    script = tmp_path / "criu-action"
+    script.write_text(wrapper.replace("/opt/gpusnap/venv/bin/gpusnap-criu-action", str(probe)))
+    steps = ("pre-dump", "post-dump", "network-lock", "network-unlock", "pre-restore",
+             "setup-namespaces", "post-setup-namespaces", "post-restore", "pre-resume",
+             "post-resume", "orphan-pts-master", "")
+    reached = {s for s in steps
+               if subprocess.run(["sh", str(script)], env={"CRTOOLS_SCRIPT_ACTION": s},
+                                 capture_output=True, text=True).stdout.strip() == "reached"}
+    assert reached == set(action.ACTIONS)
