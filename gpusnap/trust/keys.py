@@ -120,9 +120,14 @@ def _read(path: str | Path, what: str) -> bytes:
                            "`gpusnap key generate --output PREFIX` makes a key pair") from None
 
 
-def load_private_key(path: str | Path, passphrase: bytes | None = None) -> PrivateKey:
-    """A private key (PKCS#8 or traditional PEM); refused when other users can read it."""
+def load_private_key(path: str | Path, passphrase: bytes | None = None, *,
+                     only_if_protected: bool = False) -> PrivateKey:
+    """A private key (PKCS#8 or traditional PEM); refused when other users can read it.
+    ``only_if_protected``: the passphrase goes to a protected key only (one
+    passphrase for several keys, some in the clear)."""
     data = _read(path, "private key")
+    if only_if_protected and b"ENCRYPTED" not in data:
+        passphrase = None
     if b"PRIVATE KEY" not in data:
         hint = ("that is a public key: pass the .key file" if b"PUBLIC KEY" in data
                 else "pass a PEM private key, as `gpusnap key generate` writes")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping, Sequence
 
 from gpusnap.errors import GpusnapError
@@ -29,14 +28,7 @@ def load_private_keys(paths: Sequence[str], passphrase_file: str | None) -> list
     if not paths:
         return []
     passphrase = keys.passphrase_from(passphrase_file)
-    out = []
-    for path in paths:
-        try:
-            protected = b"ENCRYPTED" in Path(path).read_bytes()
-        except OSError:
-            protected = True  # load_private_key says why it cannot be read
-        out.append(keys.load_private_key(path, passphrase if protected else None))
-    return out
+    return [keys.load_private_key(path, passphrase, only_if_protected=True) for path in paths]
 
 
 def fetch_signature(client: RegistryClient, digest: str) -> bytes | None:
