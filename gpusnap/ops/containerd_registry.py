@@ -227,17 +227,15 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
             stopped = _only_copy(address, loc.namespace, loc.name, image)
         if not stopped:
             raise
-        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else exc.message
+        from gpusnap.ops.push import kept_error
+
         kept = f" and in {dest}" if dest.is_dir() else ""
         again = f"`gpusnap push {dest} REF`" if dest.is_dir() else \
             f"`gpusnap push {SCHEME}{loc.namespace}/{image} REF`"
-        raise GpusnapError(
-            f"{why}; {loc.name} in namespace {loc.namespace} is checkpointed and stopped, its "
-            f"checkpoint is kept as image {image}{kept}",
-            f"{again} tries again (chunks already sent are skipped); `{ctr} tasks rm {loc.name}; "
-            f"{ctr} containers rm {loc.name}; {ctr} containers restore --rw --live {loc.name} "
-            f"{image}` brings it back here",
-            exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1) from None
+        raise kept_error(exc, f"{loc.name} in namespace {loc.namespace}",
+                         f"as image {image}{kept}", again,
+                         f"`{ctr} tasks rm {loc.name}; {ctr} containers rm {loc.name}; "
+                         f"{ctr} containers restore --rw --live {loc.name} {image}`") from None
     else:
         shutil.rmtree(work, ignore_errors=True)
         if image:  # pushed: the registry holds the checkpoint now

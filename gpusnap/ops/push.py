@@ -136,19 +136,26 @@ def resolve_source(source: str, leave_running: bool,
     except (GpusnapError, KeyboardInterrupt) as exc:
         if not stopped:
             raise
-        what = "interrupted" if isinstance(exc, KeyboardInterrupt) else exc.message
-        raise GpusnapError(f"{what}; {source} is checkpointed and stopped, its checkpoint is "
-                           f"kept in {export}",
-                           f"`gpusnap push {export} REF` tries again (chunks already sent are "
-                           f"skipped); `podman rm {source}; gpusnap restore {export}` brings it "
-                           "back here",
-                           exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1) from None
+        raise kept_error(exc, source, f"in {export}", f"`gpusnap push {export} REF`",
+                         f"`podman rm {source}; gpusnap restore {export}`") from None
     else:
         shutil.rmtree(work, ignore_errors=True)
     finally:
         pool.shutdown(wait=True)
         if not stopped:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def kept_error(exc: BaseException, container: str, kept: str, again: str,
+               back: str) -> GpusnapError:
+    """A push that failed after its checkpoint stopped ``container``: what
+    failed, where the checkpoint is kept, and the two ways on (engine's words)."""
+    why = "interrupted" if isinstance(exc, KeyboardInterrupt) else getattr(exc, "message", str(exc))
+    return GpusnapError(f"{why}; {container} is checkpointed and stopped, its checkpoint is "
+                        f"kept {kept}",
+                        f"{again} tries again (chunks already sent are skipped); {back} brings "
+                        "it back here",
+                        exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1)
 
 
 def _manifest_member(plan) -> Callable[[], bytes]:
