@@ -1,9 +1,9 @@
-"""Read an export while the pump is still writing it (tail -f for one file).
+"""Read an export while Podman is still writing it (tail -f for one file).
 
 A push from a running container starts chunking and uploading the checkpoint
-as Podman writes it, instead of after: the pump writes the plain tar into a
-file (runtime/stream.py, level 0), and this reader follows that file. The file,
-not a pipe, sits between the two on purpose: Podman never waits for the
+as Podman writes it, instead of after: Podman writes the plain tar into a
+file (runtime/stream.py, export_plain), and this reader follows that file. The
+file, not a pipe, sits between the two on purpose: Podman never waits for the
 network, and a failed upload leaves a complete archive to retry from.
 """
 
@@ -72,16 +72,13 @@ class GrowingFile(io.RawIOBase):
 
     def _started(self, done: bool) -> bool:
         """Has the writer begun (or ended)? Then the head is taken, once."""
-        if os.fstat(self._fd).st_size == 0 and not done:
+        size = os.fstat(self._fd).st_size
+        if not size and not done:
             return False
-        if os.fstat(self._fd).st_size:
+        if size:
             self._pending = self._head()
         self._head = None
         return True
-
-    def unlinked(self) -> bool:
-        """The file being followed was removed (its writer gave up)."""
-        return self._fd is not None and os.fstat(self._fd).st_nlink == 0
 
     def close(self) -> None:
         if self._fd is not None:

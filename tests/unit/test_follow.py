@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from gpusnap.runtime.follow import GrowingFile, follow
+from gpusnap.runtime.follow import follow
 
 
 def _writer(partial: Path, final: Path, pieces: list[bytes], done: threading.Event,
@@ -47,18 +47,6 @@ def test_a_writer_that_finished_before_the_reader_opened_is_found_under_the_fina
 def test_no_file_once_finished_is_an_empty_stream(tmp_path):
     with follow([tmp_path / "never"], lambda: True) as f:
         assert f.read() == b""
-
-
-def test_a_removed_file_is_seen_as_given_up(tmp_path):
-    path = tmp_path / ".b.partial"
-    path.write_bytes(b"x" * 10)
-    g = GrowingFile([path], lambda: False)
-    buf = bytearray(10)
-    assert g.readinto(buf) == 10
-    assert not g.unlinked()
-    path.unlink()
-    assert g.unlinked()
-    g.close()
 
 
 def test_only_the_podman_seen_reading_config_first_gets_the_short_tar():
