@@ -19,7 +19,7 @@ from gpusnap import MANIFEST_NAME
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.bundle import FileEntry
 from gpusnap.private import open_private
-from gpusnap.runtime.stream import PipeSink, partial_path
+from gpusnap.runtime.stream import DISK_FULL, PipeSink, disk_full, partial_path
 from gpusnap.tarstream import DamagedStream, TarStream
 
 _TYPES = {tarfile.REGTYPE: "file", tarfile.AREGTYPE: "file", tarfile.DIRTYPE: "dir",
@@ -236,8 +236,8 @@ class ArchiveWriter(_TarWriter):
             raise self._failed(self._zstd_error() or exc.strerror or str(exc)) from None
 
     def _failed(self, why: str) -> GpusnapError:
-        if "No space left on device" in why:  # zstd: "error 70 : Write error : ... No space ..."
-            why = f"the disk is full (No space left on device in {self.path.absolute().parent})"
+        if DISK_FULL in why:  # zstd: "error 70 : Write error : ... No space ..."
+            why = disk_full(self.path.absolute())
         return GpusnapError(f"writing {self.path} failed: {why}",
                             "free space there or pull elsewhere (-o FILE)")
 
