@@ -188,11 +188,11 @@ class Uploader(_Pool):
 class _Once:
     """The first fetch of a blob in one pull; later occurrences wait for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, occurrences: int) -> None:
         self.started = False
         self.done = threading.Event()
         self.blob: bytes | bytearray | None = None  # None: not kept, fetch it again
-        self.left = 0  # occurrences not yet served
+        self.left = occurrences  # not yet served
 
 
 class Downloader(_Pool):
@@ -213,15 +213,15 @@ class Downloader(_Pool):
         self._once: dict[str, _Once] = {}
         self._kept = 0  # bytes of blobs held for a later occurrence
 
-    def _load(self, chunk: Chunk) -> tuple[bytes | bytearray, bool]:
-        """The blob from the cache or the registry; True when from the cache."""
+    def _load(self, chunk: Chunk) -> tuple[bytes | bytearray, str]:
+        """The blob from the cache or the registry, and which ("cache", "network")."""
         blob = self.cache.get_blob(chunk.blob) if self.cache else None
         if blob is not None:
-            return blob, True
+            return blob, "cache"
         blob = self.client.get_blob(chunk.blob, chunk.blob_size)
         if self.cache:
             self.cache.put_blob(chunk.blob, blob)
-        return blob, False
+        return blob, "network"
 
     def _blob(self, chunk: Chunk) -> tuple[bytes | bytearray, str]:
         """The blob and where it came from: "network", "cache" or "repeat"."""
@@ -230,7 +230,7 @@ class Downloader(_Pool):
             first, once.started = not once.started, True
         if first:
             try:
-                blob, from_cache = self._load(chunk)
+                blob, source = self._load(chunk)
             except BaseException:
                 once.done.set()  # waiters fetch for themselves (and likely fail alike)
                 raise
@@ -240,7 +240,7 @@ class Downloader(_Pool):
                     once.blob = blob
                     self._kept += len(blob)
             once.done.set()
-            return blob, "cache" if from_cache else "network"
+            return blob, source
         once.done.wait()
         with self._lock:
             once.left -= 1
@@ -248,10 +248,7 @@ class Downloader(_Pool):
             if blob is not None and not once.left:
                 once.blob = None
                 self._kept -= len(blob)
-        if blob is not None:
-            return blob, "repeat"
-        blob, from_cache = self._load(chunk)
-        return blob, "cache" if from_cache else "network"
+        return (blob, "repeat") if blob is not None else self._load(chunk)
 
     def _one(self, chunk: Chunk) -> bytes:
         blob, source = self._blob(chunk)
@@ -278,10 +275,8 @@ class Downloader(_Pool):
         budget is given back as it is handed out: the caller holds one chunk
         beyond the budget while it writes it."""
         chunks = list(chunks)  # descriptors only: a few hundred bytes per chunk
-        self._once, self._kept = {}, 0
-        for d, n in Counter(c.blob for c in chunks).items():
-            self._once[d] = _Once()
-            self._once[d].left = n
+        self._once = {d: _Once(n) for d, n in Counter(c.blob for c in chunks).items()}
+        self._kept = 0
         pending: deque[tuple[int, Future]] = deque()
         try:
             for chunk in chunks:
