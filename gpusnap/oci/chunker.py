@@ -25,6 +25,7 @@ half of a core per GB, the largest part of a push's own CPU.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
@@ -59,8 +60,6 @@ def _tables() -> tuple[tuple[bytes, ...], ...]:
 
 
 _LOW, _HIGH, _TOP = _tables()
-# FLAGS[m]: byte b -> 1 when b & m == 0 (the low hash byte passes mask m).
-_FLAGS = {m: bytes(int(b & m == 0) for b in range(256)) for m in range(256)}
 _STEP = 1024  # positions hashed at once: 512 KiB of data
 
 
@@ -74,11 +73,18 @@ def _hash_byte(view: memoryview, first: int, count: int, tables: tuple[bytes, ..
     return acc.to_bytes(count, "little")
 
 
+@functools.cache
+def _passes(mask: int) -> bytes:
+    """A translate table: byte b -> 1 when b & mask == 0 (the low hash byte
+    passes). Made on first use: a push uses two masks of the 256."""
+    return bytes(int(b & mask == 0) for b in range(256))
+
+
 def _first_cut(view: memoryview, lo: int, hi: int, mask: int) -> int | None:
     """The first position p in [lo, hi), p - lo a multiple of GRID, whose hash
     has no bit of ``mask`` set."""
     high = mask >> 8
-    flag = _FLAGS[mask & 0xFF]
+    flag = _passes(mask & 0xFF)
     while lo < hi:  # in steps: the cut is usually near the front of a long range
         count = min((hi - lo + GRID - 1) // GRID, _STEP)
         flags = _hash_byte(view, lo, count, _LOW).translate(flag)
