@@ -43,8 +43,10 @@ def _free_bytes(path: Path) -> int:
 
 def plan(name: str, export: str | None, leave_running: bool, tcp_established: bool,
          lock_timeout_ms: int, skip_space_check: bool = False,
-         export_level: int = EXPORT_ZSTD_LEVEL) -> CheckpointPlan:
-    container = podman.inspect(name)
+         export_level: int = EXPORT_ZSTD_LEVEL,
+         container: podman.Container | None = None) -> CheckpointPlan:
+    """``container``: ``name`` as the caller just inspected it."""
+    container = container or podman.inspect(name)
     require_running(container, "be checkpointed")
     require_supported("checkpoint")
     export_path = Path(export).absolute() if export else None

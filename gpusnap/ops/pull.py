@@ -23,7 +23,7 @@ from gpusnap.oci.tarfiles import ArchiveWriter, PipeWriter, ReaderStopped
 from gpusnap.oci.transfer import Downloader, Progress
 from gpusnap.runtime import podman
 from gpusnap.runtime import stream as stream_module
-from gpusnap.runtime.storage import staging_dir
+from gpusnap.runtime.storage import fifo_dir, staging_dir
 from gpusnap.trust import remote as trust_remote
 from gpusnap.trust.options import TrustOptions
 
@@ -273,7 +273,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     try:
         # Leaving this stops the pump: a download blocked on the full pipe fails then.
         # The FIFO's folder is where doctor looks for what a killed CLI left.
-        with tempfile.TemporaryDirectory(prefix=".gpusnap-pull-", dir=staging_dir(0)) as near, \
+        with tempfile.TemporaryDirectory(prefix=".gpusnap-pull-", dir=fifo_dir()) as near, \
                 stream_module.import_piped(Path(near), stream_module.config_tar(files), opens,
                                            target) as (fifo, sink):
             job = pool.submit(write_files, remote, PipeWriter(sink), Path(label),

@@ -21,6 +21,7 @@ from gpusnap.oci import chunker, reference, tarfiles
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
+from gpusnap.ops import prefetch
 from gpusnap.runtime import podman
 from gpusnap.runtime.follow import follow
 from gpusnap.runtime.storage import image_repo_digests, staging_dir
@@ -67,6 +68,10 @@ class PushSource:
     # Waits for that checkpoint and raises its error: called before the manifest
     # is put, so a checkpoint that failed late is never published.
     finish: Callable[[], None] = lambda: None
+    # Podman's bundle dir of that container, while Podman writes into it: files
+    # it copies into the export are chunked there first (prefetch.py).
+    userdata: Path | None = None
+    writer_done: Callable[[], bool] = lambda: True
 
 
 def dir_size(root: Path) -> int:
@@ -97,13 +102,15 @@ def resolve_source(source: str, leave_running: bool,
     if path.is_file():
         yield PushSource("archive", path, path.stat().st_size * 4)  # zstd -1 of memory: ~2-4x
         return
-    if not podman.exists(source):
+    container = podman.find(source)
+    if container is None:
         raise GpusnapError(f"{source}: no such file, directory or container",
                            "pass an exported archive, a checkpoint directory or a running "
                            "container's name")
     from gpusnap.ops import checkpoint as ops_checkpoint  # CRIU/GPU code, only when needed
 
-    work = Path(tempfile.mkdtemp(prefix=".gpusnap-push-", dir=staging_dir(0)))
+    work = Path(tempfile.mkdtemp(prefix=".gpusnap-push-",
+                                 dir=staging_dir(0, container.graph_root)))
     # Plain, not zstd: the chunks are compressed one by one anyway, so a
     # compressed export would be compressed twice and decompressed once more.
     export = work / "checkpoint.tar"
@@ -111,9 +118,11 @@ def resolve_source(source: str, leave_running: bool,
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
     try:
         plan = ops_checkpoint.plan(source, str(export), leave_running, False,
-                                   DEFAULT_LOCK_TIMEOUT_MS, export_level=0)
+                                   DEFAULT_LOCK_TIMEOUT_MS, export_level=0, container=container)
         if on_checkpoint:
             on_checkpoint(plan.container.name)
+        if stream:  # one from an earlier export would be followed as if Podman wrote it
+            (plan.container.userdata / prefetch.DEVSHM).unlink(missing_ok=True)
         job = pool.submit(ops_checkpoint.run, plan)
         if not stream:
             job.result()
@@ -123,7 +132,9 @@ def resolve_source(source: str, leave_running: bool,
                              follow=(lambda: follow([partial_path(export), export], job.done,
                                                     head=_manifest_member(plan)))
                              if stream else None,
-                             finish=job.result)
+                             finish=job.result,
+                             userdata=plan.container.userdata if stream else None,
+                             writer_done=job.done)
         except BaseException:
             # The dump goes on to its end whatever the upload did: what is left
             # of the container decides what to say.
@@ -195,17 +206,24 @@ def _subject(client: RegistryClient, image: str | None) -> dict | None:
     return None
 
 
-def _upload_files(src: PushSource, uploader: Uploader, scale: int,
-                  label: str) -> tuple[list[fmt.FileEntry], archive.CheckpointContents]:
+def _upload_files(src: PushSource, uploader: Uploader, scale: int, label: str
+                  ) -> tuple[list[fmt.FileEntry], archive.CheckpointContents, int]:
     """Chunk and upload every file in archive order; keep the small metadata files
-    (config.dump, spec.dump, GPU manifest) for the summary."""
+    (config.dump, spec.dump, GPU manifest) for the summary. Also: the bytes
+    chunked from Podman's bundle dir instead of the export (prefetch.py)."""
     contents = archive.CheckpointContents(source=label)
     files: list[tuple[fmt.FileEntry, list[Future]]] = []
-    with _entries(src) as entries:
+    early = prefetch.Prefetch.for_podman(src.userdata, uploader.submit,
+                                         lambda size: chunk_params(size, scale), src.writer_done)
+    with early, _entries(src) as entries:
         for entry, data in entries:
             futures = []
             if data is not None:
                 contents.sizes[entry.path] = entry.size
+                taken = early.take(entry)
+                if taken is not None:  # chunked while Podman wrote it; the export's copy is skipped
+                    files.append((entry, taken))
+                    continue
                 keep = entry.path in archive.METADATA and entry.size <= 8 << 20
                 kept = bytearray()
                 for piece in chunker.split(data, chunk_params(entry.size, scale), entry.size):
@@ -217,7 +235,7 @@ def _upload_files(src: PushSource, uploader: Uploader, scale: int,
             files.append((entry, futures))
     for entry, futures in files:
         entry.chunks = [f.result() for f in futures]
-    return [e for e, _ in files], contents
+    return [e for e, _ in files], contents, early.taken_bytes
 
 
 FORMATS = ("gpusnap", "podman")
@@ -256,7 +274,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
         scale = layer_scale(src.estimated_bytes)
         uploader = Uploader(client, cache, level, workers, progress, cipher=sealing.cipher)
         try:
-            files, contents = _upload_files(src, uploader, scale, str(ref))
+            files, contents, prefetched = _upload_files(src, uploader, scale, str(ref))
             src.finish()
             if not (contents.is_podman_checkpoint or contents.is_containerd_checkpoint):
                 raise GpusnapError(f"{source} is not a Podman checkpoint (no spec.dump, "
@@ -295,6 +313,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             "chunks": stats.chunks, "layers": len(b.unique_blobs()),
             "chunks_sent": stats.chunks_transferred, "bytes_sent": stats.network_bytes,
             "bytes_stored": sum(b.unique_blobs().values()),
+            "prefetched_bytes": prefetched,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "gpu": b.summary.get("gpu") is not None, "annotations": notes,

@@ -40,6 +40,11 @@ class GrowingFile(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def fileno(self) -> int:
+        if self._fd is None:
+            raise OSError("the file is not open yet")
+        return self._fd
+
     def _open(self) -> bool:
         for path in self._paths:
             try:

@@ -35,6 +35,11 @@ class Container:
     def checkpoint_dir(self) -> Path:
         return self.userdata / "checkpoint"
 
+    @property
+    def graph_root(self) -> Path:
+        """The storage holding it: userdata is GRAPHROOT/DRIVER-containers/ID/userdata."""
+        return self.userdata.parents[2]
+
 
 def podman_binary() -> str:
     path = shutil.which("podman")
@@ -55,10 +60,19 @@ def _last_error(stderr: str) -> str:
 
 
 def inspect(name: str) -> Container:
+    found = find(name)
+    if found is None:
+        raise GpusnapError(f"no such container: {name}", "list containers with `podman ps -a`")
+    return found
+
+
+def find(name: str) -> Container | None:
+    """The container, or None when Podman has none of that name (one call, where
+    `exists` then `inspect` would make two)."""
     res = _run(["container", "inspect", name])
     if res.returncode != 0:
         if "no such container" in res.stderr.lower():
-            raise GpusnapError(f"no such container: {name}", "list containers with `podman ps -a`")
+            return None
         raise GpusnapError(f"podman container inspect {name}: {_last_error(res.stderr)}")
     data = json.loads(res.stdout)[0]
     state = data.get("State", {})

@@ -152,6 +152,8 @@ def test_re_push_after_a_small_change_sends_few_bytes(registry, name, capsys):
     ref = unique_ref(registry)
     first = gs_json("push", name, ref, "--leave-running", *registry.flags())
     assert first["bytes"] > 64 << 20
+    # /dev/shm's tar was chunked as Podman wrote it, not read again from the export
+    assert first["prefetched_bytes"] > 64 << 20
     podman("exec", name, "dd", "if=/dev/urandom", "of=/dev/shm/blob", "bs=64k", "count=10",
            "seek=300", "conv=notrunc")
     second = gs_json("push", name, ref.replace(":v1", ":v2"), "--leave-running", *registry.flags())

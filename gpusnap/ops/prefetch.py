@@ -1,0 +1,157 @@
+"""Chunk a file Podman writes before its export while Podman writes it.
+
+Podman 4 tars the container's /dev/shm into ``userdata/devshm-checkpoint.tar``
+after CRIU's dump, and only then writes the export, which copies that file in
+verbatim. A push that followed the export alone sat idle through the first
+write and then read every byte again from the export. Here the file is chunked
+and uploaded as it grows; when the export's header for it arrives, the chunks
+stand for the member if the file is still the one that was read (same inode,
+the header's size and mtime), and the export's copy is skipped. Otherwise the
+member is read from the export as before: the early chunks are only wasted
+uploads, never wrong data.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from gpusnap.oci import chunker
+from gpusnap.oci.bundle import FileEntry
+from gpusnap.runtime.follow import GrowingFile
+
+DEVSHM = "devshm-checkpoint.tar"  # Podman's name (libpod metadata.DevShmCheckpointTar)
+
+Submit = Callable[[bytes], Future]
+
+
+@dataclass
+class _Job:
+    name: str  # the member's path in the export
+    path: Path  # where Podman writes it first
+    estimate: Callable[[], int]  # the file's size before it is complete: picks the chunk sizes
+    size: int | None = None  # the member's size, once the export's header gave it
+    futures: list[Future] = field(default_factory=list)
+    read: int = 0
+    stat: os.stat_result | None = None  # the file as it was read
+    error: BaseException | None = None
+    given: threading.Event = field(default_factory=threading.Event)  # size (or stop) is known
+    stop: bool = False  # the push failed: read no further
+    thread: threading.Thread | None = None
+
+
+def shm_estimate(userdata: Path) -> Callable[[], int]:
+    """The size of the tar Podman makes of the container's /dev/shm (userdata/shm),
+    read when the tar appears (the dump is over by then): file bytes plus headers."""
+    def size() -> int:
+        total = 0
+        for root, _dirs, files in os.walk(userdata / "shm"):
+            total += 512  # the directory's header
+            for f in files:
+                try:
+                    n = os.lstat(os.path.join(root, f)).st_size
+                except OSError:
+                    continue
+                total += 512 + (n + 511) // 512 * 512
+        return total
+    return size
+
+
+class Prefetch:
+    """One thread per early file; ``take(entry)`` is asked for each export member."""
+
+    def __init__(self, jobs: list[_Job], submit: Submit,
+                 params: Callable[[int], chunker.ChunkParams], writer_done: Callable[[], bool]) -> None:
+        self._jobs = {j.name: j for j in jobs}
+        self._submit, self._params, self._writer_done = submit, params, writer_done
+        self.taken_bytes = 0  # members that came from the early read
+
+    @classmethod
+    def for_podman(cls, userdata: Path | None, submit: Submit,
+                   params: Callable[[int], chunker.ChunkParams],
+                   writer_done: Callable[[], bool]) -> "Prefetch":
+        jobs = [] if userdata is None else \
+            [_Job(DEVSHM, userdata / DEVSHM, shm_estimate(userdata))]
+        return cls(jobs, submit, params, writer_done)
+
+    def __enter__(self) -> "Prefetch":
+        for job in self._jobs.values():
+            job.thread = threading.Thread(target=self._run, args=(job,), daemon=True,
+                                          name=f"gpusnap-prefetch-{job.name}")
+            job.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for job in self._jobs.values():  # members the export never had, or a failed push
+            job.stop = True
+            job.given.set()
+        for job in self._jobs.values():
+            if job.thread:
+                job.thread.join()
+
+    def _run(self, job: _Job) -> None:
+        # Ends when the export's header gave the size (the file is complete then:
+        # Podman writes it before the export) or when Podman is done without it.
+        raw = GrowingFile([job.path], lambda: job.given.is_set() or self._writer_done())
+        try:
+            first = raw.read(1)  # waits for Podman's first byte
+            if not first:
+                return
+            job.stat = os.fstat(raw.fileno())
+            params = self._params(max(job.estimate(), job.stat.st_size))
+            stream = _Prepend(first, raw)
+            for piece in chunker.split(stream, params, None):
+                if job.stop:
+                    return
+                job.futures.append(self._submit(piece))
+                job.read += len(piece)
+            job.stat = os.fstat(raw.fileno())
+        except BaseException as exc:  # reported by take(), which then reads the export
+            job.error = exc
+        finally:
+            raw.close()
+
+    def take(self, entry: FileEntry) -> list[Future] | None:
+        """The chunks standing for ``entry``'s data, or None: read it from the export."""
+        job = self._jobs.pop(entry.path, None)
+        if job is None or entry.type != "file":
+            return None
+        job.size = entry.size
+        job.given.set()
+        job.thread.join()
+        if job.error is not None and not isinstance(job.error, Exception):
+            raise job.error  # KeyboardInterrupt and the like are not a fallback
+        if job.error is None and job.stat is not None and _same(job, entry):
+            self.taken_bytes += entry.size
+            return job.futures
+        return None
+
+
+def _same(job: _Job, entry: FileEntry) -> bool:
+    try:
+        now = os.stat(job.path)
+    except OSError:
+        return False
+    st = job.stat
+    return (job.read == entry.size == st.st_size == now.st_size
+            and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+            and int(st.st_mtime) == int(now.st_mtime) == entry.mtime)
+
+
+class _Prepend:
+    """``first`` then the rest of ``raw``: the byte read to learn the writer began."""
+
+    def __init__(self, first: bytes, raw: GrowingFile) -> None:
+        self._first, self._raw = first, raw
+
+    def readinto(self, buf) -> int:
+        if self._first:
+            n = len(self._first)
+            buf[:n] = self._first
+            self._first = b""
+            return n
+        return self._raw.readinto(buf)
