@@ -34,7 +34,8 @@ class DamagedStream(Exception):
 class _Forward(io.RawIOBase):
     """A pipe or a growing file as tarfile's seekable mode wants it: full reads
     (short ones only at the end), tell(), and seek() forward only: a skip
-    reads through, except in a regular file (``lseek``)."""
+    reads through, except in a regular file (``lseek``) or a source that can
+    ``skip(n)`` itself (a followed file, runtime/follow.py)."""
 
     def __init__(self, raw: BinaryIO, can_lseek: bool = False) -> None:
         super().__init__()
@@ -60,6 +61,11 @@ class _Forward(io.RawIOBase):
             raise io.UnsupportedOperation(f"cannot seek back in a stream ({self._pos} -> {pos})")
         if self._lseek:
             self._raw.seek(pos)
+            self._pos = pos
+            return pos
+        skip = getattr(self._raw, "skip", None)
+        if skip is not None:
+            skip(pos - self._pos)
             self._pos = pos
             return pos
         scratch = bytearray(min(pos - self._pos, _BUFFER))

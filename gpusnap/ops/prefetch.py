@@ -4,9 +4,11 @@ Podman 4 tars the container's /dev/shm into ``userdata/devshm-checkpoint.tar``
 after CRIU's dump, and only then writes the export, which copies that file in
 verbatim. A push that followed the export alone sat idle through the first
 write and then read every byte again from the export. Here the file is chunked
-and uploaded as it grows; when the export's header for it arrives, the chunks
-stand for the member if the file is still the one that was read (same inode,
-the header's size and mtime), and the export's copy is skipped. Otherwise the
+and uploaded as it grows. When the export's header for it arrives the file is
+complete (Podman closed it before starting the export); if it is still the file
+being read (same inode, the header's size and mtime), the early chunks stand
+for the member, the export's copy is skipped while the reading goes on, and
+``finish()`` checks that exactly the header's size was read. Otherwise the
 member is read from the export as before: the early chunks are only wasted
 uploads, never wrong data.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from gpusnap.errors import GpusnapError
 from gpusnap.oci import chunker
 from gpusnap.oci.bundle import FileEntry
 from gpusnap.runtime.follow import GrowingFile
@@ -39,6 +42,7 @@ class _Job:
     read: int = 0
     stat: os.stat_result | None = None  # the file as it was read
     error: BaseException | None = None
+    opened: threading.Event = field(default_factory=threading.Event)  # stat is set, or never will be
     given: threading.Event = field(default_factory=threading.Event)  # size (or stop) is known
     stop: bool = False  # the push failed: read no further
     thread: threading.Thread | None = None
@@ -69,6 +73,7 @@ class Prefetch:
         self._jobs = {j.name: j for j in jobs}
         self._submit, self._params, self._writer_done = submit, params, writer_done
         self.taken_bytes = 0  # members that came from the early read
+        self._taken: list[tuple[_Job, FileEntry]] = []
 
     @classmethod
     def for_podman(cls, userdata: Path | None, submit: Submit,
@@ -86,10 +91,12 @@ class Prefetch:
         return self
 
     def __exit__(self, *exc) -> None:
-        for job in self._jobs.values():  # members the export never had, or a failed push
+        # Members the export never had; on a failed push, the taken ones too.
+        left = list(self._jobs.values()) + ([j for j, _ in self._taken] if exc[0] else [])
+        for job in left:
             job.stop = True
             job.given.set()
-        for job in self._jobs.values():
+        for job in left:
             if job.thread:
                 job.thread.join()
 
@@ -102,6 +109,7 @@ class Prefetch:
             if not first:
                 return
             job.stat = os.fstat(raw.fileno())
+            job.opened.set()
             params = self._params(max(job.estimate(), job.stat.st_size))
             stream = _Prepend(first, raw)
             for piece in chunker.split(stream, params, None):
@@ -109,37 +117,52 @@ class Prefetch:
                     return
                 job.futures.append(self._submit(piece))
                 job.read += len(piece)
-            job.stat = os.fstat(raw.fileno())
-        except BaseException as exc:  # reported by take(), which then reads the export
+        except BaseException as exc:  # reported by take() or finish()
             job.error = exc
         finally:
+            job.opened.set()
             raw.close()
 
     def take(self, entry: FileEntry) -> list[Future] | None:
-        """The chunks standing for ``entry``'s data, or None: read it from the export."""
+        """The chunks standing for ``entry``'s data (still being added to until
+        ``finish()``), or None: read it from the export."""
         job = self._jobs.pop(entry.path, None)
-        if job is None or entry.type != "file":
+        if job is None:
             return None
         job.size = entry.size
-        job.given.set()
-        job.thread.join()
+        job.given.set()  # the file is complete: read it to its end
+        job.opened.wait()
         if job.error is not None and not isinstance(job.error, Exception):
             raise job.error  # KeyboardInterrupt and the like are not a fallback
-        if job.error is None and job.stat is not None and _same(job, entry):
-            self.taken_bytes += entry.size
-            return job.futures
-        return None
+        if entry.type != "file" or job.error is not None or not _final(job, entry):
+            job.stop = True
+            job.thread.join()
+            return None
+        self._taken.append((job, entry))
+        self.taken_bytes += entry.size
+        return job.futures
+
+    def finish(self) -> None:
+        """Wait for the taken files' chunks; each must be the header's size."""
+        for job, entry in self._taken:
+            job.thread.join()
+            if job.error is not None:
+                raise job.error
+            if job.read != entry.size:
+                raise GpusnapError(f"{job.path} changed while it was read ({job.read} bytes, "
+                                   f"the export says {entry.size})",
+                                   "push again: the checkpoint is complete on disk")
 
 
-def _same(job: _Job, entry: FileEntry) -> bool:
+def _final(job: _Job, entry: FileEntry) -> bool:
+    """Is the file at job.path, now, the one being read, with the header's size and mtime?"""
     try:
         now = os.stat(job.path)
     except OSError:
         return False
     st = job.stat
-    return (job.read == entry.size == st.st_size == now.st_size
-            and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
-            and int(st.st_mtime) == int(now.st_mtime) == entry.mtime)
+    return (st is not None and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+            and now.st_size == entry.size and int(now.st_mtime) == entry.mtime)
 
 
 class _Prepend:

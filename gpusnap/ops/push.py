@@ -233,6 +233,7 @@ def _upload_files(src: PushSource, uploader: Uploader, scale: int, label: str
                 if keep:
                     contents.files[entry.path] = bytes(kept)
             files.append((entry, futures))
+        early.finish()
     for entry, futures in files:
         entry.chunks = [f.result() for f in futures]
     return [e for e, _ in files], contents, early.taken_bytes

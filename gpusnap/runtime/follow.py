@@ -75,6 +75,32 @@ class GrowingFile(io.RawIOBase):
                 return n
             time.sleep(_POLL)
 
+    def skip(self, n: int) -> None:
+        """Move ``n`` bytes on without reading them (a member whose data is not
+        needed): once the writer has written them, or has finished short of
+        them (the next read then ends the stream)."""
+        if self._head is not None:  # nothing read yet: the head is not even known
+            scratch = bytearray(min(n, 1 << 20))
+            while n > 0 and (k := self.readinto(memoryview(scratch)[:min(n, len(scratch))])):
+                n -= k
+        while n > 0:
+            if self._pending:
+                k = min(n, len(self._pending))
+                self._pending = self._pending[k:]
+                n -= k
+                continue
+            done = self._finished()
+            if self._fd is not None:
+                pos = os.lseek(self._fd, 0, os.SEEK_CUR)
+                if os.fstat(self._fd).st_size >= pos + n or done:
+                    os.lseek(self._fd, pos + n, os.SEEK_SET)
+                    return
+            elif self._open():
+                continue
+            elif done:
+                return
+            time.sleep(_POLL)
+
     def _started(self, done: bool) -> bool:
         """Has the writer begun (or ended)? Then the head is taken, once."""
         size = os.fstat(self._fd).st_size
@@ -92,8 +118,17 @@ class GrowingFile(io.RawIOBase):
         super().close()
 
 
+class _Buffered(io.BufferedReader):
+    def skip(self, n: int) -> None:
+        """What the buffer holds is dropped, the rest skipped in the file."""
+        held = len(self.peek(1)) if n else 0
+        self.read(min(n, held))
+        if n > held:
+            self.raw.skip(n - held)
+
+
 def follow(paths: list[Path], finished: Callable[[], bool], head: Callable[[], bytes] | None = None,
            buffer: int = 1 << 20) -> io.BufferedReader:
     """``head``: bytes that go ahead of the file's, asked for when its writer
     has begun (a tar member made from a file that exists by then)."""
-    return io.BufferedReader(GrowingFile(paths, finished, head), buffer)
+    return _Buffered(GrowingFile(paths, finished, head), buffer)

@@ -85,3 +85,20 @@ def test_a_head_goes_ahead_of_the_file_once_its_writer_has_begun(tmp_path):
     with follow([empty], lambda: True, head=head) as f:
         assert f.read() == b""
     assert len(asked) == 1
+
+
+def test_a_skip_waits_for_the_writer_and_moves_on_without_reading(tmp_path):
+    """A member whose data is not needed: the head, the buffer and then the
+    file are passed over; what follows is read as written."""
+    partial, final = tmp_path / ".a.tar.partial", tmp_path / "a.tar"
+    pieces = [bytes([65 + i]) * 1000 for i in range(10)]  # written slowly, after the skip began
+    done = threading.Event()
+    t = _writer(partial, final, pieces, done)
+    with follow([partial, final], done.is_set, head=lambda: b"HEAD", buffer=64) as f:
+        assert f.read(6) == b"HEADAA"
+        f.skip(5000)  # past the head's end, the buffer and into bytes not yet written
+        assert f.read(3) == b"FFF"
+        f.skip(10_000)  # beyond what the writer ever writes: the stream ends
+        assert f.read() == b""
+    t.join()
+    assert [f.name for f in tmp_path.iterdir()] == ["a.tar"]

@@ -64,7 +64,8 @@ def test_the_file_read_while_written_stands_for_the_member(tmp_path):
     with _start(tmp_path, sink, done.is_set) as early:
         _write_slowly(target, data, done).join()
         futures = early.take(_entry(target))
-    assert futures is not None
+        early.finish()
+    assert futures is not None and early.taken_bytes == len(data)
     assert b"".join(f.result() for f in futures) == data
     assert sink.first_at < done.done_at  # chunks went out while the file grew
 
@@ -121,3 +122,25 @@ def test_the_estimate_counts_the_shm_files_as_tar_would(tmp_path):
     (shm / "d" / "b").write_bytes(b"")
     # two directories, two files: one header each, data in 512-byte blocks
     assert prefetch.shm_estimate(tmp_path)() == 4 * 512 + 1024
+
+
+def test_a_failed_upload_of_an_early_chunk_fails_finish(tmp_path):
+    taken = threading.Event()
+
+    def submit(piece: bytes) -> Future:
+        taken.wait(5)  # fails after take() counted on the early chunks
+        raise OSError("the registry went away")
+    (tmp_path / "shm").mkdir()
+    target = tmp_path / prefetch.DEVSHM
+    target.write_bytes(b"z" * 200_000)
+    done = threading.Event()
+    done.set()
+    with prefetch.Prefetch.for_podman(tmp_path, submit, lambda size: PARAMS, done.is_set) as early:
+        try:
+            futures = early.take(_entry(target))
+            taken.set()
+            early.finish()
+        except OSError as exc:
+            assert "went away" in str(exc)
+        else:
+            raise AssertionError(f"finish() passed over the failure ({futures})")
