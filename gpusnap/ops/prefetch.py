@@ -37,22 +37,23 @@ class _Job:
     name: str  # the member's path in the export
     path: Path  # where Podman writes it first
     estimate: Callable[[], int]  # the file's size before it is complete: picks the chunk sizes
-    size: int | None = None  # the member's size, once the export's header gave it
     futures: list[Future] = field(default_factory=list)
     read: int = 0
     stat: os.stat_result | None = None  # the file as it was read
     error: BaseException | None = None
     opened: threading.Event = field(default_factory=threading.Event)  # stat is set, or never will be
     given: threading.Event = field(default_factory=threading.Event)  # size (or stop) is known
-    stop: bool = False  # the push failed: read no further
+    stop: bool = False  # not wanted any more (another file, a failed push): read no further
     thread: threading.Thread | None = None
 
 
 def shm_estimate(userdata: Path) -> Callable[[], int]:
     """The size of the tar Podman makes of the container's /dev/shm (userdata/shm),
-    read when the tar appears (the dump is over by then): file bytes plus headers."""
+    read when the tar appears (the dump is over by then): file bytes plus headers.
+    Only its power of two matters (chunk sizes), so that a later push of the kept
+    archive, which knows the real size, cuts the same chunks."""
     def size() -> int:
-        total = 0
+        total = 1024  # the two zero blocks that end a tar
         for root, _dirs, files in os.walk(userdata / "shm"):
             total += 512  # the directory's header
             for f in files:
@@ -129,7 +130,6 @@ class Prefetch:
         job = self._jobs.pop(entry.path, None)
         if job is None:
             return None
-        job.size = entry.size
         job.given.set()  # the file is complete: read it to its end
         job.opened.wait()
         if job.error is not None and not isinstance(job.error, Exception):

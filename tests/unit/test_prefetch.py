@@ -120,8 +120,8 @@ def test_the_estimate_counts_the_shm_files_as_tar_would(tmp_path):
     (shm / "d").mkdir(parents=True)
     (shm / "a").write_bytes(b"1" * 1000)
     (shm / "d" / "b").write_bytes(b"")
-    # two directories, two files: one header each, data in 512-byte blocks
-    assert prefetch.shm_estimate(tmp_path)() == 4 * 512 + 1024
+    # two directories, two files: one header each, data in 512-byte blocks, the end
+    assert prefetch.shm_estimate(tmp_path)() == 4 * 512 + 1024 + 1024
 
 
 def test_a_failed_upload_of_an_early_chunk_fails_finish(tmp_path):
