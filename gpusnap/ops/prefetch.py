@@ -73,7 +73,6 @@ class Prefetch:
                  params: Callable[[int], chunker.ChunkParams], writer_done: Callable[[], bool]) -> None:
         self._jobs = {j.name: j for j in jobs}
         self._submit, self._params, self._writer_done = submit, params, writer_done
-        self.taken_bytes = 0  # members that came from the early read
         self._taken: list[tuple[_Job, FileEntry]] = []
 
     @classmethod
@@ -106,14 +105,13 @@ class Prefetch:
         # Podman writes it before the export) or when Podman is done without it.
         raw = GrowingFile([job.path], lambda: job.given.is_set() or self._writer_done())
         try:
-            first = raw.read(1)  # waits for Podman's first byte
-            if not first:
+            if not raw.read(1):  # waits for Podman's first byte
                 return
+            os.lseek(raw.fileno(), 0, os.SEEK_SET)  # and reads it again with the rest
             job.stat = os.fstat(raw.fileno())
             job.opened.set()
             params = self._params(max(job.estimate(), job.stat.st_size))
-            stream = _Prepend(first, raw)
-            for piece in chunker.split(stream, params, None):
+            for piece in chunker.split(raw, params, None):
                 if job.stop:
                     return
                 job.futures.append(self._submit(piece))
@@ -139,8 +137,12 @@ class Prefetch:
             job.thread.join()
             return None
         self._taken.append((job, entry))
-        self.taken_bytes += entry.size
         return job.futures
+
+    @property
+    def taken_bytes(self) -> int:
+        """Bytes of the members that came from the early read."""
+        return sum(entry.size for _, entry in self._taken)
 
     def finish(self) -> None:
         """Wait for the taken files' chunks; each must be the header's size."""
@@ -163,18 +165,3 @@ def _final(job: _Job, entry: FileEntry) -> bool:
     st = job.stat
     return (st is not None and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
             and now.st_size == entry.size and int(now.st_mtime) == entry.mtime)
-
-
-class _Prepend:
-    """``first`` then the rest of ``raw``: the byte read to learn the writer began."""
-
-    def __init__(self, first: bytes, raw: GrowingFile) -> None:
-        self._first, self._raw = first, raw
-
-    def readinto(self, buf) -> int:
-        if self._first:
-            n = len(self._first)
-            buf[:n] = self._first
-            self._first = b""
-            return n
-        return self._raw.readinto(buf)
