@@ -409,23 +409,21 @@ def run_cpu(args, work: Path, reg: PlainRegistry) -> tuple[list[Migration], floa
     the usual reading on a shared, noisy host. Then the 1% change, once."""
     w = CpuWorkload(args.gib, work)
     rows: list[Migration] = []
+
+    def both(repo: str, tag: str, cache: Path, label: str) -> None:
+        for m in (plain(w, reg, reg.ref(f"{repo}-plain:{tag}"), work, label),
+                  ours(w, reg, reg.ref(f"{repo}:{tag}"), cache, label)):
+            rows.append(m)
+            print(json.dumps(m.row()), flush=True)
     try:
         print(f"migrate bench: {args.gib:g} GiB container memory, {os.cpu_count()} cores, "
               f"docker-registry on loopback (plain HTTP), {args.rounds} round(s)", flush=True)
         base = f"bench/migrate-{uuid.uuid4().hex[:6]}"
         for r in range(args.rounds):
             repo, cache = f"{base}-{r}", work / f"target-chunk-cache-{r}"
-            label = "first" if args.rounds == 1 else f"first, round {r + 1}"
-            for m in (plain(w, reg, reg.ref(f"{repo}-plain:v1"), work, label),
-                      ours(w, reg, reg.ref(f"{repo}:v1"), cache, label)):
-                rows.append(m)
-                print(json.dumps(m.row()), flush=True)
+            both(repo, "v1", cache, "first" if args.rounds == 1 else f"first, round {r + 1}")
         w.change_one_percent()
-        label = "after 1% change"
-        for m in (plain(w, reg, reg.ref(f"{repo}-plain:v2"), work, label),
-                  ours(w, reg, reg.ref(f"{repo}:v2"), cache, label)):
-            rows.append(m)
-            print(json.dumps(m.row()), flush=True)
+        both(repo, "v2", cache, "after 1% change")
     finally:
         w.remove()
     report(rows)
