@@ -32,9 +32,15 @@ from typing import BinaryIO, Iterator
 
 GRID = 512
 WINDOW = 256
+# A file is cut into segments of SEGMENT_CHUNKS maximal chunks, chunked one by
+# one: a chunk never crosses a segment's end. Segments are what several
+# processes chunk and upload at once (gpusnap/oci/segments.py), and a file read
+# in one stream must be cut alike, or the two would not share a chunk.
+SEGMENT_CHUNKS = 16
 SAMPLES = tuple(1 + 17 * j for j in range(16))  # offsets before the position, 1..256
 ALGORITHM = (f"gpusnap-cdc2: 2 bytes from {len(SAMPLES)} table-mapped samples of the "
-             f"{WINDOW} bytes before every {GRID}-byte boundary")
+             f"{WINDOW} bytes before every {GRID}-byte boundary; no chunk crosses a multiple "
+             f"of {SEGMENT_CHUNKS} x max")
 
 
 def _tables() -> tuple[tuple[bytes, ...], ...]:
@@ -120,6 +126,11 @@ class ChunkParams:
             raise ValueError(f"chunk sizes must be multiples of {GRID}")
 
     @property
+    def segment(self) -> int:
+        """Bytes of a segment: chunks end at every multiple of it."""
+        return SEGMENT_CHUNKS * self.max_size
+
+    @property
     def masks(self) -> tuple[int, int]:
         """(before avg, from avg on): a position is a cut when hash & mask == 0.
 
@@ -157,12 +168,14 @@ def split(stream: BinaryIO, params: ChunkParams, size: int | None = None) -> Ite
 
     One buffer of 2 * max_size, filled with readinto: the data is copied once
     from the stream and once into each chunk, and the unread tail is moved to
-    the front only when less than max_size is left behind it.
+    the front only when less than max_size is left behind it. A segment's end
+    (params.segment) is an end of data for the chunk before it.
     """
     cap = 2 * params.max_size
     buf = bytearray(cap)
     view = memoryview(buf)
     start = filled = 0
+    offset = 0  # of view[start] in the stream
     left = size
     eof = False
     readinto = getattr(stream, "readinto", None)
@@ -192,10 +205,15 @@ def split(stream: BinaryIO, params: ChunkParams, size: int | None = None) -> Ite
                 if left:
                     raise EOFError(f"stream ended {left} bytes early")
                 return
-            cut = find_cut(view[start:filled], params, eof)
+            to_segment_end = params.segment - offset % params.segment
+            if to_segment_end <= filled - start:
+                cut = find_cut(view[start:start + to_segment_end], params, True)
+            else:
+                cut = find_cut(view[start:filled], params, eof)
             if cut is None:  # cannot happen: max_size is buffered, or EOF
                 raise AssertionError("chunker needs more data")
             yield bytes(view[start:start + cut])
             start += cut
+            offset += cut
     finally:
         view.release()

@@ -113,6 +113,21 @@ def test_inserted_page_changes_only_the_chunks_around_it():
     assert len(new) <= 3
 
 
+def test_no_chunk_crosses_a_segment_so_segments_chunk_alone_alike():
+    """Worker processes chunk a file's segments apart (gpusnap/oci/segments.py):
+    their chunks must be the ones a single stream over the whole file cuts."""
+    params = chunker.ChunkParams(4096, 16384, 65536)
+    data = random.Random(3).randbytes(3 * params.segment + 12345)
+    whole = _chunks(data, params)
+    ends, pos = set(), 0
+    for c in whole:
+        pos += len(c)
+        ends.add(pos)
+    assert {k * params.segment for k in (1, 2, 3)} <= ends
+    apart = [c for k in range(4) for c in _chunks(data[k * params.segment:(k + 1) * params.segment], params)]
+    assert apart == whole
+
+
 def test_chunk_sizes_grow_with_files_and_checkpoints():
     assert chunk_params(10 << 10, 1).avg_size == 256 << 10
     assert chunk_params(64 << 20, 1).avg_size == 256 << 10
