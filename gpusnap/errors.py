@@ -17,3 +17,6 @@ class GpusnapError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+    def __reduce__(self):  # whole across processes (gpusnap/oci/segments.py's workers)
+        return (type(self), (self.message, self.hint, self.exit_code))

@@ -106,6 +106,16 @@ class _Pool:
         if self._progress:
             self._progress(raw, network)
 
+    def count_elsewhere(self, chunks: int, transferred: int, raw: int, network: int) -> None:
+        """Chunks another process moved for this transfer (gpusnap/oci/segments.py)."""
+        with self._lock:
+            self.stats.chunks += chunks
+            self.stats.chunks_transferred += transferred
+            self.stats.raw_bytes += raw
+            self.stats.network_bytes += network
+        if self._progress:
+            self._progress(raw, network)
+
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 

@@ -8,6 +8,7 @@ import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from gpusnap import MANIFEST_NAME, archive
 from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
-from gpusnap.oci import chunker, reference, tarfiles
+from gpusnap.oci import chunker, reference, segments, tarfiles
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
@@ -206,11 +207,83 @@ def _subject(client: RegistryClient, image: str | None) -> dict | None:
     return None
 
 
-def _upload_files(src: PushSource, uploader: Uploader, scale: int, label: str
+def _direct(src: PushSource, entry: fmt.FileEntry) -> Path | None:
+    """A file that holds ``entry``'s data as it is, to be read at any offset
+    instead of from the stream: the file itself in a directory source; for a
+    container, CRIU's image in Podman's bundle dir, which the export copies
+    verbatim (kept by --keep; complete once the export's header for it came,
+    and still that file if size and mtime agree)."""
+    if entry.type != "file":
+        return None
+    if src.kind == "directory":
+        path = src.path / entry.path
+    elif src.userdata is not None and entry.path.startswith("checkpoint/"):
+        path = src.userdata / entry.path
+    else:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    same = st.st_size == entry.size and (src.kind == "directory" or int(st.st_mtime) == entry.mtime)
+    return path if same else None
+
+
+class _Parts:
+    """Where each file's chunks come from: futures of single chunks (this
+    process's Uploader) or of whole segments (worker processes)."""
+
+    def __init__(self, uploader: Uploader, make_pool: Callable[[], segments.SegmentPool] | None
+                 ) -> None:
+        self.uploader, self._make_pool = uploader, make_pool
+        self.pool: segments.SegmentPool | None = None
+        self.split_bytes = 0  # of the files the workers chunked
+
+    def split_file(self, path: Path, size: int, params: chunker.ChunkParams
+                   ) -> list[Future] | None:
+        """Futures of the file's segments (worker processes), or None: not worth it."""
+        if self._make_pool is None or not segments.worth_it(size, params):
+            return None
+        if self.pool is None:
+            self.pool = self._make_pool()
+        futures = self.pool.submit_file(path, 0, size, params)
+        self.split_bytes += size
+        for f in futures:
+            f.add_done_callback(self._count)
+        return futures
+
+    def _count(self, f: Future) -> None:
+        if not f.cancelled() and f.exception() is None:
+            r = f.result()
+            self.uploader.count_elsewhere(len(r.chunks), r.sent, r.raw_bytes, r.network_bytes)
+
+    @staticmethod
+    def chunks(futures: list[Future]) -> list[fmt.Chunk]:
+        out: list[fmt.Chunk] = []
+        for f in futures:
+            try:
+                r = f.result()
+            except BrokenProcessPool:
+                raise GpusnapError("a push worker process died (out of memory?)",
+                                   "push again: chunks already sent are skipped") from None
+            if isinstance(r, segments.SegmentResult):
+                out.extend(r.chunks)
+            else:
+                out.append(r)
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _upload_files(src: PushSource, parts: _Parts, scale: int, label: str
                   ) -> tuple[list[fmt.FileEntry], archive.CheckpointContents, int]:
     """Chunk and upload every file in archive order; keep the small metadata files
     (config.dump, spec.dump, GPU manifest) for the summary. Also: the bytes
-    chunked from Podman's bundle dir instead of the export (prefetch.py)."""
+    chunked from Podman's bundle dir instead of the export (prefetch.py).
+    Big files that can be read at any offset go to worker processes by segments."""
+    uploader = parts.uploader
     contents = archive.CheckpointContents(source=label)
     files: list[tuple[fmt.FileEntry, list[Future]]] = []
     early = prefetch.Prefetch.for_podman(src.userdata, uploader.submit,
@@ -224,9 +297,15 @@ def _upload_files(src: PushSource, uploader: Uploader, scale: int, label: str
                 if taken is not None:  # chunked while Podman wrote it; the export's copy is skipped
                     files.append((entry, taken))
                     continue
+                params = chunk_params(entry.size, scale)
+                direct = _direct(src, entry)
+                split = direct and parts.split_file(direct, entry.size, params)
+                if split:  # the stream skips this member's data
+                    files.append((entry, split))
+                    continue
                 keep = entry.path in archive.METADATA and entry.size <= 8 << 20
                 kept = bytearray()
-                for piece in chunker.split(data, chunk_params(entry.size, scale), entry.size):
+                for piece in chunker.split(data, params, entry.size):
                     if keep:
                         kept += piece
                     futures.append(uploader.submit(piece))
@@ -235,7 +314,7 @@ def _upload_files(src: PushSource, uploader: Uploader, scale: int, label: str
             files.append((entry, futures))
         early.finish()
     for entry, futures in files:
-        entry.chunks = [f.result() for f in futures]
+        entry.chunks = parts.chunks(futures)
     return [e for e, _ in files], contents, early.taken_bytes
 
 
@@ -247,7 +326,8 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
          progress: Progress | None = None, total: Callable[[int], None] | None = None,
          on_checkpoint: Callable[[str], None] | None = None,
          image_format: str = "gpusnap", trust: TrustOptions | None = None,
-         containerd_address: str | None = None) -> dict:
+         containerd_address: str | None = None, processes: int | None = None) -> dict:
+    """``processes``: worker processes for big files (segments.py); default half the cores."""
     from gpusnap.trust.remote import PushTrust  # cryptography: imported only when pushing
 
     ref = reference.parse(ref_text)
@@ -264,6 +344,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     client = RegistryClient(ref, opts, push=True)
     client.ping()  # wrong credentials fail before a container is checkpointed
     start = time.monotonic()
+    processes = segments.default_workers() if processes is None else processes
     cache = ChunkCache.open(cache_root)
     with resolve_source(source, leave_running, on_checkpoint,
                         stream=image_format == "gpusnap",
@@ -274,8 +355,12 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             return _push_podman(src, client, source, level, progress, start, sealing)
         scale = layer_scale(src.estimated_bytes)
         uploader = Uploader(client, cache, level, workers, progress, cipher=sealing.cipher)
+        make_pool = None if sealing.cipher or processes < 2 else (
+            lambda: segments.SegmentPool(str(ref), opts, cache.root if cache else None, level,
+                                         processes))
+        parts = _Parts(uploader, make_pool)
         try:
-            files, contents, prefetched = _upload_files(src, uploader, scale, str(ref))
+            files, contents, prefetched = _upload_files(src, parts, scale, str(ref))
             src.finish()
             if not (contents.is_podman_checkpoint or contents.is_containerd_checkpoint):
                 raise GpusnapError(f"{source} is not a Podman checkpoint (no spec.dump, "
@@ -291,6 +376,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             config = sealing.seal_config(b.to_json())
             config_digest = uploader.put_small(config)
         finally:
+            parts.close()
             uploader.close()
         criu = None
         if src.kind in ("container", "containerd-container"):  # checkpointed here, by this CRIU
@@ -315,6 +401,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             "chunks_sent": stats.chunks_transferred, "bytes_sent": stats.network_bytes,
             "bytes_stored": sum(b.unique_blobs().values()),
             "prefetched_bytes": prefetched,
+            "parallel_bytes": parts.split_bytes, "processes": parts.pool.workers if parts.pool else 0,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "gpu": b.summary.get("gpu") is not None, "annotations": notes,

@@ -1,0 +1,59 @@
+"""Big files pushed by segments in worker processes (gpusnap/oci/segments.py):
+the same chunks as the one-stream path, the same bytes back."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import tarfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import GPUSNAP, run
+from tests.integration.oci_registry import PASSWORD, make_large_checkpoint
+
+pytestmark = pytest.mark.usefixtures("cache_dir")
+
+
+def _push(registry, source: Path, ref: str) -> dict:
+    res = run([GPUSNAP, "push", str(source), ref, *registry.flags(), "--json"],
+              input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    return json.loads(res.stdout)
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def test_segments_cut_as_one_stream_does_and_come_back_whole(registry, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    make_large_checkpoint(ckpt, 600 << 20)
+    repo = registry.ref(f"ckpt/segments-{uuid.uuid4().hex[:8]}")
+    first = _push(registry, ckpt, f"{repo}:dir")
+    assert first["processes"] >= 2 and first["parallel_bytes"] == 600 << 20, first
+
+    # The same files as an archive: read in one stream by this process. Every
+    # chunk of the pages must be one the first push made (nothing new is sent).
+    archive = tmp_path / "ckpt.tar.zst"
+    subprocess.run(f"tar -C {ckpt} -cf - . | zstd -q -1 -o {archive}", shell=True, check=True)
+    second = _push(registry, archive, f"{repo}:archive")
+    assert second["parallel_bytes"] == 0, second
+    assert second["bytes_sent"] < 1 << 20, second  # the small files' chunks at most
+
+    out = tmp_path / "pulled.tar.zst"
+    res = run([GPUSNAP, "pull", first["pinned"], "-o", str(out), *registry.flags()],
+              input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    plain = tmp_path / "pulled.tar"
+    subprocess.run(["zstd", "-q", "-d", str(out), "-o", str(plain)], check=True)
+    with tarfile.open(plain) as tar:
+        tar.extract("checkpoint/pages-1.img", tmp_path / "x", filter="data")
+    assert _sha(tmp_path / "x" / "checkpoint" / "pages-1.img") == _sha(ckpt / "checkpoint" / "pages-1.img")
