@@ -114,12 +114,15 @@ class SegmentPool:
             workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init,
             initargs=(ref, opts, str(cache_root) if cache_root else None, level))
 
-    def submit_file(self, path: Path, offset: int, size: int,
-                    params: chunker.ChunkParams) -> list[Future]:
+    def submit_file(self, path: Path, offset: int, size: int, params: chunker.ChunkParams,
+                    start: int = 0) -> list[Future]:
+        """The segments of ``path`` from ``start`` (a multiple of the segment) to ``size``."""
         step = params.segment
-        return [self._pool.submit(_run, Segment(str(path), offset, start,
-                                                min(step, size - start), params))
-                for start in range(0, size, step)]
+        return [self.submit(path, offset + at, min(step, size - at), params)
+                for at in range(start, size, step)]
+
+    def submit(self, path: Path, start: int, length: int, params: chunker.ChunkParams) -> Future:
+        return self._pool.submit(_run, Segment(str(path), 0, start, length, params))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -22,7 +22,7 @@ from gpusnap.oci import chunker, reference, segments, tarfiles
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
-from gpusnap.ops import prefetch
+from gpusnap.ops import early_pages, prefetch
 from gpusnap.runtime import podman
 from gpusnap.runtime.follow import follow
 from gpusnap.runtime.storage import image_repo_digests, staging_dir
@@ -40,6 +40,10 @@ WORKERS = 8
 # (chunks up to 2 MiB around the change), too near the 5% the issue allows.
 _MIN_AVG, _MAX_AVG = 256 << 10, 4 << 20
 _CHUNKS_PER_FILE = 512
+
+
+# chunk_params is the same for every file bigger than this (its average is at its cap)
+_FINAL_PARAMS_FROM = _MAX_AVG // 2 * _CHUNKS_PER_FILE + 1
 
 
 def chunk_params(file_size: int, scale: int) -> chunker.ChunkParams:
@@ -124,6 +128,7 @@ def resolve_source(source: str, leave_running: bool,
             on_checkpoint(plan.container.name)
         if stream:  # one from an earlier export would be followed as if Podman wrote it
             (plan.container.userdata / prefetch.DEVSHM).unlink(missing_ok=True)
+            early_pages.clear_stale(plan.container.checkpoint_dir)
         job = pool.submit(ops_checkpoint.run, plan)
         if not stream:
             job.result()
@@ -238,19 +243,34 @@ class _Parts:
         self.uploader, self._make_pool = uploader, make_pool
         self.pool: segments.SegmentPool | None = None
         self.split_bytes = 0  # of the files the workers chunked
+        self.early: early_pages.EarlyPages | None = None
+
+    def _pool(self) -> segments.SegmentPool:
+        if self.pool is None:
+            self.pool = self._make_pool()
+        return self.pool
+
+    def watch(self, images: Path, scale: int, done: Callable[[], bool]) -> None:
+        """Segments of CRIU's page images go to the workers while CRIU writes them."""
+        if self._make_pool is not None:
+            self.early = early_pages.EarlyPages(
+                images, lambda *a: self._counted(self._pool().submit(*a)),
+                lambda size: chunk_params(size, scale), _FINAL_PARAMS_FROM, done)
 
     def split_file(self, path: Path, size: int, params: chunker.ChunkParams
                    ) -> list[Future] | None:
         """Futures of the file's segments (worker processes), or None: not worth it."""
         if self._make_pool is None or not segments.worth_it(size, params):
             return None
-        if self.pool is None:
-            self.pool = self._make_pool()
-        futures = self.pool.submit_file(path, 0, size, params)
+        futures, start = self.early.take(path, size, params) if self.early else ([], 0)
+        futures += [self._counted(f) for f in self._pool().submit_file(path, 0, size, params,
+                                                                        start)]
         self.split_bytes += size
-        for f in futures:
-            f.add_done_callback(self._count)
         return futures
+
+    def _counted(self, f: Future) -> Future:
+        f.add_done_callback(self._count)
+        return f
 
     def _count(self, f: Future) -> None:
         if not f.cancelled() and f.exception() is None:
@@ -273,6 +293,8 @@ class _Parts:
         return out
 
     def close(self) -> None:
+        if self.early is not None:
+            self.early.stop()
         if self.pool is not None:
             self.pool.close()
 
@@ -288,6 +310,8 @@ def _upload_files(src: PushSource, parts: _Parts, scale: int, label: str
     files: list[tuple[fmt.FileEntry, list[Future]]] = []
     early = prefetch.Prefetch.for_podman(src.userdata, uploader.submit,
                                          lambda size: chunk_params(size, scale), src.writer_done)
+    if src.userdata is not None:
+        parts.watch(src.userdata / "checkpoint", scale, src.writer_done)
     with early, _entries(src) as entries:
         for entry, data in entries:
             futures = []
@@ -402,6 +426,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             "bytes_stored": sum(b.unique_blobs().values()),
             "prefetched_bytes": prefetched,
             "parallel_bytes": parts.split_bytes, "processes": parts.pool.workers if parts.pool else 0,
+            "early_bytes": parts.early.early_bytes if parts.early else 0,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "gpu": b.summary.get("gpu") is not None, "annotations": notes,

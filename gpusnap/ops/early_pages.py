@@ -1,0 +1,120 @@
+"""Upload CRIU's page images while CRIU still writes them.
+
+A GPU process's pages-N.img is as large as its GPU memory, and CRIU writes it
+front to back at ~1.6 GB/s (12 s for 19.5 GB on an H100 host). Podman's
+export, where the push learns the file's final size, starts only after the
+whole dump: waiting for it left 16 worker cores idle for those seconds
+(bench/timeline.py's figures in docs/benchmarks.md). This watcher polls
+Podman's checkpoint folder and hands every whole segment CRIU has written to
+the segment workers at once; when the export's header arrives, the push takes
+those futures and submits only the rest.
+
+Safe because CRIU only appends to an image (it never rewrites bytes it has
+written), because segments are final once the file is big enough that its
+chunk sizes no longer depend on its size (``final_from``), and because the
+push still checks the file against the export's header (size and mtime) before
+it uses a single early segment. Page images left from an earlier checkpoint
+are removed before the dump (``clear_stale``), so every file seen is this dump's.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from gpusnap.oci import chunker
+
+POLL = 0.05  # seconds between looks at the folder
+PATTERN = "pages-*.img"
+
+
+def clear_stale(images: Path) -> None:
+    """Page images of an earlier dump of this (running) container: the coming
+    dump replaces them anyway, and the watcher must not read them as new."""
+    for path in images.glob(PATTERN):
+        path.unlink(missing_ok=True)
+
+
+@dataclass
+class _Watched:
+    ino: int
+    params: chunker.ChunkParams
+    end: int = 0  # bytes handed to workers, a multiple of params.segment
+    bad: bool = False  # the file was replaced or shrank after segments were read
+    futures: list[Future] = field(default_factory=list)
+
+
+class EarlyPages:
+    """``submit(path, start, length, params)`` -> a segment's future (segments.SegmentPool).
+
+    ``params_for(size)`` gives a file's chunk parameters; they are final for
+    every size from ``final_from`` on, which is when a file is first taken."""
+
+    def __init__(self, images: Path, submit: Callable[[Path, int, int, chunker.ChunkParams], Future],
+                 params_for: Callable[[int], chunker.ChunkParams], final_from: int,
+                 done: Callable[[], bool]) -> None:
+        self.images, self._submit, self._params_for = images, submit, params_for
+        self._final_from, self._done = final_from, done
+        self._files: dict[str, _Watched] = {}
+        self._taken: set[str] = set()  # handed to the push: never watched again
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.early_bytes = 0
+        self._thread = threading.Thread(target=self._loop, name="gpusnap-early-pages", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL) and not self._done():
+            for path in self.images.glob(PATTERN):
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    self._advance(path, st)
+
+    def _advance(self, path: Path, st: os.stat_result) -> None:
+        w = self._files.get(path.name)
+        if w is None:
+            if path.name in self._taken or st.st_size < self._final_from:
+                return
+            w = self._files[path.name] = _Watched(st.st_ino, self._params_for(st.st_size))
+        if w.ino != st.st_ino or st.st_size < w.end:  # replaced or cut: take() gives nothing
+            w.bad = True
+        if w.bad:
+            return
+        seg = w.params.segment
+        while w.end + seg <= st.st_size:
+            w.futures.append(self._submit(path, w.end, seg, w.params))
+            w.end += seg
+            self.early_bytes += seg
+
+    def take(self, path: Path, size: int, params: chunker.ChunkParams) -> tuple[list[Future], int]:
+        """The futures of ``path``'s segments already submitted and where they
+        end; ([], 0) when none, or when the file is not the one they came from."""
+        with self._lock:
+            w = self._files.pop(path.name, None)
+            self._taken.add(path.name)
+        if w is None:
+            return [], 0
+        try:
+            st = os.stat(path)
+            same = st.st_ino == w.ino and st.st_size >= w.end
+        except OSError:
+            same = False
+        if w.bad or not same or w.params != params or w.end > size:
+            for f in w.futures:
+                f.cancel()
+            return [], 0
+        return w.futures, w.end
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop.set()
+        self._thread.join()

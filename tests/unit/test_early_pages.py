@@ -1,0 +1,107 @@
+"""EarlyPages hands a growing page image's whole segments out once, in order,
+and gives them back only for the file they came from (edge cases; the GPU
+benchmark's content checks are the evidence that pushes built this way restore)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+
+from gpusnap.oci import chunker
+from gpusnap.ops import early_pages
+
+PARAMS = chunker.ChunkParams(4096, 16384, 65536)  # segment: 1 MiB
+SEG = PARAMS.segment
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def submit(self, path, start, length, params) -> Future:
+        assert params == PARAMS
+        self.calls.append((path.name, start, length))
+        f: Future = Future()
+        f.set_result((path.name, start))
+        return f
+
+
+def _until(cond, timeout=5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_whole_segments_go_out_as_the_file_grows_and_the_rest_is_left(tmp_path):
+    rec, done = Recorder(), threading.Event()
+    pages = tmp_path / "pages-1.img"
+    w = early_pages.EarlyPages(tmp_path, rec.submit, lambda size: PARAMS, 2 * SEG, done.is_set)
+    try:
+        with open(pages, "wb") as f:
+            f.write(os.urandom(SEG + 100))  # below final_from: not taken yet
+            f.flush()
+            time.sleep(4 * early_pages.POLL)
+            assert rec.calls == []
+            f.write(os.urandom(2 * SEG))  # 3 segments + 100 bytes
+            f.flush()
+            _until(lambda: len(rec.calls) == 3)
+        futures, end = w.take(pages, 3 * SEG + 100, PARAMS)
+        assert end == 3 * SEG and [f.result() for f in futures] == \
+            [("pages-1.img", k * SEG) for k in range(3)]
+        assert rec.calls == [("pages-1.img", k * SEG, SEG) for k in range(3)]
+        assert w.take(pages, 3 * SEG + 100, PARAMS) == ([], 0)  # taken once
+        with open(pages, "ab") as f:
+            f.write(os.urandom(2 * SEG))
+        time.sleep(4 * early_pages.POLL)
+        assert len(rec.calls) == 3, "a file given to the push was read again"
+    finally:
+        w.stop()
+
+
+def test_a_replaced_file_or_other_params_gives_nothing_back(tmp_path):
+    rec = Recorder()
+    pages = tmp_path / "pages-2.img"
+    pages.write_bytes(os.urandom(4 * SEG))
+    w = early_pages.EarlyPages(tmp_path, rec.submit, lambda size: PARAMS, SEG, lambda: False)
+    try:
+        _until(lambda: len(rec.calls) == 4)
+        other = chunker.ChunkParams(8192, 32768, 131072)
+        assert w.take(pages, 4 * SEG, other) == ([], 0)
+    finally:
+        w.stop()
+    w = early_pages.EarlyPages(tmp_path, rec.submit, lambda size: PARAMS, SEG, lambda: False)
+    try:
+        _until(lambda: len(rec.calls) == 8)
+        w.stop()
+        new = tmp_path / "new"
+        new.write_bytes(os.urandom(4 * SEG))
+        new.rename(pages)  # another file under the same name
+        assert w.take(pages, 4 * SEG, PARAMS) == ([], 0)
+    finally:
+        w.stop()
+
+
+def test_a_file_cut_short_after_segments_were_read_gives_nothing_back(tmp_path):
+    rec = Recorder()
+    pages = tmp_path / "pages-3.img"
+    pages.write_bytes(os.urandom(3 * SEG))
+    w = early_pages.EarlyPages(tmp_path, rec.submit, lambda size: PARAMS, SEG, lambda: False)
+    try:
+        _until(lambda: len(rec.calls) == 3)
+        os.truncate(pages, SEG)
+        time.sleep(4 * early_pages.POLL)  # seen short (a poll cannot see what comes and goes between two)
+        with open(pages, "ab") as f:
+            f.write(os.urandom(3 * SEG))  # as long again, other bytes
+        assert w.take(pages, 4 * SEG, PARAMS) == ([], 0)
+    finally:
+        w.stop()
+
+
+def test_clear_stale_removes_only_page_images(tmp_path):
+    for name in ("pages-1.img", "pages-12.img", "pagemap-1.img", "inventory.img"):
+        (tmp_path / name).write_bytes(b"x")
+    early_pages.clear_stale(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inventory.img", "pagemap-1.img"]
