@@ -1,0 +1,154 @@
+"""Workloads that look like real GPU jobs, for the GPU-scale benchmarks (run in a container).
+
+    python jobs.py infer GIB     # bf16 weights fixed after load + a KV-like buffer rewritten per step
+    python jobs.py train GIB     # fp32 weights + Adam moments, all rewritten every step
+    python jobs.py train GIB --reference STEPS   # the same run, uninterrupted, unpaced: loss lines
+
+Both write, under /status (a host folder):
+- ``w0``: "<step> ok|bad", rewritten each step (tests/gpu/harness.py waits on it);
+- ``progress.log``: one line per step, "<unix time> <step> <what>", appended: the
+  benchmarks read downtime from it (last step on the source, first on the target),
+  not from gpusnap's own timers;
+- ``verify`` -> ``w0.verified`` (inference): on request, every weight is regenerated
+  from its seed and compared element by element, and the KV buffer with its step's.
+
+*infer*: GIB GiB of bf16 weights in 8192 x 8192 layers drawn from a seeded normal
+(std 0.02: the bit statistics of real checkpoints, not uniform noise), and a
+KV-like buffer of GIB/16 (at most 1 GiB) rewritten every step from the step's own
+seed. Each step answers request ``step % 97`` by running a vector through 4 of the
+layers; the answer (a float's hex) depends only on the request and the weights, so
+answers after a restore must equal those logged before it for the same request.
+
+*train*: the GIB GiB hold three fp32 tensors of equal size (weights, Adam's first and
+second moments); every step computes a synthetic gradient from the weights, updates
+all three in place and logs the loss (sum of squared weights, float64, as hex) to
+``loss.log``. On the same GPU the lines after a restore equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+STATUS = os.environ.get("GPUSNAP_JOB_STATUS", "/status")
+D = 8192  # layer width: one bf16 layer is 128 MiB
+SLICE = 1 << 26  # elements updated at once in training: bounds the temporaries (256 MiB)
+
+
+def _write(name: str, text: str) -> None:
+    tmp = os.path.join(STATUS, f".{name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(STATUS, name))
+
+
+def _append(name: str, line: str) -> None:
+    with open(os.path.join(STATUS, name), "a") as f:
+        f.write(line + "\n")
+
+
+def _token(done: str | None) -> str | None:
+    try:
+        token = open(os.path.join(STATUS, "verify")).read().strip()
+    except OSError:
+        return None
+    return token if token and token != done else None
+
+
+class Inference:
+    def __init__(self, gib: float) -> None:
+        import torch
+        self.torch = torch
+        self.layers = max(4, int(gib * (1 << 30)) // (D * D * 2))
+        self.weights = [self._layer(i) for i in range(self.layers)]
+        kv_elems = min(1 << 30, int(gib * (1 << 30)) // 16) // 2
+        self.kv = torch.empty(kv_elems // D * D, dtype=torch.bfloat16, device="cuda").view(-1, D)
+        torch.cuda.empty_cache()  # randn's fp32 temporaries: hold about GIB, not more
+
+    def _gen(self, seed: int):
+        return self.torch.Generator(device="cuda").manual_seed(seed)
+
+    def _layer(self, i: int):
+        t = self.torch
+        return (t.randn(D, D, device="cuda", generator=self._gen(1000 + i)) * 0.02).to(t.bfloat16)
+
+    def _kv_row(self, step: int):
+        t = self.torch
+        return t.randn(D, device="cuda", generator=self._gen(10**6 + step)).to(t.bfloat16)
+
+    def step(self, step: int) -> str:
+        t = self.torch
+        self.kv.copy_(self._kv_row(step).expand_as(self.kv))  # the whole buffer, every step
+        request = step % 97
+        y = t.randn(D, device="cuda", generator=self._gen(10**7 + request)).to(t.bfloat16)
+        for j in range(4):
+            y = t.tanh(self.weights[(request * 7 + j * 13) % self.layers] @ y)
+        answer = float(y.float().sum().item())
+        return f"request {request} answer {answer.hex()}"
+
+    def verify(self, step: int) -> bool:
+        t = self.torch
+        ok = all(t.equal(w, self._layer(i)) for i, w in enumerate(self.weights))
+        ok = ok and t.equal(self.kv, self._kv_row(step).expand_as(self.kv))
+        t.cuda.empty_cache()
+        return ok
+
+
+class Training:
+    def __init__(self, gib: float) -> None:
+        import torch
+        self.torch = torch
+        n = int(gib * (1 << 30)) // 12  # three fp32 tensors
+        g = torch.Generator(device="cuda").manual_seed(7)
+        self.p = torch.randn(n, device="cuda", generator=g) * 0.02
+        self.m = torch.zeros(n, device="cuda")
+        self.v = torch.zeros(n, device="cuda")
+        torch.cuda.empty_cache()
+
+    def step(self, step: int) -> str:
+        t = self.torch
+        for lo in range(0, self.p.numel(), SLICE):
+            p, m, v = (x[lo:lo + SLICE] for x in (self.p, self.m, self.v))
+            grad = t.sin(p * 3.0 + step * 1e-3) * 1e-2
+            m.mul_(0.9).add_(grad, alpha=0.1)
+            v.mul_(0.999).addcmul_(grad, grad, value=1e-3)
+            p.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-3)
+        loss = float(t.sum(self.p * self.p, dtype=t.float64).item())
+        return f"loss {loss.hex()}"
+
+
+
+def run(kind: str, gib: float, reference: int | None) -> None:
+    job = Inference(gib) if kind == "infer" else Training(gib)
+    pace = float(os.environ.get("GPUSNAP_JOB_PACE", "0.1"))
+    done = None
+    step = 0
+    while reference is None or step < reference:
+        step += 1
+        what = job.step(step)
+        if reference is not None:
+            print(f"{step} {what}", flush=True)
+            continue
+        job.torch.cuda.synchronize()
+        _append("progress.log", f"{time.time():.6f} {step} {what}")
+        if kind == "train":
+            _append("loss.log", f"{step} {what}")
+        _write("w0", f"{step} ok")
+        token = _token(done) if kind == "infer" else None  # training: the loss lines are the check
+        if token:
+            _write("w0.verified", f"{token} {'ok' if job.verify(step) else 'bad'}")
+            done = token
+        time.sleep(pace)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if len(args) < 2 or args[0] not in ("infer", "train"):
+        raise SystemExit(__doc__)
+    reference = int(args[3]) if len(args) > 3 and args[2] == "--reference" else None
+    run(args[0], float(args[1]), reference)
+
+
+if __name__ == "__main__":
+    main()
