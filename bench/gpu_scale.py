@@ -1,0 +1,431 @@
+"""GPU migration at scale, built for 10-minute calls on one warm GPU machine.
+
+    bench/gpu_scale.py start  --results DIR [--sizes 8,16,32] [--jobs infer,train]
+                              [--pipelines gpusnap,local,plain] [--ram-gib 70]
+    bench/gpu_scale.py wait   --results DIR [--seconds 540]   # until done or the time is up
+    bench/gpu_scale.py report --results DIR [--png F] [--timelines]
+
+`start` runs the cases in a process of its own session (it outlives the call
+that started it, as long as the machine stays warm) and returns at once; `wait`
+follows its log. Every case (size x job x pipeline) writes DIR/<case>.json when
+it ends; a later `start` (a fresh machine, after the runner died) skips the
+cases that have one, so a whole size is measured in a few calls back to back.
+
+Cases, each with a new container of tests/gpu/jobs.py (inference: bf16 weights
+fixed after load + a KV-like buffer rewritten per step; training: weights and
+Adam moments rewritten every step), one process on GPU 0:
+
+  gpusnap  `gpusnap migrate CTR REF`, `podman rm`, `gpusnap restore REF`
+  local    `gpusnap checkpoint CTR --export F`, `podman rm`, `gpusnap restore F`
+  plain    driver lock + checkpoint, `podman container checkpoint --export` with
+           CRIU not set up for gpusnap, `oras push`, `oras pull`, `podman rm`,
+           `podman container restore --import`, driver restore + unlock
+           (bench/migrate.py's `plain`)
+
+Downtime is read from the job's own progress.log: its last step on the source
+to its first on the target. Content checks after restore: inference, every
+weight regenerated and compared and the answers to repeated requests equal to
+those before; training, the loss lines equal an uninterrupted run's. The floor
+is the driver's own checkpoint + restore of the case, from the journal.
+
+Where things live: the registry's storage on a tmpfs of --ram-gib at
+/mnt/gpusnap-ram (RAM, so the 64 GB disk holds Podman's storage and the
+checkpoint's other copies); scratch archives (gpusnap's staged export, the
+plain and local cases' archives) on --workdir: the disk, or with --stage-gib a
+tmpfs mounted there; each is deleted as soon as the next phase has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from migrate import (GPUSNAP, Beat, Migration, journal_events, journal_size,  # noqa: E402
+                     container_id, plain, timed)
+
+from timeline import Timeline, summary  # noqa: E402
+
+from tests.faults.netreg import make_registry  # noqa: E402
+from tests.integration.oci_registry import permissive_policy  # noqa: E402
+
+RAM = Path("/mnt/gpusnap-ram")
+JOBS = Path(__file__).resolve().parent.parent / "tests" / "gpu" / "jobs.py"
+
+
+# -- the job in its container ---------------------------------------------------------
+
+
+class Job:
+    """A tests/gpu/jobs.py container; what bench/migrate.py's `plain` needs of a workload."""
+
+    def __init__(self, kind: str, gib: float) -> None:
+        from tests.gpu import harness
+        self.harness, self.kind, self.gib = harness, kind, gib
+        self.ctr = harness._run(f"gpusnap-scale-{kind}-{gib:g}-{os.getpid()}", [0], 1,
+                                harness.PYTHON, "/work/jobs.py", kind, str(gib))
+        self.name = self.ctr.name
+        self.status = self.ctr.status
+        self.beat = Beat(self.status / "w0", every=0.01)
+        self.beat.wait_beat(time.monotonic(), timeout=600)
+        self.gpu_bytes = harness.gpu_memory_used(0)
+        self.answers_before: dict[str, str] = {}
+
+    def mark(self) -> None:
+        """Just before the migration: the answers to compare after it (~100
+        requests at 10 steps/s: every request id once at least)."""
+        deadline = time.monotonic() + 15
+        while len(self.answers()) < 97 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        self.answers_before = self.answers()
+
+    def steps(self) -> list[tuple[float, int]]:
+        out = []
+        for line in (self.status / "progress.log").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 2:
+                out.append((float(parts[0]), int(parts[1])))
+        return out
+
+    def answers(self) -> dict[str, str]:
+        out = {}
+        for line in (self.status / "progress.log").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 6 and parts[2] == "request":
+                out[parts[3]] = parts[5]
+        return out
+
+    def downtime(self, start_wall: float) -> tuple[float, float, float]:
+        """(seconds, last step time on the source, first on the target): the
+        largest gap between steps from the migration's start on."""
+        times = [t for t, _ in self.steps()]
+        before = [t for t in times if t <= start_wall][-1:]
+        after = [t for t in times if t > start_wall]
+        seen = before + after
+        gaps = [(b - a, a, b) for a, b in zip(seen, seen[1:])]
+        return max(gaps) if gaps else (0.0, 0.0, 0.0)
+
+    def check_after_restore(self) -> None:
+        """Runs again; inference: every weight and the KV buffer compared, and the
+        repeated requests answered as before; training: in `check_losses`."""
+        its = self.ctr.wait_running(above=[self.steps()[-1][1]], timeout=300)
+        if self.kind == "infer":
+            self.ctr.verify(timeout=600)
+            time.sleep(10)  # ~100 more requests: every request id again
+            now = self.answers()
+            differ = {r: (a, now[r]) for r, a in self.answers_before.items() if now.get(r) != a}
+            if differ:
+                raise SystemExit(f"{len(differ)} requests answered differently after restore: "
+                                 f"{list(differ.items())[:3]}")
+        return its
+
+    def check_losses(self) -> int:
+        """Training: the loss lines equal an uninterrupted run's (a second
+        process on the same GPU after this one is removed). Lines compared."""
+        lines = (self.status / "loss.log").read_text().splitlines()
+        self.remove()
+        env = {**os.environ, "GPUSNAP_JOB_STATUS": "/tmp"}
+        ref = subprocess.run([self.harness.PYTHON, str(JOBS), "train", str(self.gib),
+                              "--reference", str(len(lines))],
+                             capture_output=True, text=True, env=env, check=True).stdout.splitlines()
+        if lines != ref[:len(lines)]:
+            bad = next(i for i, (a, b) in enumerate(zip(lines, ref)) if a != b)
+            raise SystemExit(f"loss line {bad + 1} differs from an uninterrupted run: "
+                             f"{lines[bad]!r} != {ref[bad]!r}")
+        return len(lines)
+
+    def remove(self) -> None:
+        self.beat.stop()
+        self.ctr.remove()
+
+
+# -- the pipelines ----------------------------------------------------------------------
+
+
+def _driver_floor(m: Migration, events: list[dict]) -> None:
+    for e in events:
+        if e.get("event") == "quiesced" and e.get("timing"):
+            m.driver["checkpoint"] = round(sum(e["timing"].values()), 3)
+        if e.get("event") == "resumed" and e.get("timing"):
+            m.driver["restore"] = round(sum(e["timing"].values()), 3)
+
+
+def gpusnap_case(job: Job, ref: str, cache: Path) -> Migration:
+    m = Migration("gpusnap", f"{job.kind} {job.gib:g} GiB")
+    env = {**os.environ, "GPUSNAP_CACHE_DIR": str(cache)}  # the target's chunk cache
+    cid, mark = container_id(job.name), journal_size()
+    m.extra["start_wall"] = time.time()
+    r = timed([GPUSNAP, "migrate", job.name, ref, "--plain-http", "--json"], env=env)
+    pushed = json.loads(r.stdout)
+    events = journal_events(mark, cid)
+    dump = next((e["seconds"] for e in events if e.get("event") == "checkpointed"), r.seconds)
+    m.phases["dump+upload"] = dump
+    m.phases["upload after dump"] = r.seconds - dump
+    m.rss_kib["gpusnap migrate"] = r.maxrss_kib
+    m.bytes_up, m.extra["checkpoint_bytes"] = pushed["bytes_sent"], pushed["bytes"]
+    m.extra["chunks"], m.extra["push"] = pushed["chunks"], {
+        k: pushed.get(k) for k in ("seconds", "throughput_mb_s", "prefetched_bytes", "layers",
+                                   "parallel_bytes", "processes")}
+    m.phases["rm"] = timed(["podman", "rm", job.name]).seconds
+    mark = journal_size()
+    r = timed([GPUSNAP, "restore", pushed["pinned"], "--plain-http", "--json"], env=env)
+    restored = json.loads(r.stdout)
+    m.phases["download"] = restored["pull"]["seconds"]
+    m.phases["restore"] = r.seconds - restored["pull"]["seconds"]
+    m.rss_kib["gpusnap restore"] = r.maxrss_kib
+    m.bytes_down = restored["pull"]["bytes_fetched"]
+    _driver_floor(m, journal_events(mark) + events)
+    return m
+
+
+def local_case(job: Job, work: Path) -> Migration:
+    m = Migration("local", f"{job.kind} {job.gib:g} GiB")
+    archive = work / f"{job.name}.tar.zst"
+    mark = journal_size()
+    m.extra["start_wall"] = time.time()
+    r = timed([GPUSNAP, "checkpoint", job.name, "--export", str(archive), "--json"])
+    m.phases["checkpoint --export"], m.rss_kib["gpusnap checkpoint"] = r.seconds, r.maxrss_kib
+    m.archive_bytes = archive.stat().st_size
+    m.phases["rm"] = timed(["podman", "rm", job.name]).seconds
+    r = timed([GPUSNAP, "restore", str(archive), "--json"])
+    m.phases["restore"], m.rss_kib["gpusnap restore"] = r.seconds, r.maxrss_kib
+    archive.unlink()
+    _driver_floor(m, journal_events(mark))
+    return m
+
+
+def plain_case(job: Job, reg, work: Path) -> Migration:
+    from gpusnap.gpu.cuda import CudaDriver
+    start_wall = time.time()
+    m = plain(job, reg, reg.ref(f"bench/plain-{job.kind}-{job.gib:g}:v1"), work,
+              f"{job.kind} {job.gib:g} GiB", CudaDriver())
+    m.pipeline = "plain"
+    m.extra["start_wall"] = start_wall
+    return m
+
+
+# -- the runner -------------------------------------------------------------------------
+
+
+def _case_name(size: float, kind: str, pipeline: str) -> str:
+    return f"{size:g}gib-{kind}-{pipeline}"
+
+
+def run(args) -> int:
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    if args.stage_gib and not os.path.ismount(args.workdir):
+        # Scratch archives in RAM: gpusnap stages its export in the roomiest of
+        # /var/lib/containers and /var/tmp (runtime/storage.py), so a tmpfs
+        # larger than the disk's free space takes it (and the plain archive).
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.stage_gib}g", "tmpfs",
+                        args.workdir], check=True)
+    work = Path(tempfile.mkdtemp(prefix="gpusnap-scale-", dir=args.workdir))
+    os.environ["GPUSNAP_POLICY"] = str(permissive_policy(work))
+    RAM.mkdir(parents=True, exist_ok=True)
+    if not os.path.ismount(RAM):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.ram_gib}g", "tmpfs", str(RAM)],
+                       check=True)
+    try:
+        for size in [float(s) for s in args.sizes.split(",")]:
+            for kind in args.jobs.split(","):
+                for pipeline in args.pipelines.split(","):
+                    if kind == "train" and pipeline == "plain" and not args.plain_train:
+                        continue
+                    name = _case_name(size, kind, pipeline)
+                    out = results / f"{name}.json"
+                    if out.exists():
+                        print(f"{name}: done before, skipped", flush=True)
+                        continue
+                    print(f"== {name} ({time.strftime('%H:%M:%S')})", flush=True)
+                    try:
+                        row = one_case(size, kind, pipeline, work, results)
+                    except (SystemExit, Exception) as exc:  # the next case still runs
+                        row = {"case": name, "failed": str(exc)[-3000:]}
+                        print(f"{name}: FAILED {str(exc)[-1500:]}", flush=True)
+                    out.write_text(json.dumps(row, indent=2))
+                    print(json.dumps(row), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path) -> dict:
+    reg = make_registry(RAM / f"registry-{pipeline}") if pipeline != "local" else None
+    job = Job(kind, size)
+    print(f"  {job.name}: NVML shows {job.gpu_bytes / 2**30:.2f} GiB in use on GPU 0", flush=True)
+    try:
+        if kind == "infer":
+            job.mark()
+        with Timeline(results / f"{_case_name(size, kind, pipeline)}.timeline.jsonl",
+                      reg.root if reg else None):
+            if pipeline == "gpusnap":
+                m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:v1"), work / "cache")
+            elif pipeline == "local":
+                m = local_case(job, work)
+            else:
+                m = plain_case(job, reg, work)
+        if pipeline != "plain":  # plain() checks it itself
+            job.check_after_restore()
+        m.downtime_s, last, first = job.downtime(m.extra["start_wall"])
+        m.extra.update({"gpu_gib": size, "job": kind, "nvml_gpu_bytes": job.gpu_bytes,
+                        "last_step_source": last, "first_step_target": first,
+                        "floor_s": round(sum(m.driver.values()), 3) or None})
+        if kind == "train":
+            m.extra["loss_lines_equal"] = job.check_losses()
+        else:
+            m.extra["answers_equal"] = len(job.answers_before)
+    finally:
+        job.remove()
+        if reg:
+            reg.stop()
+            shutil.rmtree(reg.root, ignore_errors=True)
+        shutil.rmtree(work / "cache", ignore_errors=True)
+    row = m.row()
+    row["case"] = _case_name(size, kind, pipeline)
+    return row
+
+
+# -- start / wait / report ---------------------------------------------------------------
+
+
+def start(args) -> int:
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    pidfile = results / "runner.pid"
+    if pidfile.exists():
+        try:
+            os.kill(int(pidfile.read_text()), 0)
+            print(f"a runner is already at work (pid {pidfile.read_text().strip()})")
+            return 0
+        except (OSError, ValueError):
+            pass
+    cmd = [sys.executable, __file__, "run", "--results", args.results, "--sizes", args.sizes,
+           "--jobs", args.jobs, "--pipelines", args.pipelines, "--workdir", args.workdir,
+           "--ram-gib", str(args.ram_gib), "--stage-gib", str(args.stage_gib)] + (["--plain-train"] if args.plain_train else [])
+    log = open(results / "log.txt", "a")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    pidfile.write_text(str(proc.pid))
+    print(f"runner started (pid {proc.pid}), log {results / 'log.txt'}")
+    return 0
+
+
+def wait(args) -> int:
+    results = Path(args.results)
+    pid = int((results / "runner.pid").read_text())
+    log = results / "log.txt"
+    pos = 0
+    deadline = time.monotonic() + args.seconds
+    alive = True
+    while time.monotonic() < deadline:
+        with open(log) as f:
+            f.seek(pos)
+            text = f.read()
+            pos = f.tell()
+        if text:
+            print(text, end="", flush=True)
+        try:
+            os.kill(pid, 0)
+            if os.path.exists(f"/proc/{pid}/stat") and \
+                    open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+                raise OSError
+        except OSError:
+            alive = False
+            break
+        time.sleep(2)
+    print(f"\nrunner {'still at work' if alive else 'finished'}")
+    return 0 if not alive else 3
+
+
+def report(args) -> int:
+    rows = [json.loads(p.read_text()) for p in sorted(Path(args.results).glob("*gib-*.json"))]
+    for r in rows:
+        if "failed" in r:
+            print(f"{r['case']}: failed: {r['failed'][-300:]}")
+            continue
+        ph = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s"].items())
+        floor = r.get("floor_s")
+        print(f"{r['case']}: total {r['total_s']:.1f} s, downtime {r['downtime_s']:.1f} s "
+              f"(NVML {r['nvml_gpu_bytes'] / 2**30:.1f} GiB; {ph}; up {r['bytes_up'] / 1e9:.2f} GB; "
+              f"floor {floor} s; RSS MiB " +
+              ", ".join(f"{k} {v // 1024}" for k, v in r["peak_rss_kib"].items()) + ")")
+    ok = [r for r in rows if "failed" not in r]
+    for r in ok:
+        if r["pipeline"] != "gpusnap":
+            continue
+        twin = next((p for p in ok if p["pipeline"] == "plain" and p["gpu_gib"] == r["gpu_gib"]
+                     and p["job"] == r["job"]), None)
+        line = f"{r['job']} {r['gpu_gib']:g} GiB: gpusnap total / floor " + \
+            (f"{r['total_s'] / r['floor_s']:.2f}x" if r.get("floor_s") else "-")
+        if twin:
+            line += (f"; plain / gpusnap total {twin['total_s'] / r['total_s']:.2f}x, "
+                     f"downtime {twin['downtime_s'] / r['downtime_s']:.2f}x")
+        print(line)
+    if args.png and ok:
+        plot(ok, Path(args.png))
+    if args.timelines:
+        for path in sorted(Path(args.results).glob("*.timeline.jsonl")):
+            print(f"-- {path.name.split('.')[0]}")
+            print("\n".join(summary(path, args.step)))
+    return 0
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for pipeline, style in (("plain", "s-"), ("gpusnap", "o-"), ("local", "^-")):
+        pts = sorted((r["nvml_gpu_bytes"] / 2**30, r["total_s"], r["downtime_s"]) for r in rows
+                     if r["pipeline"] == pipeline and r["job"] == "infer")
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{pipeline}: total")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], style, alpha=0.5, linestyle="--",
+                    label=f"{pipeline}: downtime")
+    floor = sorted((r["nvml_gpu_bytes"] / 2**30, r["floor_s"]) for r in rows
+                   if r["pipeline"] == "gpusnap" and r.get("floor_s") and r["job"] == "infer")
+    if floor:
+        ax.plot([p[0] for p in floor], [p[1] for p in floor], "k:", label="driver floor")
+    ax.set_xlabel("GPU memory in use (GiB, NVML)")
+    ax.set_ylabel("seconds")
+    ax.set_title("Inference job migrated through a loopback registry")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("verb", choices=("start", "run", "wait", "report"))
+    ap.add_argument("--results", required=True)
+    ap.add_argument("--sizes", default="8,16,32")
+    ap.add_argument("--jobs", default="infer,train")
+    ap.add_argument("--pipelines", default="gpusnap,local,plain")
+    ap.add_argument("--plain-train", action="store_true", help="also the plain pipeline for training")
+    ap.add_argument("--workdir", default="/var/tmp")
+    ap.add_argument("--ram-gib", type=int, default=70, help="tmpfs for the registries' storage")
+    ap.add_argument("--stage-gib", type=int, default=0,
+                    help="a tmpfs of this size on --workdir for the scratch archives (0: the disk)")
+    ap.add_argument("--seconds", type=float, default=540)
+    ap.add_argument("--png")
+    ap.add_argument("--timelines", action="store_true", help="report: what the machine did, per case")
+    ap.add_argument("--step", type=float, default=5.0, help="report --timelines: seconds a line")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return {"start": start, "run": run, "wait": wait, "report": report}[args.verb](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
