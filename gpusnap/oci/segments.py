@@ -10,6 +10,12 @@ so a file read in one stream is cut the same), and each segment is read with
 pread, chunked, hashed, compressed and uploaded by one of several worker
 processes, each with its own registry connections and a few upload threads.
 
+The pull side is the mirror image (FetchPool): each worker fetches, verifies
+and decompresses one segment's chunks into a file of its own (on /dev/shm),
+and the pulling process copies those files, in order, into the tar it writes
+(Podman's import pipe, or an archive). A window of segments bounds the RAM
+those files take, and no chunk data passes through the pulling process's heap.
+
 Workers start by spawn (not fork: the pushing process has threads) and build
 their registry client and cache once. What comes back per segment: its chunks
 in order and the counts of what crossed the network. Encrypted pushes stay in
@@ -20,9 +26,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
+import tempfile
+from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
+
+from gpusnap.errors import GpusnapError
 
 from gpusnap.oci import chunker
 from gpusnap.oci.bundle import Chunk
@@ -132,3 +145,114 @@ def worth_it(size: int, params: chunker.ChunkParams) -> bool:
     """Files of at least four segments go to the workers; smaller ones are read
     in the pushing process (a worker costs a Python start, ~0.3 s, once)."""
     return size >= 4 * params.segment
+
+
+# -- pull: segments fetched into files by worker processes --------------------------------
+
+FETCH_SEGMENT = 64 << 20  # raw bytes a worker fetches into one file (8-16 chunks)
+FETCH_THREADS = 3  # downloads in flight per worker
+
+
+@dataclass(frozen=True)
+class FetchSegment:
+    out: str  # the file the worker writes (created 0600)
+    chunks: list[Chunk]
+
+
+def _init_fetch(ref: str, opts: RegistryOptions, cache_root: str | None) -> None:
+    from gpusnap.oci import reference
+    from gpusnap.oci.cache import ChunkCache
+    from gpusnap.oci.registry import RegistryClient
+    from gpusnap.oci.transfer import Downloader
+
+    client = RegistryClient(reference.parse(ref), opts)
+    cache = ChunkCache.open(Path(cache_root)) if cache_root else None
+    _worker["downloader"] = Downloader(client, cache, FETCH_THREADS)
+
+
+def _fetch(seg: FetchSegment) -> dict:
+    downloader = _worker["downloader"]
+    before = downloader.stats.to_dict()
+    fd = os.open(seg.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        for piece in downloader.fetch(seg.chunks):
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    after = downloader.stats.to_dict()
+    return {k: after[k] - before[k] for k in after}
+
+
+def fetch_segments(chunks: list[Chunk]) -> list[list[Chunk]]:
+    """A file's chunks in runs of about FETCH_SEGMENT raw bytes."""
+    out: list[list[Chunk]] = [[]]
+    size = 0
+    for c in chunks:
+        if size >= FETCH_SEGMENT:
+            out.append([])
+            size = 0
+        out[-1].append(c)
+        size += c.size
+    return [run for run in out if run]
+
+
+def worth_fetching(size: int) -> bool:
+    return size >= 4 * FETCH_SEGMENT
+
+
+class FetchPool:
+    """Worker processes that fetch big files' segments into files under a
+    scratch folder; ``pieces(chunks)`` yields the file's bytes in order."""
+
+    def __init__(self, ref: str, opts: RegistryOptions, cache_root: Path | None, workers: int,
+                 count: Callable[[dict], None]) -> None:
+        self.workers, self._count = workers, count
+        self.window = workers + 2  # segments fetched or waiting to be copied: RAM bound
+        self.dir = Path(tempfile.mkdtemp(prefix="gpusnap-fetch-", dir=_scratch(self.window)))
+        self._pool = ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_fetch,
+            initargs=(ref, opts, str(cache_root) if cache_root else None))
+        self._n = 0
+
+    def pieces(self, chunks: list[Chunk], buffer: int = 4 << 20) -> Iterator[memoryview]:
+        runs = deque(fetch_segments(chunks))
+        pending: deque[tuple[Path, Future]] = deque()
+        buf = bytearray(buffer)
+        try:
+            while runs or pending:
+                while runs and len(pending) < self.window:
+                    self._n += 1
+                    out = self.dir / f"{self._n}.seg"
+                    pending.append((out, self._pool.submit(_fetch, FetchSegment(str(out),
+                                                                              runs.popleft()))))
+                out, future = pending.popleft()
+                try:
+                    self._count(future.result())
+                except BrokenProcessPool:
+                    raise GpusnapError("a download worker process died (out of memory?)",
+                                       "run the command again: chunks already fetched are "
+                                       "in the cache") from None
+                with open(out, "rb", buffering=0) as f:
+                    while n := f.readinto(buf):
+                        yield memoryview(buf)[:n]
+                out.unlink()
+        finally:
+            for _, f in pending:
+                f.cancel()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _scratch(window: int) -> Path:
+    """/dev/shm when it holds the window of segments twice over, else /var/tmp."""
+    shm = Path("/dev/shm")
+    try:
+        if shutil.disk_usage(shm).free >= 2 * window * FETCH_SEGMENT:
+            return shm
+    except OSError:
+        pass
+    return Path("/var/tmp")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
-from gpusnap.oci import podman_image, reference
+from gpusnap.oci import podman_image, reference, segments
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.tarfiles import ArchiveWriter, PipeWriter, ReaderStopped
@@ -151,28 +151,42 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
                 cache_root: Path | None = None, workers: int = WORKERS,
                 progress: Progress | None = None,
                 total: Callable[[int], None] | None = None,
-                cancel: threading.Event | None = None) -> dict:
+                cancel: threading.Event | None = None, processes: int | None = None) -> dict:
     """The bundle's files, each chunk fetched (cache first) and verified, into
     ``writer`` (an ArchiveWriter, or a DirectoryWriter: add/commit/abort).
     ``cancel`` set stops it between two chunks (the reader gave up)."""
     cache = ChunkCache.open(cache_root) if use_cache else None
+    processes = segments.default_workers() if processes is None else processes
     b = remote.bundle
     if total:
         total(b.total_bytes)
     start = time.monotonic()
     downloader = Downloader(remote.client, cache, workers, progress, cipher=remote.cipher)
-    stream = downloader.fetch(c for f in b.files for c in f.chunks)
+    # Big files (CRIU's pages of a GPU process) are fetched by worker processes
+    # (segments.py); sealed chunks stay here, with the keys that open them.
+    big = {id(f) for f in b.files if f.type == "file" and segments.worth_fetching(f.size)
+           and remote.cipher is None and processes >= 2}
+    stream = downloader.fetch(c for f in b.files if id(f) not in big for c in f.chunks)
     if cancel is not None:
         stream = _until(stream, cancel)
+    fetch = segments.FetchPool(str(remote.client.ref), remote.client.opts,
+                               cache.root if cache else None, processes,
+                               downloader.count_elsewhere_stats) if big else None
     try:
         for entry in b.files:
-            writer.add(entry, islice(stream, len(entry.chunks)))
+            if id(entry) in big:
+                pieces = fetch.pieces(entry.chunks)
+                writer.add(entry, _until(pieces, cancel) if cancel is not None else pieces)
+            else:
+                writer.add(entry, islice(stream, len(entry.chunks)))
         writer.commit()
     except BaseException:
         writer.abort()
         raise
     finally:
         stream.close()
+        if fetch is not None:
+            fetch.close()
         downloader.close()
     if cache:
         cache.prune()
@@ -184,6 +198,7 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             "bytes_from_cache": s.cached_bytes, "bytes_repeated": s.repeated_bytes,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
+            "processes": fetch.workers if fetch else 0,
             "trust": remote.trust}
 
 

@@ -49,9 +49,11 @@ def test_segments_cut_as_one_stream_does_and_come_back_whole(registry, tmp_path)
     assert second["bytes_sent"] < 1 << 20, second  # the small files' chunks at most
 
     out = tmp_path / "pulled.tar.zst"
-    res = run([GPUSNAP, "pull", first["pinned"], "-o", str(out), *registry.flags()],
+    res = run([GPUSNAP, "pull", first["pinned"], "-o", str(out), "--json", *registry.flags()],
               input=PASSWORD + "\n")
     assert res.returncode == 0, (res.stdout, res.stderr)
+    pulled = json.loads(res.stdout)
+    assert pulled["processes"] >= 2, pulled  # pages-1.img came through the fetch workers
     plain = tmp_path / "pulled.tar"
     subprocess.run(["zstd", "-q", "-d", str(out), "-o", str(plain)], check=True)
     with tarfile.open(plain) as tar:
