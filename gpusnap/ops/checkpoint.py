@@ -17,6 +17,7 @@ from gpusnap.ops.preconditions import has_checkpoint, require_running
 from gpusnap.private import restrict_tree
 from gpusnap.procs import ProcessGpuUse, cuda_processes, process_tree, rss_bytes
 from gpusnap.runtime import podman
+from gpusnap.runtime.storage import discard
 from gpusnap.runtime.stream import export_fifo, export_plain
 
 # zstd -1 with all cores: an H100 host's checkpoint disk (1.2 GB/s) is the limit
@@ -118,8 +119,9 @@ def _dump(p: CheckpointPlan) -> None:
 
 
 def _drop_local(userdata: Path) -> None:
-    """What Podman removes after an export when --keep is not given."""
-    shutil.rmtree(userdata / "checkpoint", ignore_errors=True)
+    """What Podman removes after an export when --keep is not given (the
+    images are deleted in the background: storage.discard)."""
+    discard(userdata / "checkpoint", userdata)
     for name in ("dump.log", "stats-dump", "config.dump", "spec.dump"):
         (userdata / name).unlink(missing_ok=True)
 
@@ -131,7 +133,7 @@ def _drop_stale_dump(ctr: podman.Container, since: float) -> None:
     inventory = ctr.checkpoint_dir / "inventory.img"
     try:
         if inventory.stat().st_mtime >= since - 1:
-            shutil.rmtree(ctr.checkpoint_dir, ignore_errors=True)
+            discard(ctr.checkpoint_dir, ctr.userdata)
     except OSError:
         pass
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.runtime.fifo_pump import referenced
+from gpusnap.runtime.storage import TRASH_PREFIX
 from gpusnap.runtime.stream import FIFO_DIR_PREFIX, FIFO_NAME, partial_path
 
 
-STAGING_PREFIXES = (".gpusnap-push-", ".gpusnap-pull-")
+STAGING_PREFIXES = (".gpusnap-push-", ".gpusnap-pull-", TRASH_PREFIX)
 # A live push or pull holds a file in its staging directory open, except for a
 # moment between steps (checks before the export; after the download, before
 # Podman names the archive): one untouched this long is not in use.

@@ -25,7 +25,7 @@ from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.ops import early_pages, prefetch
 from gpusnap.runtime import podman
 from gpusnap.runtime.follow import follow
-from gpusnap.runtime.storage import image_repo_digests, staging_dir
+from gpusnap.runtime.storage import discard, image_repo_digests, staging_dir
 from gpusnap.runtime.stream import partial_path, tar_member
 from gpusnap.trust.options import TrustOptions
 
@@ -156,7 +156,7 @@ def resolve_source(source: str, leave_running: bool,
         raise kept_error(exc, source, f"in {export}", f"`gpusnap push {export} REF`",
                          f"`podman rm {source}; gpusnap restore {export}`") from None
     else:
-        shutil.rmtree(work, ignore_errors=True)
+        discard(work, work.parent)  # the export: as large as the checkpoint
     finally:
         pool.shutdown(wait=True)
         if not stopped:

@@ -3,11 +3,38 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from gpusnap.errors import GpusnapError
+
+
+TRASH_PREFIX = ".gpusnap-trash-"  # doctor lists one a killed `rm` left (leftovers.py)
+
+
+def discard(path: Path, near: Path) -> None:
+    """Remove the tree ``path`` without waiting for it: renamed at once into a
+    trash folder in ``near`` (the same filesystem), deleted there by a detached
+    `rm -rf`. Unlinking tens of GB of freshly written files waits for their
+    writeback: 10 s for 36.7 GB of CRIU images on the H100 host, at the end of
+    every migration. Where the rename fails, removed here and now."""
+    try:
+        trash = Path(tempfile.mkdtemp(prefix=TRASH_PREFIX, dir=near))
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        os.rename(path, trash / path.name)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+    subprocess.Popen(["rm", "-rf", "--", str(trash)], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
 
 
 def _podman(*args: str) -> subprocess.CompletedProcess:
