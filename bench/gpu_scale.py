@@ -303,13 +303,9 @@ def start(args) -> int:
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     pidfile = results / "runner.pid"
-    if pidfile.exists():
-        try:
-            os.kill(int(pidfile.read_text()), 0)
-            print(f"a runner is already at work (pid {pidfile.read_text().strip()})")
-            return 0
-        except (OSError, ValueError):
-            pass
+    if pidfile.exists() and _alive(int(pidfile.read_text())):
+        print(f"a runner is already at work (pid {pidfile.read_text().strip()})")
+        return 0
     cmd = [sys.executable, __file__, "run", "--results", args.results, "--sizes", args.sizes,
            "--jobs", args.jobs, "--pipelines", args.pipelines, "--workdir", args.workdir,
            "--ram-gib", str(args.ram_gib), "--stage-gib", str(args.stage_gib)] + (["--plain-train"] if args.plain_train else [])
@@ -319,6 +315,15 @@ def start(args) -> int:
     pidfile.write_text(str(proc.pid))
     print(f"runner started (pid {proc.pid}), log {results / 'log.txt'}")
     return 0
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (the call that started it is gone, and the
+    machine's init may never reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def wait(args) -> int:
@@ -335,12 +340,7 @@ def wait(args) -> int:
             pos = f.tell()
         if text:
             print(text, end="", flush=True)
-        try:
-            os.kill(pid, 0)
-            if os.path.exists(f"/proc/{pid}/stat") and \
-                    open(f"/proc/{pid}/stat").read().split()[2] == "Z":
-                raise OSError
-        except OSError:
+        if not _alive(pid):
             alive = False
             break
         time.sleep(2)
@@ -391,7 +391,7 @@ def plot(rows: list[dict], png: Path) -> None:
                      if r["pipeline"] == pipeline and r["job"] == "infer")
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{pipeline}: total")
-            ax.plot([p[0] for p in pts], [p[2] for p in pts], style, alpha=0.5, linestyle="--",
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], style[0] + "--", alpha=0.5,
                     label=f"{pipeline}: downtime")
     floor = sorted((r["nvml_gpu_bytes"] / 2**30, r["floor_s"]) for r in rows
                    if r["pipeline"] == "gpusnap" and r.get("floor_s") and r["job"] == "infer")
