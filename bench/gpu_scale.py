@@ -51,8 +51,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from migrate import (GPUSNAP, Beat, Migration, journal_events, journal_size,  # noqa: E402
-                     container_id, plain, timed)
+from migrate import (GPUSNAP, Beat, Migration, container_id, driver_floor,  # noqa: E402
+                     journal_events, journal_size, plain, restore_ref, timed)
 
 from timeline import Timeline, summary  # noqa: E402
 
@@ -152,14 +152,6 @@ class Job:
 # -- the pipelines ----------------------------------------------------------------------
 
 
-def _driver_floor(m: Migration, events: list[dict]) -> None:
-    for e in events:
-        if e.get("event") == "quiesced" and e.get("timing"):
-            m.driver["checkpoint"] = round(sum(e["timing"].values()), 3)
-        if e.get("event") == "resumed" and e.get("timing"):
-            m.driver["restore"] = round(sum(e["timing"].values()), 3)
-
-
 def gpusnap_case(job: Job, ref: str, cache: Path) -> Migration:
     m = Migration("gpusnap", f"{job.kind} {job.gib:g} GiB")
     env = {**os.environ, "GPUSNAP_CACHE_DIR": str(cache)}  # the target's chunk cache
@@ -177,14 +169,7 @@ def gpusnap_case(job: Job, ref: str, cache: Path) -> Migration:
         k: pushed.get(k) for k in ("seconds", "throughput_mb_s", "prefetched_bytes", "layers",
                                    "parallel_bytes", "processes")}
     m.phases["rm"] = timed(["podman", "rm", job.name]).seconds
-    mark = journal_size()
-    r = timed([GPUSNAP, "restore", pushed["pinned"], "--plain-http", "--json"], env=env)
-    restored = json.loads(r.stdout)
-    m.phases["download"] = restored["pull"]["seconds"]
-    m.phases["restore"] = r.seconds - restored["pull"]["seconds"]
-    m.rss_kib["gpusnap restore"] = r.maxrss_kib
-    m.bytes_down = restored["pull"]["bytes_fetched"]
-    _driver_floor(m, journal_events(mark) + events)
+    restore_ref(m, pushed["pinned"], env, events)
     return m
 
 
@@ -200,7 +185,7 @@ def local_case(job: Job, work: Path) -> Migration:
     r = timed([GPUSNAP, "restore", str(archive), "--json"])
     m.phases["restore"], m.rss_kib["gpusnap restore"] = r.seconds, r.maxrss_kib
     archive.unlink()
-    _driver_floor(m, journal_events(mark))
+    driver_floor(m, journal_events(mark))
     return m
 
 

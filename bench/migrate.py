@@ -355,24 +355,36 @@ def ours(w: Workload, reg: PlainRegistry, ref: str, cache: Path, label: str) -> 
     m.bytes_up, m.extra["checkpoint_bytes"] = pushed["bytes_sent"], pushed["bytes"]
     m.extra["chunks"], m.extra["chunks_sent"] = pushed["chunks"], pushed["chunks_sent"]
     m.phases["rm"] = timed(["podman", "rm", w.name]).seconds
+    restore_ref(m, pushed["pinned"], env, events)
+    end = time.monotonic()
+    w.beat.wait_beat(end)
+    m.downtime_s = w.beat.downtime(start, end)
+    w.check_after_restore()
+    return m
+
+
+def restore_ref(m: Migration, pinned: str, env: dict, push_events: list[dict]) -> dict:
+    """`gpusnap restore REF`: its download and restore phases, RSS and bytes
+    into ``m``, and the driver's own checkpoint + restore time (the floor)
+    from the journal events of the push and of this restore."""
     mark = journal_size()
-    r = timed([GPUSNAP, "restore", pushed["pinned"], "--plain-http", "--json"], env=env)
+    r = timed([GPUSNAP, "restore", pinned, "--plain-http", "--json"], env=env)
     restored = json.loads(r.stdout)
     m.phases["download"] = restored["pull"]["seconds"]
     m.phases["restore"] = r.seconds - restored["pull"]["seconds"]
     m.rss_kib["gpusnap restore"] = r.maxrss_kib
     m.bytes_down = restored["pull"]["bytes_fetched"]
     m.extra["bytes_from_cache"] = restored["pull"]["bytes_from_cache"]
-    end = time.monotonic()
-    w.beat.wait_beat(end)
-    m.downtime_s = w.beat.downtime(start, end)
-    w.check_after_restore()
-    for e in journal_events(mark) + events:  # the driver's own time: the floor
+    driver_floor(m, journal_events(mark) + push_events)
+    return restored
+
+
+def driver_floor(m: Migration, events: list[dict]) -> None:
+    for e in events:
         if e.get("event") == "quiesced" and e.get("timing"):
             m.driver["checkpoint"] = round(sum(e["timing"].values()), 3)
         if e.get("event") == "resumed" and e.get("timing"):
             m.driver["restore"] = round(sum(e["timing"].values()), 3)
-    return m
 
 
 # -- report -----------------------------------------------------------------------------

@@ -106,23 +106,14 @@ class _Pool:
         if self._progress:
             self._progress(raw, network)
 
-    def count_elsewhere_stats(self, other: dict) -> None:
-        """A Stats.to_dict() of chunks another process moved for this transfer."""
+    def count_elsewhere(self, other: dict) -> None:
+        """Counts (Stats fields) of chunks another process moved for this
+        transfer (segments.py's workers)."""
         with self._lock:
             for k, v in other.items():
                 setattr(self.stats, k, getattr(self.stats, k) + v)
         if self._progress:
             self._progress(other["raw_bytes"], other["network_bytes"])
-
-    def count_elsewhere(self, chunks: int, transferred: int, raw: int, network: int) -> None:
-        """Chunks another process moved for this transfer (gpusnap/oci/segments.py)."""
-        with self._lock:
-            self.stats.chunks += chunks
-            self.stats.chunks_transferred += transferred
-            self.stats.raw_bytes += raw
-            self.stats.network_bytes += network
-        if self._progress:
-            self._progress(raw, network)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -171,7 +171,7 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
         stream = _until(stream, cancel)
     fetch = segments.FetchPool(str(remote.client.ref), remote.client.opts,
                                cache.root if cache else None, processes,
-                               downloader.count_elsewhere_stats) if big else None
+                               downloader.count_elsewhere) if big else None
     try:
         for entry in b.files:
             if id(entry) in big:

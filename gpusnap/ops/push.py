@@ -275,7 +275,9 @@ class _Parts:
     def _count(self, f: Future) -> None:
         if not f.cancelled() and f.exception() is None:
             r = f.result()
-            self.uploader.count_elsewhere(len(r.chunks), r.sent, r.raw_bytes, r.network_bytes)
+            self.uploader.count_elsewhere({"chunks": len(r.chunks), "chunks_transferred": r.sent,
+                                           "raw_bytes": r.raw_bytes,
+                                           "network_bytes": r.network_bytes})
 
     @staticmethod
     def chunks(futures: list[Future]) -> list[fmt.Chunk]:
