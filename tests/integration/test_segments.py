@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GPUSNAP, run
+from tests.conftest import GPUSNAP, assert_one_line_error, run
 from tests.integration.oci_registry import PASSWORD, make_large_checkpoint
 
 pytestmark = pytest.mark.usefixtures("cache_dir")
@@ -59,3 +59,60 @@ def test_segments_cut_as_one_stream_does_and_come_back_whole(registry, tmp_path)
     with tarfile.open(plain) as tar:
         tar.extract("checkpoint/pages-1.img", tmp_path / "x", filter="data")
     assert _sha(tmp_path / "x" / "checkpoint" / "pages-1.img") == _sha(ckpt / "checkpoint" / "pages-1.img")
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The CLI's spawned worker processes (multiprocessing's spawn_main children)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmd:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("verb", ["push", "pull"])
+def test_a_worker_killed_mid_transfer_is_one_line_and_the_rerun_completes(registry, tmp_path,
+                                                                         verb):
+    """A worker process SIGKILLed (the OOM killer's way) fails the push or pull
+    with one line, leaves no archive, and the same command run again completes."""
+    import os
+    import signal
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    make_large_checkpoint(ckpt, 600 << 20, seed=uuid.uuid4().int % 10**6)
+    ref = registry.ref(f"ckpt/killed-{verb}-{uuid.uuid4().hex[:8]}:v1")
+    out = tmp_path / "pulled.tar"
+    if verb == "pull":
+        _push(registry, ckpt, ref)
+        args = ["pull", ref, "-o", str(out), "--no-cache"]
+    else:
+        args = ["push", str(ckpt), ref]
+    proc = subprocess.Popen([GPUSNAP, *args, *registry.flags()], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdin.write(PASSWORD + "\n")
+    proc.stdin.close()
+    proc.stdin = None
+    deadline = time.monotonic() + 120
+    while not (workers := _workers_of(proc.pid)) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no worker process started"
+        time.sleep(0.05)
+    assert workers, f"{verb} ended before a worker was seen"
+    time.sleep(0.5)  # at work on a segment
+    os.kill(workers[0], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    assert_one_line_error(res, "worker process died")
+    assert not out.exists() and not list(tmp_path.glob(".pulled.tar*"))
+    again = run([GPUSNAP, *args, *registry.flags(), "--json"], input=PASSWORD + "\n")
+    assert again.returncode == 0, (again.stdout, again.stderr)
+    if verb == "pull":
+        with tarfile.open(out) as tar:
+            tar.extract("checkpoint/pages-1.img", tmp_path / "x", filter="data")
+        assert _sha(tmp_path / "x" / "checkpoint" / "pages-1.img") == \
+            _sha(ckpt / "checkpoint" / "pages-1.img")
