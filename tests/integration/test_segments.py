@@ -18,6 +18,12 @@ from tests.integration.oci_registry import PASSWORD, make_large_checkpoint
 pytestmark = pytest.mark.usefixtures("cache_dir")
 
 
+@pytest.fixture(autouse=True)
+def two_workers(monkeypatch):
+    """Workers are off by default on hosts of fewer than 8 cores (CI has 2)."""
+    monkeypatch.setenv("GPUSNAP_PROCESSES", "2")
+
+
 def _push(registry, source: Path, ref: str) -> dict:
     res = run([GPUSNAP, "push", str(source), ref, *registry.flags(), "--json"],
               input=PASSWORD + "\n")
