@@ -51,7 +51,7 @@ def test_push_running_container_then_restore_from_the_registry_continues(registr
     ref = unique_ref(registry)
     before = read_counter(counter)
     earlier = set(_staged())  # other runs' leftovers are not this test's
-    pushed = gs_json("push", counter, ref, *registry.flags())
+    pushed = gs_json("push", counter, ref, "--stop", *registry.flags())
     assert pushed["source_kind"] == "container" and pushed["container"] == counter
     assert pushed["digest"].startswith("sha256:") and pushed["bytes_sent"] > 0
     assert podman("container", "inspect", counter, "--format",
@@ -279,7 +279,7 @@ def test_failed_push_of_a_container_keeps_its_checkpoint(counter, tmp_path):
     readonly = make_registry(tmp_path / "readonly", readonly=True)
     try:
         before = read_counter(counter)
-        res = gs("push", counter, readonly.ref("ckpt/ro:v1"), *readonly.flags())
+        res = gs("push", counter, readonly.ref("ckpt/ro:v1"), "--stop", *readonly.flags())
         assert_one_line_error(res, "is checkpointed and stopped", "kept in")
         kept = Path(re.search(r"kept in (\S+)", res.stderr).group(1))
         try:
