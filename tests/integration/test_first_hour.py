@@ -233,6 +233,8 @@ def test_a_mistyped_container_is_named_before_the_registry_is_asked():
                           hint="`podman ps`")
     assert "registry" not in res.stderr
     assert took < 3.0, took  # the registry's retries take 3.5 s: it was not asked
+    res = run([GPUSNAP, "migrate", "no-such-ctr-x1", dead_ref(), "--plain-http"])
+    assert_one_line_error(res, "no such container: no-such-ctr-x1", hint="`podman ps`")
 
 
 def test_skipped_verification_is_announced_only_when_it_was_skipped(
