@@ -5,7 +5,8 @@
 # demo registry (docs/trust.md); a counter container is checkpointed, signed
 # and pushed (`gpusnap migrate --sign-key`), removed, pulled back into an
 # archive Podman imports, inspected, and restored from the registry reference
-# once its signature verified; its counter goes on from where it was.
+# once its signature verified, with the command the push printed; its counter
+# goes on from where it was. Each step is one numbered line ([N/9] ...).
 # On a host with an NVIDIA GPU the container holds a CUDA tensor instead
 # (tests/gpu/demo-gpu.sh), checked after restore.
 set -euo pipefail
@@ -40,8 +41,11 @@ else:
     sys.exit("demo: docker-registry did not start")
 EOP
 REF=127.0.0.1:$PORT/demo/counter:v1
-echo "registry: http://127.0.0.1:$PORT (loopback, $REG_DIR)"
+STEPS=9 N=0
+step() { N=$((N+1)); printf '\n[%d/%d] %s\n' $N $STEPS "$*"; }
+[ -t 1 ] && export FORCE_COLOR=1  # gpusnap's output keeps its colours through tee below
 
+step "A registry on loopback (plain HTTP, storage in $REG_DIR): 127.0.0.1:$PORT"
 # Trust: a signing key, and a policy that accepts only what it signed here
 gpusnap key generate --output "$REG_DIR/demo-signer" >/dev/null
 cat > "$REG_DIR/policy.json" <<EOJ
@@ -50,16 +54,29 @@ cat > "$REG_DIR/policy.json" <<EOJ
 EOJ
 chmod 0644 "$REG_DIR/policy.json"
 export GPUSNAP_POLICY=$REG_DIR/policy.json
-echo "signing key: $(gpusnap key id "$REG_DIR/demo-signer.pub"), trusted by $GPUSNAP_POLICY"
+step "A signing key, $(gpusnap key id "$REG_DIR/demo-signer.pub" | cut -c1-19), trusted for 127.0.0.1:$PORT/demo by $GPUSNAP_POLICY"
 
 podman run -d --name $NAME --network none localhost/gpusnap-demo:latest \
   sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.1; done' >/dev/null
 sleep 2
-echo "counter before checkpoint: $(podman exec $NAME cat /tmp/c)"
-gpusnap migrate $NAME "$REF" --plain-http --sign-key "$REG_DIR/demo-signer.key"  # checkpoint + sign + push
+step "Container $NAME counts in memory: at $(podman exec $NAME cat /tmp/c)"
+
+step "Checkpoint, sign and push it; the container stops (a move): gpusnap migrate $NAME $REF --plain-http --sign-key KEY"
+gpusnap migrate $NAME "$REF" --plain-http --sign-key "$REG_DIR/demo-signer.key" | tee "$REG_DIR/migrate.out"
+RESTORE=$(sed 's/\x1b\[[0-9;]*m//g' "$REG_DIR/migrate.out" | grep -A1 '^On the target host run:' | tail -1 | sed 's/^ *//')
+
+step "Remove the container, as if this host were gone: podman rm $NAME ($(podman inspect $NAME --format '{{.State.Status}}') until now)"
 podman rm $NAME >/dev/null
-gpusnap pull "$REF" --plain-http -o "$ARCHIVE"        # verified, then an archive plain Podman imports
-gpusnap inspect "$REF" --plain-http                   # manifest + config only; signed by whom
-gpusnap restore "$REF" --plain-http                   # verify, pull and restore in one go
+podman container exists $NAME && { echo "demo: $NAME is still there"; exit 1; }
+
+step "Inspect the checkpoint in the registry (manifest + config only): gpusnap inspect $REF --plain-http"
+gpusnap inspect "$REF" --plain-http
+
+step "Pull it into an archive plain Podman imports (signature verified first): gpusnap pull $REF --plain-http -o $ARCHIVE"
+gpusnap pull "$REF" --plain-http -o "$ARCHIVE"
+
+step "Restore it from the registry with the command step 4 printed: $RESTORE"
+bash -c "$RESTORE"
 sleep 1
-echo "counter after restore:     $(podman exec $NAME cat /tmp/c)  (it went on, not from 0)"
+
+step "Container $NAME counts on: at $(podman exec $NAME cat /tmp/c) (from where it was, not from 0)"

@@ -74,14 +74,20 @@ def wait_counter(name: str, above: int, timeout: float = 10.0) -> int:
     raise AssertionError(f"counter of {name} stayed at {value}, expected > {above}")
 
 
-def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str) -> None:
-    """Exit 1, an 'Error:' line that names the problem, and no traceback."""
+def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str,
+                          hint: str | None = None) -> None:
+    """Exit 1, an 'Error:' line that names the problem, and no traceback;
+    ``hint``: the '->' line under it (what to do next) says this."""
     assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
     assert "Traceback" not in res.stderr + res.stdout
-    first = res.stderr.strip().splitlines()[0]
-    assert first.startswith("Error: "), res.stderr
+    # a deprecated flag's note may come first; then the error, its hint, nothing else
+    lines = [line for line in res.stderr.strip().splitlines() if not line.startswith("Note: ")]
+    assert lines and lines[0].startswith("Error: "), res.stderr
     for needle in needles:
         assert needle in res.stderr, (needle, res.stderr)
+    if hint is not None:
+        assert len(lines) == 2 and lines[1].lstrip().startswith("->") and hint in lines[1], \
+            (hint, res.stderr)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import click
 
 from gpusnap.cli.output import step
 from gpusnap.cli.registry_options import transfer_progress
-from gpusnap.cli.trust_options import warn_skip
+from gpusnap.cli.trust_options import warn_skipped
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import reference
 
@@ -55,8 +55,8 @@ def restore_into(source: str, to: str, name: str | None, keep: bool, tcp_establi
         raise GpusnapError(f"{source}: neither a registry reference nor a checkpoint directory",
                            "pass HOST/REPO:TAG (from `gpusnap push containerd://...`) or the "
                            "directory a failed push kept")
-    warn_skip(trust)
     with transfer_progress(as_json, f"Pulling {source}", verb="fetched") as bar:
         return ops.restore_remote(source, to, name, registry(), address=address, gpu_map=gpu_map,
                                   dry_run=dry_run, log_uri=log_uri, trust=trust,
+                                  on_trusted=warn_skipped,
                                   progress=bar.advance, total=bar.total)

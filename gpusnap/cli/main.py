@@ -23,17 +23,17 @@ def cli() -> None:
       gpusnap checkpoint CTR --export ctr.tar.zst   checkpoint (GPU memory included)
       gpusnap restore ctr.tar.zst                   restore it, here or on another host
       gpusnap inspect ctr.tar.zst                   what a checkpoint holds
-      gpusnap push CTR|FILE|DIR HOST/REPO:TAG       checkpoint into an OCI registry (chunked, deduplicated)
+      gpusnap push CTR|FILE|DIR HOST/REPO:TAG       into an OCI registry (a container keeps running)
       gpusnap pull HOST/REPO:TAG -o ctr.tar.zst     back into an archive
       gpusnap restore HOST/REPO:TAG                 pull and restore in one go
       gpusnap push containerd://NS/CTR HOST/REPO:TAG  from containerd (restore it --to containerd://NS/ID)
-      gpusnap migrate CTR HOST/REPO:TAG             checkpoint + push; prints what to run on the target
+      gpusnap migrate CTR HOST/REPO:TAG             checkpoint, stop, push; prints what to run on the target
       gpusnap restore ctr.tar.zst --gpu-map 0=1     onto another GPU (--dry-run: the plan only)
       gpusnap move CTR --gpu 1                      live onto another GPU of this host
       gpusnap freeze CTR / gpusnap thaw CTR         release GPU memory in place, take it back
       gpusnap gpus                                  this host's GPUs
       gpusnap key generate -o PREFIX                a signing key pair (PREFIX.key, PREFIX.pub)
-      gpusnap doctor                                what this host is missing
+      gpusnap doctor                                what this host is missing (ok / warning / error)
     """
 
 

@@ -8,7 +8,7 @@ import click
 
 from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
 from gpusnap.cli.registry_options import registry_options, transfer_progress
-from gpusnap.cli.trust_options import trust_line, trust_options, warn_skip
+from gpusnap.cli.trust_options import trust_line, trust_options, warn_skipped
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.trust.options import TrustOptions
 
@@ -47,9 +47,9 @@ def pull_cmd(ref: str, output: str | None, no_cache: bool, trust: TrustOptions,
     """
     from gpusnap.ops import pull as ops
 
-    warn_skip(trust)
     with transfer_progress(as_json, f"Pulling {ref}", verb="fetched") as bar:
-        result = ops.pull(ref, output, registry(), trust=trust, use_cache=not no_cache,
+        result = ops.pull(ref, output, registry(), trust=trust, on_trusted=warn_skipped,
+                          use_cache=not no_cache,
                           progress=bar.advance, total=bar.total)
     emit(as_json, result, _human)
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import shlex
+import shutil
 from typing import Callable
 
 import click
 
 from gpusnap.cli import containerd
 from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
-from gpusnap.cli.registry_options import registry_options, transfer_progress
+from gpusnap.cli.registry_options import registry_options, restore_flags, transfer_progress
 from gpusnap.cli.trust_options import trust_options
+from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.trust.options import TrustOptions
 
@@ -25,33 +28,117 @@ def _trust_line(r: dict) -> None:
         console.print(f"  {'; '.join(parts)}")
 
 
-def human_push(r: dict) -> None:
+def human_push(r: dict, target: bool = False) -> None:
+    """``target``: the restore command is for another host (migrate), not this one."""
     if r.get("format") == "podman":
         console.print(f"[bold green]Pushed[/] {r['reference']} as a Podman checkpoint image in "
                       f"{r['seconds']:.2f} s: {r['files']} files, {human_bytes(r['bytes'])}, "
                       f"one layer of {human_bytes(r['bytes_sent'])}")
-        console.print(f"  digest: {r['digest']}")
-        _trust_line(r)
-        console.print(f"  restore with: {r['restore_command']}")
-        return
-    had = r["chunks"] - r["chunks_sent"]
-    console.print(f"[bold green]Pushed[/] {r['reference']} in {r['seconds']:.2f} s: "
-                  f"{r['files']} files, {human_bytes(r['bytes'])} in {r['chunks']} chunks; "
-                  f"sent {r['chunks_sent']} chunks ({human_bytes(r['bytes_sent'])} compressed)"
-                  + (f"; the other {had} were in the registry already or repeats" if had else ""))
+    else:
+        had = r["chunks"] - r["chunks_sent"]
+        console.print(f"[bold green]Pushed[/] {r['reference']} in {r['seconds']:.2f} s: "
+                      f"{r['files']} files, {human_bytes(r['bytes'])} in {r['chunks']} chunks; "
+                      f"sent {r['chunks_sent']} chunks ({human_bytes(r['bytes_sent'])} compressed)"
+                      + (f"; the other {had} were in the registry already or repeats" if had
+                         else ""))
     console.print(f"  digest: {r['digest']}")
     _trust_line(r)
-    key = " --decrypt-key KEY" if (r.get("trust") or {}).get("encrypted") else ""
+    state = r.get("container_state")
+    if state:
+        console.print(f"  container {state['name']}: {state['says']}")
+    if target:
+        console.print(f"[bold]On the target host run:[/]\n  {r['restore_command']}")
+    else:
+        console.print(f"  restore with: {r['restore_command']}")
+        if r.get("restore_renamed"):
+            console.print(f"  [dim](--name: {r['restore_renamed']} exists on this host; leave it "
+                          "out on another host)[/]")
+    refused = r.get("restore_refused")
+    if refused:
+        console.print(f"  [bold yellow]Warning:[/] this host would refuse that restore: "
+                      f"{refused['error']}")
+        if refused.get("hint"):
+            console.print(f"    [dim]->[/] {refused['hint']}")
+
+
+def container_state(r: dict, leave_running: bool) -> dict | None:
+    """What the push did to the container it checkpointed: a checkpoint that
+    succeeded left it running or stopped it, as asked (no engine call: migrate's
+    time is benchmarked; the tests compare this with Podman's word)."""
+    name = r.get("container")
+    if not name:
+        return None
+    stopped = "stopped" if r.get("source_kind") == "containerd-container" else "exited"
+    status = "running" if leave_running else stopped
+    if status == "running":
+        says = "checkpointed and still running (push copies; --stop moves it, as migrate does)"
+    else:
+        says = f"checkpointed and stopped ({status}); its state now lives in {r['reference']}"
+    return {"name": name, "status": status, "stopped": status != "running", "says": says}
+
+
+def _free_name(name: str) -> str:
+    from gpusnap.runtime import podman
+
+    n = 2
+    while podman.exists(f"{name}-{n}"):
+        n += 1
+    return f"{name}-{n}"
+
+
+def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
+                    here: bool) -> tuple[str, str | None]:
+    """The command that restores what was pushed, flags included; ``here``: on
+    this host as it is now (a name in use gets --name). Also the name it avoided."""
+    if r.get("format") == "podman":  # Podman restores it, with Podman's flags
+        tls = " --tls-verify=false" if opts.plain_http or opts.insecure else ""
+        key = " --decryption-key KEY" if (r.get("trust") or {}).get("encrypted") else ""
+        return (f"podman pull{tls}{key} {r['reference']} && "
+                f"podman container restore {r['reference']}"), None
+    args = ["gpusnap", "restore", r["pinned"], *restore_flags(opts)]
+    if (r.get("trust") or {}).get("encrypted") or (trust and trust.encrypts):
+        args += ["--decrypt-key", "KEY"]
     notes = r.get("annotations") or {}
+    name = notes.get("io.gpusnap.container.name")
+    renamed = None
     if notes.get("io.gpusnap.engine") == "containerd":  # into containerd: say where
-        key += f" --to containerd://NAMESPACE/{notes.get('io.gpusnap.container.name') or 'ID'}"
-    console.print(f"  restore with: gpusnap restore {r['pinned']}{key}")
+        args += ["--to", f"containerd://NAMESPACE/{name or 'ID'}"]
+    elif here and name and shutil.which("podman"):
+        from gpusnap.runtime import podman
+
+        if podman.exists(name):
+            renamed = name
+            args += ["--name", _free_name(name)]
+    return " ".join(shlex.quote(a) if a != "KEY" else a for a in args), renamed
+
+
+def restore_refusal(r: dict, opts: RegistryOptions) -> dict | None:
+    """Would this host's trust policy refuse `gpusnap restore` of what was just
+    pushed? The same check restore makes (signature tag, policy), run now."""
+    if r.get("format") == "podman":
+        return None  # Podman's own policy decides
+    from gpusnap.oci import reference
+    from gpusnap.oci.registry import RegistryClient
+    from gpusnap.trust import remote
+
+    client = RegistryClient(reference.parse(r["pinned"]), opts)
+    try:
+        remote.check(client, r["digest"], None)
+    except GpusnapError as exc:
+        return {"error": exc.message, "hint": exc.hint}
+    finally:
+        client.close()
+    return None
 
 
 def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_json: bool,
              leave_running: bool, level: int, image_format: str = "gpusnap",
-             trust: TrustOptions | None = None, containerd_address: str | None = None) -> dict:
+             trust: TrustOptions | None = None, containerd_address: str | None = None,
+             here: bool = True) -> dict:
+    """Push, then say what became of the container and how to restore it
+    (``here``: on this host; else on another one)."""
     from gpusnap.ops import push as ops  # registry code: imported only when used
+    from gpusnap.oci.registry import TransientError
 
     with transfer_progress(as_json, f"Pushing {source}") as bar:
         def checkpointing(name: str) -> None:
@@ -61,24 +148,40 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
             bar.describe(f"Pushing {source}")
             bar.total(total)
 
-        return ops.push(source, ref, registry(), leave_running=leave_running, level=level,
-                        progress=bar.advance, total=pushing, on_checkpoint=checkpointing,
-                        image_format=image_format, trust=trust,
-                        containerd_address=containerd_address)
+        try:
+            r = ops.push(source, ref, registry(), leave_running=leave_running, level=level,
+                         progress=bar.advance, total=pushing, on_checkpoint=checkpointing,
+                         image_format=image_format, trust=trust,
+                         containerd_address=containerd_address)
+        except TransientError as exc:  # true of push: the registry's blobs are asked first
+            raise GpusnapError(exc.message, f"{exc.hint}; then push again: chunks the registry "
+                               "already has are not sent again") from None
+    r["container_state"] = container_state(r, leave_running)
+    r["restore_command"], r["restore_renamed"] = restore_command(r, registry(), trust, here)
+    r["restore_refused"] = restore_refusal(r, registry())
+    return r
 
 
 def checkpoint_options(fn: Callable) -> Callable:
-    """Flags for a push that may checkpoint a container first (push, migrate)."""
-    fn = click.option("--compression-level", "level", default=3, show_default=True,
-                      type=click.IntRange(1, 19), help="zstd level of the chunks.")(fn)
+    """Flags for a push that checkpoints a container first (push, migrate)."""
+    return click.option("--compression-level", "level", default=3, show_default=True,
+                        type=click.IntRange(1, 19), help="zstd level of the chunks.")(fn)
+
+
+def leave_running_option(fn: Callable) -> Callable:
+    """migrate's: it moves a container, so it stops it unless told otherwise."""
     return click.option("-R", "--leave-running", is_flag=True,
-                        help="A container is checkpointed first: keep it running "
-                             "(a copy, not a move).")(fn)
+                        help="Keep the container running (a copy, not a move).")(fn)
 
 
 @click.command("push")
 @click.argument("source")
 @click.argument("ref")
+@click.option("--stop", is_flag=True,
+              help="A container is stopped once checkpointed: a move, as `gpusnap migrate` "
+                   "does (default: it keeps running, a copy).")
+@click.option("-R", "--leave-running", is_flag=True,
+              help="Keep the container running: the default now, accepted for scripts.")
 @checkpoint_options
 @click.option("--format", "image_format", type=click.Choice(["gpusnap", "podman"]),
               default="gpusnap", show_default=True,
@@ -89,22 +192,28 @@ def checkpoint_options(fn: Callable) -> Callable:
 @registry_options
 @json_option
 @handle_errors
-def push_cmd(source: str, ref: str, leave_running: bool, level: int, image_format: str,
+def push_cmd(source: str, ref: str, stop: bool, leave_running: bool, level: int,
+             image_format: str,
              containerd_address: str | None, trust: TrustOptions,
              registry: Callable[[], RegistryOptions], as_json: bool) -> None:
     """Push a checkpoint to an OCI registry as REF (HOST[:PORT]/REPO:TAG).
 
     SOURCE is an exported archive, a checkpoint directory, or a running
-    container (checkpointed first). Chunks the registry already has are not
-    sent again. --sign-key signs it, --encrypt-to encrypts it (docs/trust.md).
+    container: checkpointed first and left running, as `podman push` copies
+    (--stop stops it: a move). Chunks the registry already has are not sent
+    again. --sign-key signs it, --encrypt-to encrypts it (docs/trust.md). The
+    output says what became of the container and the command that restores it.
 
     SOURCE containerd://[NAMESPACE/]NAME is a containerd container (checkpointed
-    first, as `ctr c checkpoint --task --rw`; stopped unless --leave-running) or
+    first, as `ctr c checkpoint --task --rw`; stopped only with --stop) or
     a checkpoint image `ctr c checkpoint --task` made; with a slash, the first
     segment is the namespace. `gpusnap restore REF --to containerd://NS/ID`
     restores it.
     """
-    emit(as_json, run_push(source, ref, registry, as_json, leave_running, level, image_format,
+    if stop and leave_running:
+        raise GpusnapError("--stop and --leave-running contradict each other",
+                           "pass --stop to move the container, nothing to copy it")
+    emit(as_json, run_push(source, ref, registry, as_json, not stop, level, image_format,
                            trust, containerd_address), human_push)
 
 

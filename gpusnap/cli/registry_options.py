@@ -1,11 +1,12 @@
-"""Registry flags shared by push, pull, migrate, inspect and restore (Podman/ORAS
-names), and a byte progress bar for transfers."""
+"""Registry flags shared by push, pull, migrate, inspect and restore (Podman's
+--tls-verify, ORAS's --plain-http and --ca-file), and a byte progress bar for transfers."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import sys
+from pathlib import Path
 from typing import Callable, Iterator
 
 import click
@@ -14,7 +15,9 @@ from gpusnap.cli.output import err_console
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
 
-_NAMES = ("username", "password_stdin", "authfile", "insecure", "plain_http", "ca_file")
+_NAMES = ("username", "password_stdin", "authfile", "tls_verify", "insecure", "plain_http",
+          "ca_file")
+DEPRECATED = "DEPRECATED"  # how --help marks an old spelling that still works
 
 
 def registry_options(fn: Callable) -> Callable:
@@ -25,21 +28,52 @@ def registry_options(fn: Callable) -> Callable:
         click.option("--password-stdin", is_flag=True, help="Read the password from stdin."),
         click.option("--authfile", type=click.Path(dir_okay=False),
                      help="Credentials file (Podman's auth.json format)."),
-        click.option("--insecure", is_flag=True, help="Do not verify the registry's TLS certificate."),
-        click.option("--plain-http", is_flag=True, help="Talk HTTP, not HTTPS."),
+        click.option("--tls-verify", type=click.BOOL, default=None, metavar="BOOL",
+                     help="Verify the registry's TLS certificate (default true; "
+                          "--tls-verify=false as in Podman)."),
+        click.option("--plain-http", is_flag=True, help="Talk HTTP, not HTTPS (as in ORAS)."),
         click.option("--ca-file", type=click.Path(dir_okay=False),
-                     help="CA certificate that signed the registry's certificate."),
+                     help="CA certificate that signed the registry's certificate (as in ORAS)."),
+        click.option("--insecure", is_flag=True,
+                     help=f"{DEPRECATED}: use --tls-verify=false (still works)."),
     ]
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         values = {name: kwargs.pop(name) for name in _NAMES}
+        if values.pop("insecure"):
+            deprecated("--insecure", "--tls-verify=false")
+            if values["tls_verify"]:
+                raise click.UsageError("--insecure contradicts --tls-verify=true: pass one")
+            values["tls_verify"] = False
         kwargs["registry"] = _build(values)
         return fn(*args, **kwargs)
 
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
+
+
+def deprecated(old: str, new: str) -> None:
+    """One line on stderr (with --json too): the old spelling works, the new one is shown."""
+    err_console.print(f"[yellow]Note:[/] {old} is deprecated, use {new}", soft_wrap=True)
+
+
+def restore_flags(opts: RegistryOptions) -> list[str]:
+    """The registry flags a restore of what was just pushed with ``opts`` needs
+    (new spellings; a password is never repeated, --password-stdin asks for it)."""
+    flags = []
+    if opts.plain_http:
+        flags.append("--plain-http")
+    elif opts.insecure:
+        flags.append("--tls-verify=false")
+    elif opts.ca_file:
+        flags += ["--ca-file", str(Path(opts.ca_file).absolute())]
+    if opts.authfile:
+        flags += ["--authfile", str(Path(opts.authfile).absolute())]
+    if opts.username is not None:
+        flags += ["--username", opts.username, "--password-stdin"]
+    return flags
 
 
 def _build(v: dict) -> Callable[[], RegistryOptions]:
@@ -55,7 +89,7 @@ def _build(v: dict) -> Callable[[], RegistryOptions]:
                 raise GpusnapError("--password-stdin needs --username")
             password = sys.stdin.readline().rstrip("\r\n")
         made.append(RegistryOptions(username=v["username"], password=password,
-                                    authfile=v["authfile"], insecure=v["insecure"],
+                                    authfile=v["authfile"], insecure=v["tls_verify"] is False,
                                     plain_http=v["plain_http"], ca_file=v["ca_file"]))
         return made[0]
     return make

@@ -9,7 +9,7 @@ import click
 from gpusnap.cli import containerd
 from gpusnap.cli.output import console, emit, handle_errors, json_option, step
 from gpusnap.cli.registry_options import registry_options, transfer_progress
-from gpusnap.cli.trust_options import trust_line, trust_options, warn_skip
+from gpusnap.cli.trust_options import trust_line, trust_options, warn_skipped
 from gpusnap.oci import reference
 from gpusnap.ops import restore as ops
 from gpusnap.ops.gpu_plan import GPU_MAP_ENV
@@ -48,7 +48,8 @@ def _human(r: dict) -> None:
 
 @click.command("restore")
 @click.argument("source")
-@click.option("-n", "--name", help="Name of the restored container (archives only).")
+@click.option("-n", "--name", help="Name of the restored container (default: the checkpoint's), "
+              "from an archive or a registry reference; a local checkpoint keeps its container.")
 @click.option("--keep", is_flag=True, help="Keep the checkpoint files after restoring.")
 @click.option("--tcp-established", is_flag=True, help="Restore established TCP connections.")
 @click.option("--gpu-map", metavar="SRC=DST[,...]", envvar=GPU_MAP_ENV,
@@ -88,10 +89,10 @@ def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool
     if reference.try_parse(source) and not Path(source).exists() and not podman.exists(source):
         from gpusnap.ops import pull  # registry code: imported only when used
 
-        warn_skip(trust)
         with transfer_progress(as_json, f"Pulling {source}", verb="fetched") as bar:
             result = pull.restore(source, name, keep, tcp_established, registry(),
                                   gpu_map=gpu_map, dry_run=dry_run, trust=trust,
+                                  on_trusted=warn_skipped,
                                   progress=bar.advance, total=bar.total)
         emit(as_json, result, _human)
         return

@@ -10,11 +10,12 @@ from typing import Callable
 import click
 
 from gpusnap.cli.output import err_console
+from gpusnap.cli.registry_options import DEPRECATED, deprecated
 from gpusnap.trust import PASSPHRASE_ENV
 from gpusnap.trust.options import TrustOptions
 
 # verify.SKIP_WARNING, without importing `cryptography` at start-up
-SKIP_WARNING = ("signature verification skipped (--insecure-skip-verify): this checkpoint "
+SKIP_WARNING = ("signature verification skipped (--insecure-policy): this checkpoint "
                 "runs as root with nobody vouching for it")
 _PASSPHRASE = click.option("--passphrase-file", metavar="FILE",
                            help=f"Passphrase of the private keys (else ${PASSPHRASE_ENV}).")
@@ -31,23 +32,30 @@ _FLAGS = {
                             type=click.Path(dir_okay=False),
                             help="Private key of a recipient of an encrypted checkpoint "
                                  "(repeatable)."),
-    "skip": click.option("--insecure-skip-verify", "skip_verify", is_flag=True,
+    # skopeo's name for "accept anything, no policy check"; the old spelling still works
+    "skip": click.option("--insecure-policy", "skip_verify", is_flag=True,
                          help="Restore without checking the signature against the trust "
                               "policy (the checkpoint runs as root: only for testing)."),
+    "skip-old": click.option("--insecure-skip-verify", "skip_verify_old", is_flag=True,
+                             help=f"{DEPRECATED}: use --insecure-policy (still works)."),
 }
-KINDS = {"push": ("sign", "encrypt"), "pull": ("decrypt", "skip"), "inspect": ("decrypt",)}
+KINDS = {"push": ("sign", "encrypt"), "pull": ("decrypt", "skip", "skip-old"),
+         "inspect": ("decrypt",)}
 
 
 def trust_options(kind: str) -> Callable[[Callable], Callable]:
     """The flags of ``kind`` (push, pull, inspect) and --passphrase-file."""
     names = KINDS[kind]
     params = {"sign": "sign_keys", "encrypt": "encrypt_to", "decrypt": "decrypt_keys",
-              "skip": "skip_verify"}
+              "skip": "skip_verify", "skip-old": "skip_verify_old"}
 
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             values = {params[n]: kwargs.pop(params[n]) for n in names}
+            if values.pop("skip_verify_old", False):
+                deprecated("--insecure-skip-verify", "--insecure-policy")
+                values["skip_verify"] = True
             for key in ("sign_keys", "encrypt_to", "decrypt_keys"):
                 if key in values:
                     values[key] = tuple(values[key])
@@ -61,9 +69,10 @@ def trust_options(kind: str) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def warn_skip(trust: TrustOptions) -> None:
-    """Loud, on stderr, before anything is pulled (with --json too)."""
-    if trust.skip_verify:
+def warn_skipped(decision: dict) -> None:
+    """Loud, on stderr (with --json too), once every check passed and before the
+    download: a restore refused for another reason skipped nothing."""
+    if decision.get("skipped"):
         err_console.print(f"[bold yellow]WARNING:[/] {SKIP_WARNING}", soft_wrap=True)
 
 
@@ -76,5 +85,5 @@ def trust_line(decision: dict | None) -> str | None:
         return (f"  signature: verified, key {decision.get('key_id', '')[:19]} "
                 f"(policy {decision.get('policy')}, scope {decision.get('scope')}){enc}")
     if decision.get("skipped"):
-        return f"  [bold yellow]signature: NOT verified[/] (--insecure-skip-verify){enc}"
+        return f"  [bold yellow]signature: NOT verified[/] (--insecure-policy){enc}"
     return f"  [bold yellow]signature: not verified[/]: {decision.get('warning', '')}{enc}"

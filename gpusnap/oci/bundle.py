@@ -199,8 +199,8 @@ def parse_manifest(body: bytes, media_type: str, where: str) -> dict:
     if media != OCI_MANIFEST or artifact != ARTIFACT_TYPE:
         what = artifact or media or "unknown"
         raise GpusnapError(f"{where} is not a gpusnap checkpoint (it is {what})",
-                           "pass a reference written by `gpusnap push`; `gpusnap inspect REF` "
-                           "shows what a reference holds")
+                           "pass a reference written by `gpusnap push`; `oras manifest fetch "
+                           "REF` shows what this one holds")  # inspect refuses it the same way
     config = manifest.get("config") or {}
     if config.get("mediaType") not in (CONFIG_MEDIA_TYPE, ENCRYPTED_CONFIG_MEDIA_TYPE):
         raise GpusnapError(f"{where}: unknown checkpoint config type {config.get('mediaType')!r}",

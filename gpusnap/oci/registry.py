@@ -41,7 +41,7 @@ class RegistryOptions:
     username: str | None = None
     password: str | None = field(default=None, repr=False)  # never in a repr or traceback
     authfile: str | None = None
-    insecure: bool = False  # skip TLS verification
+    insecure: bool = False  # skip TLS verification (--tls-verify=false)
     plain_http: bool = False
     ca_file: str | None = None
     retries: int = 4
@@ -148,7 +148,7 @@ class RegistryClient:
                                     "pass --plain-http for a registry served over plain HTTP")
             why = "certificate verify failed" if "CERTIFICATE_VERIFY_FAILED" in text else "TLS error"
             return GpusnapError(f"TLS connection to registry {self.ref.registry} failed: {why}",
-                                "pass --ca-file FILE (the registry's CA) or --insecure")
+                                "pass --ca-file FILE (the registry's CA) or --tls-verify=false")
         if "refused" in text.lower():
             why = "connection refused"
         elif isinstance(exc, self._exc.Timeout):
@@ -159,8 +159,7 @@ class RegistryClient:
             why = type(exc).__name__
         return TransientError(f"cannot reach registry {self.ref.registry}: {why} "
                               f"(after {self.opts.retries} tries)",
-                            "check that the registry is up and the address is right; "
-                            "re-running the command resumes where it stopped")
+                              "check that the registry is up and the address is right")
 
     def request(self, method: str, url: str, *, retry: bool = True, stream: bool = False,
                 headers: dict | None = None, data=None, ok: tuple[int, ...] = ()):

@@ -399,7 +399,8 @@ def write_directory(remote: "Remote", dest: Path, *, use_cache: bool = True,
 
 def restore_remote(ref_text: str, to: str, name: str | None, opts: "RegistryOptions", *,
                    address: str | None = None, gpu_map: str | None = None, dry_run: bool = False,
-                   log_uri: str | None = None, trust: "TrustOptions | None" = None, **kw) -> dict:
+                   log_uri: str | None = None, trust: "TrustOptions | None" = None,
+                   on_trusted: Callable[[dict], None] | None = None, **kw) -> dict:
     """`gpusnap restore REF --to containerd://NS/ID`: checks, pull into a staged directory, import_dir."""
     from gpusnap.gpu.manifest import Manifest
     from gpusnap.ops import pull
@@ -413,6 +414,8 @@ def restore_remote(ref_text: str, to: str, name: str | None, opts: "RegistryOpti
     if dry_run:
         return {**ops_restore.plan_report(where, plan.gpu_plan), "engine": ENGINE,
                 "namespace": plan.namespace, "container": plan.container}
+    if on_trusted:  # every check passed: the CLI warns of a skipped verification now
+        on_trusted(remote.trust)
     work = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-",
                                  dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
     try:

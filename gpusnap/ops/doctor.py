@@ -25,13 +25,23 @@ CRIU_CONFIG = Path("/etc/criu/runc.conf")
 REMAP_DRIVER = 580
 
 
+LEVELS = ("ok", "warning", "error")
+# What a host without an NVIDIA driver cannot do (containers without GPUs work as before).
+GPU_FEATURES = ("GPU memory in checkpoints, restore onto GPUs, `gpusnap move`, "
+                "`gpusnap freeze`/`thaw`")
+
+
 @dataclass
 class Check:
     name: str
     ok: bool
     detail: str
     fix: str = ""
-    required: bool = True
+    required: bool = True  # failing it is an error; else a warning
+
+    @property
+    def level(self) -> str:
+        return "ok" if self.ok else "error" if self.required else "warning"
 
 
 def _criu_checks() -> list[Check]:
@@ -82,8 +92,10 @@ def _integration_checks() -> list[Check]:
 
 def _gpu_checks() -> list[Check]:
     inv = read_inventory()
-    if inv.error:
-        return [Check("nvidia driver", True, f"no GPU use possible: {inv.error}", required=False)]
+    if inv.error:  # a warning: CPU containers work, the GPU features do not
+        return [Check("nvidia driver", False, f"{inv.error}; off on this host: {GPU_FEATURES}",
+                      "install the NVIDIA driver (r570+) on a GPU host to use them",
+                      required=False)]
     major = driver_major(inv.driver_version)
     return [
         Check("nvidia driver", major >= MIN_CHECKPOINT_DRIVER,
@@ -144,5 +156,8 @@ def run(fix: bool) -> dict:
                         "" if not kept else "`podman rm CTR; gpusnap restore FILE` brings it "
                         "back here, `gpusnap push FILE REF` finishes the push; then delete it",
                         required=False))
-    return {"ok": ok, "checks": [asdict(c) for c in checks], "stuck": stuck, "fixed": fixed,
+    return {"ok": ok, "checks": [{**asdict(c), "level": c.level} for c in checks],
+            "errors": sum(c.level == "error" for c in checks),
+            "warnings": sum(c.level == "warning" for c in checks),
+            "stuck": stuck, "fixed": fixed,
             "leftovers": [str(p) for p in left], "removed": removed, "kept": kept}

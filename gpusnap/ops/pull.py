@@ -212,11 +212,18 @@ def _until(stream: Iterator[bytes], cancel: threading.Event) -> Iterator[bytes]:
         stream.close()
 
 
+# Called with the trust decision once every check passed, before the download:
+# the CLI warns there about a skipped verification (not for a refused pull).
+OnTrusted = Callable[[dict], None]
+
+
 def pull(ref_text: str, output: str | None, opts: RegistryOptions,
-         trust: TrustOptions | None = None, **kw) -> dict:
+         trust: TrustOptions | None = None, on_trusted: OnTrusted | None = None, **kw) -> dict:
     if output:
         check_output(Path(output))  # before any network
     remote = open_remote(ref_text, opts, trust)
+    if on_trusted:
+        on_trusted(remote.trust)
     out = Path(output) if output else default_output(remote.client.ref)
     return write_archive(remote, out, **kw)
 
@@ -331,7 +338,8 @@ def _restore_staged(remote: Remote, name: str | None, keep: bool, tcp_establishe
 
 def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
             opts: RegistryOptions, gpu_map: str | None = None, dry_run: bool = False,
-            trust: TrustOptions | None = None, **kw) -> dict:
+            trust: TrustOptions | None = None, on_trusted: OnTrusted | None = None,
+            **kw) -> dict:
     """Podman imports the plain tar as the chunks arrive (no compression round
     trip, nothing staged); where the archive must be rewritten (moved GPUs) or
     Podman is not known to read only the config first, a staged pull, then restore."""
@@ -341,6 +349,8 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     plan = _restore_checks(remote, name, gpu_map, dry_run)
     if dry_run:
         return ops_restore.plan_report(str(remote.client.ref), plan)
+    if on_trusted:
+        on_trusted(remote.trust)
     # Moved GPUs need the archive rewritten on its way: staged, as with a
     # Podman not known to read only the config on its first opens.
     opens = 0 if plan.needs_remap else stream_module.config_only_opens(podman.version())

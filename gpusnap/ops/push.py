@@ -84,11 +84,24 @@ def dir_size(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+def find_container(source: str) -> podman.Container | None:
+    """The Podman container SOURCE names (None: a file, a directory or containerd's);
+    one that names nothing is refused here, before any registry is asked."""
+    if source.startswith("containerd://") or Path(source).is_dir() or Path(source).is_file():
+        return None
+    container = podman.find(source)
+    if container is None:
+        raise GpusnapError(f"{source}: no such file, directory or container",
+                           "pass an exported archive, a checkpoint directory or a running "
+                           "container's name (`podman ps`)")
+    return container
+
+
 @contextmanager
 def resolve_source(source: str, leave_running: bool,
                    on_checkpoint: Callable[[str], None] | None = None,
-                   stream: bool = True, containerd_address: str | None = None
-                   ) -> Iterator[PushSource]:
+                   stream: bool = True, containerd_address: str | None = None,
+                   container: podman.Container | None = None) -> Iterator[PushSource]:
     """SOURCE as a file stream. A container is checkpointed into a staged plain
     tar; with ``stream`` the push reads that tar while Podman still writes it
     (upload overlaps the dump), else once it is complete."""
@@ -107,11 +120,7 @@ def resolve_source(source: str, leave_running: bool,
     if path.is_file():
         yield PushSource("archive", path, path.stat().st_size * 4)  # zstd -1 of memory: ~2-4x
         return
-    container = podman.find(source)
-    if container is None:
-        raise GpusnapError(f"{source}: no such file, directory or container",
-                           "pass an exported archive, a checkpoint directory or a running "
-                           "container's name")
+    container = container or find_container(source)
     from gpusnap.ops import checkpoint as ops_checkpoint  # CRIU/GPU code, only when needed
 
     work = Path(tempfile.mkdtemp(prefix=".gpusnap-push-",
@@ -367,6 +376,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
                            "push containerd checkpoints in gpusnap's format (the default)")
     # keys first: a wrong key or passphrase fails before a container is checkpointed
     sealing = PushTrust.load(trust, chunked=image_format == "gpusnap")
+    container = find_container(source)  # a mistyped name is not reported as the registry's fault
     client = RegistryClient(ref, opts, push=True)
     client.ping()  # wrong credentials fail before a container is checkpointed
     start = time.monotonic()
@@ -374,7 +384,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     cache = ChunkCache.open(cache_root)
     with resolve_source(source, leave_running, on_checkpoint,
                         stream=image_format == "gpusnap",
-                        containerd_address=containerd_address) as src:
+                        containerd_address=containerd_address, container=container) as src:
         if total and src.known_bytes:
             total(src.known_bytes)
         if image_format == "podman":

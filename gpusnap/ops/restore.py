@@ -77,7 +77,9 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
             raise GpusnapError(f"container {ctr.name} has no checkpoint to restore",
                                "checkpoint it first with `gpusnap checkpoint`")
         if name:
-            raise GpusnapError("--name applies only when restoring from an archive")
+            raise GpusnapError("--name applies only when restoring from an archive or a registry "
+                               "reference", "drop --name: a local checkpoint restores its own "
+                               "container")
         if gpu_map:
             raise GpusnapError("--gpu-map applies only when restoring from an archive: "
                                "Podman keeps a local checkpoint's devices in its database",

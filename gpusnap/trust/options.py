@@ -14,7 +14,7 @@ class TrustOptions:
     encrypt_to: tuple[str, ...] = ()  # push: recipients' public keys
     decrypt_keys: tuple[str, ...] = ()  # pull/restore/inspect: recipients' private keys
     passphrase_file: str | None = None  # for passphrase-protected private keys
-    skip_verify: bool = False  # pull/restore: --insecure-skip-verify
+    skip_verify: bool = False  # pull/restore: --insecure-policy (or its old --insecure-skip-verify)
 
     @property
     def signs(self) -> bool:

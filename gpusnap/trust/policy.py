@@ -16,7 +16,7 @@ registry/repository prefix on path boundaries ("reg/ckpt" covers "reg/ckpt/app",
 not "reg/ckpt2"); the longest matching scope wins, else "default".
 "insecureAcceptAnything" is the explicit opt-out for a scope. With no policy
 file everything is rejected: unsigned checkpoints are refused unless the user
-passes --insecure-skip-verify.
+passes --insecure-policy.
 
 Validation is strict: an unknown field, a wrong type or an unreadable key is
 an error naming the field (`policy.json: scopes["reg/x"].keyPaths[0]: ...`).

@@ -13,7 +13,7 @@ from gpusnap.oci.reference import Reference
 from gpusnap.trust import signature
 from gpusnap.trust.policy import Policy
 
-SKIP_WARNING = ("signature verification skipped (--insecure-skip-verify): this checkpoint "
+SKIP_WARNING = ("signature verification skipped (--insecure-policy): this checkpoint "
                 "runs as root with nobody vouching for it")
 
 
@@ -34,13 +34,13 @@ def check(policy: Policy, ref: Reference, manifest_digest: str, signature_manife
             raise GpusnapError(f"{where}: no trust policy (/etc/gpusnap/policy.json), so no "
                                "checkpoint is trusted",
                                "write a policy with the signers' public keys (docs/trust.md), "
-                               "or pass --insecure-skip-verify to restore it unverified")
+                               "or pass --insecure-policy to restore it unverified")
         raise GpusnapError(f"{where}: the policy {policy.source} rejects checkpoints from "
                            f"{req.scope if req.scope != 'default' else 'this registry'}",
-                           "add a signedBy scope for it, or pass --insecure-skip-verify")
+                           "add a signedBy scope for it, or pass --insecure-policy")
     if signature_manifest is None:
         raise GpusnapError(f"{where} is not signed (no {signature.signature_tag(manifest_digest)} "
-                           "tag)", "push it with --sign-key KEY, or pass --insecure-skip-verify "
+                           "tag)", "push it with --sign-key KEY, or pass --insecure-policy "
                            "to restore it unverified; nothing was restored")
     ok = signature.verify_artifact(signature_manifest, fetch, f"{ref.registry}/{ref.repository}",
                                    manifest_digest, req.keys, req.match_repository, where)

@@ -47,7 +47,8 @@ def test_link_down_mid_push_fails_in_one_line_and_the_push_resumes(far_registry,
     down = time.monotonic()
     res = finished(cli, timeout=GIVE_UP_S + 60)
     took = time.monotonic() - down
-    assert_one_line_error(res, f"cannot reach registry {reg.host}", "re-running")
+    assert_one_line_error(res, f"cannot reach registry {reg.host}",
+                          hint="then push again: chunks the registry already has are not sent again")
     assert took < GIVE_UP_S, f"the push hung {took:.0f} s on a dead link"
     assert status(loaded) == "running"  # --leave-running: the source never stopped
     assert wait_counter(loaded, before) > before

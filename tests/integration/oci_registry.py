@@ -1,6 +1,7 @@
 """A real distribution registry (Debian's docker-registry) on loopback for the tests:
 storage in a temp dir, htpasswd (bcrypt) auth, TLS with a self-signed certificate
-for 127.0.0.1 and localhost, on a free port."""
+for 127.0.0.1 and localhost, on a free port; or plain HTTP without auth, as
+`make demo` runs one."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _certificate(d: Path) -> tuple[Path, Path]:
 class Registry:
     root: Path
     port: int
-    ca: Path
+    ca: Path | None  # None: plain HTTP, no login
     proc: subprocess.Popen | None = None
 
     @property
@@ -74,6 +75,8 @@ class Registry:
 
     def flags(self) -> list[str]:
         """gpusnap's flags for this registry (password on stdin)."""
+        if self.ca is None:
+            return ["--plain-http"]
         return ["--ca-file", str(self.ca), "--username", USER, "--password-stdin"]
 
     def oras_flags(self) -> list[str]:
@@ -83,11 +86,12 @@ class Registry:
         log = open(self.root / "registry.log", "ab")
         self.proc = subprocess.Popen(["docker-registry", "serve", str(self.root / "config.yml")],
                                      stdout=log, stderr=log, start_new_session=True)
-        ctx = ssl.create_default_context(cafile=str(self.ca))
+        ctx = ssl.create_default_context(cafile=str(self.ca)) if self.ca else None
+        scheme = "https" if self.ca else "http"
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             try:
-                urllib.request.urlopen(f"https://{self.host}/v2/", context=ctx, timeout=2)
+                urllib.request.urlopen(f"{scheme}://{self.host}/v2/", context=ctx, timeout=2)
                 return self
             except urllib.error.HTTPError as exc:
                 if exc.code == 401:  # up, and asking for the login
@@ -127,14 +131,22 @@ class Registry:
                 self.proc.wait()
 
 
-def make_registry(root: Path, readonly: bool = False) -> Registry:
-    """Started; ``readonly`` refuses uploads (a push fails after its checks passed)."""
+def make_registry(root: Path, readonly: bool = False, plain: bool = False) -> Registry:
+    """Started; ``readonly`` refuses uploads (a push fails after its checks passed);
+    ``plain``: HTTP and no login, as `make demo`'s."""
     if shutil.which("docker-registry") is None:
         raise RuntimeError("docker-registry is not installed (make deps)")
     root.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    if plain:
+        (root / "config.yml").write_text(f"""version: 0.1
+log: {{level: warn, accesslog: {{disabled: true}}}}
+storage: {{filesystem: {{rootdirectory: {root / 'storage'}}}}}
+http: {{addr: 127.0.0.1:{port}, secret: gpusnap-test-{port}}}
+""")
+        return Registry(root, port, None).start()
     cert, key = _certificate(root)
     (root / "htpasswd").write_text(_htpasswd(USER, PASSWORD))
-    port = _free_port()
     (root / "config.yml").write_text(f"""version: 0.1
 log: {{level: warn, accesslog: {{disabled: true}}}}
 storage:

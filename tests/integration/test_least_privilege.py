@@ -247,7 +247,7 @@ def test_push_pull_restore_cache_and_staging_are_root_only(registry, counter, ca
     ref = unique_ref(registry)
     t0 = time.time()
     flags = registry.flags()
-    pushed, watch = watched([GPUSNAP, "push", counter, ref, *flags], [tmp_path], shared_staging(),
+    pushed, watch = watched([GPUSNAP, "push", counter, ref, "--stop", *flags], [tmp_path], shared_staging(),
                             PASSWORD + "\n")
     assert pushed["source_kind"] == "container"
     assert any(".gpusnap-" in p for p in watch.seen), watch.seen  # the push staged its checkpoint

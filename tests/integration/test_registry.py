@@ -51,7 +51,7 @@ def test_push_running_container_then_restore_from_the_registry_continues(registr
     ref = unique_ref(registry)
     before = read_counter(counter)
     earlier = set(_staged())  # other runs' leftovers are not this test's
-    pushed = gs_json("push", counter, ref, *registry.flags())
+    pushed = gs_json("push", counter, ref, "--stop", *registry.flags())
     assert pushed["source_kind"] == "container" and pushed["container"] == counter
     assert pushed["digest"].startswith("sha256:") and pushed["bytes_sent"] > 0
     assert podman("container", "inspect", counter, "--format",
@@ -202,21 +202,28 @@ def test_wrong_or_missing_credentials_are_one_line(registry, counter, tmp_path):
     archive = export(counter, tmp_path / "c.tar.zst")
     ref = unique_ref(registry)
     res = gs("push", str(archive), ref, *registry.flags(), password="wrong")
-    assert_one_line_error(res, "refused the credentials", USER)
+    assert_one_line_error(res, "refused the credentials", USER,
+                          hint=f"log in again with `podman login {registry.host}`")
     empty = tmp_path / "empty-auth.json"
     empty.write_text("{}")
     res = run([GPUSNAP, "pull", ref, "--ca-file", str(registry.ca), "--authfile", str(empty)])
-    assert_one_line_error(res, "requires a login")
+    assert_one_line_error(res, "requires a login",
+                          hint=f"pass --username and --password-stdin, or `podman login "
+                               f"{registry.host}`")
 
 
 def test_tls_flags(registry, counter, tmp_path):
     ref = unique_ref(registry)
     gs_json("push", str(export(counter, tmp_path / "c.tar.zst")), ref, *registry.flags())
     res = run([GPUSNAP, "inspect", ref])  # self-signed, and no --ca-file
-    assert_one_line_error(res, "TLS", "--ca-file")
+    assert_one_line_error(res, "TLS", hint="pass --ca-file FILE (the registry's CA) or "
+                                           "--tls-verify=false")
+    assert gs_json("inspect", ref, "--ca-file", str(registry.ca), "--username", USER,
+                   "--password-stdin")  # as the hint says
+    assert gs_json("inspect", ref, "--tls-verify=false", "--username", USER, "--password-stdin")
     assert gs_json("inspect", ref, "--insecure", "--username", USER, "--password-stdin")
     res = gs("inspect", ref, "--plain-http", "--username", USER, "--password-stdin")
-    assert_one_line_error(res, "serves HTTPS", "--plain-http")
+    assert_one_line_error(res, "serves HTTPS", hint="drop --plain-http")
 
 
 def test_unknown_artifact_type_is_refused(registry, tmp_path):
@@ -225,15 +232,22 @@ def test_unknown_artifact_type_is_refused(registry, tmp_path):
     run(["oras", "push", *registry.oras_flags(), "--artifact-type", "application/x-other",
          ref, "hello.txt"], check=True, cwd=tmp_path)
     res = gs("pull", ref, "-o", str(tmp_path / "x.tar.zst"), *registry.flags())
-    assert_one_line_error(res, "is not a gpusnap checkpoint", "application/x-other")
+    assert_one_line_error(res, "is not a gpusnap checkpoint", "application/x-other",
+                          hint="`oras manifest fetch REF` shows what this one holds")
     assert not (tmp_path / "x.tar.zst").exists()
+    assert fetch_manifest(registry, ref)["artifactType"] == "application/x-other"  # the hint's way
+    res = gs("inspect", ref, *registry.flags())  # not another way: refused alike
+    assert_one_line_error(res, "is not a gpusnap checkpoint")
 
 
 def test_missing_tag_is_one_line(registry, counter, tmp_path):
     ref = unique_ref(registry)
     gs_json("push", str(export(counter, tmp_path / "c.tar.zst")), ref, *registry.flags())
     res = gs("restore", ref.replace(":v1", ":no-such-tag"), *registry.flags())
-    assert_one_line_error(res, "no such tag")
+    repo = ref.rsplit(":", 1)[0]
+    assert_one_line_error(res, "no such tag", hint=f"`oras repo tags {repo}`")
+    tags = run(["oras", "repo", "tags", *registry.oras_flags(), repo], check=True).stdout.split()
+    assert tags == ["v1"]  # the hint's command lists what there is
 
 
 def test_corrupted_blob_is_a_digest_error_and_nothing_is_restored(registry, counter, tmp_path):
@@ -248,7 +262,8 @@ def test_corrupted_blob_is_a_digest_error_and_nothing_is_restored(registry, coun
         podman("rm", "-f", "-t", "0", counter)
         earlier = set(_staged())
         res = gs("restore", ref, *registry.flags())
-        assert_one_line_error(res, "does not match its digest")
+        assert_one_line_error(res, "does not match its digest",
+                              hint="the registry's copy is damaged: push the checkpoint again")
         assert podman("container", "exists", counter, check=False).returncode == 1
         assert not set(_staged()) - earlier, _staged()
         res = gs("pull", ref, "-o", str(tmp_path / "bad.tar.zst"), *registry.flags())
@@ -268,9 +283,11 @@ def test_stopped_registry_is_one_line(counter, tmp_path):
     finally:
         other.stop()
     res = gs("pull", ref, "-o", str(tmp_path / "x.tar.zst"), *other.flags())
-    assert_one_line_error(res, f"cannot reach registry {other.host}", "connection refused")
+    assert_one_line_error(res, f"cannot reach registry {other.host}", "connection refused",
+                          hint="check that the registry is up and the address is right")
     res = gs("push", str(archive), ref, *other.flags())
-    assert_one_line_error(res, "cannot reach registry")
+    assert_one_line_error(res, "cannot reach registry", hint="then push again: chunks the "
+                          "registry already has are not sent again")
 
 
 def test_failed_push_of_a_container_keeps_its_checkpoint(counter, tmp_path):
@@ -279,8 +296,9 @@ def test_failed_push_of_a_container_keeps_its_checkpoint(counter, tmp_path):
     readonly = make_registry(tmp_path / "readonly", readonly=True)
     try:
         before = read_counter(counter)
-        res = gs("push", counter, readonly.ref("ckpt/ro:v1"), *readonly.flags())
-        assert_one_line_error(res, "is checkpointed and stopped", "kept in")
+        res = gs("push", counter, readonly.ref("ckpt/ro:v1"), "--stop", *readonly.flags())
+        assert_one_line_error(res, "is checkpointed and stopped", "kept in",
+                              hint="brings it back here")  # followed below
         kept = Path(re.search(r"kept in (\S+)", res.stderr).group(1))
         try:
             podman("rm", counter)
@@ -294,9 +312,11 @@ def test_failed_push_of_a_container_keeps_its_checkpoint(counter, tmp_path):
 
 def test_reference_without_a_registry_is_not_taken_for_one(registry):
     res = run([GPUSNAP, "restore", "no-such-container-or-file"])
-    assert_one_line_error(res, "neither a checkpoint archive nor a container")
+    assert_one_line_error(res, "neither a checkpoint archive nor a container",
+                          hint="(`podman ps -a`)")
     res = run([GPUSNAP, "pull", "ckpt/app:v1"])
-    assert_one_line_error(res, "names no registry")
+    assert_one_line_error(res, "names no registry",
+                          hint="e.g. registry.example.com:5000/ckpt/app:v1")
 
 
 def test_subject_is_the_container_image_when_it_lives_in_the_same_repository(registry, name):

@@ -32,7 +32,7 @@ def annotations(image: str) -> dict[str, str]:
 def test_podman_restores_a_format_podman_push(registry, counter, tmp_path, cache_dir):
     ref = registry.ref(f"ckpt/podman-{uuid.uuid4().hex[:8]}:v1")
     before = read_counter(counter)
-    pushed = gs_json("push", counter, ref, "--format", "podman", *registry.flags())
+    pushed = gs_json("push", counter, ref, "--format", "podman", "--stop", *registry.flags())
     assert pushed["format"] == "podman" and pushed["source_kind"] == "container"
     manifest = fetch_manifest(registry, ref)
     assert [layer["mediaType"] for layer in manifest["layers"]] == \

@@ -143,7 +143,7 @@ def sig_tag(digest: str) -> str:
 def test_signed_push_restores_verified_and_the_container_goes_on(registry, keys, counter):
     ref = unique_ref(registry)
     before = read_counter(counter)
-    pushed = gs_json(registry, "push", counter, ref, "--sign-key", keys.key("ci"))
+    pushed = gs_json(registry, "push", counter, ref, "--stop", "--sign-key", keys.key("ci"))
     assert pushed["trust"]["signed"] and not pushed["trust"]["encrypted"]
     ci_id = json.loads(run([GPUSNAP, "key", "id", keys.pub("ci"), "--json"],
                            check=True).stdout)["key_id"]
@@ -231,7 +231,7 @@ def test_unsigned_or_untrusted_is_refused_unless_insecure_skip_verify(registry, 
     podman("rm", "-f", "-t", "0", counter)
 
     res = gs(registry, "restore", unsigned)
-    assert_one_line_error(res, "is not signed", "--insecure-skip-verify")
+    assert_one_line_error(res, "is not signed", "--insecure-policy")
     assert_nothing_restored(counter, staged_before)
     res = gs(registry, "restore", rogue)
     assert_one_line_error(res, "signed only by keys the policy does not trust")
@@ -244,9 +244,9 @@ def test_unsigned_or_untrusted_is_refused_unless_insecure_skip_verify(registry, 
              env={**os.environ, "GPUSNAP_POLICY": str(tmp_path / "none.json")})
     assert_one_line_error(res, "no policy file")
 
-    res = gs(registry, "restore", unsigned, "--insecure-skip-verify", "--json")
+    res = gs(registry, "restore", unsigned, "--insecure-policy", "--json")
     assert res.returncode == 0, res.stderr
-    assert "WARNING" in res.stderr and "--insecure-skip-verify" in res.stderr
+    assert "WARNING" in res.stderr and "--insecure-policy" in res.stderr
     restored = json.loads(res.stdout)
     assert restored["trust"]["verified"] is False and restored["trust"]["skipped"] is True
     assert "nobody vouching" in restored["trust"]["warning"]

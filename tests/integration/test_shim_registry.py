@@ -2,7 +2,7 @@
 `gpusnap restore REF --to containerd://NS/ID`.
 
 A counter runs under io.containerd.gpusnap.v1 in one namespace of a private
-containerd; it is pushed (checkpointed and stopped first, as a move), removed,
+containerd; it is pushed (with --stop: checkpointed and stopped, a move), removed,
 and restored into a second namespace (as onto another host: only the image is
 shared, imported there) where it counts on from where it was. A checkpoint
 image made by `ctr c checkpoint --task --rw` travels the same way. A Podman
@@ -78,7 +78,8 @@ def test_container_pushed_then_restored_in_another_namespace_counts_on(container
     pid = _start(c, "rg1")
     before = read_tmp_c(pid)
     ref = unique_ref(registry)
-    pushed = gs_json("push", f"containerd://{c.namespace}/rg1", ref, *cd_flags(c), *registry.flags())
+    pushed = gs_json("push", f"containerd://{c.namespace}/rg1", ref, "--stop", *cd_flags(c),
+                     *registry.flags())
     assert pushed["source_kind"] == "containerd-container" and pushed["container"] == "rg1"
     assert pushed["annotations"]["io.gpusnap.engine"] == "containerd"
     assert pushed["annotations"]["io.gpusnap.runtime"] == RUNTIME
@@ -192,7 +193,8 @@ def test_failed_push_keeps_the_checkpoint_and_says_how_to_restore(containerd, re
     before = read_tmp_c(pid)
     readonly = make_registry(tmp_path / "readonly", readonly=True)
     try:
-        res = gs("push", f"containerd://{c.namespace}/rg4", readonly.ref("ckpt/ro:v1"), *cd_flags(c),
+        res = gs("push", f"containerd://{c.namespace}/rg4", readonly.ref("ckpt/ro:v1"), "--stop",
+                 *cd_flags(c),
                  *readonly.flags())
     finally:
         readonly.stop()

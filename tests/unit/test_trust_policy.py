@@ -137,7 +137,7 @@ def test_check_signed_unsigned_and_opt_outs(tmp_path, signer):
     assert ok["scope"] == "reg.io/ckpt"
     with pytest.raises(GpusnapError, match="is not signed") as e:
         verify.check(p, REF, DIGEST, None, lambda d, s: b"")
-    assert "--insecure-skip-verify" in e.value.hint
+    assert "--insecure-policy" in e.value.hint
     skipped = verify.check(p, REF, DIGEST, None, lambda d, s: b"", skip_verify=True)
     assert skipped["verified"] is False and skipped["skipped"] and "skipped" in skipped["warning"]
     anything = verify.check(p, ref("reg.io/scratch/x"), DIGEST, None, lambda d, s: b"")
