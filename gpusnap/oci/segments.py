@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from gpusnap.errors import GpusnapError
-
 from gpusnap.oci import chunker
 from gpusnap.oci.bundle import Chunk
 from gpusnap.oci.registry import RegistryOptions
@@ -64,8 +63,7 @@ def default_workers() -> int:
 @dataclass(frozen=True)
 class Segment:
     path: str
-    offset: int  # where the file's data starts in ``path`` (0, or a member's in a tar)
-    start: int  # the segment, in the file's own offsets
+    start: int
     length: int
     params: chunker.ChunkParams
 
@@ -73,9 +71,7 @@ class Segment:
 @dataclass
 class SegmentResult:
     chunks: list[Chunk]
-    raw_bytes: int
-    network_bytes: int
-    sent: int
+    counts: dict  # the worker's transfer.Stats moved by this segment: for count_elsewhere()
 
 
 class _Range:
@@ -98,30 +94,39 @@ class _Range:
 _worker: dict = {}
 
 
-def _init(ref: str, opts: RegistryOptions, cache_root: str | None, level: int) -> None:
+def _client_and_cache(ref: str, opts: RegistryOptions, cache_root: str | None, push: bool):
+    """A worker's own registry connection and chunk cache, built once in its initializer."""
     from gpusnap.oci import reference
     from gpusnap.oci.cache import ChunkCache
     from gpusnap.oci.registry import RegistryClient
+
+    return (RegistryClient(reference.parse(ref), opts, push=push),
+            ChunkCache.open(Path(cache_root)) if cache_root else None)
+
+
+def _moved(stats, before: dict) -> dict:
+    """What a worker's Stats gained since ``before`` (its to_dict())."""
+    return {k: v - before[k] for k, v in stats.to_dict().items()}
+
+
+def _init(ref: str, opts: RegistryOptions, cache_root: str | None, level: int) -> None:
     from gpusnap.oci.transfer import Uploader
 
-    client = RegistryClient(reference.parse(ref), opts, push=True)
-    cache = ChunkCache.open(Path(cache_root)) if cache_root else None
-    _worker["uploader"] = Uploader(client, cache, level, THREADS_PER_WORKER)
+    _worker["uploader"] = Uploader(*_client_and_cache(ref, opts, cache_root, True), level,
+                                   THREADS_PER_WORKER)
 
 
 def _run(seg: Segment) -> SegmentResult:
     uploader = _worker["uploader"]
-    before = uploader.stats.network_bytes, uploader.stats.chunks_transferred
+    before = uploader.stats.to_dict()
     fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         futures = [uploader.submit(piece) for piece in
-                   chunker.split(_Range(fd, seg.offset + seg.start, seg.length), seg.params,
-                                 seg.length)]
+                   chunker.split(_Range(fd, seg.start, seg.length), seg.params, seg.length)]
         chunks = [f.result() for f in futures]
     finally:
         os.close(fd)
-    return SegmentResult(chunks, seg.length, uploader.stats.network_bytes - before[0],
-                         uploader.stats.chunks_transferred - before[1])
+    return SegmentResult(chunks, _moved(uploader.stats, before))
 
 
 # -- in the pushing process -------------------------------------------------------------
@@ -138,15 +143,15 @@ class SegmentPool:
             workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init,
             initargs=(ref, opts, str(cache_root) if cache_root else None, level))
 
-    def submit_file(self, path: Path, offset: int, size: int, params: chunker.ChunkParams,
+    def submit_file(self, path: Path, size: int, params: chunker.ChunkParams,
                     start: int = 0) -> list[Future]:
         """The segments of ``path`` from ``start`` (a multiple of the segment) to ``size``."""
         step = params.segment
-        return [self.submit(path, offset + at, min(step, size - at), params)
+        return [self.submit(path, at, min(step, size - at), params)
                 for at in range(start, size, step)]
 
     def submit(self, path: Path, start: int, length: int, params: chunker.ChunkParams) -> Future:
-        return self._pool.submit(_run, Segment(str(path), 0, start, length, params))
+        return self._pool.submit(_run, Segment(str(path), start, length, params))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -171,14 +176,10 @@ class FetchSegment:
 
 
 def _init_fetch(ref: str, opts: RegistryOptions, cache_root: str | None) -> None:
-    from gpusnap.oci import reference
-    from gpusnap.oci.cache import ChunkCache
-    from gpusnap.oci.registry import RegistryClient
     from gpusnap.oci.transfer import Downloader
 
-    client = RegistryClient(reference.parse(ref), opts)
-    cache = ChunkCache.open(Path(cache_root)) if cache_root else None
-    _worker["downloader"] = Downloader(client, cache, FETCH_THREADS)
+    _worker["downloader"] = Downloader(*_client_and_cache(ref, opts, cache_root, False),
+                                       FETCH_THREADS)
 
 
 def _fetch(seg: FetchSegment) -> dict:
@@ -192,8 +193,7 @@ def _fetch(seg: FetchSegment) -> dict:
                 view = view[os.write(fd, view):]
     finally:
         os.close(fd)
-    after = downloader.stats.to_dict()
-    return {k: after[k] - before[k] for k in after}
+    return _moved(downloader.stats, before)
 
 
 def fetch_segments(chunks: list[Chunk]) -> list[list[Chunk]]:

@@ -272,8 +272,7 @@ class _Parts:
         if self._make_pool is None or not segments.worth_it(size, params):
             return None
         futures, start = self.early.take(path, size, params) if self.early else ([], 0)
-        futures += [self._counted(f) for f in self._pool().submit_file(path, 0, size, params,
-                                                                        start)]
+        futures += [self._counted(f) for f in self._pool().submit_file(path, size, params, start)]
         self.split_bytes += size
         return futures
 
@@ -283,10 +282,7 @@ class _Parts:
 
     def _count(self, f: Future) -> None:
         if not f.cancelled() and f.exception() is None:
-            r = f.result()
-            self.uploader.count_elsewhere({"chunks": len(r.chunks), "chunks_transferred": r.sent,
-                                           "raw_bytes": r.raw_bytes,
-                                           "network_bytes": r.network_bytes})
+            self.uploader.count_elsewhere(f.result().counts)
 
     @staticmethod
     def chunks(futures: list[Future]) -> list[fmt.Chunk]:
@@ -362,7 +358,8 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
          on_checkpoint: Callable[[str], None] | None = None,
          image_format: str = "gpusnap", trust: TrustOptions | None = None,
          containerd_address: str | None = None, processes: int | None = None) -> dict:
-    """``processes``: worker processes for big files (segments.py); default half the cores."""
+    """``processes``: worker processes for big files (segments.py); default
+    segments.default_workers()."""
     from gpusnap.trust.remote import PushTrust  # cryptography: imported only when pushing
 
     ref = reference.parse(ref_text)

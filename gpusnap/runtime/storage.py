@@ -28,10 +28,10 @@ def discard(path: Path, near: Path) -> None:
         return
     try:
         os.rename(path, trash / path.name)
-    except FileNotFoundError:
-        pass
-    except OSError:
+    except OSError:  # gone already, or not movable: nothing left to do in the background
         shutil.rmtree(path, ignore_errors=True)
+        os.rmdir(trash)
+        return
     subprocess.Popen(["rm", "-rf", "--", str(trash)], start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL)
