@@ -118,7 +118,7 @@ class Job:
     def check_after_restore(self) -> None:
         """Runs again; inference: every weight and the KV buffer compared, and the
         repeated requests answered as before; training: in `check_losses`."""
-        its = self.ctr.wait_running(above=[self.steps()[-1][1]], timeout=300)
+        self.ctr.wait_running(above=[self.steps()[-1][1]], timeout=300)
         if self.kind == "infer":
             self.ctr.verify(timeout=600)
             time.sleep(10)  # ~100 more requests: every request id again
@@ -127,7 +127,6 @@ class Job:
             if differ:
                 raise SystemExit(f"{len(differ)} requests answered differently after restore: "
                                  f"{list(differ.items())[:3]}")
-        return its
 
     def check_losses(self) -> int:
         """Training: the loss lines equal an uninterrupted run's (a second
