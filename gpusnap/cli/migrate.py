@@ -24,19 +24,29 @@ def _human(r: dict) -> None:
 @click.argument("container")
 @click.argument("ref")
 @leave_running_option
+@click.option("-P", "--pre-checkpoint", is_flag=True,
+              help="Push a first round and keep the container running; the target "
+                   "prefetches it (`gpusnap pull --prefetch REF`) and a later `gpusnap migrate` "
+                   "sends only what changed, while the container is stopped.")
 @checkpoint_options
 @trust_options("push")
 @registry_options
 @json_option
 @handle_errors
-def migrate_cmd(container: str, ref: str, leave_running: bool, level: int, trust: TrustOptions,
-                registry: Callable[[], RegistryOptions], as_json: bool) -> None:
+def migrate_cmd(container: str, ref: str, leave_running: bool, pre_checkpoint: bool, level: int,
+                trust: TrustOptions, registry: Callable[[], RegistryOptions],
+                as_json: bool) -> None:
     """Checkpoint CONTAINER, stop it (unless --leave-running) and push it to REF;
-    print the command that restores it on the target host."""
+    print the command that restores it on the target host.
+
+    Pre-copy, for a short stop: `gpusnap migrate -P CTR REPO:pre` while it runs,
+    `gpusnap pull --prefetch REPO:pre` on the target, then `gpusnap migrate CTR
+    REPO:final` and `gpusnap restore REPO:final` there: only the chunks that
+    changed since the first round cross while the container is down."""
     if not podman.exists(container):
         raise GpusnapError(f"no such container: {container}", "list containers with `podman ps`")
     result = run_push(container, ref, registry, as_json, leave_running, level, trust=trust,
-                      here=False)
+                      here=False, pre_checkpoint=pre_checkpoint)
     emit(as_json, result, _human)
 
 

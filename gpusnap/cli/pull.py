@@ -9,6 +9,7 @@ import click
 from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
 from gpusnap.cli.registry_options import registry_options, transfer_progress
 from gpusnap.cli.trust_options import trust_line, trust_options, warn_skipped
+from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.trust.options import TrustOptions
 
@@ -26,17 +27,39 @@ def _human(r: dict) -> None:
                   f"--import {r['output']})")
 
 
+def _human_prefetch(r: dict) -> None:
+    console.print(f"[bold green]Prefetched[/] {r['reference']} into {r['cache']} in "
+                  f"{r['seconds']:.2f} s: fetched {r['chunks_fetched']} of {r['chunks']} chunks "
+                  f"({human_bytes(r['bytes_fetched'])}), "
+                  f"{human_bytes(r['bytes_already_cached'])} were there already; every digest "
+                  "checked")
+    line = trust_line(r.get("trust"))
+    if line:
+        console.print(line)
+    if r["over_cache_limit"]:
+        console.print(f"  [bold yellow]Warning:[/] the cache now holds more than its limit "
+                      f"({human_bytes(r['cache_limit'])}): the next transfer may drop these "
+                      "chunks; raise GPUSNAP_CACHE_MAX_BYTES")
+    if r["pre_checkpoint"]:
+        console.print("  restore the final round (`gpusnap migrate` on the source pushes it): "
+                      "only the chunks that changed since this one are fetched then")
+    else:
+        console.print(f"  `gpusnap restore {r['reference']}` now reads these chunks from here")
+
+
 @click.command("pull")
 @click.argument("ref")
 @click.option("-o", "--output", metavar="FILE", help="Archive to write (.tar.zst, or .tar for "
               "no compression); default REPO-TAG.tar.zst here.")
 @click.option("--no-cache", is_flag=True, help="Do not read or fill the local chunk cache "
               "(/var/cache/gpusnap/chunks).")
+@click.option("--prefetch", is_flag=True, help="Only fill the local chunk cache (no archive): a "
+              "later restore of REF, or of a newer round of it, fetches just what is missing.")
 @trust_options("pull")
 @registry_options
 @json_option
 @handle_errors
-def pull_cmd(ref: str, output: str | None, no_cache: bool, trust: TrustOptions,
+def pull_cmd(ref: str, output: str | None, no_cache: bool, prefetch: bool, trust: TrustOptions,
              registry: Callable[[], RegistryOptions], as_json: bool) -> None:
     """Pull checkpoint REF into an archive that `gpusnap restore` and
     `podman container restore --import` take.
@@ -45,6 +68,17 @@ def pull_cmd(ref: str, output: str | None, no_cache: bool, trust: TrustOptions,
     docs/trust.md) before anything is downloaded; an encrypted checkpoint needs
     --decrypt-key.
     """
+    if prefetch:
+        if output or no_cache:
+            raise GpusnapError("--prefetch fills the chunk cache: it takes no --output and no "
+                               "--no-cache", "drop them, or drop --prefetch to write an archive")
+        from gpusnap.ops import warm_cache
+
+        with transfer_progress(as_json, f"Prefetching {ref}", verb="fetched") as bar:
+            result = warm_cache.prefetch(ref, registry(), trust=trust, on_trusted=warn_skipped,
+                                         progress=bar.advance, total=bar.total)
+        emit(as_json, result, _human_prefetch)
+        return
     from gpusnap.ops import pull as ops
 
     with transfer_progress(as_json, f"Pulling {ref}", verb="fetched") as bar:

@@ -46,7 +46,12 @@ def human_push(r: dict, target: bool = False) -> None:
     state = r.get("container_state")
     if state:
         console.print(f"  container {state['name']}: {state['says']}")
-    if target:
+    if r.get("pre_checkpoint"):
+        console.print(f"[bold]On the target host, warm its chunk cache now:[/]\n"
+                      f"  {r['prefetch_command']}\n"
+                      f"[bold]Then here:[/] gpusnap migrate {r['container']} REF (the same "
+                      "repository) stops the container and sends only what changed since")
+    elif target:
         console.print(f"[bold]On the target host run:[/]\n  {r['restore_command']}")
     else:
         console.print(f"  restore with: {r['restore_command']}")
@@ -134,7 +139,7 @@ def restore_refusal(r: dict, opts: RegistryOptions) -> dict | None:
 def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_json: bool,
              leave_running: bool, level: int, image_format: str = "gpusnap",
              trust: TrustOptions | None = None, containerd_address: str | None = None,
-             here: bool = True) -> dict:
+             here: bool = True, pre_checkpoint: bool = False) -> dict:
     """Push, then say what became of the container and how to restore it
     (``here``: on this host; else on another one)."""
     from gpusnap.ops import push as ops  # registry code: imported only when used
@@ -152,12 +157,15 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
             r = ops.push(source, ref, registry(), leave_running=leave_running, level=level,
                          progress=bar.advance, total=pushing, on_checkpoint=checkpointing,
                          image_format=image_format, trust=trust,
-                         containerd_address=containerd_address)
+                         containerd_address=containerd_address, pre_checkpoint=pre_checkpoint)
         except TransientError as exc:  # true of push: the registry's blobs are asked first
             raise GpusnapError(exc.message, f"{exc.hint}; then push again: chunks the registry "
                                "already has are not sent again") from None
-    r["container_state"] = container_state(r, leave_running)
+    r["container_state"] = container_state(r, leave_running or pre_checkpoint)
     r["restore_command"], r["restore_renamed"] = restore_command(r, registry(), trust, here)
+    if pre_checkpoint:
+        r["prefetch_command"] = " ".join(["gpusnap", "pull", "--prefetch", r["pinned"],
+                                          *map(shlex.quote, restore_flags(registry()))])
     r["restore_refused"] = restore_refusal(r, registry())
     return r
 

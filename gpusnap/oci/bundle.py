@@ -120,6 +120,15 @@ class Bundle:
                                "it was pushed by another gpusnap version, or is damaged") from None
 
 
+# A checkpoint of a container that kept running, pushed as the first round of
+# a pre-copy migration (`gpusnap migrate -P`): the final round supersedes it.
+PRE_CHECKPOINT = ANNOTATION + "pre-checkpoint"
+
+
+def is_pre_checkpoint(manifest: dict) -> bool:
+    return (manifest.get("annotations") or {}).get(PRE_CHECKPOINT) == "true"
+
+
 def annotations(bundle: Bundle, criu_version: str | None, arch: str | None) -> dict[str, str]:
     """What a target checks before pulling (strings only, as OCI requires)."""
     s = bundle.summary

@@ -72,6 +72,10 @@ class ChunkCache:
         os.utime(path)  # recently used: pruned last
         return data
 
+    def has_blob(self, digest: str) -> bool:
+        """An entry is there (not read: get_blob checks it when it is used)."""
+        return self._path("blobs", digest).is_file()
+
     def put_blob(self, digest: str, data: bytes) -> None:
         self._store(self._path("blobs", digest), data)
 
@@ -86,8 +90,10 @@ class ChunkCache:
     def remember(self, raw_digest: str, blob: str, blob_size: int) -> None:
         self._store(self._path("index", raw_digest), f"{blob} {blob_size}\n".encode())
 
-    def prune(self) -> int:
-        """Drop the least recently used blobs beyond max_bytes; returns bytes freed."""
+    def prune(self, keep: frozenset[str] = frozenset()) -> int:
+        """Drop the least recently used blobs beyond max_bytes, never those in
+        ``keep`` (a prefetched checkpoint's); returns bytes freed."""
+        kept = {self._path("blobs", d) for d in keep}
         entries = []
         for dirpath, _, names in os.walk(self.root / "blobs"):
             with contextlib.suppress(OSError):
@@ -106,6 +112,8 @@ class ChunkCache:
         for _, size, p in sorted(entries):
             if total - freed <= self.max_bytes:
                 break
+            if p in kept:
+                continue
             p.unlink(missing_ok=True)
             freed += size
         for p in (self.root / "tmp").iterdir():  # left by killed processes

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap import MANIFEST_NAME, archive, journal, requests
+from gpusnap.criu.log import first_error as criu_error
 from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
@@ -73,18 +74,6 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
                     "free space or export elsewhere (--skip-space-check tries anyway)")
     return CheckpointPlan(container, cuda, export_path, leave_running, tcp_established,
                           lock_timeout_ms, estimate, export_level=export_level)
-
-
-def _criu_error(log: Path) -> str | None:
-    """CRIU's first error line in a dump/restore log (the later ones are fallout)."""
-    try:
-        with open(log, errors="replace") as f:
-            for line in f:
-                if line.startswith("Error (") and "RLIMIT_NOFILE" not in line:
-                    return line.strip()
-    except OSError:
-        pass
-    return None
 
 
 def _action_failure(init_pid: int) -> str | None:
@@ -159,7 +148,7 @@ def run(p: CheckpointPlan) -> dict:
         else:
             where = f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}"
         cause = _action_failure(p.container.pid)
-        criu = _criu_error(p.container.userdata / "dump.log")
+        criu = criu_error(p.container.userdata / "dump.log")
         message = (f"GPU quiesce failed: {cause}" if cause else
                    f"CRIU could not dump {p.container.name}: {criu}" if criu else exc.message)
         journal.record("checkpoint-failed", container=p.container.id, error=message,

@@ -233,6 +233,11 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_r
     if remote.bundle.summary.get("engine", "podman") != "podman":  # containerd's: --to containerd://
         from gpusnap.ops.containerd_registry import refuse_engine
         refuse_engine(remote.bundle.summary, str(remote.client.ref), "podman")
+    if fmt.is_pre_checkpoint(remote.manifest) and not name:
+        raise GpusnapError(f"{remote.client.ref} is a pre-checkpoint: its container kept running "
+                           "on the source, so it would resume from an older state",
+                           "restore the final round `gpusnap migrate` pushes, or pass --name NEW "
+                           "to start a copy of this one; nothing was downloaded")
     target = name or (remote.bundle.summary.get("container") or {}).get("name")
     if target and podman.exists(target) and not dry_run:
         raise GpusnapError(f"a container named {target} already exists",

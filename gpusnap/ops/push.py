@@ -357,9 +357,13 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
          progress: Progress | None = None, total: Callable[[int], None] | None = None,
          on_checkpoint: Callable[[str], None] | None = None,
          image_format: str = "gpusnap", trust: TrustOptions | None = None,
-         containerd_address: str | None = None, processes: int | None = None) -> dict:
+         containerd_address: str | None = None, processes: int | None = None,
+         pre_checkpoint: bool = False) -> dict:
     """``processes``: worker processes for big files (segments.py); default
-    segments.default_workers()."""
+    segments.default_workers(). ``pre_checkpoint``: the first round of a
+    pre-copy migration (the container keeps running; annotated so that a
+    restore does not take it for the final round)."""
+    leave_running = leave_running or pre_checkpoint
     from gpusnap.trust.remote import PushTrust  # cryptography: imported only when pushing
 
     ref = reference.parse(ref_text)
@@ -416,6 +420,8 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             from gpusnap.criu.version import criu_version
             criu = criu_version()
         notes = fmt.annotations(b, criu, platform.machine())
+        if pre_checkpoint:
+            notes[fmt.PRE_CHECKPOINT] = "true"
         image = (b.summary.get("container") or {}).get("image")
         if b.summary.get("engine") == "containerd":
             image = None  # Podman's repo digests (the subject) do not describe containerd's images
@@ -439,6 +445,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "gpu": b.summary.get("gpu") is not None, "annotations": notes,
+            "pre_checkpoint": pre_checkpoint,
             "trust": sealing.facts(signed_by)}
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import ContextManager
 
 from gpusnap import archive, journal
+from gpusnap.criu.log import first_error as criu_error
 from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import ProcessState
@@ -121,8 +123,12 @@ def import_archive(opener: ContextManager[Path], contents: archive.CheckpointCon
             podman.restore(str(src), archive=True, name=name, keep=keep,
                            tcp_established=tcp_established)
     except GpusnapError as exc:
-        _drop_half_restored(target)
-        raise GpusnapError(f"{exc.message}; nothing was restored, {source} is unchanged",
+        log = _drop_half_restored(target)
+        why = exc.message
+        if log is not None:  # Podman's "see restore.log" names a file removed with the container
+            criu = criu_error(log)
+            why += f" ({criu + '; ' if criu else ''}CRIU's log is kept in {log})"
+        raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged",
                            exc.hint) from None
     return restored(target or source, source, time.monotonic() - start, plan)
 
@@ -141,11 +147,25 @@ def restored(target: str, source: str, seconds: float, plan: Plan) -> dict:
     return result
 
 
-def _drop_half_restored(name: str | None) -> None:
+def _drop_half_restored(name: str | None) -> Path | None:
     """An import that failed (a damaged archive) may leave a created container
-    behind; the name was free before, so it is ours to remove."""
-    if name and podman.exists(name) and not podman.inspect(name).running:
-        podman.remove(name)
+    behind; the name was free before, so it is ours to remove. Its CRIU
+    restore.log goes with it: a copy is kept first (returned)."""
+    if not (name and podman.exists(name)):
+        return None
+    ctr = podman.inspect(name)
+    if ctr.running:
+        return None
+    kept = None
+    log = ctr.userdata / "restore.log"
+    if log.is_file():
+        kept = journal.state_subdir("logs") / f"restore-{ctr.name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+        try:
+            shutil.copyfile(log, kept)
+        except OSError:
+            kept = None
+    podman.remove(name)
+    return kept
 
 
 def _gpu_report(pid: int) -> list[dict]:

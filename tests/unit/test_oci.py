@@ -220,7 +220,10 @@ def test_cache_checks_what_it_returns(tmp_path):
     cache.remember("sha256:" + "1" * 64, digest, 11)
     assert cache.blob_for("sha256:" + "1" * 64) == (digest, 11)
     cache.put_blob(digest, data)
+    assert cache.has_blob(digest)
+    assert cache.prune(keep=frozenset([digest])) == 0  # a prefetched checkpoint's: kept
     assert cache.prune() == len(data)  # over max_bytes: dropped
+    assert not cache.has_blob(digest)
 
 
 def test_registry_packages_missing_is_one_clear_error(monkeypatch):
