@@ -16,6 +16,8 @@ fixed after load + a KV-like buffer rewritten per step; training: weights and
 Adam moments rewritten every step), one process on GPU 0:
 
   gpusnap  `gpusnap migrate CTR REF`, `podman rm`, `gpusnap restore REF`
+  precopy  `gpusnap migrate -P CTR REF:pre` (the job runs on), `gpusnap pull
+           --prefetch REF:pre` (the target's cache), then as gpusnap to REF:final
   local    `gpusnap checkpoint CTR --export F`, `podman rm`, `gpusnap restore F`
   plain    driver lock + checkpoint, `podman container checkpoint --export` with
            CRIU not set up for gpusnap, `oras push`, `oras pull`, `podman rm`,
@@ -105,12 +107,14 @@ class Job:
                 out[parts[3]] = parts[5]
         return out
 
-    def downtime(self, start_wall: float) -> tuple[float, float, float]:
+    def downtime(self, start_wall: float, until: float | None = None
+                 ) -> tuple[float, float, float]:
         """(seconds, last step time on the source, first on the target): the
-        largest gap between steps from the migration's start on."""
+        largest gap between steps from the migration's start on (up to
+        ``until``: a pre-copy round's pause of the running job)."""
         times = [t for t, _ in self.steps()]
         before = [t for t in times if t <= start_wall][-1:]
-        after = [t for t in times if t > start_wall]
+        after = [t for t in times if t > start_wall and (until is None or t <= until)]
         seen = before + after
         gaps = [(b - a, a, b) for a, b in zip(seen, seen[1:])]
         return max(gaps) if gaps else (0.0, 0.0, 0.0)
@@ -151,12 +155,15 @@ class Job:
 # -- the pipelines ----------------------------------------------------------------------
 
 
-def gpusnap_case(job: Job, ref: str, cache: Path) -> Migration:
-    m = Migration("gpusnap", f"{job.kind} {job.gib:g} GiB")
-    env = {**os.environ, "GPUSNAP_CACHE_DIR": str(cache)}  # the target's chunk cache
+def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None) -> Migration:
+    """`gpusnap migrate` (stop), `podman rm`, `gpusnap restore REF`; the source
+    and the target keep their own chunk caches under ``cache``, as two hosts would."""
+    m = m or Migration("gpusnap", f"{job.kind} {job.gib:g} GiB")
+    source, target = ({**os.environ, "GPUSNAP_CACHE_DIR": str(cache / side)}
+                      for side in ("source", "target"))
     cid, mark = container_id(job.name), journal_size()
     m.extra["start_wall"] = time.time()
-    r = timed([GPUSNAP, "migrate", job.name, ref, "--plain-http", "--json"], env=env)
+    r = timed([GPUSNAP, "migrate", job.name, ref, "--plain-http", "--json"], env=source)
     pushed = json.loads(r.stdout)
     events = journal_events(mark, cid)
     dump = next((e["seconds"] for e in events if e.get("event") == "checkpointed"), r.seconds)
@@ -166,9 +173,33 @@ def gpusnap_case(job: Job, ref: str, cache: Path) -> Migration:
     m.bytes_up, m.extra["checkpoint_bytes"] = pushed["bytes_sent"], pushed["bytes"]
     m.extra["chunks"], m.extra["push"] = pushed["chunks"], {
         k: pushed.get(k) for k in ("seconds", "throughput_mb_s", "prefetched_bytes", "layers",
-                                   "parallel_bytes", "processes")}
+                                   "parallel_bytes", "processes", "chunks_sent")}
     m.phases["rm"] = timed(["podman", "rm", job.name]).seconds
-    restore_ref(m, pushed["pinned"], env, events)
+    restore_ref(m, pushed["pinned"], target, events)
+    return m
+
+
+def precopy_case(job: Job, pre: str, final: str, cache: Path) -> Migration:
+    """`gpusnap migrate -P` (round 1, the job runs on), `gpusnap pull --prefetch`
+    on the target, then gpusnap_case's final round and restore. Downtime counts
+    from the final round; round 1's pause of the job is reported beside it."""
+    m = Migration("precopy", f"{job.kind} {job.gib:g} GiB")
+    source, target = ({**os.environ, "GPUSNAP_CACHE_DIR": str(cache / side)}
+                      for side in ("source", "target"))
+    round1_wall = time.time()
+    r = timed([GPUSNAP, "migrate", "-P", job.name, pre, "--plain-http", "--json"], env=source)
+    first = json.loads(r.stdout)
+    m.phases["round 1 (job runs)"], m.rss_kib["gpusnap migrate -P"] = r.seconds, r.maxrss_kib
+    m.extra["round1_bytes_sent"] = first["bytes_sent"]
+    r = timed([GPUSNAP, "pull", "--prefetch", first["pinned"], "--plain-http", "--json"],
+              env=target)
+    warm = json.loads(r.stdout)
+    m.phases["prefetch (job runs)"], m.rss_kib["gpusnap pull --prefetch"] = r.seconds, r.maxrss_kib
+    m.extra["prefetch"] = {k: warm[k] for k in ("bytes_fetched", "chunks", "seconds",
+                                                "throughput_mb_s")}
+    gpusnap_case(job, final, cache, m)
+    m.extra["round1_pause_s"], _, _ = job.downtime(round1_wall, until=m.extra["start_wall"])
+    m.extra["final_bytes_fraction"] = round(m.bytes_up / max(1, first["bytes_sent"]), 4)
     return m
 
 
@@ -255,6 +286,9 @@ def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path) -
                       reg.root if reg else None):
             if pipeline == "gpusnap":
                 m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:v1"), work / "cache")
+            elif pipeline == "precopy":
+                m = precopy_case(job, reg.ref(f"bench/{kind}-{size:g}:pre"),
+                                 reg.ref(f"bench/{kind}-{size:g}:final"), work / "cache")
             elif pipeline == "local":
                 m = local_case(job, work)
             else:
@@ -356,6 +390,18 @@ def report(args) -> int:
             line += (f"; plain / gpusnap total {twin['total_s'] / r['total_s']:.2f}x, "
                      f"downtime {twin['downtime_s'] / r['downtime_s']:.2f}x")
         print(line)
+    for r in ok:
+        if r["pipeline"] != "precopy":
+            continue
+        twin = next((p for p in ok if p["pipeline"] == "gpusnap" and p["gpu_gib"] == r["gpu_gib"]
+                     and p["job"] == r["job"]), None)
+        line = (f"{r['job']} {r['gpu_gib']:g} GiB pre-copy: downtime {r['downtime_s']:.1f} s"
+                + (f" = {r['downtime_s'] / r['floor_s']:.2f}x the floor" if r.get("floor_s") else "")
+                + f"; round 1 paused the job {r['round1_pause_s']:.1f} s; final round sent "
+                f"{100 * r['final_bytes_fraction']:.1f}% of round 1's bytes")
+        if twin:
+            line += f"; downtime without pre-copy {twin['downtime_s']:.1f} s"
+        print(line)
     if args.png and ok:
         plot(ok, Path(args.png))
     if args.timelines:
@@ -370,7 +416,8 @@ def plot(rows: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for pipeline, style in (("plain", "s-"), ("gpusnap", "o-"), ("local", "^-")):
+    for pipeline, style in (("plain", "s-"), ("gpusnap", "o-"), ("local", "^-"),
+                            ("precopy", "D-")):
         pts = sorted((r["nvml_gpu_bytes"] / 2**30, r["total_s"], r["downtime_s"]) for r in rows
                      if r["pipeline"] == pipeline and r["job"] == "infer")
         if pts:
