@@ -47,7 +47,7 @@ class ChunkCache:
         algo, _, hexd = digest.partition(":")
         return self.root / kind / algo / hexd[:2] / hexd
 
-    def _store(self, path: Path, data: bytes) -> None:
+    def _store(self, path: Path, data: bytes | bytearray) -> None:
         with self._lock:
             self._seq += 1
             tmp = self.root / "tmp" / f"{os.getpid()}-{threading.get_ident()}-{self._seq}"
@@ -76,7 +76,7 @@ class ChunkCache:
         """An entry is there (not read: get_blob checks it when it is used)."""
         return self._path("blobs", digest).is_file()
 
-    def put_blob(self, digest: str, data: bytes) -> None:
+    def put_blob(self, digest: str, data: bytes | bytearray) -> None:
         self._store(self._path("blobs", digest), data)
 
     def blob_for(self, raw_digest: str) -> tuple[str, int] | None:
