@@ -169,6 +169,8 @@ def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None) ->
     dump = next((e["seconds"] for e in events if e.get("event") == "checkpointed"), r.seconds)
     m.phases["dump+upload"] = dump
     m.phases["upload after dump"] = r.seconds - dump
+    free = next((e["at"] for e in events if e.get("event") == "quiesced" and "at" in e), None)
+    m.extra["gpu_free_after_s"] = round(free - m.extra["start_wall"], 3) if free else None
     m.rss_kib["gpusnap migrate"] = r.maxrss_kib
     m.bytes_up, m.extra["checkpoint_bytes"] = pushed["bytes_sent"], pushed["bytes"]
     m.extra["chunks"], m.extra["push"] = pushed["chunks"], {

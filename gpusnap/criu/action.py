@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal, requests
@@ -82,7 +83,9 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
         manifest.timing = timing.phases
         _start_guardian(criu_pid, changed)
     gpu_manifest.write(manifest, image_dir)
-    journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing)
+    # ``at``: when the GPU was free for the next job (its memory is in host memory now)
+    journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
+                   at=round(time.time(), 3))
 
 
 def _start_guardian(criu_pid: int, pids: list[int]) -> None:
