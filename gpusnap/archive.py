@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -13,16 +13,17 @@ from gpusnap.journal import state_subdir
 from gpusnap.private import write_private
 
 
-def _path(init_pid: int):
-    return state_subdir("requests") / f"{init_pid}.json"
+def _path(init_pid: int, kind: str = ""):
+    """``kind``: a request for another step than pre-dump ("pages": post-dump's)."""
+    return state_subdir("requests") / f"{init_pid}{'.' + kind if kind else ''}.json"
 
 
-def put(init_pid: int, **options) -> None:
-    write_private(_path(init_pid), json.dumps(options))
+def put(init_pid: int, kind: str = "", **options) -> None:
+    write_private(_path(init_pid, kind), json.dumps(options))
 
 
-def take(init_pid: int) -> dict:
-    path = _path(init_pid)
+def take(init_pid: int, kind: str = "") -> dict:
+    path = _path(init_pid, kind)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -31,5 +32,5 @@ def take(init_pid: int) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def drop(init_pid: int) -> None:
-    _path(init_pid).unlink(missing_ok=True)
+def drop(init_pid: int, kind: str = "") -> None:
+    _path(init_pid, kind).unlink(missing_ok=True)

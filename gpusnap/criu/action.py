@@ -12,6 +12,9 @@ a non-zero exit aborts the dump. Two steps matter:
 - post-resume, once restored tasks run again: restore their GPU state and
   unlock them.
 
+(And post-dump, only for a push that asks: the memory pages set aside, out of
+Podman's export; pages_aside.py.)
+
 Containers without CUDA processes are left exactly as CRIU would treat them.
 """
 
@@ -35,7 +38,7 @@ from gpusnap.procs import cuda_processes, start_time
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
 # The steps with work to do; packaging/bin/criu-action lets only these start Python.
-ACTIONS = ("pre-dump", "pre-restore", "post-resume")
+ACTIONS = ("pre-dump", "post-dump", "pre-restore", "post-resume")
 
 
 def lock_timeout_ms(init_pid: int) -> int:
@@ -88,6 +91,21 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
                    at=round(time.time(), 3))
 
 
+def post_dump(init_pid: int, image_dir: str) -> None:
+    """A push asked for the memory pages out of Podman's export (pages_aside.py):
+    moved beside it, a symlink left in their place. The tree is still frozen."""
+    request = requests.take(init_pid, "pages")
+    if not request:
+        return
+    from gpusnap.criu import pages_aside
+
+    images, aside = Path(request["images"]), Path(request["aside"])
+    if not os.path.samefile(image_dir, images):
+        raise OSError(f"CRIU dumps into {image_dir}, the request names {images}")
+    files, size = pages_aside.set_aside(images, aside)
+    journal.record("pages-aside", init_pid=init_pid, aside=str(aside), files=files, bytes=size)
+
+
 def _start_guardian(criu_pid: int, pids: list[int]) -> None:
     if not pids:
         return
@@ -102,6 +120,11 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
     if not image_dir:
         return
     folder = Path(image_dir)
+    from gpusnap.criu import pages_aside
+
+    moved = pages_aside.bring_back(folder)  # restored tasks cannot follow the links
+    if moved:
+        journal.record("pages-in-place", files=moved)
     kept = {name: (folder / name).read_text() for name in (MANIFEST_NAME, PLAN_NAME)
             if (folder / name).exists()}
     if kept:
@@ -174,6 +197,15 @@ def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]
 
 
 def _run(action: str) -> int:
+    if action == "post-dump":
+        # An optimisation: never the reason a dump fails (the pages then stay
+        # where CRIU wrote them, and the push reads them from the export).
+        try:
+            post_dump(int(os.environ.get("CRTOOLS_INIT_PID", "0")),
+                      os.environ.get("CRTOOLS_IMAGE_DIR", ""))
+        except (OSError, ValueError, KeyError) as exc:
+            journal.record("failed", action=action, error=str(exc))
+        return 0
     if action == "pre-restore":
         # Only keeps files for later: never the reason a restore fails.
         try:

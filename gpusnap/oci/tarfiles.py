@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator
 
 from gpusnap import MANIFEST_NAME
+from gpusnap.criu import pages_aside
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.bundle import FileEntry
 from gpusnap.private import open_private
@@ -153,9 +154,12 @@ class ReaderStopped(GpusnapError):
 
 
 class _TarWriter:
-    """A tar stream of FileEntries and their chunks; subclasses say where it goes."""
+    """A tar stream of FileEntries and their chunks; subclasses say where it goes.
+    With ``pages`` (a folder), CRIU's memory pages are written there instead
+    and the tar holds a symlink to each (criu/pages_aside.py)."""
 
     written = 0
+    pages: Path | None = None
 
     def _put(self, data: bytes) -> None:
         raise NotImplementedError
@@ -165,6 +169,8 @@ class _TarWriter:
         self.written += len(data)
 
     def add(self, entry: FileEntry, data: Iterable[bytes]) -> None:
+        if self.pages is not None and entry.type == "file" and pages_aside.is_pages(entry.path):
+            entry = pages_aside.write(self.pages, entry, sized(entry, data))
         self._write(tarinfo(entry).tobuf(format=tarfile.PAX_FORMAT))
         if entry.type != "file":
             return
@@ -180,8 +186,8 @@ class _TarWriter:
 class PipeWriter(_TarWriter):
     """The tar into a streamed import's pipe (stream.import_piped)."""
 
-    def __init__(self, sink: PipeSink) -> None:
-        self.sink = sink
+    def __init__(self, sink: PipeSink, pages: Path | None = None) -> None:
+        self.sink, self.pages = sink, pages
 
     def _put(self, data: bytes) -> None:
         try:

@@ -37,6 +37,9 @@ class CheckpointPlan:
     estimate_bytes: int  # host memory + GPU memory in use: an upper bound of the dump
     keep: bool = False  # keep the local checkpoint files after an export (podman --keep)
     export_level: int = EXPORT_ZSTD_LEVEL  # 0: the plain tar, for a push that follows it
+    # A push's folder on the images' filesystem: the memory pages are moved
+    # there once dumped, out of Podman's export (criu/pages_aside.py).
+    pages_aside: Path | None = None
 
 
 def _free_bytes(path: Path) -> int:
@@ -107,7 +110,7 @@ def _dump(p: CheckpointPlan) -> None:
                           keep=True, compress="none")
 
 
-def _drop_local(userdata: Path) -> None:
+def drop_local(userdata: Path) -> None:
     """What Podman removes after an export when --keep is not given (the
     images are deleted in the background: storage.discard)."""
     discard(userdata / "checkpoint", userdata)
@@ -131,10 +134,14 @@ def run(p: CheckpointPlan) -> dict:
     start, started_at = time.monotonic(), time.time()
     if p.cuda:
         requests.put(p.container.pid, lock_timeout_ms=p.lock_timeout_ms)
+    if p.pages_aside is not None:
+        requests.put(p.container.pid, "pages", images=str(p.container.checkpoint_dir),
+                     aside=str(p.pages_aside))
     try:
         _dump(p)
     except GpusnapError as exc:
         requests.drop(p.container.pid)
+        requests.drop(p.container.pid, "pages")
         resumed = ensure_running([c.pid for c in p.cuda])
         state = podman.inspect(p.container.id).status if podman.exists(p.container.id) else "gone"
         restorable = has_checkpoint(p.container)
@@ -154,10 +161,11 @@ def run(p: CheckpointPlan) -> dict:
         journal.record("checkpoint-failed", container=p.container.id, error=message,
                        resumed=resumed)
         raise GpusnapError(f"{message}; {where}", (hint or "").rstrip("; ") or None) from None
+    requests.drop(p.container.pid, "pages")  # not taken: no action script ran post-dump
     seconds = time.monotonic() - start
     contents = archive.read_directory(p.container.userdata)
     if p.export is not None and not p.keep:
-        _drop_local(p.container.userdata)
+        drop_local(p.container.userdata)
     elif p.container.checkpoint_dir.is_dir():
         # CRIU writes its images 0644 (in runc's checkpoint/, in Podman's 0700
         # userdata/): root only, even should the folder above be opened up.

@@ -25,7 +25,6 @@ import datetime
 import hashlib
 import io
 import json
-import os
 import platform
 import tarfile
 import tempfile

@@ -23,7 +23,7 @@ from gpusnap.oci.tarfiles import ArchiveWriter, PipeWriter, ReaderStopped
 from gpusnap.oci.transfer import Downloader, Progress
 from gpusnap.runtime import podman
 from gpusnap.runtime import stream as stream_module
-from gpusnap.runtime.storage import fifo_dir, staging_dir
+from gpusnap.runtime.storage import fifo_dir, pages_dir, staging_dir
 from gpusnap.trust import remote as trust_remote
 from gpusnap.trust.options import TrustOptions
 
@@ -297,13 +297,18 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     cancel = threading.Event()
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-download")
     job = None
+    # CRIU's memory pages go to a folder of their own, not through Podman's
+    # import (one thread, the slowest copy of a restore): Podman gets symlinks,
+    # the pre-restore action renames the files into place (criu/pages_aside.py).
+    pages = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-",
+                                  dir=pages_dir(remote.bundle.total_bytes)))
     try:
         # Leaving this stops the pump: a download blocked on the full pipe fails then.
         # The FIFO's folder is where doctor looks for what a killed CLI left.
         with tempfile.TemporaryDirectory(prefix=".gpusnap-pull-", dir=fifo_dir()) as near, \
                 stream_module.import_piped(Path(near), stream_module.config_tar(files), opens,
                                            target) as (fifo, sink):
-            job = pool.submit(write_files, remote, PipeWriter(sink), Path(label),
+            job = pool.submit(write_files, remote, PipeWriter(sink, pages), Path(label),
                               cancel=cancel, **kw)
             result = ops_restore.import_archive(nullcontext(fifo), contents, plan, name, keep,
                                                 tcp_established, label)
@@ -318,6 +323,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         raise exc
     finally:
         pool.shutdown(wait=True)
+        shutil.rmtree(pages, ignore_errors=True)  # empty once restored; else not needed
     return result, {**job.result(), "streamed": True}
 
 

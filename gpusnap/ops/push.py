@@ -9,12 +9,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
 
 from gpusnap import MANIFEST_NAME, archive
+from gpusnap.criu import pages_aside
 from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
@@ -123,16 +124,22 @@ def resolve_source(source: str, leave_running: bool,
     container = container or find_container(source)
     from gpusnap.ops import checkpoint as ops_checkpoint  # CRIU/GPU code, only when needed
 
-    work = Path(tempfile.mkdtemp(prefix=".gpusnap-push-",
-                                 dir=staging_dir(0, container.graph_root)))
+    root = _work_root(container)
+    work = Path(tempfile.mkdtemp(prefix=".gpusnap-push-", dir=root))
     # Plain, not zstd: the chunks are compressed one by one anyway, so a
     # compressed export would be compressed twice and decompressed once more.
     export = work / "checkpoint.tar"
+    # CRIU's memory pages, moved here once dumped (a rename: the images'
+    # filesystem), so Podman's export holds symlinks to them (pages_aside.py).
+    aside = work / "pages" if stream and _same_fs(root, container.userdata) else None
     stopped = False  # the container is down and this archive is all that is left of it
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
     try:
         plan = ops_checkpoint.plan(source, str(export), leave_running, False,
                                    DEFAULT_LOCK_TIMEOUT_MS, export_level=0, container=container)
+        if aside is not None:  # this push drops the local checkpoint once it read the pages
+            aside.mkdir(mode=0o700)
+            plan.keep, plan.pages_aside = True, aside
         if on_checkpoint:
             on_checkpoint(plan.container.name)
         if stream:  # one from an earlier export would be followed as if Podman wrote it
@@ -162,14 +169,49 @@ def resolve_source(source: str, leave_running: bool,
     except (GpusnapError, KeyboardInterrupt) as exc:
         if not stopped:
             raise
+        if aside is not None:  # the export alone must restore anywhere: pages into it
+            pages_aside.materialize(export)
+            ops_checkpoint.drop_local(container.userdata)
         raise kept_error(exc, source, f"in {export}", f"`gpusnap push {export} REF`",
                          f"`podman rm {source}; gpusnap restore {export}`") from None
     else:
-        discard(work, work.parent)  # the export: as large as the checkpoint
+        if aside is not None:
+            ops_checkpoint.drop_local(container.userdata)
+        discard(work, work.parent)  # the export (and the pages): as large as the checkpoint
+        work = None
     finally:
         pool.shutdown(wait=True)
-        if not stopped:
+        if work is not None and not stopped:
+            if aside is not None:
+                _local_checkpoint_after_failure(container, aside, ops_checkpoint.drop_local)
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _work_root(container: podman.Container) -> Path:
+    """Beside Podman's storage, where the pages can be moved by a rename (the
+    export holds little else); elsewhere only if there is no such folder."""
+    root = container.graph_root.parent if container.graph_root else None
+    return root if root is not None and root.is_dir() else staging_dir(0, container.graph_root)
+
+
+def _same_fs(a: Path, b: Path) -> bool:
+    try:
+        return a.stat().st_dev == b.stat().st_dev
+    except OSError:
+        return False
+
+
+def _local_checkpoint_after_failure(container: podman.Container, aside: Path,
+                                    drop_local: Callable[[Path], None]) -> None:
+    """A push that failed and stopped nothing: a container that runs on has a
+    stale dump (dropped); one the failed dump stopped keeps its local
+    checkpoint, whose pages go back where CRIU wrote them."""
+    if not any(aside.iterdir()):
+        return
+    if podman.exists(container.id) and podman.inspect(container.id).running:
+        drop_local(container.userdata)
+    else:
+        pages_aside.bring_back(container.checkpoint_dir)
 
 
 def kept_error(exc: BaseException, container: str, kept: str, again: str,
@@ -321,32 +363,44 @@ def _upload_files(src: PushSource, parts: _Parts, scale: int, label: str
         parts.watch(src.userdata / "checkpoint", scale, src.writer_done)
     with early, _entries(src) as entries:
         for entry, data in entries:
+            aside = pages_aside.target(entry)  # pages moved out of the export: its symlink
+            if aside is not None:
+                entry = pages_aside.as_file(entry, aside)
             futures = []
-            if data is not None:
+            if entry.type == "file":
                 contents.sizes[entry.path] = entry.size
                 taken = early.take(entry)
                 if taken is not None:  # chunked while Podman wrote it; the export's copy is skipped
                     files.append((entry, taken))
                     continue
                 params = chunk_params(entry.size, scale)
-                direct = _direct(src, entry)
+                direct = _direct(src, entry) or aside
                 split = direct and parts.split_file(direct, entry.size, params)
                 if split:  # the stream skips this member's data
                     files.append((entry, split))
                     continue
-                keep = entry.path in archive.METADATA and entry.size <= 8 << 20
-                kept = bytearray()
-                for piece in chunker.split(data, params, entry.size):
-                    if keep:
-                        kept += piece
-                    futures.append(uploader.submit(piece))
-                if keep:
-                    contents.files[entry.path] = bytes(kept)
+                with open(aside, "rb") if aside is not None else nullcontext(data) as stream:
+                    futures = _submit_member(entry, stream, params, uploader, contents)
             files.append((entry, futures))
         early.finish()
     for entry, futures in files:
         entry.chunks = parts.chunks(futures)
     return [e for e, _ in files], contents, early.taken_bytes
+
+
+def _submit_member(entry: fmt.FileEntry, data: BinaryIO, params: chunker.ChunkParams,
+                   uploader: Uploader, contents: archive.CheckpointContents) -> list[Future]:
+    """One member's chunks to the uploader; the small metadata files kept for the summary."""
+    keep = entry.path in archive.METADATA and entry.size <= 8 << 20
+    kept = bytearray()
+    futures = []
+    for piece in chunker.split(data, params, entry.size):
+        if keep:
+            kept += piece
+        futures.append(uploader.submit(piece))
+    if keep:
+        contents.files[entry.path] = bytes(kept)
+    return futures
 
 
 FORMATS = ("gpusnap", "podman")

@@ -61,6 +61,17 @@ def staging_dir(size: int, graph_root: Path | None = None) -> Path:
     return roomiest(candidates, size, "free space beside Podman's storage or in /var/tmp")
 
 
+def pages_dir(size: int) -> Path:
+    """Where a restore writes CRIU's memory pages: beside Podman's storage, so
+    that the pre-restore action moves them into the container by a rename;
+    /var/tmp (then copied) only where that folder lacks the room."""
+    root = storage_root()
+    near = root.parent if root else None
+    if near is not None and near.is_dir() and shutil.disk_usage(near).free >= size:
+        return near
+    return staging_dir(size)
+
+
 def fifo_dir() -> Path:
     """Where a FIFO (no room needed) goes: /var/tmp, one of the places doctor looks
     for what a killed CLI left; no `podman info` asked."""

@@ -104,7 +104,15 @@ def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tm
     steps = ("pre-dump", "post-dump", "network-lock", "network-unlock", "pre-restore",
              "setup-namespaces", "post-setup-namespaces", "post-restore", "pre-resume",
              "post-resume", "orphan-pts-master", "")
-    reached = {s for s in steps
-               if subprocess.run(["sh", str(script)], env={"CRTOOLS_SCRIPT_ACTION": s},
-                                 capture_output=True, text=True).stdout.strip() == "reached"}
-    assert reached == set(action.ACTIONS)
+    state = tmp_path / "state"
+    env = {"GPUSNAP_STATE_DIR": str(state), "CRTOOLS_INIT_PID": "4242"}
+
+    def reached() -> set[str]:
+        return {s for s in steps
+                if subprocess.run(["sh", str(script)], env={**env, "CRTOOLS_SCRIPT_ACTION": s},
+                                  capture_output=True, text=True).stdout.strip() == "reached"}
+    # post-dump starts Python only for a push that asked for it (pages set aside)
+    assert reached() == set(action.ACTIONS) - {"post-dump"}
+    (state / "requests").mkdir(parents=True)
+    (state / "requests" / "4242.pages.json").write_text("{}")
+    assert reached() == set(action.ACTIONS)

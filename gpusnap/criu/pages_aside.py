@@ -1,0 +1,148 @@
+"""CRIU's memory pages kept out of Podman's tar, on both ends of a registry move.
+
+Podman copies every image of a checkpoint into its export tar, one thread, and
+extracts every one from an import tar: at 8 GiB of GPU memory that was 12 s of
+the source's stop and 17 s of the target's (docs/benchmarks.md), for bytes
+gpusnap had already read (push) or could write itself (pull). So:
+
+- push: once CRIU has dumped, the post-dump action moves each ``pages-*.img``
+  into the push's staging folder (a rename: same filesystem) and leaves an
+  absolute symlink in its place. Podman's export then holds symlinks; the push
+  chunks the files they point at. A kept export is made whole (``materialize``)
+  before anyone is told to restore it elsewhere.
+- restore REF: the pull writes each pages file into a folder of its own,
+  beside Podman's storage, and hands Podman a symlink.
+
+CRIU cannot follow those links itself: the restored tasks read their pages
+from inside the container's mount namespace, where the absolute path leads
+nowhere. So the pre-restore action (still in the host's namespace) puts each
+file in place of its link (``bring_back``: a rename, a copy across filesystems).
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+from gpusnap.oci.bundle import FileEntry
+
+PATTERN = "pages-*.img"
+
+
+def is_pages(path: str) -> bool:
+    """A member ``checkpoint/pages-N.img`` of a Podman checkpoint archive."""
+    folder, _, name = path.rpartition("/")
+    return folder == "checkpoint" and fnmatch.fnmatch(name, PATTERN)
+
+
+def set_aside(images: Path, aside: Path) -> tuple[int, int]:
+    """Move the pages files of ``images`` into ``aside`` (same filesystem), a
+    symlink left for each; (files, bytes). Any failure puts back what moved
+    and raises: the dump must end as CRIU wrote it, or as described here."""
+    moved: list[Path] = []
+    total = 0
+    try:
+        for path in sorted(images.glob(PATTERN)):
+            if path.is_symlink() or not path.is_file():
+                continue
+            target = aside / path.name
+            total += path.stat().st_size
+            os.rename(path, target)
+            moved.append(path)
+            os.symlink(target, path)
+    except OSError:
+        for path in moved:
+            if path.is_symlink():
+                path.unlink()
+            os.rename(aside / path.name, path)
+        raise
+    return len(moved), total
+
+
+# Folders whose pages files a link in an image directory may name (push and pull staging).
+OURS = ("/.gpusnap-push-", "/.gpusnap-pull-")
+
+
+def bring_back(images: Path) -> int:
+    """Each pages symlink of ``images`` that names a file of ours replaced by
+    that file: renamed, or copied where it lies on another filesystem. Files."""
+    done = 0
+    for link in sorted(images.glob(PATTERN)):
+        if not link.is_symlink():
+            continue
+        path = os.readlink(link)
+        if not (path.startswith("/") and any(o in path for o in OURS) and os.path.isfile(path)):
+            continue
+        try:
+            os.rename(path, link)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            tmp = link.with_name(f".{link.name}.copy")
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, link)
+        done += 1
+    return done
+
+
+def target(entry: FileEntry) -> Path | None:
+    """The file a pages symlink of an archive points at, if it is there."""
+    if entry.type != "symlink" or not is_pages(entry.path) or not entry.linkname.startswith("/"):
+        return None
+    path = Path(entry.linkname)
+    return path if path.is_file() and not path.is_symlink() else None
+
+
+def as_file(entry: FileEntry, path: Path) -> FileEntry:
+    """The member the symlink stands for: its file's size, mode and time."""
+    st = path.stat()
+    return FileEntry(path=entry.path, type="file", mode=st.st_mode & 0o7777, uid=entry.uid,
+                     gid=entry.gid, uname=entry.uname, gname=entry.gname,
+                     mtime=int(st.st_mtime), size=st.st_size, pax=dict(entry.pax))
+
+
+def materialize(archive: Path) -> bool:
+    """Rewrite a plain tar whose pages are symlinks into one that holds them
+    (an export kept after a failed push: restorable anywhere). False: none were
+    symlinks, the archive is left as it is."""
+    with tarfile.open(archive) as src:
+        if not any(m.issym() and is_pages(m.name.removeprefix("./")) for m in src):
+            return False
+    tmp = archive.with_name(f".{archive.name}.whole")
+    with tarfile.open(archive) as src, tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as dst:
+        for member in src:
+            if member.issym() and is_pages(member.name.removeprefix("./")) \
+                    and Path(member.linkname).is_file():
+                with open(member.linkname, "rb") as f:
+                    info = dst.gettarinfo(fileobj=f, arcname=member.name)
+                    info.uid, info.gid, info.uname, info.gname = (member.uid, member.gid,
+                                                                  member.uname, member.gname)
+                    dst.addfile(info, f)
+            elif member.isfile():
+                dst.addfile(member, src.extractfile(member))
+            else:
+                dst.addfile(member)
+    os.replace(tmp, archive)
+    return True
+
+
+def write(folder: Path, entry: FileEntry, pieces) -> FileEntry:
+    """Write a pulled pages file into ``folder``; the symlink member that
+    stands for it in the tar Podman imports."""
+    path = folder / entry.path.rpartition("/")[2]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    os.utime(path, (entry.mtime, entry.mtime))
+    return FileEntry(path=entry.path, type="symlink", mode=0o777, uid=entry.uid, gid=entry.gid,
+                     uname=entry.uname, gname=entry.gname, mtime=entry.mtime,
+                     linkname=str(path), pax=dict(entry.pax))
