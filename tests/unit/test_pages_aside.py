@@ -1,0 +1,107 @@
+"""criu/pages_aside.py: CRIU's pages moved out of Podman's tar and back."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+
+import pytest
+
+from gpusnap.criu import pages_aside
+from gpusnap.oci.bundle import FileEntry
+from gpusnap.oci.tarfiles import entry_from_tarinfo
+
+
+def _images(tmp_path):
+    images = tmp_path / "userdata" / "checkpoint"
+    images.mkdir(parents=True)
+    (images / "pages-1.img").write_bytes(b"A" * 8192)
+    (images / "pages-2.img").write_bytes(b"B" * 4096)
+    (images / "pagemap-1.img").write_bytes(b"map")
+    aside = tmp_path / ".gpusnap-push-x" / "pages"
+    aside.mkdir(parents=True)
+    return images, aside
+
+
+def test_set_aside_leaves_links_and_bring_back_puts_the_files_in_place(tmp_path):
+    images, aside = _images(tmp_path)
+    assert pages_aside.set_aside(images, aside) == (2, 12288)
+    link = images / "pages-1.img"
+    assert link.is_symlink() and os.readlink(link) == str(aside / "pages-1.img")
+    assert not (images / "pagemap-1.img").is_symlink()  # only the pages move
+    assert pages_aside.bring_back(images) == 2
+    assert not link.is_symlink() and link.read_bytes() == b"A" * 8192
+    assert list(aside.iterdir()) == []
+
+
+def test_bring_back_leaves_links_that_are_not_ours(tmp_path):
+    images, _ = _images(tmp_path)
+    elsewhere = tmp_path / "elsewhere.img"
+    elsewhere.write_bytes(b"x")
+    (images / "pages-3.img").symlink_to(elsewhere)
+    assert pages_aside.bring_back(images) == 0
+    assert (images / "pages-3.img").is_symlink() and elsewhere.exists()
+
+
+def test_set_aside_that_fails_half_way_puts_everything_back(tmp_path, monkeypatch):
+    images, aside = _images(tmp_path)
+    real = os.symlink
+    calls = []
+
+    def flaky(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+    monkeypatch.setattr(os, "symlink", flaky)
+    with pytest.raises(OSError):
+        pages_aside.set_aside(images, aside)
+    for name, data in (("pages-1.img", b"A" * 8192), ("pages-2.img", b"B" * 4096)):
+        assert not (images / name).is_symlink() and (images / name).read_bytes() == data
+    assert list(aside.iterdir()) == []
+
+
+def _tar_with_links(tmp_path, aside):
+    archive = tmp_path / "export.tar"
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+        data = b'{"name": "c"}'
+        info = tarfile.TarInfo("config.dump")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("checkpoint/pages-1.img")
+        link.type, link.linkname = tarfile.SYMTYPE, str(aside / "pages-1.img")
+        tar.addfile(link)
+    return archive
+
+
+def test_materialize_makes_a_kept_export_hold_its_pages(tmp_path):
+    images, aside = _images(tmp_path)
+    pages_aside.set_aside(images, aside)
+    archive = _tar_with_links(tmp_path, aside)
+    assert pages_aside.materialize(archive)
+    with tarfile.open(archive) as tar:
+        member = tar.getmember("checkpoint/pages-1.img")
+        assert member.isfile() and tar.extractfile(member).read() == b"A" * 8192
+        assert tar.extractfile("config.dump").read() == b'{"name": "c"}'
+    assert not pages_aside.materialize(archive)  # whole already: left alone
+
+
+def test_a_pushed_link_stands_for_its_file_and_a_pull_writes_one(tmp_path):
+    images, aside = _images(tmp_path)
+    pages_aside.set_aside(images, aside)
+    with tarfile.open(_tar_with_links(tmp_path, aside)) as tar:
+        entry = entry_from_tarinfo(tar.getmember("checkpoint/pages-1.img"))
+    path = pages_aside.target(entry)
+    assert path == aside / "pages-1.img"
+    as_file = pages_aside.as_file(entry, path)
+    assert as_file.type == "file" and as_file.size == 8192
+    # the pull's side: the file written into its folder, a link for Podman
+    pulled = tmp_path / ".gpusnap-pull-y"
+    pulled.mkdir()
+    link = pages_aside.write(pulled, FileEntry("checkpoint/pages-1.img", "file", size=6,
+                                               mtime=1000), [b"abc", b"def"])
+    assert link.type == "symlink" and link.linkname == str(pulled / "pages-1.img")
+    assert (pulled / "pages-1.img").read_bytes() == b"abcdef"
+    assert not pages_aside.is_pages("checkpoint/pagemap-1.img")
+    assert not pages_aside.is_pages("other/pages-1.img")
