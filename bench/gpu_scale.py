@@ -16,6 +16,8 @@ fixed after load + a KV-like buffer rewritten per step; training: weights and
 Adam moments rewritten every step), one process on GPU 0:
 
   gpusnap  `gpusnap migrate CTR REF`, `podman rm`, `gpusnap restore REF`
+  tar      as gpusnap, with GPUSNAP_PAGES_ASIDE=0: CRIU's pages through Podman's
+           export and import tars (how gpusnap moved them before 2026-11-25)
   precopy  `gpusnap migrate -P CTR REF:pre` (the job runs on), `gpusnap pull
            --prefetch REF:pre` (the target's cache), then as gpusnap to REF:final
   local    `gpusnap checkpoint CTR --export F`, `podman rm`, `gpusnap restore F`
@@ -155,11 +157,12 @@ class Job:
 # -- the pipelines ----------------------------------------------------------------------
 
 
-def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None) -> Migration:
+def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None,
+                 env: dict | None = None) -> Migration:
     """`gpusnap migrate` (stop), `podman rm`, `gpusnap restore REF`; the source
     and the target keep their own chunk caches under ``cache``, as two hosts would."""
     m = m or Migration("gpusnap", f"{job.kind} {job.gib:g} GiB")
-    source, target = ({**os.environ, "GPUSNAP_CACHE_DIR": str(cache / side)}
+    source, target = ({**os.environ, **(env or {}), "GPUSNAP_CACHE_DIR": str(cache / side)}
                       for side in ("source", "target"))
     cid, mark = container_id(job.name), journal_size()
     m.extra["start_wall"] = time.time()
@@ -288,6 +291,10 @@ def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path) -
                       reg.root if reg else None):
             if pipeline == "gpusnap":
                 m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:v1"), work / "cache")
+            elif pipeline == "tar":  # pages through Podman's tar, as before pages_aside.py
+                m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:tar"), work / "cache",
+                                 Migration("tar", f"{job.kind} {job.gib:g} GiB"),
+                                 {"GPUSNAP_PAGES_ASIDE": "0"})
             elif pipeline == "precopy":
                 m = precopy_case(job, reg.ref(f"bench/{kind}-{size:g}:pre"),
                                  reg.ref(f"bench/{kind}-{size:g}:final"), work / "cache")
@@ -391,6 +398,11 @@ def report(args) -> int:
         if twin:
             line += (f"; plain / gpusnap total {twin['total_s'] / r['total_s']:.2f}x, "
                      f"downtime {twin['downtime_s'] / r['downtime_s']:.2f}x")
+        tar = next((p for p in ok if p["pipeline"] == "tar" and p["gpu_gib"] == r["gpu_gib"]
+                    and p["job"] == r["job"]), None)
+        if tar:
+            line += (f"; pages through Podman's tars (GPUSNAP_PAGES_ASIDE=0): downtime "
+                     f"{tar['downtime_s']:.1f} s against {r['downtime_s']:.1f} s")
         print(line)
     for r in ok:
         if r["pipeline"] != "precopy":
@@ -419,7 +431,7 @@ def plot(rows: list[dict], png: Path) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for pipeline, style in (("plain", "s-"), ("gpusnap", "o-"), ("local", "^-"),
-                            ("precopy", "D-")):
+                            ("precopy", "D-"), ("tar", "v-")):
         pts = sorted((r["nvml_gpu_bytes"] / 2**30, r["total_s"], r["downtime_s"]) for r in rows
                      if r["pipeline"] == pipeline and r["job"] == "infer")
         if pts:

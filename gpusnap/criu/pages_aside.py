@@ -33,6 +33,12 @@ from gpusnap.oci.bundle import FileEntry
 PATTERN = "pages-*.img"
 
 
+def enabled() -> bool:
+    """GPUSNAP_PAGES_ASIDE=0 sends the pages through Podman's tar as before
+    (a way around should this ever misbehave; the benchmarks compare the two)."""
+    return os.environ.get("GPUSNAP_PAGES_ASIDE", "1") != "0"
+
+
 def is_pages(path: str) -> bool:
     """A member ``checkpoint/pages-N.img`` of a Podman checkpoint archive."""
     folder, _, name = path.rpartition("/")
@@ -53,6 +59,7 @@ def set_aside(images: Path, aside: Path) -> tuple[int, int]:
             total += path.stat().st_size
             os.rename(path, target)
             moved.append(path)
+            os.chmod(target, 0o600)  # process memory: root only (CRIU writes 0644)
             os.symlink(target, path)
     except OSError:
         for path in moved:
@@ -100,7 +107,8 @@ def target(entry: FileEntry) -> Path | None:
 def as_file(entry: FileEntry, path: Path) -> FileEntry:
     """The member the symlink stands for: its file's size, mode and time."""
     st = path.stat()
-    return FileEntry(path=entry.path, type="file", mode=st.st_mode & 0o7777, uid=entry.uid,
+    # 0644 as CRIU wrote it (and Podman would have archived it); set_aside made it 0600
+    return FileEntry(path=entry.path, type="file", mode=0o644, uid=entry.uid,
                      gid=entry.gid, uname=entry.uname, gname=entry.gname,
                      mtime=int(st.st_mtime), size=st.st_size, pax=dict(entry.pax))
 

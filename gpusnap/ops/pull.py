@@ -14,6 +14,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from gpusnap.criu import pages_aside
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci import podman_image, reference, segments
@@ -300,8 +301,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     # CRIU's memory pages go to a folder of their own, not through Podman's
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
     # the pre-restore action renames the files into place (criu/pages_aside.py).
-    pages = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-",
-                                  dir=pages_dir(remote.bundle.total_bytes)))
+    pages = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-", dir=pages_dir(
+        remote.bundle.total_bytes))) if pages_aside.enabled() else None
     try:
         # Leaving this stops the pump: a download blocked on the full pipe fails then.
         # The FIFO's folder is where doctor looks for what a killed CLI left.
@@ -323,7 +324,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         raise exc
     finally:
         pool.shutdown(wait=True)
-        shutil.rmtree(pages, ignore_errors=True)  # empty once restored; else not needed
+        if pages is not None:  # empty once restored; else not needed
+            shutil.rmtree(pages, ignore_errors=True)
     return result, {**job.result(), "streamed": True}
 
 

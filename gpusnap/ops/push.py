@@ -131,7 +131,8 @@ def resolve_source(source: str, leave_running: bool,
     export = work / "checkpoint.tar"
     # CRIU's memory pages, moved here once dumped (a rename: the images'
     # filesystem), so Podman's export holds symlinks to them (pages_aside.py).
-    aside = work / "pages" if stream and _same_fs(root, container.userdata) else None
+    aside = work / "pages" if stream and pages_aside.enabled() and \
+        _same_fs(root, container.userdata) else None
     stopped = False  # the container is down and this archive is all that is left of it
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
     try:
