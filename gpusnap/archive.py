@@ -141,7 +141,7 @@ def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
     allows it (then ``sizes`` is incomplete: for checks, not for inspect)."""
     try:
         with open(path, "rb") as f:
-            magic = f.read(4)
+            f.read(4)  # readable: the errors below say why not
     except FileNotFoundError:
         raise GpusnapError(f"no such file: {path}") from None
     except OSError as exc:

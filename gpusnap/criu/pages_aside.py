@@ -84,14 +84,18 @@ def bring_back(images: Path) -> int:
         path = os.readlink(link)
         if not (path.startswith("/") and any(o in path for o in OURS) and os.path.isfile(path)):
             continue
+        # Unlinked first: a rename over an existing name makes ext4 write the
+        # file's data out at once (auto_da_alloc), gigabytes while CRIU reads them.
+        link.unlink()
         try:
             os.rename(path, link)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
+                os.symlink(path, link)
                 raise
             tmp = link.with_name(f".{link.name}.copy")
             shutil.copyfile(path, tmp)
-            os.replace(tmp, link)
+            os.rename(tmp, link)
         done += 1
     return done
 
@@ -138,10 +142,14 @@ def materialize(archive: Path) -> bool:
     return True
 
 
+def path_in(folder: Path, entry: FileEntry) -> Path:
+    return folder / entry.path.rpartition("/")[2]
+
+
 def write(folder: Path, entry: FileEntry, pieces) -> FileEntry:
     """Write a pulled pages file into ``folder``; the symlink member that
     stands for it in the tar Podman imports."""
-    path = folder / entry.path.rpartition("/")[2]
+    path = path_in(folder, entry)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         for piece in pieces:
@@ -150,6 +158,11 @@ def write(folder: Path, entry: FileEntry, pieces) -> FileEntry:
                 view = view[os.write(fd, view):]
     finally:
         os.close(fd)
+    return link_entry(entry, path)
+
+
+def link_entry(entry: FileEntry, path: Path) -> FileEntry:
+    """The symlink member that stands for ``entry``, written at ``path``."""
     os.utime(path, (entry.mtime, entry.mtime))
     return FileEntry(path=entry.path, type="symlink", mode=0o777, uid=entry.uid, gid=entry.gid,
                      uname=entry.uname, gname=entry.gname, mtime=entry.mtime,

@@ -173,6 +173,7 @@ FETCH_THREADS = 3  # downloads in flight per worker
 class FetchSegment:
     out: str  # the file the worker writes (created 0600)
     chunks: list[Chunk]
+    offset: int = -1  # >= 0: write into ``out`` (it exists) from there, in place
 
 
 def _init_fetch(ref: str, opts: RegistryOptions, cache_root: str | None) -> None:
@@ -185,12 +186,16 @@ def _init_fetch(ref: str, opts: RegistryOptions, cache_root: str | None) -> None
 def _fetch(seg: FetchSegment) -> dict:
     downloader = _worker["downloader"]
     before = downloader.stats.to_dict()
-    fd = os.open(seg.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    in_place = seg.offset >= 0
+    fd = os.open(seg.out, os.O_WRONLY | os.O_CLOEXEC if in_place else
+                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    pos = max(seg.offset, 0)
     try:
         for piece in downloader.fetch(seg.chunks):
             view = memoryview(piece)
             while view:
-                view = view[os.write(fd, view):]
+                n = os.pwrite(fd, view, pos) if in_place else os.write(fd, view)
+                view, pos = view[n:], pos + n
     finally:
         os.close(fd)
     return _moved(downloader.stats, before)
@@ -252,6 +257,38 @@ class FetchPool:
         finally:
             for _, f in pending:
                 f.cancel()
+
+    def write_file(self, chunks: list[Chunk], path: Path,
+                   stop: Callable[[], bool] = lambda: False) -> int:
+        """A file's chunks written into ``path`` by the workers, each segment at
+        its offset (no copy through this process, no order to keep): CRIU's
+        pages beside Podman's import (criu/pages_aside.py). ``stop``: checked
+        as segments complete. Returns the bytes written."""
+        runs = fetch_segments(chunks)
+        size = sum(c.size for c in chunks)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        futures, offset = [], 0
+        for run in runs:
+            futures.append(self._pool.submit(_fetch, FetchSegment(str(path), run, offset)))
+            offset += sum(c.size for c in run)
+        try:
+            for future in futures:
+                try:
+                    self._count(future.result())
+                except BrokenProcessPool:
+                    raise GpusnapError("a download worker process died (out of memory?)",
+                                       "run the command again: chunks already fetched are "
+                                       "in the cache") from None
+                if stop():
+                    raise GpusnapError("the download was stopped: the restore failed")
+        finally:
+            for future in futures:
+                future.cancel()
+        return size
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

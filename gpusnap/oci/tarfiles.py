@@ -178,6 +178,10 @@ class _TarWriter:
             self._write(piece)
         self._write(b"\0" * (-entry.size % tarfile.BLOCKSIZE))
 
+    def add_beside(self, entry: FileEntry, path: Path) -> None:
+        """A pages file already written at ``path`` (in ``pages``): its symlink."""
+        self._write(tarinfo(pages_aside.link_entry(entry, path)).tobuf(format=tarfile.PAX_FORMAT))
+
     def _write_end(self) -> None:
         end = b"\0" * (2 * tarfile.BLOCKSIZE)
         self._write(end + b"\0" * (-(self.written + len(end)) % tarfile.RECORDSIZE))

@@ -63,6 +63,25 @@ def kept() -> list[dict]:
     return found
 
 
+def _linked_from_checkpoints() -> set[Path]:
+    """Staging folders holding the pages of a container's local checkpoint (a
+    push killed after its dump: criu/pages_aside.py): the only copy, kept."""
+    from gpusnap.criu import pages_aside
+    from gpusnap.runtime.storage import storage_root
+
+    root = storage_root()
+    if root is None:
+        return set()
+    found = set()
+    for link in root.glob(f"overlay-containers/*/userdata/checkpoint/{pages_aside.PATTERN}"):
+        if link.is_symlink():
+            target = Path(os.readlink(link))
+            for parent in target.parents:
+                if parent.name.startswith(STAGING_PREFIXES[:2]):
+                    found.add(parent)
+    return found
+
+
 def find() -> list[Path]:
     """Partial archives and unused FIFO dirs near recent exports and in the temp dir."""
     dirs = {Path(tempfile.gettempdir())}
@@ -77,7 +96,7 @@ def find() -> list[Path]:
         for work in d.glob(FIFO_DIR_PREFIX + "*"):
             if work.is_dir() and not referenced(str(work / FIFO_NAME)):
                 found.append(work)
-    keep = {Path(k["export"]).parent for k in kept()}
+    keep = {Path(k["export"]).parent for k in kept()} | _linked_from_checkpoints()
     for d in sorted(_staging_roots()):
         for work in sorted(w for prefix in STAGING_PREFIXES for w in d.glob(prefix + "*")):
             try:

@@ -173,9 +173,16 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
     fetch = segments.FetchPool(str(remote.client.ref), remote.client.opts,
                                cache.root if cache else None, processes,
                                downloader.count_elsewhere) if big else None
+    beside = 0  # pages written by the workers beside the import
+    pages = getattr(writer, "pages", None)
     try:
         for entry in b.files:
-            if id(entry) in big:
+            if id(entry) in big and pages is not None and pages_aside.is_pages(entry.path):
+                path = pages_aside.path_in(pages, entry)
+                beside += fetch.write_file(entry.chunks, path,
+                                           cancel.is_set if cancel is not None else lambda: False)
+                writer.add_beside(entry, path)
+            elif id(entry) in big:
                 pieces = fetch.pieces(entry.chunks)
                 writer.add(entry, _until(pieces, cancel) if cancel is not None else pieces)
             else:
@@ -199,7 +206,7 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             "bytes_from_cache": s.cached_bytes, "bytes_repeated": s.repeated_bytes,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
-            "processes": fetch.workers if fetch else 0,
+            "processes": fetch.workers if fetch else 0, "pages_written_in_place": beside,
             "trust": remote.trust}
 
 

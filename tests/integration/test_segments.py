@@ -122,3 +122,62 @@ def test_a_worker_killed_mid_transfer_is_one_line_and_the_rerun_completes(regist
             tar.extract("checkpoint/pages-1.img", tmp_path / "x", filter="data")
         assert _sha(tmp_path / "x" / "checkpoint" / "pages-1.img") == \
             _sha(ckpt / "checkpoint" / "pages-1.img")
+
+
+# A shell holding ~280 MB of base64 text in a variable (anonymous memory, so
+# CRIU's pages-*.img, not /dev/shm's tar) answers "md5 of it" on request.
+_BIG_MEMORY = ("x=$(head -c 210m /dev/urandom | base64 -w 0); i=0; while true; do i=$((i+1)); "
+               "echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; "
+               "if [ -e /tmp/ask ]; then echo -n \"$x\" | md5sum > /tmp/sum.new; "
+               "mv /tmp/sum.new /tmp/sum; rm /tmp/ask; fi; sleep 0.05; done")
+
+
+def _md5_of_memory(name: str) -> str:
+    import time
+
+    subprocess.run(["podman", "exec", name, "sh", "-c", "rm -f /tmp/sum; touch /tmp/ask"],
+                   check=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        res = subprocess.run(["podman", "exec", name, "sh", "-c", "cat /tmp/sum"],
+                             capture_output=True, text=True)
+        if res.returncode == 0 and res.stdout.strip():
+            return res.stdout.split()[0]
+        time.sleep(0.5)
+    raise AssertionError(f"{name} did not answer with the md5 of its memory")
+
+
+def test_big_process_memory_moves_beside_podmans_tars_and_comes_back_whole(registry, name):
+    """migrate + restore REF of a container with ~300 MB of process memory: the
+    pages file leaves the export as a symlink (post-dump), is fetched by the
+    workers straight into its file beside the import, and CRIU's pre-restore
+    puts it in place; the process's memory is the same afterwards."""
+    import time
+
+    from tests.conftest import DEMO_IMAGE, wait_counter
+
+    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
+                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
+    wait_counter(name, 3, timeout=120)
+    before = _md5_of_memory(name)
+    mark = Path("/run/gpusnap/journal.jsonl").stat().st_size
+    ref = registry.ref(f"ckpt/big-memory-{uuid.uuid4().hex[:8]}:v1")
+    res = run([GPUSNAP, "migrate", name, ref, *registry.flags(), "--json"], input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    pushed = json.loads(res.stdout)
+    assert pushed["parallel_bytes"] >= 256 << 20, pushed  # the pages file, by the workers
+    subprocess.run(["podman", "rm", name], check=True, capture_output=True)
+    res = run([GPUSNAP, "restore", pushed["pinned"], *registry.flags(), "--json"],
+              input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    pulled = json.loads(res.stdout)["pull"]
+    assert pulled["pages_written_in_place"] >= 256 << 20, pulled
+    with open("/run/gpusnap/journal.jsonl") as f:
+        f.seek(mark)
+        events = [json.loads(line)["event"] for line in f if line.strip()]
+    assert "pages-aside" in events and "pages-in-place" in events, events
+    time.sleep(0.2)
+    assert _md5_of_memory(name) == before
+    left = [p for d in (Path("/var/lib/containers"), Path("/var/tmp"))
+            for p in d.glob(".gpusnap-pull-*") if any(p.glob("pages-*.img"))]
+    assert not left, left  # the pages folder goes with the restore
