@@ -244,12 +244,7 @@ class FetchPool:
                     pending.append((out, self._pool.submit(_fetch, FetchSegment(str(out),
                                                                               runs.popleft()))))
                 out, future = pending.popleft()
-                try:
-                    self._count(future.result())
-                except BrokenProcessPool:
-                    raise GpusnapError("a download worker process died (out of memory?)",
-                                       "run the command again: chunks already fetched are "
-                                       "in the cache") from None
+                self._done(future)
                 with open(out, "rb", buffering=0) as f:
                     while n := f.readinto(buf):
                         yield memoryview(buf)[:n]
@@ -257,6 +252,15 @@ class FetchPool:
         finally:
             for _, f in pending:
                 f.cancel()
+
+    def _done(self, future: Future) -> None:
+        """A segment's counts, once it is fetched; a dead worker in one line."""
+        try:
+            self._count(future.result())
+        except BrokenProcessPool:
+            raise GpusnapError("a download worker process died (out of memory?)",
+                               "run the command again: chunks already fetched are "
+                               "in the cache") from None
 
     def write_file(self, chunks: list[Chunk], path: Path,
                    stop: Callable[[], bool] = lambda: False) -> int:
@@ -277,12 +281,7 @@ class FetchPool:
             offset += sum(c.size for c in run)
         try:
             for future in futures:
-                try:
-                    self._count(future.result())
-                except BrokenProcessPool:
-                    raise GpusnapError("a download worker process died (out of memory?)",
-                                       "run the command again: chunks already fetched are "
-                                       "in the cache") from None
+                self._done(future)
                 if stop():
                     raise GpusnapError("the download was stopped: the restore failed")
         finally:

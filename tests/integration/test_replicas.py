@@ -1,0 +1,73 @@
+"""Several replicas restored from one checkpoint in a registry, on one host,
+sharing its chunk cache: each its own container counting on independently,
+the second one downloading nothing, a damaged cache entry fetched again, two
+restores at once on one cache."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import GPUSNAP, podman, read_counter, run, wait_counter
+from tests.integration.oci_registry import PASSWORD
+from tests.integration.test_registry import gs_json, unique_ref
+
+pytestmark = pytest.mark.usefixtures("cache_dir")
+
+
+def _replicas(*names: str) -> None:
+    for n in names:
+        run(["podman", "rm", "-f", "-t", "0", n])
+
+
+def test_replicas_from_one_ref_count_on_independently_and_share_the_cache(
+        registry, counter, cache_dir):
+    ref = unique_ref(registry)
+    before = read_counter(counter)
+    pushed = gs_json("push", counter, ref, *registry.flags())  # a copy: it keeps running
+    names = [f"{counter}-r{i}" for i in range(1, 4)]
+    try:
+        pulls = [gs_json("restore", pushed["pinned"], "--name", n, *registry.flags())["pull"]
+                 for n in names]
+        assert pulls[0]["bytes_fetched"] > 0
+        for p in pulls[1:]:  # the host's cache holds every chunk: nothing downloaded
+            assert p["bytes_fetched"] == 0 and p["bytes_from_cache"] > 0, p
+        for n in names:
+            assert wait_counter(n, before) > before  # on from the checkpoint's count
+        # independent: one stopped, the others and the original count on
+        podman("stop", "-t", "0", names[0])
+        for n in [counter, *names[1:]]:
+            now = read_counter(n)
+            assert wait_counter(n, now) > now
+
+        # A damaged cache entry is noticed (its digest) and fetched again.
+        blob = next(p for p in (cache_dir / "blobs").rglob("*") if p.is_file())
+        blob.write_bytes(b"damaged" + blob.read_bytes()[7:])
+        again = gs_json("restore", pushed["pinned"], "--name", f"{counter}-r4",
+                        *registry.flags())["pull"]
+        names.append(f"{counter}-r4")
+        assert again["bytes_fetched"] > 0, again
+        assert wait_counter(names[-1], before) > before
+    finally:
+        _replicas(*names)
+
+
+def test_two_restores_at_once_on_one_empty_cache_both_succeed(registry, counter, cache_dir):
+    ref = unique_ref(registry)
+    pushed = gs_json("push", counter, ref, *registry.flags())
+    names = [f"{counter}-a", f"{counter}-b"]
+    procs = [subprocess.Popen([GPUSNAP, "restore", pushed["pinned"], "--name", n,
+                               *registry.flags(), "--json"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in names]
+    try:
+        for p in procs:
+            out, err = p.communicate(PASSWORD + "\n", timeout=300)
+            assert p.returncode == 0, (out, err)
+        for n in names:
+            assert wait_counter(n, 0) > 0
+        assert not list(Path(cache_dir / "tmp").iterdir())  # no half-written entry left
+    finally:
+        _replicas(*names)
