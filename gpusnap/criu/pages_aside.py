@@ -125,6 +125,16 @@ def materialize(archive: Path) -> bool:
         if not any(m.issym() and is_pages(m.name.removeprefix("./")) for m in src):
             return False
     tmp = archive.with_name(f".{archive.name}.whole")
+    try:
+        _rewrite(archive, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # the archive (with its links) is as it was
+        raise
+    os.replace(tmp, archive)
+    return True
+
+
+def _rewrite(archive: Path, tmp: Path) -> None:
     with tarfile.open(archive) as src, tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as dst:
         for member in src:
             if member.issym() and is_pages(member.name.removeprefix("./")) \
@@ -133,13 +143,12 @@ def materialize(archive: Path) -> bool:
                     info = dst.gettarinfo(fileobj=f, arcname=member.name)
                     info.uid, info.gid, info.uname, info.gname = (member.uid, member.gid,
                                                                   member.uname, member.gname)
+                    info.mode = 0o644  # as CRIU wrote it (set_aside made it 0600)
                     dst.addfile(info, f)
             elif member.isfile():
                 dst.addfile(member, src.extractfile(member))
             else:
                 dst.addfile(member)
-    os.replace(tmp, archive)
-    return True
 
 
 def path_in(folder: Path, entry: FileEntry) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+import tarfile
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -171,8 +172,7 @@ def resolve_source(source: str, leave_running: bool,
         if not stopped:
             raise
         if aside is not None:  # the export alone must restore anywhere: pages into it
-            pages_aside.materialize(export)
-            ops_checkpoint.drop_local(container.userdata)
+            _make_export_whole(exc, source, export, aside, container, ops_checkpoint.drop_local)
         raise kept_error(exc, source, f"in {export}", f"`gpusnap push {export} REF`",
                          f"`podman rm {source}; gpusnap restore {export}`") from None
     else:
@@ -186,6 +186,25 @@ def resolve_source(source: str, leave_running: bool,
             if aside is not None:
                 _local_checkpoint_after_failure(container, aside, ops_checkpoint.drop_local)
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _make_export_whole(exc: BaseException, source: str, export: Path, aside: Path,
+                       container: podman.Container, drop_local: Callable[[Path], None]) -> None:
+    """The pages into the kept export, then the local checkpoint and the pages
+    folder go (one copy on disk). Where the export cannot take them (disk
+    full), the local checkpoint stays whole and is what the error offers."""
+    try:
+        pages_aside.materialize(export)
+    except (OSError, tarfile.TarError) as werr:
+        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else getattr(exc, "message",
+                                                                             str(exc))
+        raise GpusnapError(f"{why}; {source} is checkpointed and stopped; its export could not "
+                           f"take its memory pages ({getattr(werr, 'strerror', None) or werr}), "
+                           "so its checkpoint is kept "
+                           f"locally, in {container.checkpoint_dir} and {aside}",
+                           f"`gpusnap restore {source}` brings it back here") from None
+    drop_local(container.userdata)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _work_root(container: podman.Container) -> Path:

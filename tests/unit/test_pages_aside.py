@@ -105,3 +105,19 @@ def test_a_pushed_link_stands_for_its_file_and_a_pull_writes_one(tmp_path):
     assert (pulled / "pages-1.img").read_bytes() == b"abcdef"
     assert not pages_aside.is_pages("checkpoint/pagemap-1.img")
     assert not pages_aside.is_pages("other/pages-1.img")
+
+
+def test_materialize_that_fails_leaves_the_archive_as_it_was(tmp_path, monkeypatch):
+    images, aside = _images(tmp_path)
+    pages_aside.set_aside(images, aside)
+    archive = _tar_with_links(tmp_path, aside)
+    before = archive.read_bytes()
+
+    def full(src, tmp):
+        tmp.write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(pages_aside, "_rewrite", full)
+    with pytest.raises(OSError):
+        pages_aside.materialize(archive)
+    assert archive.read_bytes() == before
+    assert not list(tmp_path.glob(".export.tar.whole"))
