@@ -189,3 +189,33 @@ def test_restore_ref_killed_during_podman_restore(registry, loaded, capsys):
     settled(mine)
     assert {str(w) for w in mine if w.exists()} <= set(doctor_fix()["removed"])
     assert not [w for w in mine if w.exists()], "the staged archive stayed behind"
+
+
+def test_migrate_killed_during_upload_leaves_an_export_that_restores_here(registry, loaded):
+    """The kept export of row 2 holds symlinks to the memory pages beside it
+    (criu/pages_aside.py: the push had set them aside); with the container
+    removed, `gpusnap restore FILE` still brings it back (pre-restore puts the
+    files in place)."""
+    import tarfile
+
+    before, cid, mark = read_counter(loaded), container_id(loaded), journal_mark()
+    repo = unique_repo()
+    cli = start_cli("migrate", loaded, registry.ref(f"{repo}:v1"), *registry.flags())
+
+    def checkpointed() -> list[dict]:
+        return [e for e in journal_since(mark) if e.get("event") == "checkpointed"
+                and e.get("container") == cid]
+
+    when(lambda: len(registry.linked_blobs(repo)) >= 10 and bool(checkpointed()), cli,
+         "10 chunks were uploaded and the checkpoint was complete")
+    sigkill(cli)
+    assert status(loaded) == "exited"
+    kept = Path(checkpointed()[0]["export"])
+    try:
+        with tarfile.open(kept) as tar:
+            assert any(m.issym() and "pages-" in m.name for m in tar), "no pages set aside"
+        podman("rm", loaded)
+        gpusnap_json("restore", str(kept))
+        assert wait_counter(loaded, before) > before
+    finally:
+        shutil.rmtree(kept.parent, ignore_errors=True)
