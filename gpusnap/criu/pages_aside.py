@@ -29,6 +29,7 @@ import tarfile
 from pathlib import Path
 
 from gpusnap.oci.bundle import FileEntry
+from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX
 
 PATTERN = "pages-*.img"
 
@@ -70,8 +71,14 @@ def set_aside(images: Path, aside: Path) -> tuple[int, int]:
     return len(moved), total
 
 
-# Folders whose pages files a link in an image directory may name (push and pull staging).
-OURS = ("/.gpusnap-push-", "/.gpusnap-pull-")
+def staging_folder(link_target: str) -> Path | None:
+    """The push's or pull's staging folder a pages link points into, or None:
+    the only files a link in an image directory may name here."""
+    path = Path(link_target)
+    if not path.is_absolute():
+        return None
+    return next((p for p in path.parents if p.name.startswith((PUSH_PREFIX, PULL_PREFIX))),
+                None)
 
 
 def bring_back(images: Path) -> int:
@@ -82,7 +89,7 @@ def bring_back(images: Path) -> int:
         if not link.is_symlink():
             continue
         path = os.readlink(link)
-        if not (path.startswith("/") and any(o in path for o in OURS) and os.path.isfile(path)):
+        if staging_folder(path) is None or not os.path.isfile(path):
             continue
         # Unlinked first: a rename over an existing name makes ext4 write the
         # file's data out at once (auto_da_alloc), gigabytes while CRIU reads them.

@@ -263,11 +263,11 @@ class FetchPool:
                                "in the cache") from None
 
     def write_file(self, chunks: list[Chunk], path: Path,
-                   stop: Callable[[], bool] = lambda: False) -> int:
+                   check: Callable[[], None] = lambda: None) -> int:
         """A file's chunks written into ``path`` by the workers, each segment at
         its offset (no copy through this process, no order to keep): CRIU's
-        pages beside Podman's import (criu/pages_aside.py). ``stop``: checked
-        as segments complete. Returns the bytes written."""
+        pages beside Podman's import (criu/pages_aside.py). ``check``: called
+        as segments complete, raises to stop. Returns the bytes written."""
         runs = fetch_segments(chunks)
         size = sum(c.size for c in chunks)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -282,8 +282,7 @@ class FetchPool:
         try:
             for future in futures:
                 self._done(future)
-                if stop():
-                    raise GpusnapError("the download was stopped: the restore failed")
+                check()
         finally:
             for future in futures:
                 future.cancel()

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from gpusnap.errors import GpusnapError
-from gpusnap.runtime.storage import roomiest
+from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, roomiest
 
 if TYPE_CHECKING:
     from gpusnap.gpu.manifest import Manifest
@@ -178,7 +178,7 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
         raise GpusnapError(f"{source} names no container or image",
                            "pass containerd://[NAMESPACE/]NAME")
     ctr = _ctr(address, loc.namespace)
-    work = Path(tempfile.mkdtemp(prefix=".gpusnap-push-", dir=staging_dir(0)))
+    work = Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=staging_dir(0)))
     dest = work / "checkpoint"
     image = None  # the checkpoint image made here
     stopped = False  # the task is down: the image and DEST are what is left of it
@@ -416,7 +416,7 @@ def restore_remote(ref_text: str, to: str, name: str | None, opts: "RegistryOpti
                 "namespace": plan.namespace, "container": plan.container}
     if on_trusted:  # every check passed: the CLI warns of a skipped verification now
         on_trusted(remote.trust)
-    work = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-",
+    work = Path(tempfile.mkdtemp(prefix=PULL_PREFIX,
                                  dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
     try:
         pulled = write_directory(remote, work / "checkpoint", **kw)

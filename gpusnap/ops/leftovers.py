@@ -19,11 +19,11 @@ from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.runtime.fifo_pump import referenced
-from gpusnap.runtime.storage import TRASH_PREFIX
+from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, TRASH_PREFIX
 from gpusnap.runtime.stream import FIFO_DIR_PREFIX, FIFO_NAME, partial_path
 
 
-STAGING_PREFIXES = (".gpusnap-push-", ".gpusnap-pull-", TRASH_PREFIX)
+STAGING_PREFIXES = (PUSH_PREFIX, PULL_PREFIX, TRASH_PREFIX)
 # A live push or pull holds a file in its staging directory open, except for a
 # moment between steps (checks before the export; after the download, before
 # Podman names the archive): one untouched this long is not in use.
@@ -75,10 +75,9 @@ def _linked_from_checkpoints() -> set[Path]:
     found = set()
     for link in root.glob(f"overlay-containers/*/userdata/checkpoint/{pages_aside.PATTERN}"):
         if link.is_symlink():
-            target = Path(os.readlink(link))
-            for parent in target.parents:
-                if parent.name.startswith(STAGING_PREFIXES[:2]):
-                    found.add(parent)
+            folder = pages_aside.staging_folder(os.readlink(link))
+            if folder is not None:
+                found.add(folder)
     return found
 
 

@@ -24,7 +24,7 @@ from gpusnap.oci.tarfiles import ArchiveWriter, PipeWriter, ReaderStopped
 from gpusnap.oci.transfer import Downloader, Progress
 from gpusnap.runtime import podman
 from gpusnap.runtime import stream as stream_module
-from gpusnap.runtime.storage import fifo_dir, pages_dir, staging_dir
+from gpusnap.runtime.storage import PULL_PREFIX, fifo_dir, pages_dir, staging_dir
 from gpusnap.trust import remote as trust_remote
 from gpusnap.trust.options import TrustOptions
 
@@ -179,8 +179,7 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
         for entry in b.files:
             if id(entry) in big and pages is not None and pages_aside.is_pages(entry.path):
                 path = pages_aside.path_in(pages, entry)
-                beside += fetch.write_file(entry.chunks, path,
-                                           cancel.is_set if cancel is not None else lambda: False)
+                beside += fetch.write_file(entry.chunks, path, lambda: _stopped(cancel))
                 writer.add_beside(entry, path)
             elif id(entry) in big:
                 pieces = fetch.pieces(entry.chunks)
@@ -210,11 +209,17 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             "trust": remote.trust}
 
 
+def _stopped(cancel: threading.Event | None) -> None:
+    """Raise ReaderStopped once ``cancel`` is set (the restore failed: Podman's
+    error is the one to report, not this)."""
+    if cancel is not None and cancel.is_set():
+        raise ReaderStopped("the download was stopped: the restore failed")
+
+
 def _until(stream: Iterator[bytes], cancel: threading.Event) -> Iterator[bytes]:
     try:
         for piece in stream:
-            if cancel.is_set():
-                raise ReaderStopped("the download was stopped: the restore failed")
+            _stopped(cancel)
             yield piece
     finally:
         stream.close()
@@ -308,12 +313,12 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     # CRIU's memory pages go to a folder of their own, not through Podman's
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
     # the pre-restore action renames the files into place (criu/pages_aside.py).
-    pages = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-", dir=pages_dir(
+    pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=pages_dir(
         remote.bundle.total_bytes))) if pages_aside.enabled() else None
     try:
         # Leaving this stops the pump: a download blocked on the full pipe fails then.
         # The FIFO's folder is where doctor looks for what a killed CLI left.
-        with tempfile.TemporaryDirectory(prefix=".gpusnap-pull-", dir=fifo_dir()) as near, \
+        with tempfile.TemporaryDirectory(prefix=PULL_PREFIX, dir=fifo_dir()) as near, \
                 stream_module.import_piped(Path(near), stream_module.config_tar(files), opens,
                                            target) as (fifo, sink):
             job = pool.submit(write_files, remote, PipeWriter(sink, pages), Path(label),
@@ -341,7 +346,7 @@ def _restore_staged(remote: Remote, name: str | None, keep: bool, tcp_establishe
     """Pull into a staged plain tar, then restore it as `gpusnap restore FILE` does."""
     from gpusnap.ops import restore as ops_restore
 
-    work = Path(tempfile.mkdtemp(prefix=".gpusnap-pull-",
+    work = Path(tempfile.mkdtemp(prefix=PULL_PREFIX,
                                  dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
     archive = work / "checkpoint.tar"
     try:

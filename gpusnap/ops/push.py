@@ -27,7 +27,7 @@ from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.ops import early_pages, prefetch
 from gpusnap.runtime import podman
 from gpusnap.runtime.follow import follow
-from gpusnap.runtime.storage import discard, image_repo_digests, staging_dir
+from gpusnap.runtime.storage import PUSH_PREFIX, discard, image_repo_digests, staging_dir
 from gpusnap.runtime.stream import partial_path, tar_member
 from gpusnap.trust.options import TrustOptions
 
@@ -126,7 +126,7 @@ def resolve_source(source: str, leave_running: bool,
     from gpusnap.ops import checkpoint as ops_checkpoint  # CRIU/GPU code, only when needed
 
     root = _work_root(container)
-    work = Path(tempfile.mkdtemp(prefix=".gpusnap-push-", dir=root))
+    work = Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=root))
     # Plain, not zstd: the chunks are compressed one by one anyway, so a
     # compressed export would be compressed twice and decompressed once more.
     export = work / "checkpoint.tar"

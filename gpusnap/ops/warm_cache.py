@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,7 +54,7 @@ def prefetch(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = 
     cache = _cache(cache_root)
     blobs = {c.blob: c.blob_size for f in remote.bundle.files for c in f.chunks}
     missing = {d: n for d, n in blobs.items() if not cache.has_blob(d)}
-    need = sum(missing.values())
+    stored, need = sum(blobs.values()), sum(missing.values())
     free = shutil.disk_usage(cache.root).free
     if need > free:
         raise GpusnapError(f"the chunk cache {cache.root} has {free >> 20} MiB free, "
@@ -63,19 +62,15 @@ def prefetch(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = 
                            "free space there, or point GPUSNAP_CACHE_DIR at a larger "
                            "filesystem; nothing was fetched")
     if total:
-        total(sum(blobs.values()))
+        total(stored)
     if progress:  # what is there already counts as done
-        progress(sum(blobs.values()) - need, 0)
+        progress(stored - need, 0)
     one_heap_for_all_threads()  # an arena per thread would keep each one's freed blobs
     start = time.monotonic()
-    lock = threading.Lock()
-    fetched = [0]
 
     def one(digest: str, size: int) -> None:
-        blob = remote.client.get_blob(digest, size)  # checked against its digest
+        blob = remote.client.get_blob(digest, size)  # checked against its digest (and size)
         cache.put_blob(digest, blob)  # sealed blobs stay sealed, as a pull caches them
-        with lock:
-            fetched[0] += len(blob)
         if progress:
             progress(len(blob), len(blob))
 
@@ -93,15 +88,14 @@ def prefetch(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = 
         raise GpusnapError(f"{len(lost)} of {len(blobs)} chunks of {remote.client.ref} could not "
                            f"be stored in {cache.root} (disk full?)",
                            "free space there and prefetch again: what is stored is kept")
-    stored = sum(blobs.values())
     cache.prune(keep=frozenset(blobs))
     seconds = time.monotonic() - start
     return {"reference": str(remote.client.ref), "digest": remote.digest,
             "cache": str(cache.root), "chunks": len(blobs), "chunks_fetched": len(missing),
             "bytes": remote.bundle.total_bytes, "bytes_stored": stored,
-            "bytes_fetched": fetched[0], "bytes_already_cached": stored - need,
+            "bytes_fetched": need, "bytes_already_cached": stored - need,
             "over_cache_limit": stored > cache.max_bytes, "cache_limit": cache.max_bytes,
             "seconds": round(seconds, 3),
-            "throughput_mb_s": round(fetched[0] / seconds / 1e6, 1) if seconds else None,
+            "throughput_mb_s": round(need / seconds / 1e6, 1) if seconds else None,
             "pre_checkpoint": fmt.is_pre_checkpoint(remote.manifest),
             "trust": remote.trust}

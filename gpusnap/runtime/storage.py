@@ -12,6 +12,9 @@ from pathlib import Path
 from gpusnap.errors import GpusnapError
 
 
+# Staging folders' name prefixes: doctor finds what a killed CLI left by them (leftovers.py).
+PUSH_PREFIX = ".gpusnap-push-"
+PULL_PREFIX = ".gpusnap-pull-"
 TRASH_PREFIX = ".gpusnap-trash-"  # doctor lists one a killed `rm` left (leftovers.py)
 
 
@@ -69,7 +72,7 @@ def pages_dir(size: int) -> Path:
     near = root.parent if root else None
     if near is not None and near.is_dir() and shutil.disk_usage(near).free >= size:
         return near
-    return staging_dir(size)
+    return staging_dir(size, root)  # the root known already: no second `podman info`
 
 
 def fifo_dir() -> Path:

@@ -65,28 +65,33 @@ def test_migrate_killed_during_export(registry, loaded):
     assert pushed["chunks"] > 0 and tag_exists(registry, repo, "v1")
 
 
-def test_migrate_killed_during_upload_resumes_from_the_kept_archive(registry, loaded):
-    before, cid, mark = read_counter(loaded), container_id(loaded), journal_mark()
+def _migrate_killed_mid_upload(registry, loaded) -> tuple[str, str, Path]:
+    """`gpusnap migrate` SIGKILLed once the dump is complete and 10 chunks are
+    uploaded (the upload reads the export while Podman writes it; killed
+    before, see test_migrate_killed_during_export): (repo, container id, the
+    export the journal names)."""
+    cid, mark = container_id(loaded), journal_mark()
     repo = unique_repo()
-    ref = registry.ref(f"{repo}:v1")
-    cli = start_cli("migrate", loaded, ref, *registry.flags())
+    cli = start_cli("migrate", loaded, registry.ref(f"{repo}:v1"), *registry.flags())
 
     def checkpointed() -> list[dict]:
         return [e for e in journal_since(mark) if e.get("event") == "checkpointed"
                 and e.get("container") == cid]
 
-    # The upload reads the export while Podman writes it: kill once the dump is
-    # complete (killed before, see test_migrate_killed_during_export) and the
-    # upload has started.
     when(lambda: len(registry.linked_blobs(repo)) >= 10 and bool(checkpointed()), cli,
          "10 chunks were uploaded and the checkpoint was complete")
     sigkill(cli)
+    return repo, cid, Path(checkpointed()[0]["export"])
+
+
+def test_migrate_killed_during_upload_resumes_from_the_kept_archive(registry, loaded):
+    before = read_counter(loaded)
+    repo, cid, kept = _migrate_killed_mid_upload(registry, loaded)
+    ref = registry.ref(f"{repo}:v1")
     assert not tag_exists(registry, repo, "v1"), "a manifest for a push that never finished"
     # The container is checkpointed and stopped; the complete export the journal
     # names is all that is left of it, and doctor points at it.
     assert status(loaded) == "exited"
-    done = checkpointed()
-    kept = Path(done[0]["export"])
     assert kept.is_file() and not referenced(str(kept))
     try:
         assert {"container": cid, "export": str(kept)} in doctor()["kept"]
@@ -198,19 +203,9 @@ def test_migrate_killed_during_upload_leaves_an_export_that_restores_here(regist
     files in place)."""
     import tarfile
 
-    before, cid, mark = read_counter(loaded), container_id(loaded), journal_mark()
-    repo = unique_repo()
-    cli = start_cli("migrate", loaded, registry.ref(f"{repo}:v1"), *registry.flags())
-
-    def checkpointed() -> list[dict]:
-        return [e for e in journal_since(mark) if e.get("event") == "checkpointed"
-                and e.get("container") == cid]
-
-    when(lambda: len(registry.linked_blobs(repo)) >= 10 and bool(checkpointed()), cli,
-         "10 chunks were uploaded and the checkpoint was complete")
-    sigkill(cli)
+    before = read_counter(loaded)
+    _, _, kept = _migrate_killed_mid_upload(registry, loaded)
     assert status(loaded) == "exited"
-    kept = Path(checkpointed()[0]["export"])
     try:
         with tarfile.open(kept) as tar:
             assert any(m.issym() and "pages-" in m.name for m in tar), "no pages set aside"
