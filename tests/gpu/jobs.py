@@ -3,6 +3,8 @@
     python jobs.py infer GIB     # bf16 weights fixed after load + a KV-like buffer rewritten per step
     python jobs.py train GIB     # fp32 weights + Adam moments, all rewritten every step
     python jobs.py train GIB --reference STEPS   # the same run, uninterrupted, unpaced: loss lines
+    python jobs.py serve DIR     # an inference server: weights from DIR's files, warm-up, a socket
+    python jobs.py weights DIR GIB   # (on the host) the weight files a serve image holds
 
 Both write, under /status (a host folder):
 - ``w0``: "<step> ok|bad", rewritten each step (tests/gpu/harness.py waits on it);
@@ -118,6 +120,92 @@ class Training:
         return f"loss {loss.hex()}"
 
 
+class Server:
+    """*serve*: what a cold start costs, for bench/coldstart.py. Imports PyTorch,
+    reads the weight files of DIR (``layer-NNNN.bf16``, raw bf16 8192 x 8192, as
+    ``weights()`` writes them: the same seeds as *infer*) onto the GPU, runs
+    warm-up requests, then answers on a unix socket (/tmp/serve.sock, reached
+    from the host through /proc/PID/root) and on TCP port 8000 where the
+    container has a network. A request is a line: ``N`` answers request N as
+    *infer* does (a float's hex: equal on every copy of the same weights);
+    ``verify`` sums every layer again and compares with the sums taken at load.
+    Each phase is printed as "phase <unix time> <name>" (podman logs)."""
+
+    def __init__(self, folder: str) -> None:
+        _phase("started")
+        import torch
+        self.torch = torch
+        torch.zeros(1, device="cuda")  # the CUDA context: part of any server's start
+        _phase("imported")
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".bf16"))
+        self.layers = []
+        for f in files:
+            host = torch.from_file(os.path.join(folder, f), shared=False, size=D * D,
+                                   dtype=torch.bfloat16)
+            self.layers.append(host.view(D, D).to("cuda"))
+            del host
+        self.sums = [self._sum(w) for w in self.layers]
+        _phase("loaded")
+        for n in range(WARMUP):
+            self.answer(n % 97)
+        torch.cuda.synchronize()
+        _phase("warm")
+
+    def _sum(self, w) -> str:
+        return float(w.float().sum(dtype=self.torch.float64).item()).hex()
+
+    def answer(self, request: int) -> str:
+        t = self.torch
+        g = t.Generator(device="cuda").manual_seed(10**7 + request)
+        y = t.randn(D, device="cuda", generator=g).to(t.bfloat16)
+        for j in range(4):
+            y = t.tanh(self.layers[(request * 7 + j * 13) % len(self.layers)] @ y)
+        return float(y.float().sum().item()).hex()
+
+    def handle(self, line: str) -> str:
+        if line == "verify":
+            return "ok" if [self._sum(w) for w in self.layers] == self.sums else "bad"
+        return self.answer(int(line))
+
+    def serve(self) -> None:
+        import selectors
+        import socket
+        sel = selectors.DefaultSelector()
+        unix = socket.socket(socket.AF_UNIX)
+        unix.bind("/tmp/serve.sock")
+        listeners = [unix]
+        if os.environ.get("SERVE_TCP"):  # CRIU 4.1 cannot dump TCP sockets on kernels >= 6.x
+            listeners.append(socket.create_server(("0.0.0.0", 8000)))
+        for s in listeners:
+            s.listen(16)
+            sel.register(s, selectors.EVENT_READ)
+        _phase("listening")
+        while True:
+            for key, _ in sel.select():
+                conn, _ = key.fileobj.accept()
+                with conn, conn.makefile("rw") as f:
+                    for line in f:
+                        f.write(self.handle(line.strip()) + "\n")
+                        f.flush()
+
+
+WARMUP = 200
+
+
+def _phase(name: str) -> None:
+    print(f"phase {time.time():.6f} {name}", flush=True)
+
+
+def weights(folder: str, gib: float) -> None:
+    """The weight files a *serve* image holds: *infer*'s layers, same seeds."""
+    import torch
+    os.makedirs(folder, exist_ok=True)
+    layers = max(4, int(gib * (1 << 30)) // (D * D * 2))
+    for i in range(layers):
+        g = torch.Generator(device="cuda").manual_seed(1000 + i)
+        w = (torch.randn(D, D, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        w.view(torch.int16).cpu().numpy().tofile(os.path.join(folder, f"layer-{i:04d}.bf16"))
+
 
 def run(kind: str, gib: float, reference: int | None) -> None:
     job = Inference(gib) if kind == "infer" else Training(gib)
@@ -144,6 +232,12 @@ def run(kind: str, gib: float, reference: int | None) -> None:
 
 def main() -> None:
     args = sys.argv[1:]
+    if args[:1] == ["serve"] and len(args) == 2:
+        Server(args[1]).serve()
+        return
+    if args[:1] == ["weights"] and len(args) == 3:
+        weights(args[1], float(args[2]))
+        return
     if len(args) < 2 or args[0] not in ("infer", "train"):
         raise SystemExit(__doc__)
     reference = int(args[3]) if len(args) > 3 and args[2] == "--reference" else None

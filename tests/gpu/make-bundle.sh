@@ -15,7 +15,9 @@ PODMAN=(podman conmon runc golang-github-containers-common golang-github-contain
         iptables libxtables12 libip4tc2 libip6tc2 libnetfilter-conntrack3 libnfnetlink0
         libnftnl11 libmnl0
         # Checkpoint archives are zstd streams; the GPU machine has no zstd binary.
-        zstd)
+        zstd
+        # Containers with an address (bench/coldstart.py's replicas): Podman 4.3's backend.
+        netavark aardvark-dns)
 (cd "$DIR/podman" && apt-get download -q "${PODMAN[@]}" >/dev/null 2>&1)
 mapfile -t pkgs < <(grep -v '^#' "$HERE/../../packaging/criu-debs.list" | tr ' ' '\n' | sed '/^$/d')
 (cd "$DIR/criu" && apt-get download -q "${pkgs[@]/%//trixie}" >/dev/null 2>&1)

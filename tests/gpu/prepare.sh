@@ -38,6 +38,16 @@ if ! command -v zstd >/dev/null; then
 fi
 zstd --version
 ln -sf $SYS/usr/sbin/runc /usr/local/sbin/runc
+# netavark gives containers an address on Podman's bridge (an older bundle has none).
+mkdir -p /usr/lib/podman
+NETWORK=
+for helper in netavark aardvark-dns; do
+  if [ -x $SYS/usr/lib/podman/$helper ]; then
+    ln -sf $SYS/usr/lib/podman/$helper /usr/lib/podman/$helper
+    NETWORK='[network]
+network_backend = "netavark"'
+  fi
+done
 
 mkdir -p /etc/containers /usr/share/containers /usr/libexec/podman
 cp -rn $SYS/usr/share/containers/. /usr/share/containers/
@@ -52,6 +62,7 @@ cgroup_manager = "cgroupfs"
 events_logger = "file"
 [engine.runtimes]
 runc = ["$SYS/usr/sbin/runc"]
+$NETWORK
 EOF2
 install -D -m 644 "$REPO/packaging/containers/50-gpusnap-host.conf" /etc/containers/containers.conf.d/50-gpusnap-host.conf
 cat > /etc/containers/storage.conf <<'EOF2'

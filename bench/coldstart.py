@@ -1,0 +1,291 @@
+"""Cold start against restore: how soon a warmed-up GPU inference server answers.
+
+    bench/coldstart.py --gib 8 --out coldstart.json [--network bridge|none]
+
+One run on a GPU machine prepared by tests/gpu/prepare.sh (about 5 minutes at
+8 GiB). The server is tests/gpu/jobs.py's *serve*: it imports PyTorch, reads
+GIB GiB of bf16 weights from files in its image (/weights, in Podman's storage
+on the disk), runs warm-up requests, then answers on a socket. Cases, each
+timed from its command to the first answer (the page cache dropped before
+each, so files and cached chunks come from the disk as on a node that did
+not just write them):
+
+  a  cold       `podman run` of the server image
+  b  restore    `gpusnap restore REF --name r1`, an empty chunk cache
+  c  warm       `gpusnap restore REF --name r2`, the cache (b) filled
+  d  2 at once  `gpusnap restore REF --name r3` and `--name r4` together, warm cache
+
+REF is `gpusnap push` of (a)'s container once it answers (it keeps running:
+the source of every replica). Every replica must answer requests 0-9 exactly
+as the source did and pass `verify` (each layer summed again, compared with
+the sums taken at load), and its name, address and MAC must differ from the
+source's and the other replicas'. (d)'s two replicas and the source answer
+at the same time on the one GPU. The registry is a docker-registry on
+loopback with its storage on a tmpfs; the chunk cache is on the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from migrate import GPUSNAP, timed  # noqa: E402
+
+from tests.faults.netreg import make_registry  # noqa: E402
+from tests.gpu import harness  # noqa: E402
+from tests.integration.oci_registry import permissive_policy  # noqa: E402
+
+RAM = Path("/mnt/gpusnap-ram")
+GPU_DIR = Path(__file__).resolve().parent.parent / "tests" / "gpu"
+REQUESTS = range(10)
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(list(args), capture_output=True, text=True)
+    if check and res.returncode:
+        raise SystemExit(f"{' '.join(args)} failed: {res.stderr.strip()[-2000:]}")
+    return res
+
+
+def drop_caches() -> None:
+    """Files and cached chunks from the disk, as on a node that did not just write them."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def server_image(gib: float) -> str:
+    """The skeleton image plus /weights (built once per size: generating and
+    importing 8 GiB takes about a minute)."""
+    image = f"localhost/gpusnap-serve:{gib:g}"
+    if sh("podman", "image", "exists", image, check=False).returncode == 0:
+        return image
+    scratch = Path(tempfile.mkdtemp(prefix="gpusnap-weights-", dir="/var/tmp"))
+    try:
+        sh(harness.PYTHON, str(GPU_DIR / "jobs.py"), "weights", str(scratch / "w"), str(gib))
+        env = {**os.environ, "TMPDIR": str(scratch)}  # the move into the image's root: a rename
+        subprocess.run(["sh", str(GPU_DIR / "gpu-image.sh"), image, str(scratch / "w")],
+                       env=env, check=True, capture_output=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return image
+
+
+def network_mode(image: str, wanted: str) -> str:
+    """bridge when Podman can give a container an address here, else none."""
+    if wanted != "bridge":
+        return wanted
+    probe = sh("podman", "run", "--rm", "--network", "bridge", *harness.mount_args(), image,
+               "/usr/bin/true", check=False)
+    if probe.returncode:
+        print(f"no bridge network here ({probe.stderr.strip()[-300:]}): --network none",
+              flush=True)
+        return "none"
+    return "bridge"
+
+
+class Server:
+    """A serve container, reached through /proc/PID/root/tmp/serve.sock."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @property
+    def pid(self) -> int:
+        return int(sh("podman", "inspect", self.name, "--format", "{{.State.Pid}}").stdout)
+
+    def identity(self) -> dict:
+        out = sh("podman", "inspect", self.name, "--format",
+                 "{{.NetworkSettings.IPAddress}} {{.NetworkSettings.MacAddress}} "
+                 "{{.Config.Hostname}} {{.Id}}").stdout.split()
+        out += [""] * (4 - len(out))
+        return {"name": self.name, "ip": out[0], "mac": out[1], "hostname": out[2],
+                "id": out[3][:12]}
+
+    def ask(self, lines: list[str], timeout: float = 600) -> tuple[list[str], float]:
+        """Answers to ``lines`` and the time the first came, waiting for the socket."""
+        path = f"/proc/{self.pid}/root/tmp/serve.sock"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(path)
+                    with s.makefile("rw") as f:
+                        answers, first = [], None
+                        for line in lines:
+                            f.write(line + "\n")
+                            f.flush()
+                            answers.append(f.readline().strip())
+                            first = first or time.time()
+                        return answers, first
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{self.name} did not answer in {timeout:.0f} s")
+                time.sleep(0.02)
+
+    def phases(self) -> dict[str, float]:
+        """The server's own phase times (cold start only: a restored one logs none)."""
+        out = {}
+        for line in sh("podman", "logs", self.name).stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "phase":
+                out[parts[2]] = float(parts[1])
+        return out
+
+    def remove(self) -> None:
+        sh("podman", "rm", "-f", "-t", "0", self.name, check=False)
+
+
+def cold_start(image: str, name: str, network: str, gib: float) -> tuple[Server, dict]:
+    drop_caches()
+    t0 = time.time()
+    sh("podman", "run", "-d", "--name", name, "--network", network,
+       *harness.gpu_device_args([0]), *harness.mount_args(),
+       "-v", f"{GPU_DIR}:/work:ro",
+       "-e", f"LD_LIBRARY_PATH={harness.DRIVER_DIR}/lib64:{harness.DRIVER_DIR}/lib",
+       "-e", "PYTHONUNBUFFERED=1", image, harness.PYTHON, "/work/jobs.py", "serve", "/weights")
+    started = time.time()
+    srv = Server(name)
+    _, first = srv.ask(["0"])
+    p = srv.phases()
+    row = {"case": "a cold podman run", "first_answer_s": round(first - t0, 3),
+           "phases": {"podman run": round(started - t0, 3),
+                      "import torch + CUDA context": round(p["imported"] - p["started"], 3),
+                      f"load {gib:g} GiB of weights": round(p["loaded"] - p["imported"], 3),
+                      "warm-up": round(p["warm"] - p["loaded"], 3),
+                      "first answer": round(first - p["warm"], 3)},
+           "gpu_bytes": harness.gpu_memory_used(0)}
+    return srv, row
+
+
+def restore(ref: str, name: str, cache: Path, t0: float) -> dict:
+    r = timed([GPUSNAP, "restore", ref, "--name", name, "--plain-http", "--json"],
+              env={**os.environ, "GPUSNAP_CACHE_DIR": str(cache)})
+    done = time.time()
+    out = json.loads(r.stdout)
+    _, first = Server(name).ask(["0"])
+    pull = out.get("pull") or {}
+    return {"first_answer_s": round(first - t0, 3), "restore_rss_mib": round(r.maxrss_kib / 1024),
+            "bytes_fetched": pull.get("bytes_fetched"),
+            "bytes_from_cache": pull.get("bytes_from_cache"),
+            "phases": {"download": pull.get("seconds"),
+                       "restore": round(r.seconds - (pull.get("seconds") or 0), 3),
+                       "first answer": round(first - done, 3)}}
+
+
+def check(srv: Server, expected: list[str]) -> None:
+    answers, _ = srv.ask([str(n) for n in REQUESTS] + ["verify"])
+    if answers[:-1] != expected or answers[-1] != "ok":
+        raise SystemExit(f"{srv.name} answered {answers} (expected {expected} + ok)")
+
+
+def run(args) -> dict:
+    os.environ.setdefault("GPUSNAP_POLICY", str(permissive_policy(Path(tempfile.mkdtemp()))))
+    image = server_image(args.gib)
+    network = network_mode(image, args.network)
+    RAM.mkdir(parents=True, exist_ok=True)
+    if not os.path.ismount(RAM):
+        sh("mount", "-t", "tmpfs", "-o", f"size={args.ram_gib}g", "tmpfs", str(RAM))
+    reg = make_registry(RAM / "registry-coldstart")
+    cache = Path(tempfile.mkdtemp(prefix="gpusnap-coldstart-cache-", dir="/var/lib"))
+    tag = f"coldstart-{os.getpid()}"
+    servers: list[Server] = []
+    rows: list[dict] = []
+    try:
+        src, row = cold_start(image, f"{tag}-source", network, args.gib)
+        servers.append(src)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        expected, _ = src.ask([str(n) for n in REQUESTS])
+        check(src, expected)
+        ref = reg.ref(f"bench/serve-{args.gib:g}:warm")
+        push = timed([GPUSNAP, "push", src.name, ref, "--plain-http", "--json"],
+                     env={**os.environ, "GPUSNAP_CACHE_DIR": str(cache / "source")})
+        pushed = json.loads(push.stdout)
+        print(f"pushed {pushed['bytes'] / 1e9:.2f} GB in {push.seconds:.1f} s", flush=True)
+        pinned = pushed["pinned"]
+        target = cache / "target"
+        for case, name in (("b restore, empty cache", "r1"), ("c restore, warm cache", "r2")):
+            drop_caches()
+            row = {"case": case, **restore(pinned, f"{tag}-{name}", target, time.time())}
+            srv = Server(f"{tag}-{name}")
+            check(srv, expected)
+            row["identity"] = srv.identity()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            srv.remove()  # one replica at a time until (d)
+        drop_caches()
+        t0 = time.time()
+        pair: dict[str, dict] = {}
+        threads = [threading.Thread(target=lambda n=n: pair.__setitem__(
+            n, restore(pinned, f"{tag}-{n}", target, t0))) for n in ("r3", "r4")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len(pair) != 2:
+            raise SystemExit("a replica of (d) failed: see above")
+        for n in ("r3", "r4"):
+            srv = Server(f"{tag}-{n}")
+            servers.append(srv)
+            check(srv, expected)
+            rows.append({"case": f"d 2 at once: {n}", **pair[n], "identity": srv.identity()})
+            print(json.dumps(rows[-1]), flush=True)
+        check(src, expected)  # the source answered all along; still does
+        ids = [s.identity() for s in servers]
+        for key in ("name", "id") + (("ip", "mac") if network == "bridge" else ()):
+            if len({i[key] for i in ids}) != len(ids):
+                raise SystemExit(f"replicas share a {key}: {ids}")
+        cold = rows[0]["first_answer_s"]
+        return {"gib": args.gib, "network": network, "image": image, "reference": pinned,
+                "push_seconds": round(push.seconds, 3), "checkpoint_bytes": pushed["bytes"],
+                "gpu_bytes_3_running": harness.gpu_memory_used(0),
+                "running_together": ids, "rows": rows,
+                "speedup_vs_cold": {r["case"]: round(cold / r["first_answer_s"], 2)
+                                    for r in rows[1:]}}
+    finally:
+        for s in servers:
+            s.remove()
+        reg.stop()
+        shutil.rmtree(reg.root, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def report(result: dict) -> None:
+    print(f"\ncold start against restore, {result['gib']:g} GiB of weights "
+          f"(network {result['network']}):")
+    for r in result["rows"]:
+        phases = ", ".join(f"{k} {v}" for k, v in r["phases"].items())
+        extra = f"; fetched {r['bytes_fetched'] / 1e9:.2f} GB" if r.get("bytes_fetched") is not None \
+            else ""
+        print(f"  {r['case']:<24} first answer {r['first_answer_s']:7.2f} s  ({phases}{extra})")
+    for case, x in result["speedup_vs_cold"].items():
+        print(f"  {case}: {x}x faster than a cold start")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=8)
+    ap.add_argument("--network", default="bridge", choices=("bridge", "none"))
+    ap.add_argument("--ram-gib", type=int, default=40, help="tmpfs for the registry's storage")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    result = run(args)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    report(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
