@@ -125,15 +125,18 @@ def resolve_source(source: str, leave_running: bool,
     container = container or find_container(source)
     from gpusnap.ops import checkpoint as ops_checkpoint  # CRIU/GPU code, only when needed
 
-    root = _work_root(container)
+    sets_aside = stream and pages_aside.enabled()
+    # The export holds the pages only where they are not set aside: then it
+    # needs the roomiest place (36.7 GB at 32 GiB filled the disk beside
+    # Podman's storage, where the set-aside export needs a few MB).
+    root = _work_root(container) if sets_aside else staging_dir(0, container.graph_root)
     work = Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=root))
     # Plain, not zstd: the chunks are compressed one by one anyway, so a
     # compressed export would be compressed twice and decompressed once more.
     export = work / "checkpoint.tar"
     # CRIU's memory pages, moved here once dumped (a rename: the images'
     # filesystem), so Podman's export holds symlinks to them (pages_aside.py).
-    aside = work / "pages" if stream and pages_aside.enabled() and \
-        _same_fs(root, container.userdata) else None
+    aside = work / "pages" if sets_aside and _same_fs(root, container.userdata) else None
     stopped = False  # the container is down and this archive is all that is left of it
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
     try:
