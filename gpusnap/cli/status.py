@@ -37,7 +37,8 @@ def _table(r: dict) -> None:
 
     table = Table(box=None, pad_edge=False)
     for column in ("ID", "CONTAINER", "REFERENCE", "PHASE", "PROGRESS", "AGE"):
-        table.add_column(column)
+        # names and references wrap, rather than the ID a user copies
+        table.add_column(column, overflow="fold", no_wrap=column not in ("CONTAINER", "REFERENCE"))
     for s in r["uploads"]:
         table.add_row(s["id"], s.get("container") or "-", s.get("reference") or "-", s["phase"],
                       _percent(s), _age(s.get("started")))

@@ -203,8 +203,9 @@ class Tracker:
         self._update(force=False, bytes_done=int(self.state.get("bytes_done") or 0) + raw)
 
     def done(self, result: dict) -> None:
+        done = result.get("bytes", self.state.get("bytes_done"))  # the files, no tar headers
         self._update(phase="done", pushed_after_s=self._since_start(), result=result,
-                     bytes_done=result.get("bytes", self.state.get("bytes_done")))
+                     bytes_done=done, bytes_total=done)
 
     def failed(self, error: str, hint: str | None) -> None:
         self._update(phase="failed", error=error, hint=hint)
