@@ -21,7 +21,10 @@ from gpusnap.private import write_private
 
 RUNNING = ("checkpointing", "uploading")
 PRUNE_AFTER_S = 7 * 86400
-_WRITE_EVERY_S = 0.5  # progress: the callbacks come per chunk, from several threads
+_WRITE_EVERY_S = 0.5
+# A state file with no process after this long: the command that made it died
+# before starting one (its foreground marks a process that failed to start itself).
+_START_S = 60  # progress: the callbacks come per chunk, from several threads
 
 
 def uploads_dir() -> Path:
@@ -84,9 +87,10 @@ def alive(pid: int | None, state: Path) -> bool:
 def effective(state: dict, path: Path) -> dict:
     """``state`` as `gpusnap status` reports it: one still working whose
     process is gone failed, and what is kept says how to go on."""
-    if state.get("phase") not in RUNNING or state.get("pid") is None \
-            or alive(state.get("pid"), path):
+    if state.get("phase") not in RUNNING or alive(state.get("pid"), path):
         return state
+    if state.get("pid") is None and time.time() - float(state.get("started") or 0) < _START_S:
+        return state  # the foreground is starting its process
     return {**state, "phase": "failed", **killed(state)}
 
 

@@ -91,6 +91,13 @@ def test_killed_before_the_checkpoint_was_complete_says_so(state_dir):
     assert seen["phase"] == "failed" and "before web's checkpoint was complete" in seen["error"]
 
 
+def test_a_state_whose_process_never_started_fails_after_a_while(state_dir):
+    path = uploads.create("migrate", "web", "reg/app:v1", leave_running=False)
+    assert uploads.find(path.stem)["phase"] == "checkpointing"  # being started
+    uploads.write(path, {**uploads.read(path), "started": time.time() - 3600})
+    assert uploads.find(path.stem)["phase"] == "failed"
+
+
 def test_tracker_records_the_phases(state_dir):
     path = uploads.create("migrate", "web", "reg/app:v1", leave_running=False)
     tracker = uploads.Tracker(path)
