@@ -68,8 +68,10 @@ def child_args(argv: list[str]) -> list[str]:
 
 
 def start(command: str, container: str, ref: str, leave_running: bool,
-          registry: Callable[[], RegistryOptions], as_json: bool) -> None:
-    """Start the background upload, wait for its checkpoint, say how to follow it."""
+          registry: Callable[[], RegistryOptions], as_json: bool,
+          pre_checkpoint: bool = False) -> None:
+    """Start the background upload, wait for its checkpoint, say how to follow it
+    (``pre_checkpoint``: migrate -P's first round, which the target prefetches)."""
     opts = registry()  # --password-stdin: read here, handed on through a pipe
     path = uploads.create(command, container, ref, leave_running)
     log = uploads.log_path(path)
@@ -90,7 +92,10 @@ def start(command: str, container: str, ref: str, leave_running: bool,
          "bytes_total": state.get("bytes_total"),
          "container_state": _container_state(container, leave_running),
          "status_command": f"gpusnap status {state['id']}"}
-    if command == "migrate":
+    if pre_checkpoint:
+        r["prefetch_command"] = " ".join(["gpusnap", "pull", "--prefetch", ref,
+                                          *restore_flags(opts)])
+    elif command == "migrate":
         r["restore_command"] = " ".join(["gpusnap", "restore", ref, *restore_flags(opts)])
     emit(as_json, r, _human)
 
@@ -143,7 +148,10 @@ def _human(r: dict) -> None:
         console.print(f"  GPU free after {r['gpu_free_after_s']:.1f} s")
     console.print(f"  container {r['container_state']['name']}: {r['container_state']['says']}")
     console.print(f"  upload ID: {r['id']}; follow it with: {r['status_command']} [--wait]")
-    if r.get("restore_command"):
+    if r.get("prefetch_command"):
+        console.print(f"[bold]On the target host, once it says done, warm its chunk cache:[/]\n"
+                      f"  {r['prefetch_command']}")
+    elif r.get("restore_command"):
         console.print(f"[bold]On the target host, once it says done, run:[/]\n"
                       f"  {r['restore_command']}")
 

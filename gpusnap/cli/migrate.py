@@ -53,7 +53,8 @@ def migrate_cmd(container: str, ref: str, leave_running: bool, pre_checkpoint: b
     if not podman.exists(container):
         raise GpusnapError(f"no such container: {container}", "list containers with `podman ps`")
     if detach:
-        bg.start("migrate", container, ref, leave_running or pre_checkpoint, registry, as_json)
+        bg.start("migrate", container, ref, leave_running or pre_checkpoint, registry, as_json,
+                 pre_checkpoint)
         return
 
     def push(tracker: Tracker | None = None) -> dict:

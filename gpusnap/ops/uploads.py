@@ -188,6 +188,13 @@ class Tracker:
             except OSError:
                 pass  # a full /run must not fail the push itself
 
+    def _journal(self) -> None:
+        """The journal's line for each phase: what the host did, after the state file is gone."""
+        journal.record("background-upload", id=self.state["id"], phase=self.state["phase"],
+                       container=self.state.get("container"),
+                       reference=self.state.get("reference"), export=self.state.get("export"),
+                       error=self.state.get("error"))
+
     def _since_start(self, at: float | None = None) -> float:
         return round((at or time.time()) - float(self.state["started"]), 3)
 
@@ -198,6 +205,7 @@ class Tracker:
                      checkpointed_after_s=self._since_start(),
                      gpu_free_after_s=self._since_start(gpu_free) if gpu_free else None,
                      bytes_total=facts.get("bytes") or self.state.get("bytes_total"))
+        self._journal()
 
     def total(self, n: int) -> None:
         if not self.state.get("bytes_total"):
@@ -210,6 +218,8 @@ class Tracker:
         done = result.get("bytes", self.state.get("bytes_done"))  # the files, no tar headers
         self._update(phase="done", pushed_after_s=self._since_start(), result=result,
                      bytes_done=done, bytes_total=done)
+        self._journal()
 
     def failed(self, error: str, hint: str | None) -> None:
         self._update(phase="failed", error=error, hint=hint)
+        self._journal()

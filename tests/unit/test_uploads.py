@@ -112,6 +112,9 @@ def test_tracker_records_the_phases(state_dir):
     state = uploads.read(path)
     assert state["phase"] == "done" and state["result"]["digest"] == "sha256:ab"
     assert state["pushed_after_s"] >= state["checkpointed_after_s"]
+    from gpusnap import journal
+    assert [e["phase"] for e in journal.read() if e["event"] == "background-upload"] == \
+        ["uploading", "done"]
 
 
 def test_listing_prunes_old_finished_uploads_but_keeps_a_failed_one_with_its_export(
