@@ -6,7 +6,7 @@ import click
 
 from gpusnap import __version__
 from gpusnap.cli import (checkpoint, doctor, freeze, gpus, inspect, key, migrate, move, pull,
-                         push, restore)
+                         push, restore, status)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -28,6 +28,8 @@ def cli() -> None:
       gpusnap restore HOST/REPO:TAG                 pull and restore in one go
       gpusnap push containerd://NS/CTR HOST/REPO:TAG  from containerd (restore it --to containerd://NS/ID)
       gpusnap migrate CTR HOST/REPO:TAG             checkpoint, stop, push; prints what to run on the target
+      gpusnap migrate -d CTR HOST/REPO:TAG          return once checkpointed (GPU free), upload in the background
+      gpusnap status [ID] [--wait]                  background uploads: progress, done or failed
       gpusnap restore ctr.tar.zst --gpu-map 0=1     onto another GPU (--dry-run: the plan only)
       gpusnap move CTR --gpu 1                      live onto another GPU of this host
       gpusnap freeze CTR / gpusnap thaw CTR         release GPU memory in place, take it back
@@ -37,7 +39,8 @@ def cli() -> None:
     """
 
 
-for module in (checkpoint, restore, inspect, push, pull, migrate, move, gpus, freeze, key, doctor):
+for module in (checkpoint, restore, inspect, push, pull, migrate, move, gpus, freeze, key, doctor,
+               status):
     for command in module.COMMANDS:
         cli.add_command(command)
 

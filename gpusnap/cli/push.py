@@ -9,11 +9,13 @@ from typing import Callable
 import click
 
 from gpusnap.cli import containerd
+from gpusnap.cli import detach as bg
 from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
 from gpusnap.cli.registry_options import registry_options, restore_flags, transfer_progress
 from gpusnap.cli.trust_options import trust_options
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
+from gpusnap.ops.uploads import Tracker
 from gpusnap.trust.options import TrustOptions
 
 
@@ -139,9 +141,11 @@ def restore_refusal(r: dict, opts: RegistryOptions) -> dict | None:
 def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_json: bool,
              leave_running: bool, level: int, image_format: str = "gpusnap",
              trust: TrustOptions | None = None, containerd_address: str | None = None,
-             here: bool = True, pre_checkpoint: bool = False) -> dict:
+             here: bool = True, pre_checkpoint: bool = False,
+             tracker: Tracker | None = None) -> dict:
     """Push, then say what became of the container and how to restore it
-    (``here``: on this host; else on another one)."""
+    (``here``: on this host; else on another one). ``tracker``: a background
+    upload's state file, kept up to date (cli/detach.py)."""
     from gpusnap.ops import push as ops  # registry code: imported only when used
     from gpusnap.oci.registry import TransientError
 
@@ -152,12 +156,20 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
         def pushing(total: int) -> None:
             bar.describe(f"Pushing {source}")
             bar.total(total)
+            if tracker:
+                tracker.total(total)
+
+        def advance(raw: int, network: int) -> None:
+            bar.advance(raw, network)
+            if tracker:
+                tracker.advance(raw, network)
 
         try:
             r = ops.push(source, ref, registry(), leave_running=leave_running, level=level,
-                         progress=bar.advance, total=pushing, on_checkpoint=checkpointing,
+                         progress=advance, total=pushing, on_checkpoint=checkpointing,
                          image_format=image_format, trust=trust,
-                         containerd_address=containerd_address, pre_checkpoint=pre_checkpoint)
+                         containerd_address=containerd_address, pre_checkpoint=pre_checkpoint,
+                         on_checkpointed=tracker.checkpointed if tracker else None)
         except TransientError as exc:  # true of push: the registry's blobs are asked first
             raise GpusnapError(exc.message, f"{exc.hint}; then push again: chunks the registry "
                                "already has are not sent again") from None
@@ -196,13 +208,14 @@ def leave_running_option(fn: Callable) -> Callable:
               help="gpusnap: chunks that later pushes and pulls reuse; podman: a checkpoint "
                    "image `podman container restore REF` takes (as --create-image makes).")
 @containerd.address_option
+@bg.detach_options
 @trust_options("push")
 @registry_options
 @json_option
 @handle_errors
 def push_cmd(source: str, ref: str, stop: bool, leave_running: bool, level: int,
-             image_format: str,
-             containerd_address: str | None, trust: TrustOptions,
+             image_format: str, containerd_address: str | None, detach: bool,
+             upload_state: str | None, trust: TrustOptions,
              registry: Callable[[], RegistryOptions], as_json: bool) -> None:
     """Push a checkpoint to an OCI registry as REF (HOST[:PORT]/REPO:TAG).
 
@@ -217,12 +230,28 @@ def push_cmd(source: str, ref: str, stop: bool, leave_running: bool, level: int,
     a checkpoint image `ctr c checkpoint --task` made; with a slash, the first
     segment is the namespace. `gpusnap restore REF --to containerd://NS/ID`
     restores it.
+
+    -d/--detach (a container SOURCE) returns once it is checkpointed on local
+    storage and uploads in the background: `gpusnap status ID` follows it.
     """
     if stop and leave_running:
         raise GpusnapError("--stop and --leave-running contradict each other",
                            "pass --stop to move the container, nothing to copy it")
-    emit(as_json, run_push(source, ref, registry, as_json, not stop, level, image_format,
-                           trust, containerd_address), human_push)
+    if detach:
+        from gpusnap.runtime import podman
+
+        bg.refuse_source(source)
+        if not podman.exists(source):
+            raise GpusnapError(f"{source}: no such file, directory or container",
+                               "pass a running container's name (`podman ps`)")
+        bg.start("push", source, ref, not stop, registry, as_json)
+        return
+
+    def push(tracker: Tracker | None = None) -> dict:
+        return run_push(source, ref, registry, as_json, not stop, level, image_format,
+                        trust, containerd_address, tracker=tracker)
+    result = bg.background(upload_state, push) if upload_state else push()
+    emit(as_json, result, human_push)
 
 
 COMMANDS = [push_cmd]

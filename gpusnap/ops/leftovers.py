@@ -6,7 +6,9 @@ export's name), but they take space; doctor lists them and --fix removes them.
 A killed push or `restore REF` leaves its staging directory (`.gpusnap-push-*`,
 `.gpusnap-pull-*`) the same way. One thing is not litter: the complete export
 a killed `push CTR`/`migrate` staged is all that is left of the container it
-stopped; `kept()` names it and nothing removes it.
+stopped; `kept()` names it and nothing removes it. Nor is the folder of a
+background upload whose process still runs (ops/uploads.py): it may rest
+between reads longer than a foreground push does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 from gpusnap import journal
+from gpusnap.ops import uploads
 from gpusnap.runtime.fifo_pump import referenced
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, TRASH_PREFIX
 from gpusnap.runtime.stream import FIFO_DIR_PREFIX, FIFO_NAME, partial_path
@@ -55,10 +58,12 @@ def _busy(work: Path) -> bool:
 def kept() -> list[dict]:
     """Complete exports a killed `push CTR`/`migrate` staged: {container, export}."""
     found = []
+    live = uploads.live_work_dirs()
     for event in journal.read(500):
         export = Path(event.get("export") or "")
         if event.get("event") == "checkpointed" and export.parent.name.startswith(
-                STAGING_PREFIXES[0]) and export.is_file() and not _busy(export.parent):
+                STAGING_PREFIXES[0]) and export.is_file() and export.parent not in live \
+                and not _busy(export.parent):
             found.append({"container": event.get("container"), "export": str(export)})
     return found
 
@@ -95,7 +100,8 @@ def find() -> list[Path]:
         for work in d.glob(FIFO_DIR_PREFIX + "*"):
             if work.is_dir() and not referenced(str(work / FIFO_NAME)):
                 found.append(work)
-    keep = {Path(k["export"]).parent for k in kept()} | _linked_from_checkpoints()
+    keep = {Path(k["export"]).parent for k in kept()} | _linked_from_checkpoints() | \
+        uploads.live_work_dirs()
     for d in sorted(_staging_roots()):
         for work in sorted(w for prefix in STAGING_PREFIXES for w in d.glob(prefix + "*")):
             try:

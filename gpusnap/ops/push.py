@@ -103,10 +103,13 @@ def find_container(source: str) -> podman.Container | None:
 def resolve_source(source: str, leave_running: bool,
                    on_checkpoint: Callable[[str], None] | None = None,
                    stream: bool = True, containerd_address: str | None = None,
-                   container: podman.Container | None = None) -> Iterator[PushSource]:
+                   container: podman.Container | None = None,
+                   on_checkpointed: Callable[[dict], None] | None = None
+                   ) -> Iterator[PushSource]:
     """SOURCE as a file stream. A container is checkpointed into a staged plain
     tar; with ``stream`` the push reads that tar while Podman still writes it
-    (upload overlaps the dump), else once it is complete."""
+    (upload overlaps the dump), else once it is complete. ``on_checkpointed``:
+    called once a container's checkpoint succeeded (see push())."""
     if source.startswith("containerd://"):  # a containerd container or checkpoint image
         from gpusnap.ops import containerd_registry
 
@@ -151,6 +154,8 @@ def resolve_source(source: str, leave_running: bool,
             (plan.container.userdata / prefetch.DEVSHM).unlink(missing_ok=True)
             early_pages.clear_stale(plan.container.checkpoint_dir)
         job = pool.submit(ops_checkpoint.run, plan)
+        if on_checkpointed:
+            job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside))
         if not stream:
             job.result()
         try:
@@ -189,6 +194,22 @@ def resolve_source(source: str, leave_running: bool,
             if aside is not None:
                 _local_checkpoint_after_failure(container, aside, ops_checkpoint.drop_local)
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _when_checkpointed(callback: Callable[[dict], None], plan, export: Path,
+                       aside: Path | None) -> Callable[[Future], None]:
+    """The checkpoint job's done-callback: ``callback`` with what is on local
+    storage now (the container stopped or resumed, its GPU released)."""
+    def done(job: Future) -> None:
+        if job.cancelled() or job.exception() is not None:
+            return
+        staged = export.stat().st_size if export.exists() else 0
+        if aside is not None:
+            staged += sum(p.stat().st_size for p in aside.iterdir() if p.is_file())
+        callback({"export": str(export), "container": plan.container.name,
+                  "init_pid": plan.container.pid, "seconds": job.result().get("seconds"),
+                  "bytes": staged})
+    return done
 
 
 def _make_export_whole(exc: BaseException, source: str, export: Path, aside: Path,
@@ -435,11 +456,15 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
          on_checkpoint: Callable[[str], None] | None = None,
          image_format: str = "gpusnap", trust: TrustOptions | None = None,
          containerd_address: str | None = None, processes: int | None = None,
-         pre_checkpoint: bool = False) -> dict:
+         pre_checkpoint: bool = False,
+         on_checkpointed: Callable[[dict], None] | None = None) -> dict:
     """``processes``: worker processes for big files (segments.py); default
     segments.default_workers(). ``pre_checkpoint``: the first round of a
     pre-copy migration (the container keeps running; annotated so that a
-    restore does not take it for the final round)."""
+    restore does not take it for the final round). ``on_checkpointed``: a
+    container SOURCE's checkpoint is complete on local storage (stopped or
+    resumed, GPU released), the upload goes on: {export, container,
+    init_pid, seconds, bytes (staged)}; called from the checkpoint's thread."""
     leave_running = leave_running or pre_checkpoint
     from gpusnap.trust.remote import PushTrust  # cryptography: imported only when pushing
 
@@ -462,7 +487,8 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     cache = ChunkCache.open(cache_root)
     with resolve_source(source, leave_running, on_checkpoint,
                         stream=image_format == "gpusnap",
-                        containerd_address=containerd_address, container=container) as src:
+                        containerd_address=containerd_address, container=container,
+                        on_checkpointed=on_checkpointed) as src:
         if total and src.known_bytes:
             total(src.known_bytes)
         if image_format == "podman":
