@@ -36,6 +36,23 @@ def is_supported(version: str | None) -> bool:
     return version is not None and version_tuple(version)[:2] >= MIN_VERSION
 
 
+# Linux 6.16 refuses getsockopt(SO_PASSCRED/SO_PASSSEC) on TCP and UDP sockets,
+# which CRIU before 4.2 asks of every socket: the dump of any container with one fails.
+INET_SOCKETS = {"kernel": (6, 16), "criu": (4, 2)}
+INET_SOCKETS_LOG = "Can't get 1:16 opt"  # dump.log's words for it
+
+
+def inet_sockets_problem(version: str | None, kernel: str | None = None) -> str | None:
+    """Why this CRIU cannot dump a container's TCP/UDP sockets on this kernel, or None."""
+    kernel = kernel or os.uname().release
+    if version is None or version_tuple(version)[:2] >= INET_SOCKETS["criu"]:
+        return None
+    if version_tuple(kernel.split("-")[0])[:2] < INET_SOCKETS["kernel"]:
+        return None
+    return (f"CRIU {version} cannot dump TCP or UDP sockets on Linux {kernel.split('-')[0]} "
+            "(6.16 refuses it SO_PASSCRED on them; CRIU 4.2 asks only where it applies)")
+
+
 def require_supported(verb: str) -> str:
     """The version of the criu runc will run (the first on PATH), or a one-line refusal.
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from gpusnap import MANIFEST_NAME, archive, journal, requests
 from gpusnap.criu.log import first_error as criu_error
-from gpusnap.criu.version import require_supported
+from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, inet_sockets_problem,
+                                  require_supported)
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.ops.gpu_state import ensure_running
@@ -158,6 +159,10 @@ def run(p: CheckpointPlan) -> dict:
         criu = criu_error(p.container.userdata / "dump.log")
         message = (f"GPU quiesce failed: {cause}" if cause else
                    f"CRIU could not dump {p.container.name}: {criu}" if criu else exc.message)
+        sockets = inet_sockets_problem(criu_version()) if criu and INET_SOCKETS_LOG in criu \
+            else None
+        if sockets:  # every container with a TCP or UDP socket: say why, and the fix
+            hint = f"{sockets}: run `make deps` (CRIU 4.2); {hint or ''}"
         journal.record("checkpoint-failed", container=p.container.id, error=message,
                        resumed=resumed)
         raise GpusnapError(f"{message}; {where}", (hint or "").rstrip("; ") or None) from None

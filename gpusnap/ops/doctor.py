@@ -9,7 +9,8 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpusnap.criu.version import criu_version, cuda_plugin_path, is_supported
+from gpusnap.criu.version import (criu_version, cuda_plugin_path, inet_sockets_problem,
+                                  is_supported)
 from gpusnap.gpu.compat import MIN_CHECKPOINT_DRIVER, driver_major
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
@@ -55,6 +56,11 @@ def _criu_checks() -> list[Check]:
         detail = "Looks good." if "Looks good" in out else (out.splitlines()[-1:] or [""])[0]
         checks.append(Check("criu check", ok, detail, "" if ok else
                             "this kernel lacks features CRIU needs; see `criu check --all`"))
+        sockets = inet_sockets_problem(version)
+        checks.append(Check("criu inet sockets", sockets is None,
+                            sockets or "TCP and UDP sockets can be dumped",
+                            "run `make deps`: it installs CRIU 4.2 privately" if sockets else "",
+                            required=False))
     plugin = cuda_plugin_path()
     checks.append(Check("criu cuda_plugin", True,
                         f"installed at {plugin}: gpusnap leaves quiesce to it" if plugin

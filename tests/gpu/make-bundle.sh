@@ -6,7 +6,7 @@ set -euo pipefail
 DIR=${1:-.gpu-bundle}
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$DIR/podman" "$DIR/criu"
-[[ "$(apt-cache policy criu)" == *trixie* ]] || { echo "run 'make deps' first (adds the pinned trixie source)"; exit 1; }
+[[ "$(apt-cache policy criu)" == *sid/main* ]] || { echo "run 'make deps' first (adds the pinned trixie and sid sources)"; exit 1; }
 # Podman and what it and conmon load that Ubuntu 24.04 names differently or lacks.
 PODMAN=(podman conmon runc golang-github-containers-common golang-github-containers-image
         libgpgme11 libassuan0 libgpg-error0 libsubid4 libdevmapper1.02.1 libglib2.0-0
@@ -20,7 +20,8 @@ PODMAN=(podman conmon runc golang-github-containers-common golang-github-contain
         netavark aardvark-dns)
 (cd "$DIR/podman" && apt-get download -q "${PODMAN[@]}" >/dev/null 2>&1)
 mapfile -t pkgs < <(grep -v '^#' "$HERE/../../packaging/criu-debs.list" | tr ' ' '\n' | sed '/^$/d')
-(cd "$DIR/criu" && apt-get download -q "${pkgs[@]/%//trixie}" >/dev/null 2>&1)
+rm -f "$DIR"/criu/*.deb  # CRIU 4.2 from sid: no 4.1 library may stay beside it
+(cd "$DIR/criu" && apt-get download -q "${pkgs[@]/%//sid}" >/dev/null 2>&1)
 # The device tool carries 64 MiB in all, so the rest comes in two parts that
 # travel in separate runs (name the folders in `carry`):
 # - bin/ + wheels/, the containerd shim's tests: containerd 1.7 and ctr
