@@ -1,6 +1,6 @@
 """Cold start against restore: how soon a warmed-up GPU inference server answers.
 
-    bench/coldstart.py --gib 8 --out coldstart.json [--network bridge|none]
+    bench/coldstart.py --gib 8 --out coldstart.json [--network bridge|none] [--no-tcp]
 
 One run on a GPU machine prepared by tests/gpu/prepare.sh (about 5 minutes at
 8 GiB). The server is tests/gpu/jobs.py's *serve*: it imports PyTorch, reads
@@ -147,10 +147,12 @@ class Server:
         sh("podman", "rm", "-f", "-t", "0", self.name, check=False)
 
 
-def cold_start(image: str, name: str, network: str, gib: float) -> tuple[Server, dict]:
+def cold_start(image: str, name: str, network: str, gib: float, tcp: bool
+               ) -> tuple[Server, dict]:
     drop_caches()
     t0 = time.time()
     sh("podman", "run", "-d", "--name", name, "--network", network,
+       *(["-e", "SERVE_TCP=1"] if tcp else []),
        *harness.gpu_device_args([0]), *harness.mount_args(),
        "-v", f"{GPU_DIR}:/work:ro",
        "-e", f"LD_LIBRARY_PATH={harness.DRIVER_DIR}/lib64:{harness.DRIVER_DIR}/lib",
@@ -184,10 +186,17 @@ def restore(ref: str, name: str, cache: Path, t0: float) -> dict:
                        "first answer": round(first - done, 3)}}
 
 
-def check(srv: Server, expected: list[str]) -> None:
+def check(srv: Server, expected: list[str], tcp: bool = False) -> None:
     answers, _ = srv.ask([str(n) for n in REQUESTS] + ["verify"])
     if answers[:-1] != expected or answers[-1] != "ok":
         raise SystemExit(f"{srv.name} answered {answers} (expected {expected} + ok)")
+    ip = srv.identity()["ip"]
+    if tcp and ip:  # its own address, the server's TCP port restored with it
+        with socket.create_connection((ip, 8000), timeout=30) as s, s.makefile("rw") as f:
+            f.write("0\n")
+            f.flush()
+            if f.readline().strip() != expected[0]:
+                raise SystemExit(f"{srv.name} answered otherwise on {ip}:8000")
 
 
 def run(args) -> dict:
@@ -203,12 +212,12 @@ def run(args) -> dict:
     servers: list[Server] = []
     rows: list[dict] = []
     try:
-        src, row = cold_start(image, f"{tag}-source", network, args.gib)
+        src, row = cold_start(image, f"{tag}-source", network, args.gib, args.tcp)
         servers.append(src)
         rows.append(row)
         print(json.dumps(row), flush=True)
         expected, _ = src.ask([str(n) for n in REQUESTS])
-        check(src, expected)
+        check(src, expected, args.tcp)
         ref = reg.ref(f"bench/serve-{args.gib:g}:warm")
         push = timed([GPUSNAP, "push", src.name, ref, "--plain-http", "--json"],
                      env={**os.environ, "GPUSNAP_CACHE_DIR": str(cache / "source")})
@@ -220,7 +229,7 @@ def run(args) -> dict:
             drop_caches()
             row = {"case": case, **restore(pinned, f"{tag}-{name}", target, time.time())}
             srv = Server(f"{tag}-{name}")
-            check(srv, expected)
+            check(srv, expected, args.tcp)
             row["identity"] = srv.identity()
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -239,16 +248,17 @@ def run(args) -> dict:
         for n in ("r3", "r4"):
             srv = Server(f"{tag}-{n}")
             servers.append(srv)
-            check(srv, expected)
+            check(srv, expected, args.tcp)
             rows.append({"case": f"d 2 at once: {n}", **pair[n], "identity": srv.identity()})
             print(json.dumps(rows[-1]), flush=True)
-        check(src, expected)  # the source answered all along; still does
+        check(src, expected, args.tcp)  # the source answered all along; still does
         ids = [s.identity() for s in servers]
         for key in ("name", "id") + (("ip", "mac") if network == "bridge" else ()):
             if len({i[key] for i in ids}) != len(ids):
                 raise SystemExit(f"replicas share a {key}: {ids}")
         cold = rows[0]["first_answer_s"]
-        return {"gib": args.gib, "network": network, "image": image, "reference": pinned,
+        return {"gib": args.gib, "network": network, "tcp": args.tcp, "image": image,
+                "reference": pinned,
                 "push_seconds": round(push.seconds, 3), "checkpoint_bytes": pushed["bytes"],
                 "gpu_bytes_3_running": harness.gpu_memory_used(0),
                 "running_together": ids, "rows": rows,
@@ -278,6 +288,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=8)
     ap.add_argument("--network", default="bridge", choices=("bridge", "none"))
+    ap.add_argument("--no-tcp", dest="tcp", action="store_false",
+                    help="the server's unix socket only (CRIU < 4.2 cannot dump TCP sockets "
+                         "on Linux >= 6.16)")
     ap.add_argument("--ram-gib", type=int, default=40, help="tmpfs for the registry's storage")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

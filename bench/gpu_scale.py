@@ -18,6 +18,8 @@ Adam moments rewritten every step), one process on GPU 0:
   gpusnap  `gpusnap migrate CTR REF`, `podman rm`, `gpusnap restore REF`
   tar      as gpusnap, with GPUSNAP_PAGES_ASIDE=0: CRIU's pages through Podman's
            export and import tars (how gpusnap moved them before 2026-11-25)
+  detach   `gpusnap migrate --detach CTR REF` (back once checkpointed locally),
+           `gpusnap status ID --wait`, then as gpusnap
   precopy  `gpusnap migrate -P CTR REF:pre` (the job runs on), `gpusnap pull
            --prefetch REF:pre` (the target's cache), then as gpusnap to REF:final
   local    `gpusnap checkpoint CTR --export F`, `podman rm`, `gpusnap restore F`
@@ -184,6 +186,31 @@ def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None,
     return m
 
 
+def detach_case(job: Job, ref: str, cache: Path) -> Migration:
+    """`gpusnap migrate --detach`: back once the checkpoint is on local storage,
+    the upload in the background; `gpusnap status ID --wait` until it is
+    pushed, then `podman rm` and `gpusnap restore REF` as gpusnap_case."""
+    m = Migration("detach", f"{job.kind} {job.gib:g} GiB")
+    source, target = ({**os.environ, "GPUSNAP_CACHE_DIR": str(cache / side)}
+                      for side in ("source", "target"))
+    cid, mark = container_id(job.name), journal_size()
+    m.extra["start_wall"] = time.time()
+    r = timed([GPUSNAP, "migrate", "--detach", job.name, ref, "--plain-http", "--json"],
+              env=source)
+    m.phases["returned (checkpointed)"], m.rss_kib["gpusnap migrate -d"] = r.seconds, r.maxrss_kib
+    upload = json.loads(r.stdout)["id"]
+    w = timed([GPUSNAP, "status", upload, "--wait", "--json"], env=source)
+    state = json.loads(w.stdout)
+    m.phases["background upload after return"] = w.seconds
+    pushed = state["result"]
+    m.extra.update({k: state.get(k) for k in ("checkpointed_after_s", "gpu_free_after_s",
+                                              "pushed_after_s")})
+    m.bytes_up, m.extra["checkpoint_bytes"] = pushed["bytes_sent"], pushed["bytes"]
+    m.phases["rm"] = timed(["podman", "rm", job.name]).seconds
+    restore_ref(m, pushed["pinned"], target, journal_events(mark, cid))
+    return m
+
+
 def precopy_case(job: Job, pre: str, final: str, cache: Path) -> Migration:
     """`gpusnap migrate -P` (round 1, the job runs on), `gpusnap pull --prefetch`
     on the target, then gpusnap_case's final round and restore. Downtime counts
@@ -295,6 +322,8 @@ def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path) -
                 m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:tar"), work / "cache",
                                  Migration("tar", f"{job.kind} {job.gib:g} GiB"),
                                  {"GPUSNAP_PAGES_ASIDE": "0"})
+            elif pipeline == "detach":
+                m = detach_case(job, reg.ref(f"bench/{kind}-{size:g}:detach"), work / "cache")
             elif pipeline == "precopy":
                 m = precopy_case(job, reg.ref(f"bench/{kind}-{size:g}:pre"),
                                  reg.ref(f"bench/{kind}-{size:g}:final"), work / "cache")

@@ -174,7 +174,7 @@ class Server:
         unix = socket.socket(socket.AF_UNIX)
         unix.bind("/tmp/serve.sock")
         listeners = [unix]
-        if os.environ.get("SERVE_TCP"):  # CRIU 4.1 cannot dump TCP sockets on kernels >= 6.x
+        if os.environ.get("SERVE_TCP"):  # CRIU < 4.2 cannot dump TCP sockets on Linux >= 6.16
             listeners.append(socket.create_server(("0.0.0.0", 8000)))
         for s in listeners:
             s.listen(16)
