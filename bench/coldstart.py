@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -285,6 +286,8 @@ def report(result: dict) -> None:
 
 
 def main() -> int:
+    # A `timeout` around the bench: the replicas and the registry are still removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=8)
     ap.add_argument("--network", default="bridge", choices=("bridge", "none"))
