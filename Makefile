@@ -4,7 +4,7 @@ PY ?= python3
 VENV := /opt/gpusnap/venv
 PYTEST := $(VENV)/bin/python -m pytest
 
-.PHONY: deps install uninstall demo-image demo test unit integration gpu-bundle bench clean
+.PHONY: deps install uninstall demo-image demo test test-matrix unit integration gpu-bundle bench clean
 
 deps:            ## system packages, CRIU 4, host config (idempotent)
 	bash packaging/deps.sh
@@ -26,6 +26,9 @@ integration: install demo-image
 
 test: install demo-image  ## everything that runs without a GPU
 	$(PYTEST) -q -m "not gpu" tests
+
+test-matrix:     ## the integration tests under Podman 5 (Debian trixie root, cached); MATRIX="trixie:crun,runc"
+	bash tests/matrix/run.sh $(MATRIX)
 
 gpu-bundle:      ## .deb files the bare GPU machine needs, into .gpu-bundle/ (run here, carried there)
 	bash tests/gpu/make-bundle.sh .gpu-bundle

@@ -1,0 +1,44 @@
+#!/bin/bash
+# Inside a matrix root (chroot.sh): install gpusnap from /src into this root as
+# `make install` does on the host, then run the integration tests that matter
+# most once per OCI runtime. Results: /src/.matrix/DIST-RUNTIME.xml (git-ignored).
+#   inside.sh DIST RUNTIME...
+set -uo pipefail
+DIST=$1
+shift
+cd /src
+# The host's cgroups are hybrid (v1 controllers, an empty v2 at unified/):
+# crun refuses hybrid mode, so this root sees the v2 hierarchy alone, as a
+# unified host would show it. Without controllers, no pids limit can be set.
+if [ "$(stat -fc %T /sys/fs/cgroup)" != cgroup2fs ] && [ -d /sys/fs/cgroup/unified ]; then
+  mount --bind /sys/fs/cgroup/unified /sys/fs/cgroup
+fi
+# CRIU dumps the properties of every cgroup below a container's: the empty
+# ones earlier runs left under libpod_parent (nested, after a failed crun
+# restore) made one dump of a counter take minutes and a 280 MB log.
+find /sys/fs/cgroup/libpod_parent -mindepth 1 -depth -type d -exec rmdir {} + 2>/dev/null || true
+# Every run from empty container storage: the root persists between runs and
+# /run does not, so Podman would otherwise "refresh" what earlier runs left.
+rm -rf /var/lib/containers/storage /var/lib/containers/.gpusnap-* /var/lib/gpusnap
+cat > /etc/containers/containers.conf.d/45-gpusnap-matrix-limits.conf <<'EOC'
+[containers]
+pids_limit = 0
+default_ulimits = ["nofile=20000:20000", "nproc=4096:4096"]
+EOC
+GPUSNAP_PYTHON=python3 bash packaging/install.sh >/tmp/install.log 2>&1 || { tail -20 /tmp/install.log; exit 1; }
+sh packaging/demo-image.sh >/dev/null
+echo "matrix $DIST: $(podman --version), $(criu --version | head -1), $(python3 --version)"
+TESTS=${GPUSNAP_MATRIX_TESTS:-tests/integration/test_checkpoint_restore.py tests/integration/test_replicas.py tests/integration/test_sockets.py}
+mkdir -p /src/.matrix
+rc=0
+for runtime in "$@"; do
+  podman rm -af -t 0 >/dev/null 2>&1  # what an earlier run left (the root persists)
+  printf '[engine]\nruntime = "%s"\n' "$runtime" > /etc/containers/containers.conf.d/50-gpusnap-matrix-runtime.conf
+  echo "== $DIST + $runtime ($(podman info --format '{{.Host.OCIRuntime.Name}} {{.Host.OCIRuntime.Version}}' | head -1))"
+  start=$(date +%s)
+  /opt/gpusnap/venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" $TESTS \
+    --junitxml="/src/.matrix/$DIST-$runtime.xml" 2>&1 | tail -15 || true
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  echo "== $DIST + $runtime: $(( $(date +%s) - start )) s"
+done
+exit $rc
