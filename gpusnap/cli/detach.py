@@ -20,7 +20,7 @@ from typing import Callable
 import click
 
 from gpusnap.cli.output import console, emit, human_bytes
-from gpusnap.cli.registry_options import restore_flags
+from gpusnap.cli.registry_options import gpusnap_command
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.ops import uploads
@@ -93,10 +93,9 @@ def start(command: str, container: str, ref: str, leave_running: bool,
          "container_state": _container_state(container, leave_running),
          "status_command": f"gpusnap status {state['id']}"}
     if pre_checkpoint:
-        r["prefetch_command"] = " ".join(["gpusnap", "pull", "--prefetch", ref,
-                                          *restore_flags(opts)])
+        r["prefetch_command"] = gpusnap_command(["pull", "--prefetch", ref], opts)
     elif command == "migrate":
-        r["restore_command"] = " ".join(["gpusnap", "restore", ref, *restore_flags(opts)])
+        r["restore_command"] = gpusnap_command(["restore", ref], opts)
     emit(as_json, r, _human)
 
 

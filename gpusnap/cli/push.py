@@ -11,7 +11,8 @@ import click
 from gpusnap.cli import containerd
 from gpusnap.cli import detach as bg
 from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
-from gpusnap.cli.registry_options import registry_options, restore_flags, transfer_progress
+from gpusnap.cli.registry_options import (gpusnap_command, registry_options, restore_flags,
+                                          transfer_progress)
 from gpusnap.cli.trust_options import trust_options
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
@@ -176,8 +177,7 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
     r["container_state"] = container_state(r, leave_running or pre_checkpoint)
     r["restore_command"], r["restore_renamed"] = restore_command(r, registry(), trust, here)
     if pre_checkpoint:
-        r["prefetch_command"] = " ".join(["gpusnap", "pull", "--prefetch", r["pinned"],
-                                          *map(shlex.quote, restore_flags(registry()))])
+        r["prefetch_command"] = gpusnap_command(["pull", "--prefetch", r["pinned"]], registry())
     r["restore_refused"] = restore_refusal(r, registry())
     return r
 

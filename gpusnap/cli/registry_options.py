@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shlex
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -74,6 +75,12 @@ def restore_flags(opts: RegistryOptions) -> list[str]:
     if opts.username is not None:
         flags += ["--username", opts.username, "--password-stdin"]
     return flags
+
+
+def gpusnap_command(args: list[str], opts: RegistryOptions) -> str:
+    """`gpusnap ARGS` with the registry flags a restore or prefetch of what was
+    pushed with ``opts`` needs, quoted for a shell."""
+    return " ".join(shlex.quote(a) for a in ["gpusnap", *args, *restore_flags(opts)])
 
 
 def _build(v: dict) -> Callable[[], RegistryOptions]:

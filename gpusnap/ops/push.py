@@ -220,9 +220,7 @@ def _make_export_whole(exc: BaseException, source: str, export: Path, aside: Pat
     try:
         pages_aside.materialize(export)
     except (OSError, tarfile.TarError) as werr:
-        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else getattr(exc, "message",
-                                                                             str(exc))
-        raise GpusnapError(f"{why}; {source} is checkpointed and stopped; its export could not "
+        raise GpusnapError(f"{_cause(exc)}; {source} is checkpointed and stopped; its export could not "
                            f"take its memory pages ({getattr(werr, 'strerror', None) or werr}), "
                            "so its checkpoint is kept "
                            f"locally, in {container.checkpoint_dir} and {aside}",
@@ -258,12 +256,17 @@ def _local_checkpoint_after_failure(container: podman.Container, aside: Path,
         pages_aside.bring_back(container.checkpoint_dir)
 
 
+def _cause(exc: BaseException) -> str:
+    """What stopped a push, in the words of its error (Ctrl-C: "interrupted")."""
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else getattr(exc, "message",
+                                                                            str(exc))
+
+
 def kept_error(exc: BaseException, container: str, kept: str, again: str,
                back: str) -> GpusnapError:
     """A push that failed after its checkpoint stopped ``container``: what
     failed, where the checkpoint is kept, and the two ways on (engine's words)."""
-    why = "interrupted" if isinstance(exc, KeyboardInterrupt) else getattr(exc, "message", str(exc))
-    return GpusnapError(f"{why}; {container} is checkpointed and stopped, its checkpoint is "
+    return GpusnapError(f"{_cause(exc)}; {container} is checkpointed and stopped, its checkpoint is "
                         f"kept {kept}",
                         f"{again} tries again (chunks already sent are skipped); {back} brings "
                         "it back here",
