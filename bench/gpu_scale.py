@@ -18,6 +18,8 @@ Adam moments rewritten every step), one process on GPU 0:
   gpusnap  `gpusnap migrate CTR REF`, `podman rm`, `gpusnap restore REF`
   tar      as gpusnap, with GPUSNAP_PAGES_ASIDE=0: CRIU's pages through Podman's
            export and import tars (how gpusnap moved them before 2026-11-25)
+  disk     as gpusnap, with GPUSNAP_PAGES_RAM=0: CRIU's pages on the disk on both
+           ends, never in RAM (runtime/memory.py; how gpusnap kept them until 2026-11-25 21:00)
   detach   `gpusnap migrate --detach CTR REF` (back once checkpointed locally),
            `gpusnap status ID --wait`, then as gpusnap
   precopy  `gpusnap migrate -P CTR REF:pre` (the job runs on), `gpusnap pull
@@ -38,7 +40,9 @@ Where things live: the registry's storage on a tmpfs of --ram-gib at
 /mnt/gpusnap-ram (RAM, so the 64 GB disk holds Podman's storage and the
 checkpoint's other copies); scratch archives (gpusnap's staged export, the
 plain and local cases' archives) on --workdir: the disk, or with --stage-gib a
-tmpfs mounted there; each is deleted as soon as the next phase has it.
+tmpfs mounted there; each is deleted as soon as the next phase has it. The
+chunk caches: --cache-dir (put it on the disk where CRIU's pages should go to
+RAM: a cache on a tmpfs takes the memory memory.ram_dir looks for).
 """
 
 from __future__ import annotations
@@ -183,6 +187,11 @@ def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None,
                                    "parallel_bytes", "processes", "chunks_sent")}
     m.phases["rm"] = timed(["podman", "rm", job.name]).seconds
     restore_ref(m, pushed["pinned"], target, events)
+    after = journal_events(mark, cid)  # where CRIU's pages were, each side (runtime/memory.py)
+    m.extra["pages_in_ram"] = {
+        "source": any(e.get("event") == "pages-aside" and
+                      str(e.get("aside", "")).startswith("/dev/shm/") for e in after),
+        "target": any(e.get("event") == "pages-in-place" and e.get("in_ram") for e in after)}
     return m
 
 
@@ -278,6 +287,7 @@ def run(args) -> int:
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.stage_gib}g", "tmpfs",
                         args.workdir], check=True)
     work = Path(tempfile.mkdtemp(prefix="gpusnap-scale-", dir=args.workdir))
+    cache = Path(args.cache_dir) / work.name if args.cache_dir else work / "cache"
     os.environ["GPUSNAP_POLICY"] = str(permissive_policy(work))
     RAM.mkdir(parents=True, exist_ok=True)
     if not os.path.ismount(RAM):
@@ -296,7 +306,7 @@ def run(args) -> int:
                         continue
                     print(f"== {name} ({time.strftime('%H:%M:%S')})", flush=True)
                     try:
-                        row = one_case(size, kind, pipeline, work, results)
+                        row = one_case(size, kind, pipeline, work, results, cache)
                     except (SystemExit, Exception) as exc:  # the next case still runs
                         row = {"case": name, "failed": str(exc)[-3000:]}
                         print(f"{name}: FAILED {str(exc)[-1500:]}", flush=True)
@@ -307,7 +317,8 @@ def run(args) -> int:
     return 0
 
 
-def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path) -> dict:
+def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path,
+             cache: Path) -> dict:
     reg = make_registry(RAM / f"registry-{pipeline}") if pipeline != "local" else None
     job = Job(kind, size)
     print(f"  {job.name}: NVML shows {job.gpu_bytes / 2**30:.2f} GiB in use on GPU 0", flush=True)
@@ -317,16 +328,20 @@ def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path) -
         with Timeline(results / f"{_case_name(size, kind, pipeline)}.timeline.jsonl",
                       reg.root if reg else None):
             if pipeline == "gpusnap":
-                m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:v1"), work / "cache")
+                m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:v1"), cache)
             elif pipeline == "tar":  # pages through Podman's tar, as before pages_aside.py
-                m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:tar"), work / "cache",
+                m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:tar"), cache,
                                  Migration("tar", f"{job.kind} {job.gib:g} GiB"),
                                  {"GPUSNAP_PAGES_ASIDE": "0"})
+            elif pipeline == "disk":  # CRIU's pages on the disk on both ends, as before memory.py
+                m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:disk"), cache,
+                                 Migration("disk", f"{job.kind} {job.gib:g} GiB"),
+                                 {"GPUSNAP_PAGES_RAM": "0"})
             elif pipeline == "detach":
-                m = detach_case(job, reg.ref(f"bench/{kind}-{size:g}:detach"), work / "cache")
+                m = detach_case(job, reg.ref(f"bench/{kind}-{size:g}:detach"), cache)
             elif pipeline == "precopy":
                 m = precopy_case(job, reg.ref(f"bench/{kind}-{size:g}:pre"),
-                                 reg.ref(f"bench/{kind}-{size:g}:final"), work / "cache")
+                                 reg.ref(f"bench/{kind}-{size:g}:final"), cache)
             elif pipeline == "local":
                 m = local_case(job, work)
             else:
@@ -346,7 +361,7 @@ def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path) -
         if reg:
             reg.stop()
             shutil.rmtree(reg.root, ignore_errors=True)
-        shutil.rmtree(work / "cache", ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
     row = m.row()
     row["case"] = _case_name(size, kind, pipeline)
     return row
@@ -364,7 +379,8 @@ def start(args) -> int:
         return 0
     cmd = [sys.executable, __file__, "run", "--results", args.results, "--sizes", args.sizes,
            "--jobs", args.jobs, "--pipelines", args.pipelines, "--workdir", args.workdir,
-           "--ram-gib", str(args.ram_gib), "--stage-gib", str(args.stage_gib)] + (["--plain-train"] if args.plain_train else [])
+           "--ram-gib", str(args.ram_gib), "--stage-gib", str(args.stage_gib),
+           "--cache-dir", args.cache_dir] + (["--plain-train"] if args.plain_train else [])
     log = open(results / "log.txt", "a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -490,6 +506,9 @@ def main() -> int:
     ap.add_argument("--plain-train", action="store_true", help="also the plain pipeline for training")
     ap.add_argument("--workdir", default="/var/tmp")
     ap.add_argument("--ram-gib", type=int, default=70, help="tmpfs for the registries' storage")
+    ap.add_argument("--cache-dir", default="",
+                    help="the chunk caches (default: under --workdir); on the disk, where the "
+                         "tmpfs would take the memory the pages in RAM need (runtime/memory.py)")
     ap.add_argument("--stage-gib", type=int, default=0,
                     help="a tmpfs of this size on --workdir for the scratch archives (0: the disk)")
     ap.add_argument("--seconds", type=float, default=540)

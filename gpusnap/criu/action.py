@@ -122,9 +122,10 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
     folder = Path(image_dir)
     from gpusnap.criu import pages_aside
 
+    in_ram = pages_aside.in_ram(folder)
     moved = pages_aside.bring_back(folder)  # restored tasks cannot follow the links
     if moved:
-        journal.record("pages-in-place", files=moved)
+        journal.record("pages-in-place", files=moved, in_ram=in_ram)
     kept = {name: (folder / name).read_text() for name in (MANIFEST_NAME, PLAN_NAME)
             if (folder / name).exists()}
     if kept:

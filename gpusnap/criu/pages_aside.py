@@ -16,7 +16,17 @@ gpusnap had already read (push) or could write itself (pull). So:
 CRIU cannot follow those links itself: the restored tasks read their pages
 from inside the container's mount namespace, where the absolute path leads
 nowhere. So the pre-restore action (still in the host's namespace) puts each
-file in place of its link (``bring_back``: a rename, a copy across filesystems).
+file in place of its link (``bring_back``): a rename on the same filesystem;
+across filesystems a *relative* link, which does resolve there, because the
+tasks open the images through CRIU's directory descriptor, a host mount, and
+``..`` climbs the host's tree from it (a copy, ~22 s at 32 GiB, is only made
+where the pages must outlive their folder: a failed push's local checkpoint).
+
+Pages in RAM (runtime/memory.py): where the host can spare the memory, the push
+links every ``pages-N.img`` CRIU may write into a folder on /dev/shm before the
+dump (``prelink``), so CRIU writes them there at memory speed instead of to
+the disk; post-dump only drops the links CRIU did not use. Podman's own import
+refuses a relative link that leaves its folder, so the tars keep absolute ones.
 """
 
 from __future__ import annotations
@@ -46,21 +56,70 @@ def is_pages(path: str) -> bool:
     return folder == "checkpoint" and fnmatch.fnmatch(name, PATTERN)
 
 
+def prelink(images: Path, aside: Path, count: int) -> int:
+    """Links ``pages-1.img`` .. ``pages-<count>.img`` in ``images`` to files of
+    the same names in ``aside``, made before a dump: CRIU opens its page images
+    with O_CREAT|O_TRUNC, which follows a link and creates the file it names.
+    (CRIU numbers them from 1, one per task's memory and shared segment.)
+    Names already there are left alone. Returns the links made."""
+    made = 0
+    for n in range(1, count + 1):
+        path = images / f"pages-{n}.img"
+        if path.is_symlink() or path.exists():
+            continue
+        os.symlink(aside / path.name, path)
+        made += 1
+    return made
+
+
+def drop_links(images: Path, aside: Path) -> int:
+    """Remove every pages link of ``images`` into ``aside``: a dump that failed
+    while the container runs on. Left behind, a later `podman container
+    checkpoint` would have CRIU write through them into a folder that is gone."""
+    dropped = 0
+    for path in images.glob(PATTERN):
+        if _prelinked(path, aside):
+            path.unlink()
+            dropped += 1
+    return dropped
+
+
+def _prelinked(path: Path, aside: Path) -> bool:
+    return path.is_symlink() and Path(os.readlink(path)).parent == aside
+
+
 def set_aside(images: Path, aside: Path) -> tuple[int, int]:
     """Move the pages files of ``images`` into ``aside`` (same filesystem), a
-    symlink left for each; (files, bytes). Any failure puts back what moved
-    and raises: the dump must end as CRIU wrote it, or as described here."""
+    symlink left for each; (files, bytes). Files CRIU wrote through ``prelink``'s
+    links are in ``aside`` already (the links it did not use are dropped); one
+    that cannot be moved there (another filesystem) stays where it is, in
+    Podman's export. Any other failure puts back what moved and raises: the
+    dump must end as CRIU wrote it, or as described here."""
     moved: list[Path] = []
-    total = 0
+    files = total = 0
     try:
         for path in sorted(images.glob(PATTERN)):
+            if _prelinked(path, aside):
+                target = aside / path.name
+                if target.is_file():
+                    os.chmod(target, 0o600)  # process memory: root only (CRIU writes 0644)
+                    files, total = files + 1, total + target.stat().st_size
+                else:
+                    path.unlink()  # a link CRIU did not need
+                continue
             if path.is_symlink() or not path.is_file():
                 continue
             target = aside / path.name
-            total += path.stat().st_size
-            os.rename(path, target)
+            size = path.stat().st_size
+            try:
+                os.rename(path, target)
+            except OSError as exc:
+                if exc.errno == errno.EXDEV:
+                    continue
+                raise
             moved.append(path)
-            os.chmod(target, 0o600)  # process memory: root only (CRIU writes 0644)
+            files, total = files + 1, total + size
+            os.chmod(target, 0o600)
             os.symlink(target, path)
     except OSError:
         for path in moved:
@@ -68,7 +127,7 @@ def set_aside(images: Path, aside: Path) -> tuple[int, int]:
                 path.unlink()
             os.rename(aside / path.name, path)
         raise
-    return len(moved), total
+    return files, total
 
 
 def staging_folder(link_target: str) -> Path | None:
@@ -81,9 +140,11 @@ def staging_folder(link_target: str) -> Path | None:
                 None)
 
 
-def bring_back(images: Path) -> int:
-    """Each pages symlink of ``images`` that names a file of ours replaced by
-    that file: renamed, or copied where it lies on another filesystem. Files."""
+def bring_back(images: Path, copy: bool = False) -> int:
+    """Each absolute pages symlink of ``images`` that names a file of ours made
+    readable to the restored tasks: the file renamed into its place, or where
+    it lies on another filesystem a relative link to it (``copy``: a copy, for
+    pages that must outlive their folder). Files."""
     done = 0
     for link in sorted(images.glob(PATTERN)):
         if not link.is_symlink():
@@ -100,11 +161,28 @@ def bring_back(images: Path) -> int:
             if exc.errno != errno.EXDEV:
                 os.symlink(path, link)
                 raise
-            tmp = link.with_name(f".{link.name}.copy")
-            shutil.copyfile(path, tmp)
-            os.rename(tmp, link)
+            if copy:
+                tmp = link.with_name(f".{link.name}.copy")
+                shutil.copyfile(path, tmp)
+                os.rename(tmp, link)
+            else:
+                os.symlink(relative_link(path, images), link)
         done += 1
     return done
+
+
+def in_ram(images: Path) -> bool:
+    """Some pages link of ``images`` names a file in RAM (runtime/memory.py)."""
+    from gpusnap.runtime.memory import in_ram as path_in_ram
+
+    return any(link.is_symlink() and path_in_ram(Path(os.readlink(link)))
+               for link in images.glob(PATTERN))
+
+
+def relative_link(path: str | Path, folder: Path) -> str:
+    """``path`` as a link in ``folder`` that resolves without the host's root:
+    from the real folder (``..`` follows the real parents, not a symlinked path)."""
+    return os.path.relpath(os.path.realpath(path), os.path.realpath(folder))
 
 
 def target(entry: FileEntry) -> Path | None:

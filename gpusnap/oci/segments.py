@@ -24,6 +24,7 @@ the pushing process (the sealing keys are not handed to other processes).
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import os
 import shutil
@@ -33,7 +34,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import chunker
@@ -174,6 +175,7 @@ class FetchSegment:
     out: str  # the file the worker writes (created 0600)
     chunks: list[Chunk]
     offset: int = -1  # >= 0: write into ``out`` (it exists) from there, in place
+    mapped: bool = False  # in place through a shared mapping, not pwrite (_write_mapped)
 
 
 def _init_fetch(ref: str, opts: RegistryOptions, cache_root: str | None) -> None:
@@ -186,6 +188,10 @@ def _init_fetch(ref: str, opts: RegistryOptions, cache_root: str | None) -> None
 def _fetch(seg: FetchSegment) -> dict:
     downloader = _worker["downloader"]
     before = downloader.stats.to_dict()
+    if seg.mapped:
+        _write_mapped(seg.out, seg.offset, sum(c.size for c in seg.chunks),
+                      downloader.fetch(seg.chunks))
+        return _moved(downloader.stats, before)
     in_place = seg.offset >= 0
     fd = os.open(seg.out, os.O_WRONLY | os.O_CLOEXEC if in_place else
                  os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -199,6 +205,30 @@ def _fetch(seg: FetchSegment) -> dict:
     finally:
         os.close(fd)
     return _moved(downloader.stats, before)
+
+
+def _write_mapped(path: str, offset: int, length: int, pieces: Iterable[bytes]) -> None:
+    """``pieces`` copied into ``path`` from ``offset`` through a shared mapping.
+
+    Why not pwrite: every write(2) to one file takes its inode lock, so a dozen
+    workers writing one 36.7 GB pages file on a tmpfs took turns (1.6 GB/s on
+    the H100 host, ~14 cores busy, mostly spinning on that lock); page faults
+    on a shared mapping take no such lock. Only for a tmpfs file that has the
+    room (memory.ram_dir checked it): a mapping of a file the filesystem cannot
+    grow raises SIGBUS, where write(2) would say ENOSPC."""
+    if length == 0:
+        return
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mappings start page-aligned
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        with mmap.mmap(fd, offset + length - start, offset=start) as mm:
+            pos = offset - start
+            for piece in pieces:
+                n = len(piece)
+                mm[pos:pos + n] = piece
+                pos += n
+    finally:
+        os.close(fd)
 
 
 def fetch_segments(chunks: list[Chunk]) -> list[list[Chunk]]:
@@ -263,11 +293,12 @@ class FetchPool:
                                "in the cache") from None
 
     def write_file(self, chunks: list[Chunk], path: Path,
-                   check: Callable[[], None] = lambda: None) -> int:
+                   check: Callable[[], None] = lambda: None, mapped: bool = False) -> int:
         """A file's chunks written into ``path`` by the workers, each segment at
         its offset (no copy through this process, no order to keep): CRIU's
         pages beside Podman's import (criu/pages_aside.py). ``check``: called
-        as segments complete, raises to stop. Returns the bytes written."""
+        as segments complete, raises to stop. ``mapped``: a tmpfs file, written
+        through mappings (_write_mapped). Returns the bytes written."""
         runs = fetch_segments(chunks)
         size = sum(c.size for c in chunks)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -277,7 +308,8 @@ class FetchPool:
             os.close(fd)
         futures, offset = [], 0
         for run in runs:
-            futures.append(self._pool.submit(_fetch, FetchSegment(str(path), run, offset)))
+            futures.append(self._pool.submit(_fetch, FetchSegment(str(path), run, offset,
+                                                                  mapped)))
             offset += sum(c.size for c in run)
         try:
             for future in futures:

@@ -41,6 +41,10 @@ class CheckpointPlan:
     # A push's folder on the images' filesystem: the memory pages are moved
     # there once dumped, out of Podman's export (criu/pages_aside.py).
     pages_aside: Path | None = None
+    # That folder is in RAM: CRIU writes the pages there through links made
+    # before the dump (pages_aside.prelink; runtime/memory.py).
+    pages_prelinked: bool = False
+    gpu_bytes: int = 0  # of ``estimate_bytes``: what the driver moves into host memory first
 
 
 def _free_bytes(path: Path) -> int:
@@ -77,7 +81,8 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
                     f"{estimate >> 20} MiB, {free >> 20} MiB are free; the container keeps running",
                     "free space or export elsewhere (--skip-space-check tries anyway)")
     return CheckpointPlan(container, cuda, export_path, leave_running, tcp_established,
-                          lock_timeout_ms, estimate, export_level=export_level)
+                          lock_timeout_ms, estimate, export_level=export_level,
+                          gpu_bytes=gpu_bytes)
 
 
 def _action_failure(init_pid: int) -> str | None:
@@ -138,6 +143,14 @@ def run(p: CheckpointPlan) -> dict:
     if p.pages_aside is not None:
         requests.put(p.container.pid, "pages", images=str(p.container.checkpoint_dir),
                      aside=str(p.pages_aside))
+        if p.pages_prelinked:
+            from gpusnap.criu import pages_aside
+
+            p.container.checkpoint_dir.mkdir(mode=0o700, exist_ok=True)
+            # A few links per task: each task's memory and each shared segment
+            # takes one pages image; names past these are written to the disk.
+            pages_aside.prelink(p.container.checkpoint_dir, p.pages_aside,
+                                4 * len(process_tree(p.container.pid)) + 32)
     try:
         _dump(p)
     except GpusnapError as exc:
@@ -150,6 +163,10 @@ def run(p: CheckpointPlan) -> dict:
         if state == "running":
             where = "the container is still running"
             _drop_stale_dump(p.container, started_at)
+            if p.pages_prelinked:
+                from gpusnap.criu import pages_aside
+
+                pages_aside.drop_links(p.container.checkpoint_dir, p.pages_aside)
         elif restorable:
             where = f"the container is {state}, its checkpoint is kept locally"
             hint = f"`gpusnap restore {p.container.name}` brings it back; " + (hint or "")

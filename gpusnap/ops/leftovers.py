@@ -34,10 +34,12 @@ STAGING_IDLE_S = 10
 
 
 def _staging_roots() -> set[Path]:
+    from gpusnap.runtime.memory import RAM_ROOT
     from gpusnap.runtime.storage import storage_root
 
     root = storage_root()
-    return {d for d in (root.parent if root else None, Path("/var/tmp")) if d and d.is_dir()}
+    return {d for d in (root.parent if root else None, Path("/var/tmp"), RAM_ROOT)
+            if d and d.is_dir()}
 
 
 def _busy(work: Path) -> bool:

@@ -22,9 +22,9 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.tarfiles import ArchiveWriter, PipeWriter, ReaderStopped
 from gpusnap.oci.transfer import Downloader, Progress
-from gpusnap.runtime import podman
+from gpusnap.runtime import memory, podman
 from gpusnap.runtime import stream as stream_module
-from gpusnap.runtime.storage import PULL_PREFIX, fifo_dir, pages_dir, staging_dir
+from gpusnap.runtime.storage import PULL_PREFIX, discard, fifo_dir, pages_dir, staging_dir
 from gpusnap.trust import remote as trust_remote
 from gpusnap.trust.options import TrustOptions
 
@@ -179,7 +179,8 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
         for entry in b.files:
             if id(entry) in big and pages is not None and pages_aside.is_pages(entry.path):
                 path = pages_aside.path_in(pages, entry)
-                beside += fetch.write_file(entry.chunks, path, lambda: _stopped(cancel))
+                beside += fetch.write_file(entry.chunks, path, lambda: _stopped(cancel),
+                                           mapped=memory.in_ram(path))
                 writer.add_beside(entry, path)
             elif id(entry) in big:
                 pieces = fetch.pieces(entry.chunks)
@@ -312,7 +313,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     job = None
     # CRIU's memory pages go to a folder of their own, not through Podman's
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
-    # the pre-restore action renames the files into place (criu/pages_aside.py).
+    # the pre-restore action renames them into place or links them (criu/pages_aside.py).
     pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=pages_dir(
         remote.bundle.total_bytes))) if pages_aside.enabled() else None
     try:
@@ -336,8 +337,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         raise exc
     finally:
         pool.shutdown(wait=True)
-        if pages is not None:  # empty once restored; else not needed
-            shutil.rmtree(pages, ignore_errors=True)
+        if pages is not None:  # restored (or not needed): in the background, GBs of it
+            discard(pages, pages.parent)
     return result, {**job.result(), "streamed": True}
 
 

@@ -25,7 +25,7 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.ops import early_pages, prefetch
-from gpusnap.runtime import podman
+from gpusnap.runtime import memory, podman
 from gpusnap.runtime.follow import follow
 from gpusnap.runtime.storage import PUSH_PREFIX, discard, image_repo_digests, staging_dir
 from gpusnap.runtime.stream import partial_path, tar_member
@@ -137,17 +137,17 @@ def resolve_source(source: str, leave_running: bool,
     # Plain, not zstd: the chunks are compressed one by one anyway, so a
     # compressed export would be compressed twice and decompressed once more.
     export = work / "checkpoint.tar"
-    # CRIU's memory pages, moved here once dumped (a rename: the images'
-    # filesystem), so Podman's export holds symlinks to them (pages_aside.py).
-    aside = work / "pages" if sets_aside and _same_fs(root, container.userdata) else None
+    aside: Path | None = None  # where CRIU's memory pages go, out of Podman's export
+    in_ram = False
     stopped = False  # the container is down and this archive is all that is left of it
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
     try:
         plan = ops_checkpoint.plan(source, str(export), leave_running, False,
                                    DEFAULT_LOCK_TIMEOUT_MS, export_level=0, container=container)
+        if sets_aside:
+            aside, in_ram = _pages_folder(plan, work, root)
         if aside is not None:  # this push drops the local checkpoint once it read the pages
-            aside.mkdir(mode=0o700)
-            plan.keep, plan.pages_aside = True, aside
+            plan.keep, plan.pages_aside, plan.pages_prelinked = True, aside, in_ram
         if on_checkpoint:
             on_checkpoint(plan.container.name)
         if stream:  # one from an earlier export would be followed as if Podman wrote it
@@ -187,6 +187,8 @@ def resolve_source(source: str, leave_running: bool,
         if aside is not None:
             ops_checkpoint.drop_local(container.userdata)
         discard(work, work.parent)  # the export (and the pages): as large as the checkpoint
+        if in_ram:
+            discard(aside, aside.parent)
         work = None
     finally:
         pool.shutdown(wait=True)
@@ -194,6 +196,24 @@ def resolve_source(source: str, leave_running: bool,
             if aside is not None:
                 _local_checkpoint_after_failure(container, aside, ops_checkpoint.drop_local)
             shutil.rmtree(work, ignore_errors=True)
+            if in_ram:
+                shutil.rmtree(aside, ignore_errors=True)
+
+
+def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
+    """Where CRIU's pages go for this push, and whether that is RAM: a folder on
+    /dev/shm that CRIU writes into through links (the host can spare the pages
+    and the GPU memory the driver moves into the process first:
+    runtime/memory.py), else one beside Podman's storage they are moved into
+    after the dump (a rename: the images' filesystem), else none (the export
+    holds them)."""
+    ram = memory.ram_dir(plan.estimate_bytes, held_too=plan.gpu_bytes)
+    if ram is not None:
+        return Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=ram)), True
+    if _same_fs(root, plan.container.userdata):
+        (work / "pages").mkdir(mode=0o700)
+        return work / "pages", False
+    return None, False
 
 
 def _when_checkpointed(callback: Callable[[dict], None], plan, export: Path,
@@ -248,12 +268,13 @@ def _local_checkpoint_after_failure(container: podman.Container, aside: Path,
     """A push that failed and stopped nothing: a container that runs on has a
     stale dump (dropped); one the failed dump stopped keeps its local
     checkpoint, whose pages go back where CRIU wrote them."""
-    if not any(aside.iterdir()):
-        return
     if podman.exists(container.id) and podman.inspect(container.id).running:
-        drop_local(container.userdata)
-    else:
-        pages_aside.bring_back(container.checkpoint_dir)
+        pages_aside.drop_links(container.checkpoint_dir, aside)
+        if any(aside.iterdir()):
+            drop_local(container.userdata)
+    elif any(aside.iterdir()):
+        # A copy where the pages are in RAM: the checkpoint must outlive the folder.
+        pages_aside.bring_back(container.checkpoint_dir, copy=True)
 
 
 def _cause(exc: BaseException) -> str:

@@ -65,9 +65,16 @@ def staging_dir(size: int, graph_root: Path | None = None) -> Path:
 
 
 def pages_dir(size: int) -> Path:
-    """Where a restore writes CRIU's memory pages: beside Podman's storage, so
-    that the pre-restore action moves them into the container by a rename;
-    /var/tmp (then copied) only where that folder lacks the room."""
+    """Where a restore writes CRIU's memory pages: RAM (/dev/shm) where the host
+    can hold them and the restored process at once (runtime/memory.py; CRIU
+    reads them through a relative link: criu/pages_aside.py); else beside
+    Podman's storage, so that the pre-restore action moves them into the
+    container by a rename; else /var/tmp."""
+    from gpusnap.runtime.memory import ram_dir
+
+    ram = ram_dir(size, held_too=size)
+    if ram is not None:
+        return ram
     root = storage_root()
     near = root.parent if root else None
     if near is not None and near.is_dir() and shutil.disk_usage(near).free >= size:

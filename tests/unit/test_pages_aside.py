@@ -121,3 +121,71 @@ def test_materialize_that_fails_leaves_the_archive_as_it_was(tmp_path, monkeypat
         pages_aside.materialize(archive)
     assert archive.read_bytes() == before
     assert not list(tmp_path.glob(".export.tar.whole"))
+
+
+def test_prelinked_pages_are_written_through_the_links_and_unused_links_go(tmp_path):
+    images = tmp_path / "userdata" / "checkpoint"
+    images.mkdir(parents=True)
+    ram = tmp_path / "shm" / ".gpusnap-push-r"
+    ram.mkdir(parents=True)
+    assert pages_aside.prelink(images, ram, 4) == 4
+    # as CRIU opens them: O_CREAT|O_TRUNC follows the link and makes the file
+    for n, data in ((1, b"A" * 8192), (2, b"B" * 4096)):
+        fd = os.open(images / f"pages-{n}.img", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, data)
+        os.close(fd)
+    (images / "pages-9.img").write_bytes(b"C" * 512)  # past the links: on the images' disk
+    assert pages_aside.set_aside(images, ram) == (3, 8192 + 4096 + 512)
+    assert sorted(p.name for p in images.glob("pages-*")) == ["pages-1.img", "pages-2.img",
+                                                             "pages-9.img"]
+    assert (ram / "pages-1.img").read_bytes() == b"A" * 8192
+    assert os.stat(ram / "pages-1.img").st_mode & 0o777 == 0o600
+    assert (images / "pages-9.img").is_symlink()  # moved (same filesystem here) and linked
+
+
+def test_a_file_on_another_filesystem_stays_in_the_export(tmp_path, monkeypatch):
+    images, aside = _images(tmp_path)
+    real = os.rename
+
+    def exdev(src, dst):
+        if str(src).endswith("pages-2.img"):
+            raise OSError(18, "Invalid cross-device link")
+        real(src, dst)
+    monkeypatch.setattr(os, "rename", exdev)
+    assert pages_aside.set_aside(images, aside) == (1, 8192)
+    assert not (images / "pages-2.img").is_symlink()
+
+
+def test_drop_links_removes_every_link_into_the_folder(tmp_path):
+    images = tmp_path / "checkpoint"
+    images.mkdir()
+    ram = tmp_path / ".gpusnap-push-r"
+    ram.mkdir()
+    pages_aside.prelink(images, ram, 3)
+    (ram / "pages-1.img").write_bytes(b"x")
+    (images / "pages-7.img").write_bytes(b"mine")
+    assert pages_aside.drop_links(images, ram) == 3
+    assert [p.name for p in images.iterdir()] == ["pages-7.img"]
+
+
+def test_bring_back_across_filesystems_links_relatively_or_copies(tmp_path, monkeypatch):
+    images, aside = _images(tmp_path)
+    pages_aside.set_aside(images, aside)
+    real = os.rename
+
+    def exdev(src, dst):
+        if str(src).startswith(str(aside)):
+            raise OSError(18, "Invalid cross-device link")
+        real(src, dst)
+    monkeypatch.setattr(os, "rename", exdev)
+    assert pages_aside.bring_back(images) == 2
+    link = images / "pages-1.img"
+    assert link.is_symlink() and not os.readlink(link).startswith("/")
+    assert os.path.realpath(link) == os.path.realpath(aside / "pages-1.img")
+    assert link.read_bytes() == b"A" * 8192
+    # the links again, then the copy a failed push's local checkpoint needs
+    for name in ("pages-1.img", "pages-2.img"):
+        (images / name).unlink()
+        (images / name).symlink_to(aside / name)
+    assert pages_aside.bring_back(images, copy=True) == 2
+    assert not link.is_symlink() and link.read_bytes() == b"A" * 8192

@@ -1,0 +1,38 @@
+"""runtime/memory.py: pages in RAM only where the host can spare it."""
+
+from __future__ import annotations
+
+from gpusnap.runtime import memory
+
+GiB = 1 << 30
+
+
+def test_meminfo_reads_bytes(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       131072000 kB\nMemAvailable:   100000000 kB\nHugePages_Total:  0\n")
+    info = memory.meminfo(f)
+    assert info["MemTotal"] == 131072000 * 1024 and info["HugePages_Total"] == 0
+    assert memory.meminfo(tmp_path / "missing") == {}
+
+
+def test_ram_only_with_the_reserve_left(tmp_path, monkeypatch):
+    monkeypatch.delenv(memory.ENV, raising=False)
+    info = {"MemTotal": 128 * GiB, "MemAvailable": 100 * GiB}
+    # 128 GiB host: 8 GiB reserve. 37 GB of pages + 34 GB moved off the GPU first: fits
+    assert memory.ram_dir(37 * GiB, 34 * GiB, info, root=tmp_path) == tmp_path
+    # the target: the pages file and the process restored from it
+    assert memory.ram_dir(37 * GiB, 37 * GiB, info, root=tmp_path) == tmp_path
+    assert memory.ram_dir(47 * GiB, 47 * GiB, info, root=tmp_path) is None
+    assert memory.reserve(8 * GiB) == 2 * GiB and memory.reserve(128 * GiB) == 8 * GiB
+    assert memory.ram_dir(1 << 20, 0, {}, root=tmp_path) is None  # meminfo unreadable
+
+
+def test_the_folder_must_have_the_room_and_the_switch_wins(tmp_path, monkeypatch):
+    info = {"MemTotal": 1 << 50, "MemAvailable": 1 << 50}
+    monkeypatch.delenv(memory.ENV, raising=False)
+    assert memory.ram_dir(1 << 50, 0, info, root=tmp_path) is None  # more than the disk holds
+    assert memory.ram_dir(1 << 20, 0, info, root=tmp_path / "absent") is None
+    monkeypatch.setenv(memory.ENV, "0")
+    assert memory.ram_dir(1 << 20, 0, info, root=tmp_path) is None
+    monkeypatch.setenv(memory.ENV, "1")
+    assert memory.ram_dir(1 << 20, 0, {}, root=tmp_path) == tmp_path
