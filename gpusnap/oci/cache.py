@@ -2,15 +2,9 @@
 
 Pulls read from it before the network, so a repeated or interrupted pull
 fetches only what it lacks; pushes look up a raw chunk's blob digest there and
-skip compressing chunks the registry already has. Every entry read back is
+skip compressing chunks the registry already has. Every blob read back is
 checked against its digest (a damaged entry is dropped, never used). Files
 appear by rename, so a killed process leaves no half-written entry.
-
-Two kinds of chunk entries: ``blobs`` as the registry holds them (compressed,
-maybe sealed), and ``raw`` chunks, decompressed, under their raw digest. A
-prefetch stores raw ones: the restore that reads them back is in a migration's
-stop, where decompressing 36.7 GB kept 16 cores busy for 14 s on the H100 host;
-a raw entry costs a read and a digest check (~40% of that CPU).
 """
 
 from __future__ import annotations
@@ -34,7 +28,7 @@ class ChunkCache:
         self.max_bytes = max_bytes
         self._seq = 0
         self._lock = threading.Lock()
-        for sub in ("", "blobs", "raw", "index", "tmp"):  # chunks are process memory: root only
+        for sub in ("", "blobs", "index", "tmp"):  # chunks are process memory: root only
             private_dir(root / sub)
 
     @classmethod
@@ -85,26 +79,6 @@ class ChunkCache:
     def put_blob(self, digest: str, data: bytes | bytearray) -> None:
         self._store(self._path("blobs", digest), data)
 
-    def get_raw(self, digest: str, size: int) -> bytes | None:
-        """A raw chunk, checked against its digest and size (a damaged one is dropped)."""
-        path = self._path("raw", digest)
-        try:
-            data = path.read_bytes()
-        except OSError:
-            return None
-        algo, _, hexd = digest.partition(":")
-        if len(data) != size or hashlib.new(algo, data).hexdigest() != hexd:
-            path.unlink(missing_ok=True)
-            return None
-        os.utime(path)
-        return data
-
-    def has_raw(self, digest: str) -> bool:
-        return self._path("raw", digest).is_file()
-
-    def put_raw(self, digest: str, data: bytes | bytearray) -> None:
-        self._store(self._path("raw", digest), data)
-
     def blob_for(self, raw_digest: str) -> tuple[str, int] | None:
         """(blob digest, blob size) a raw chunk was compressed to before."""
         try:
@@ -117,12 +91,11 @@ class ChunkCache:
         self._store(self._path("index", raw_digest), f"{blob} {blob_size}\n".encode())
 
     def prune(self, keep: frozenset[str] = frozenset()) -> int:
-        """Drop the least recently used entries beyond max_bytes, never those in
-        ``keep`` (blob or raw digests of a prefetched checkpoint); returns bytes freed."""
-        kept = {self._path(kind, d) for d in keep for kind in ("blobs", "raw")}
+        """Drop the least recently used blobs beyond max_bytes, never those in
+        ``keep`` (a prefetched checkpoint's); returns bytes freed."""
+        kept = {self._path("blobs", d) for d in keep}
         entries = []
-        for dirpath, _, names in (w for kind in ("blobs", "raw")
-                                  for w in os.walk(self.root / kind)):
+        for dirpath, _, names in os.walk(self.root / "blobs"):
             with contextlib.suppress(OSError):
                 restrict(dirpath)  # folders of a version that made them 0755
             for name in names:

@@ -201,7 +201,6 @@ class _Once:
         self.started = False
         self.done = threading.Event()
         self.blob: bytes | bytearray | None = None  # None: not kept, fetch it again
-        self.raw = False  # ``blob`` is the raw chunk (a raw cache entry)
         self.left = occurrences  # not yet served
 
 
@@ -223,58 +222,49 @@ class Downloader(_Pool):
         self._once: dict[str, _Once] = {}
         self._kept = 0  # bytes of blobs held for a later occurrence
 
-    def _load(self, chunk: Chunk) -> tuple[bytes | bytearray, str, bool]:
-        """The chunk from the cache (raw, else its blob) or the registry (its
-        blob): (data, "cache" or "network", whether data is the raw chunk)."""
-        if self.cache and self.cipher is None:  # raw entries: a prefetch's (cache.py)
-            raw = self.cache.get_raw(chunk.digest, chunk.size)
-            if raw is not None:
-                return raw, "cache", True
+    def _load(self, chunk: Chunk) -> tuple[bytes | bytearray, str]:
+        """The blob from the cache or the registry, and which ("cache", "network")."""
         blob = self.cache.get_blob(chunk.blob) if self.cache else None
         if blob is not None:
-            return blob, "cache", False
+            return blob, "cache"
         blob = self.client.get_blob(chunk.blob, chunk.blob_size)
         if self.cache:
             self.cache.put_blob(chunk.blob, blob)
-        return blob, "network", False
+        return blob, "network"
 
-    def _blob(self, chunk: Chunk) -> tuple[bytes | bytearray, str, bool]:
-        """_load's answer, "repeat" where another occurrence loaded it."""
+    def _blob(self, chunk: Chunk) -> tuple[bytes | bytearray, str]:
+        """The blob and where it came from: "network", "cache" or "repeat"."""
         with self._lock:
             once = self._once[chunk.blob]
             first, once.started = not once.started, True
         if first:
             try:
-                data, source, raw = self._load(chunk)
+                blob, source = self._load(chunk)
             except BaseException:
                 once.done.set()  # waiters fetch for themselves (and likely fail alike)
                 raise
             with self._lock:
                 once.left -= 1
-                if once.left and self._kept + len(data) <= REPEAT_BYTES:
-                    once.blob, once.raw = data, raw
-                    self._kept += len(data)
+                if once.left and self._kept + len(blob) <= REPEAT_BYTES:
+                    once.blob = blob
+                    self._kept += len(blob)
             once.done.set()
-            return data, source, raw
+            return blob, source
         once.done.wait()
         with self._lock:
             once.left -= 1
-            data, raw = once.blob, once.raw
-            if data is not None and not once.left:
+            blob = once.blob
+            if blob is not None and not once.left:
                 once.blob = None
-                self._kept -= len(data)
-        return (data, "repeat", raw) if data is not None else self._load(chunk)
+                self._kept -= len(blob)
+        return (blob, "repeat") if blob is not None else self._load(chunk)
 
     def _one(self, chunk: Chunk) -> bytes:
-        data, source, is_raw = self._blob(chunk)
-        if is_raw:  # checked against its digest by the cache
-            self._count(chunk.size, 0, chunk.blob_size if source == "cache" else 0,
-                        chunk.blob_size if source == "repeat" else 0)
-            return data
+        blob, source = self._blob(chunk)
         if not hasattr(self._local, "dctx"):
             self._local.dctx = self._zstd.ZstdDecompressor()
-        frame = self.cipher.open_chunk(chunk.digest, data, str(self.client.ref)) \
-            if self.cipher else data
+        frame = self.cipher.open_chunk(chunk.digest, blob, str(self.client.ref)) \
+            if self.cipher else blob
         try:
             raw = self._local.dctx.decompress(frame, max_output_size=chunk.size)
         except self._zstd.ZstdError as exc:
@@ -284,7 +274,7 @@ class Downloader(_Pool):
             raise DigestMismatch(f"chunk {chunk.digest} of {self.client.ref} does not match its "
                                  "digest after decompression",
                                  "the registry's copy is damaged: push the checkpoint again")
-        n = len(data)
+        n = len(blob)
         self._count(chunk.size, n if source == "network" else 0, n if source == "cache" else 0,
                     n if source == "repeat" else 0)
         return raw

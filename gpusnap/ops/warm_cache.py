@@ -3,12 +3,9 @@
 The target of a pre-copy migration runs it on the pre-checkpoint round while
 the container still runs on the source; the restore of the final round then
 reads every chunk that did not change from the cache (transfer.Downloader
-asks the cache first) and fetches only the rest. Chunks are stored raw:
-decompressed here, while the job still runs, so that the restore in the
-migration's stop only reads them and checks their digests (cache.py); a
-sealed checkpoint's blobs are stored as the registry holds them (the keys that
-open them are the restore's). Every entry is checked against its digest here
-and again when a restore reads it. Entries appear by rename: a prefetch killed
+asks the cache first) and fetches only the rest. The blobs are stored as the
+registry holds them (compressed; checked against their digest here and again
+when a restore reads them). Entries appear by rename: a prefetch killed
 halfway is resumed by running it again, and what it stored is not fetched twice.
 """
 
@@ -16,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,10 +21,9 @@ from typing import Callable
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci.cache import ChunkCache
-from gpusnap.oci.lazy import need
 from gpusnap.oci.malloc import one_heap_for_all_threads
 from gpusnap.oci.registry import RegistryOptions
-from gpusnap.oci.transfer import Progress, sha256
+from gpusnap.oci.transfer import Progress
 from gpusnap.ops.pull import OnTrusted, open_remote
 from gpusnap.trust.options import TrustOptions
 
@@ -47,21 +42,6 @@ def _cache(cache_root: Path | None) -> ChunkCache:
     return cache
 
 
-def _decompressed(local: threading.local, chunk: fmt.Chunk, blob: bytes, ref: str) -> bytes:
-    """A blob's raw chunk, checked against the chunk's digest (a thread's own decompressor)."""
-    if not hasattr(local, "dctx"):
-        local.dctx = need("zstandard").ZstdDecompressor()
-    try:
-        data = local.dctx.decompress(blob, max_output_size=chunk.size)
-    except Exception as exc:  # zstandard.ZstdError: a damaged blob
-        raise GpusnapError(f"chunk {chunk.blob} of {ref} is not valid zstd ({exc})",
-                           "push the checkpoint again") from None
-    if len(data) != chunk.size or sha256(data) != chunk.digest:
-        raise GpusnapError(f"chunk {chunk.digest} of {ref} does not match its digest after "
-                           "decompression", "the registry's copy is damaged: push the checkpoint again")
-    return data
-
-
 def prefetch(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = None,
              on_trusted: OnTrusted | None = None, cache_root: Path | None = None,
              workers: int = WORKERS, progress: Progress | None = None,
@@ -72,18 +52,13 @@ def prefetch(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = 
     if on_trusted:
         on_trusted(remote.trust)
     cache = _cache(cache_root)
-    raw = remote.cipher is None
-    # one entry per raw chunk (a sealed checkpoint: per blob); what it takes in the cache
-    chunks = {(c.digest if raw else c.blob): c for f in remote.bundle.files for c in f.chunks}
-    missing = {k: c for k, c in chunks.items()
-               if not (cache.has_raw(k) if raw else cache.has_blob(k))}
-    stored = sum(c.blob_size for c in chunks.values())
-    need = sum(c.blob_size for c in missing.values())
-    room = sum(c.size if raw else c.blob_size for c in missing.values())
+    blobs = {c.blob: c.blob_size for f in remote.bundle.files for c in f.chunks}
+    missing = {d: n for d, n in blobs.items() if not cache.has_blob(d)}
+    stored, need = sum(blobs.values()), sum(missing.values())
     free = shutil.disk_usage(cache.root).free
-    if room > free:
+    if need > free:
         raise GpusnapError(f"the chunk cache {cache.root} has {free >> 20} MiB free, "
-                           f"{remote.client.ref} needs {room >> 20} MiB more",
+                           f"{remote.client.ref} needs {need >> 20} MiB more",
                            "free space there, or point GPUSNAP_CACHE_DIR at a larger "
                            "filesystem; nothing was fetched")
     if total:
@@ -93,23 +68,14 @@ def prefetch(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = 
     one_heap_for_all_threads()  # an arena per thread would keep each one's freed blobs
     start = time.monotonic()
 
-    local = threading.local()
-
-    def one(key: str, chunk: fmt.Chunk) -> None:
-        # checked against its digest (and size)
-        blob = remote.client.get_blob(chunk.blob, chunk.blob_size)
-        n = len(blob)
-        if raw:
-            data = _decompressed(local, chunk, blob, str(remote.client.ref))
-            del blob  # RSS: one chunk per thread while it is written
-            cache.put_raw(key, data)
-        else:
-            cache.put_blob(key, blob)  # sealed blobs stay sealed, as a pull caches them
+    def one(digest: str, size: int) -> None:
+        blob = remote.client.get_blob(digest, size)  # checked against its digest (and size)
+        cache.put_blob(digest, blob)  # sealed blobs stay sealed, as a pull caches them
         if progress:
-            progress(n, n)
+            progress(len(blob), len(blob))
 
     with ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-prefetch") as pool:
-        futures = [pool.submit(one, k, c) for k, c in missing.items()]
+        futures = [pool.submit(one, d, n) for d, n in missing.items()]
         try:
             for f in futures:
                 f.result()
@@ -117,15 +83,15 @@ def prefetch(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = 
             for f in futures:
                 f.cancel()
             raise
-    lost = [k for k in missing if not (cache.has_raw(k) if raw else cache.has_blob(k))]
+    lost = [d for d in missing if not cache.has_blob(d)]
     if lost:  # ChunkCache never fails a transfer on a write error: a prefetch must
-        raise GpusnapError(f"{len(lost)} of {len(chunks)} chunks of {remote.client.ref} could not "
+        raise GpusnapError(f"{len(lost)} of {len(blobs)} chunks of {remote.client.ref} could not "
                            f"be stored in {cache.root} (disk full?)",
                            "free space there and prefetch again: what is stored is kept")
-    cache.prune(keep=frozenset(chunks))
+    cache.prune(keep=frozenset(blobs))
     seconds = time.monotonic() - start
     return {"reference": str(remote.client.ref), "digest": remote.digest,
-            "cache": str(cache.root), "chunks": len(chunks), "chunks_fetched": len(missing),
+            "cache": str(cache.root), "chunks": len(blobs), "chunks_fetched": len(missing),
             "bytes": remote.bundle.total_bytes, "bytes_stored": stored,
             "bytes_fetched": need, "bytes_already_cached": stored - need,
             "over_cache_limit": stored > cache.max_bytes, "cache_limit": cache.max_bytes,

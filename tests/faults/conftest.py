@@ -112,9 +112,7 @@ def journal_mark() -> int:
 
 
 def cached_blobs(cache: Path) -> int:
-    """Chunk entries in a cache: blobs, and raw chunks (a prefetch's: oci/cache.py)."""
-    return sum(1 for kind in ("blobs", "raw") for p in (cache / kind / "sha256").glob("*/*")
-               if p.is_file())
+    return sum(1 for p in (cache / "blobs/sha256").glob("*/*") if p.is_file())
 
 
 def tag_exists(reg: PlainRegistry, repo: str, tag: str) -> bool:

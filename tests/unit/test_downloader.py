@@ -99,30 +99,3 @@ def test_a_failed_first_fetch_fails_the_pull_without_hanging(layout):
     del reg.blobs[chunks[0].blob]
     with pytest.raises(KeyError):
         pull(reg, chunks)
-
-
-def test_raw_entries_a_prefetch_stored_are_read_without_the_registry(layout, tmp_path):
-    reg, chunks, raws = layout
-    cache = ChunkCache(tmp_path / "cache")
-    for c, r in zip(chunks, raws):
-        cache.put_raw(c.digest, r)
-    damaged = chunks[1]
-    cache._path("raw", damaged.digest).write_bytes(b"x" * damaged.size)  # same size, other bytes
-    out, stats, d = pull(reg, chunks, cache)
-    assert out == raws
-    assert list(reg.gets) == [damaged.blob]  # the damaged entry alone was fetched again
-    assert stats.network_bytes == damaged.blob_size
-    assert not cache.has_raw(damaged.digest)  # dropped, never used
-    assert d._kept == 0
-
-
-def test_cache_raw_entries_are_checked_and_pruned_like_blobs(tmp_path):
-    cache = ChunkCache(tmp_path / "c", max_bytes=10)
-    data = b"raw chunk bytes"
-    digest = sha(data)
-    cache.put_raw(digest, data)
-    assert cache.has_raw(digest) and cache.get_raw(digest, len(data)) == data
-    assert cache.get_raw(digest, len(data) + 1) is None and not cache.has_raw(digest)
-    cache.put_raw(digest, data)
-    assert cache.prune(keep=frozenset([digest])) == 0
-    assert cache.prune() == len(data) and not cache.has_raw(digest)
