@@ -72,17 +72,22 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
         gpu_bytes = sum(sum(inv.process_memory.get(p.pid, {}).values()) for p in cuda)
     estimate = rss_bytes(process_tree(container.pid)) + gpu_bytes
     if not skip_space_check:
-        targets = [container.userdata] + ([export_path.parent] if export_path else [])
-        for target in targets:
-            free = _free_bytes(target)
-            if free < estimate:
-                raise GpusnapError(
-                    f"not enough disk space in {target}: the checkpoint needs up to "
-                    f"{estimate >> 20} MiB, {free >> 20} MiB are free; the container keeps running",
-                    "free space or export elsewhere (--skip-space-check tries anyway)")
+        require_space([container.userdata] + ([export_path.parent] if export_path else []),
+                      estimate)
     return CheckpointPlan(container, cuda, export_path, leave_running, tcp_established,
                           lock_timeout_ms, estimate, export_level=export_level,
                           gpu_bytes=gpu_bytes)
+
+
+def require_space(targets: list[Path], needed: int) -> None:
+    """Each folder has ``needed`` bytes free, or the dump is refused before it starts."""
+    for target in targets:
+        free = _free_bytes(target)
+        if free < needed:
+            raise GpusnapError(
+                f"not enough disk space in {target}: the checkpoint needs up to "
+                f"{needed >> 20} MiB, {free >> 20} MiB are free; the container keeps running",
+                "free space or export elsewhere (--skip-space-check tries anyway)")
 
 
 def _action_failure(init_pid: int) -> str | None:

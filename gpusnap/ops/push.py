@@ -142,10 +142,15 @@ def resolve_source(source: str, leave_running: bool,
     stopped = False  # the container is down and this archive is all that is left of it
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
     try:
+        # The disk's room is checked below, once it is known whether the pages go to RAM.
         plan = ops_checkpoint.plan(source, str(export), leave_running, False,
-                                   DEFAULT_LOCK_TIMEOUT_MS, export_level=0, container=container)
+                                   DEFAULT_LOCK_TIMEOUT_MS, skip_space_check=True,
+                                   export_level=0, container=container)
         if sets_aside:
             aside, in_ram = _pages_folder(plan, work, root)
+        if not in_ram:
+            ops_checkpoint.require_space([plan.container.userdata, export.parent],
+                                         plan.estimate_bytes)
         if aside is not None:  # this push drops the local checkpoint once it read the pages
             plan.keep, plan.pages_aside, plan.pages_prelinked = True, aside, in_ram
         if on_checkpoint:
