@@ -245,10 +245,11 @@ def _make_export_whole(exc: BaseException, source: str, export: Path, aside: Pat
     try:
         pages_aside.materialize(export)
     except (OSError, tarfile.TarError) as werr:
+        pages = f"{aside} (RAM: a reboot loses it)" if memory.in_ram(aside) else str(aside)
         raise GpusnapError(f"{_cause(exc)}; {source} is checkpointed and stopped; its export could not "
                            f"take its memory pages ({getattr(werr, 'strerror', None) or werr}), "
                            "so its checkpoint is kept "
-                           f"locally, in {container.checkpoint_dir} and {aside}",
+                           f"locally, in {container.checkpoint_dir} and {pages}",
                            f"`gpusnap restore {source}` brings it back here") from None
     drop_local(container.userdata)
     shutil.rmtree(aside, ignore_errors=True)
