@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from gpusnap.errors import GpusnapError
+from gpusnap.ops.engines import ENGINE, refuse_engine
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, roomiest
 
 if TYPE_CHECKING:
@@ -41,14 +42,13 @@ if TYPE_CHECKING:
     from gpusnap.oci.transfer import Progress
     from gpusnap.ops.containerd_api import Client
     from gpusnap.ops.pull import Remote
-    from gpusnap.ops.push import PushSource
+    from gpusnap.ops.sources import PushSource
     from gpusnap.trust.options import TrustOptions
 
 SCHEME = "containerd://"
 DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
 ADDRESS_ENV = "CONTAINERD_ADDRESS"  # as ctr reads them
 NAMESPACE_ENV = "CONTAINERD_NAMESPACE"
-ENGINE = "containerd"
 CHECKPOINT_IMAGE_PREFIX = "localhost/gpusnap-checkpoint/"
 # containerd's namespace rule (identifiers.Validate)
 _NAMESPACE = re.compile(r"^[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*$")
@@ -170,7 +170,7 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
     checkpointed first, or a checkpoint image laid out."""
     from gpusnap.ops.containerd_api import ContainerdError
     from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image
-    from gpusnap.ops.push import PushSource, dir_size
+    from gpusnap.ops.sources import PushSource, dir_size
 
     address = _address(address)
     loc = parse_uri(source)
@@ -227,7 +227,7 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
             stopped = _only_copy(address, loc.namespace, loc.name, image)
         if not stopped:
             raise
-        from gpusnap.ops.push import kept_error
+        from gpusnap.ops.sources import kept_error
 
         kept = f" and in {dest}" if dest.is_dir() else ""
         again = f"`gpusnap push {dest} REF`" if dest.is_dir() else \
@@ -284,24 +284,6 @@ def target_location(to: str, name: str | None) -> Location:
     if name and container and name != container:
         raise GpusnapError(f"--to names container {container}, --name {name}", "give one of them")
     return Location(namespace, container or name or "")
-
-
-def refuse_engine(summary: dict, where: str, want: str, to: str | None = None) -> None:
-    """One line when a checkpoint of one engine is restored onto the other (before any download)."""
-    engine = summary.get("engine") or "podman"
-    if engine == want:
-        return
-    if engine == ENGINE:
-        c = summary.get(ENGINE) or {}
-        raise GpusnapError(f"{where} is a containerd checkpoint (runtime {c.get('runtime')}); "
-                           "Podman cannot restore it",
-                           f"restore it into containerd: `gpusnap restore {where} --to "
-                           f"containerd://{c.get('namespace') or 'NAMESPACE'}/"
-                           f"{(summary.get('container') or {}).get('name') or 'ID'}`; "
-                           "nothing was downloaded or changed")
-    raise GpusnapError(f"{where} is a Podman checkpoint; containerd cannot restore it",
-                       f"restore it with Podman: `gpusnap restore {where}` without --to {to}; "
-                       "nothing was downloaded or created")
 
 
 @dataclass(frozen=True)

@@ -245,7 +245,7 @@ def pull(ref_text: str, output: str | None, opts: RegistryOptions,
 def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_run: bool):
     """What restore would refuse, refused before gigabytes are downloaded; the GPU plan."""
     if remote.bundle.summary.get("engine", "podman") != "podman":  # containerd's: --to containerd://
-        from gpusnap.ops.containerd_registry import refuse_engine
+        from gpusnap.ops.engines import refuse_engine
         refuse_engine(remote.bundle.summary, str(remote.client.ref), "podman")
     if fmt.is_pre_checkpoint(remote.manifest) and not name:
         raise GpusnapError(f"{remote.client.ref} is a pre-checkpoint: its container kept running "

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import platform
-import shutil
-import tarfile
-import tempfile
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from gpusnap import MANIFEST_NAME, archive
 from gpusnap.criu import pages_aside
-from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci import chunker, reference, segments, tarfiles
@@ -25,10 +19,8 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.ops import early_pages, prefetch
-from gpusnap.runtime import memory, podman
-from gpusnap.runtime.follow import follow
-from gpusnap.runtime.storage import PUSH_PREFIX, discard, image_repo_digests, staging_dir
-from gpusnap.runtime.stream import partial_path, tar_member
+from gpusnap.ops.sources import PushSource, find_container, open_source
+from gpusnap.runtime.storage import image_repo_digests
 from gpusnap.trust.options import TrustOptions
 
 if TYPE_CHECKING:  # cryptography: imported by push() itself
@@ -61,257 +53,6 @@ def layer_scale(estimated_bytes: int) -> int:
     while estimated_bytes > fmt.MAX_LAYERS * _MAX_AVG * scale // 2:
         scale *= 2
     return scale
-
-
-@dataclass
-class PushSource:
-    kind: str  # archive, directory, container
-    path: Path
-    estimated_bytes: int  # decides the chunk scale
-    known_bytes: int | None = None  # for a progress bar, where it is known
-    container: str | None = None  # checkpointed by this push
-    # A container's export as it is written (the checkpoint runs beside the push).
-    follow: Callable[[], BinaryIO] | None = None
-    # Waits for that checkpoint and raises its error: called before the manifest
-    # is put, so a checkpoint that failed late is never published.
-    finish: Callable[[], None] = lambda: None
-    # Podman's bundle dir of that container, while Podman writes into it: files
-    # it copies into the export are chunked there first (prefetch.py).
-    userdata: Path | None = None
-    writer_done: Callable[[], bool] = lambda: True
-
-
-def dir_size(root: Path) -> int:
-    """Bytes of the regular files under ``root``: a directory source's size."""
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def find_container(source: str) -> podman.Container | None:
-    """The Podman container SOURCE names (None: a file, a directory or containerd's);
-    one that names nothing is refused here, before any registry is asked."""
-    if source.startswith("containerd://") or Path(source).is_dir() or Path(source).is_file():
-        return None
-    container = podman.find(source)
-    if container is None:
-        raise GpusnapError(f"{source}: no such file, directory or container",
-                           "pass an exported archive, a checkpoint directory or a running "
-                           "container's name (`podman ps`)")
-    return container
-
-
-@contextmanager
-def resolve_source(source: str, leave_running: bool,
-                   on_checkpoint: Callable[[str], None] | None = None,
-                   stream: bool = True, containerd_address: str | None = None,
-                   container: podman.Container | None = None,
-                   on_checkpointed: Callable[[dict], None] | None = None
-                   ) -> Iterator[PushSource]:
-    """SOURCE as a file stream. A container is checkpointed into a staged plain
-    tar; with ``stream`` the push reads that tar while Podman still writes it
-    (upload overlaps the dump), else once it is complete. ``on_checkpointed``:
-    called once a container's checkpoint succeeded (see push())."""
-    if source.startswith("containerd://"):  # a containerd container or checkpoint image
-        from gpusnap.ops import containerd_registry
-
-        with containerd_registry.push_source(source, leave_running, on_checkpoint,
-                                             containerd_address) as src:
-            yield src
-        return
-    path = Path(source)
-    if path.is_dir():
-        size = dir_size(path)
-        yield PushSource("directory", path, size, size)
-        return
-    if path.is_file():
-        yield PushSource("archive", path, path.stat().st_size * 4)  # zstd -1 of memory: ~2-4x
-        return
-    container = container or find_container(source)
-    from gpusnap.ops import checkpoint as ops_checkpoint  # CRIU/GPU code, only when needed
-
-    sets_aside = stream and pages_aside.enabled()
-    # The export holds the pages only where they are not set aside: then it
-    # needs the roomiest place (36.7 GB at 32 GiB filled the disk beside
-    # Podman's storage, where the set-aside export needs a few MB).
-    root = _work_root(container) if sets_aside else staging_dir(0, container.graph_root)
-    work = Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=root))
-    # Plain, not zstd: the chunks are compressed one by one anyway, so a
-    # compressed export would be compressed twice and decompressed once more.
-    export = work / "checkpoint.tar"
-    aside: Path | None = None  # where CRIU's memory pages go, out of Podman's export
-    in_ram = False
-    stopped = False  # the container is down and this archive is all that is left of it
-    pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
-    try:
-        # The disk's room is checked below, once it is known whether the pages go to RAM.
-        plan = ops_checkpoint.plan(source, str(export), leave_running, False,
-                                   DEFAULT_LOCK_TIMEOUT_MS, skip_space_check=True,
-                                   export_level=0, container=container)
-        if sets_aside:
-            aside, in_ram = _pages_folder(plan, work, root)
-        if not in_ram:
-            ops_checkpoint.require_space([plan.container.userdata, export.parent],
-                                         plan.estimate_bytes)
-        if aside is not None:  # this push drops the local checkpoint once it read the pages
-            plan.keep, plan.pages_aside, plan.pages_prelinked = True, aside, in_ram
-        if on_checkpoint:
-            on_checkpoint(plan.container.name)
-        if stream:  # one from an earlier export would be followed as if Podman wrote it
-            (plan.container.userdata / prefetch.DEVSHM).unlink(missing_ok=True)
-            early_pages.clear_stale(plan.container.checkpoint_dir)
-        job = pool.submit(ops_checkpoint.run, plan)
-        if on_checkpointed:
-            job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside))
-        if not stream:
-            job.result()
-        try:
-            yield PushSource("container", export, plan.estimate_bytes, plan.estimate_bytes,
-                             container=plan.container.name,
-                             follow=(lambda: follow([partial_path(export), export], job.done,
-                                                    head=_manifest_member(plan)))
-                             if stream else None,
-                             finish=job.result,
-                             userdata=plan.container.userdata if stream else None,
-                             writer_done=job.done)
-        except BaseException:
-            # The dump goes on to its end whatever the upload did: what is left
-            # of the container decides what to say.
-            futures_wait([job])
-            job.result()  # a failed checkpoint is the cause: its words
-            stopped = not leave_running
-            raise
-        job.result()
-        stopped = not leave_running
-    except (GpusnapError, KeyboardInterrupt) as exc:
-        if not stopped:
-            raise
-        if aside is not None:  # the export alone must restore anywhere: pages into it
-            _make_export_whole(exc, source, export, aside, container, ops_checkpoint.drop_local)
-        raise kept_error(exc, source, f"in {export}", f"`gpusnap push {export} REF`",
-                         f"`podman rm {source}; gpusnap restore {export}`") from None
-    else:
-        if aside is not None:
-            ops_checkpoint.drop_local(container.userdata)
-        discard(work, work.parent)  # the export (and the pages): as large as the checkpoint
-        if in_ram:
-            discard(aside, aside.parent)
-        work = None
-    finally:
-        pool.shutdown(wait=True)
-        if work is not None and not stopped:
-            if aside is not None:
-                _local_checkpoint_after_failure(container, aside, ops_checkpoint.drop_local)
-            shutil.rmtree(work, ignore_errors=True)
-            if in_ram:
-                shutil.rmtree(aside, ignore_errors=True)
-
-
-def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
-    """Where CRIU's pages go for this push, and whether that is RAM: a folder on
-    /dev/shm that CRIU writes into through links (the host can spare the pages
-    and the GPU memory the driver moves into the process first:
-    runtime/memory.py), else one beside Podman's storage they are moved into
-    after the dump (a rename: the images' filesystem), else none (the export
-    holds them)."""
-    ram = memory.ram_dir(plan.estimate_bytes, held_too=plan.gpu_bytes)
-    if ram is not None:
-        return Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=ram)), True
-    if _same_fs(root, plan.container.userdata):
-        (work / "pages").mkdir(mode=0o700)
-        return work / "pages", False
-    return None, False
-
-
-def _when_checkpointed(callback: Callable[[dict], None], plan, export: Path,
-                       aside: Path | None) -> Callable[[Future], None]:
-    """The checkpoint job's done-callback: ``callback`` with what is on local
-    storage now (the container stopped or resumed, its GPU released)."""
-    def done(job: Future) -> None:
-        if job.cancelled() or job.exception() is not None:
-            return
-        staged = export.stat().st_size if export.exists() else 0
-        if aside is not None:
-            staged += sum(p.stat().st_size for p in aside.iterdir() if p.is_file())
-        callback({"export": str(export), "container": plan.container.name,
-                  "init_pid": plan.container.pid, "seconds": job.result().get("seconds"),
-                  "bytes": staged})
-    return done
-
-
-def _make_export_whole(exc: BaseException, source: str, export: Path, aside: Path,
-                       container: podman.Container, drop_local: Callable[[Path], None]) -> None:
-    """The pages into the kept export, then the local checkpoint and the pages
-    folder go (one copy on disk). Where the export cannot take them (disk
-    full), the local checkpoint stays whole and is what the error offers."""
-    try:
-        pages_aside.materialize(export)
-    except (OSError, tarfile.TarError) as werr:
-        pages = f"{aside} (RAM: a reboot loses it)" if memory.in_ram(aside) else str(aside)
-        raise GpusnapError(f"{_cause(exc)}; {source} is checkpointed and stopped; its export could not "
-                           f"take its memory pages ({getattr(werr, 'strerror', None) or werr}), "
-                           "so its checkpoint is kept "
-                           f"locally, in {container.checkpoint_dir} and {pages}",
-                           f"`gpusnap restore {source}` brings it back here") from None
-    drop_local(container.userdata)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def _work_root(container: podman.Container) -> Path:
-    """Beside Podman's storage, where the pages can be moved by a rename (the
-    export holds little else); elsewhere only if there is no such folder."""
-    root = container.graph_root.parent if container.graph_root else None
-    return root if root is not None and root.is_dir() else staging_dir(0, container.graph_root)
-
-
-def _same_fs(a: Path, b: Path) -> bool:
-    try:
-        return a.stat().st_dev == b.stat().st_dev
-    except OSError:
-        return False
-
-
-def _local_checkpoint_after_failure(container: podman.Container, aside: Path,
-                                    drop_local: Callable[[Path], None]) -> None:
-    """A push that failed and stopped nothing: a container that runs on has a
-    stale dump (dropped); one the failed dump stopped keeps its local
-    checkpoint, whose pages go back where CRIU wrote them."""
-    if podman.exists(container.id) and podman.inspect(container.id).running:
-        pages_aside.drop_links(container.checkpoint_dir, aside)
-        if any(aside.iterdir()):
-            drop_local(container.userdata)
-    elif any(aside.iterdir()):
-        # A copy where the pages are in RAM: the checkpoint must outlive the folder.
-        pages_aside.bring_back(container.checkpoint_dir, copy=True)
-
-
-def _cause(exc: BaseException) -> str:
-    """What stopped a push, in the words of its error (Ctrl-C: "interrupted")."""
-    return "interrupted" if isinstance(exc, KeyboardInterrupt) else getattr(exc, "message",
-                                                                            str(exc))
-
-
-def kept_error(exc: BaseException, container: str, kept: str, again: str,
-               back: str) -> GpusnapError:
-    """A push that failed after its checkpoint stopped ``container``: what
-    failed, where the checkpoint is kept, and the two ways on (engine's words)."""
-    return GpusnapError(f"{_cause(exc)}; {container} is checkpointed and stopped, its checkpoint is "
-                        f"kept {kept}",
-                        f"{again} tries again (chunks already sent are skipped); {back} brings "
-                        "it back here",
-                        exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1)
-
-
-def _manifest_member(plan) -> Callable[[], bytes]:
-    """The GPU manifest as the archive's first member, as `gpusnap checkpoint
-    --export` writes it (restore checks read it without the memory pages).
-    The CRIU action script wrote it during the dump, before Podman's export."""
-    path = plan.container.checkpoint_dir / MANIFEST_NAME
-
-    def member() -> bytes:
-        try:
-            return tar_member(MANIFEST_NAME, path.read_bytes())
-        except FileNotFoundError:
-            return b""  # no CUDA process: no manifest
-    return member
 
 
 def _entries(src: PushSource):
@@ -515,10 +256,10 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     start = time.monotonic()
     processes = segments.default_workers() if processes is None else processes
     cache = ChunkCache.open(cache_root)
-    with resolve_source(source, leave_running, on_checkpoint,
-                        stream=image_format == "gpusnap",
-                        containerd_address=containerd_address, container=container,
-                        on_checkpointed=on_checkpointed) as src:
+    with open_source(source, leave_running, on_checkpoint,
+                     stream=image_format == "gpusnap",
+                     containerd_address=containerd_address, container=container,
+                     on_checkpointed=on_checkpointed) as src:
         if total and src.known_bytes:
             total(src.known_bytes)
         if image_format == "podman":

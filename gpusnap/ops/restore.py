@@ -60,7 +60,7 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
     if path.exists():
         contents = archive.read(str(path), head_only=True)
         if contents.is_containerd_checkpoint:  # restored with --to containerd://
-            from gpusnap.ops.containerd_registry import refuse_engine
+            from gpusnap.ops.engines import refuse_engine
             refuse_engine(contents.summary(), source, "podman")
         config = contents.json_file("config.dump") or {}
         target = name or config.get("name")

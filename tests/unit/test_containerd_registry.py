@@ -16,7 +16,8 @@ from gpusnap.oci import bundle as fmt
 from gpusnap.oci.bundle import FileEntry
 from gpusnap.oci.dirfiles import DirectoryWriter
 from gpusnap.ops.containerd_registry import (
-    Location, _container_of, parse_uri, refuse_engine, target_location)
+    Location, _container_of, parse_uri, target_location)
+from gpusnap.ops.engines import refuse_engine
 
 RUNTIME = "io.containerd.gpusnap.v1"
 
