@@ -43,10 +43,14 @@ for stage in prestart poststop; do
 done
 
 # /etc/criu/runc.conf may hold the admin's own options: manage only our block.
-conf=/etc/criu/runc.conf
+# crun (built against libcriu >= 4.2) reads crun.conf, and runc.conf only when
+# there is no crun.conf: the block goes into both (gpusnap/criu/runtimes.py).
 mkdir -p /etc/criu
-touch $conf
-sed -i '/^# BEGIN gpusnap/,/^# END gpusnap/d' $conf
-{ echo "# BEGIN gpusnap (managed by packaging/install.sh)"; grep -v '^#' "$HERE/criu/runc.conf" | sed '/^$/d'; echo "# END gpusnap"; } >> $conf
+for conf in /etc/criu/runc.conf /etc/criu/crun.conf; do
+  [ "$conf" = /etc/criu/crun.conf ] && [ ! -f $conf ] && ! command -v crun >/dev/null && continue
+  touch $conf
+  sed -i '/^# BEGIN gpusnap/,/^# END gpusnap/d' $conf
+  { echo "# BEGIN gpusnap (managed by packaging/install.sh)"; grep -v '^#' "$HERE/criu/runc.conf" | sed '/^$/d'; echo "# END gpusnap"; } >> $conf
+done
 install -d -m 700 /run/gpusnap
 echo "install: gpusnap $($ROOT/venv/bin/gpusnap --version | awk '{print $3}') in $ROOT"

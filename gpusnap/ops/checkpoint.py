@@ -10,8 +10,9 @@ from pathlib import Path
 
 from gpusnap import MANIFEST_NAME, archive, journal, requests
 from gpusnap.criu.log import first_error as criu_error
-from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, inet_sockets_problem,
-                                  require_supported)
+from gpusnap.criu.runtimes import TRUST_ENV, runs_action_script, why_not
+from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, cuda_plugin_path,
+                                  inet_sockets_problem, require_supported)
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.ops.gpu_state import ensure_running
@@ -67,6 +68,12 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
             raise GpusnapError(f"cannot export to {export_path}: {export_path.parent} is not writable")
     cuda = cuda_processes(container.pid)
     gpu_bytes = 0
+    if cuda and not runs_action_script(container.runtime) and cuda_plugin_path() is None:
+        raise GpusnapError(f"{container.name} has CUDA processes and runs under "
+                           f"{container.runtime}: {why_not(container.runtime)} and its GPU "
+                           "could not be quiesced; the container keeps running",
+                           "run it with `podman run --runtime runc`; where crun is built with "
+                           f"libcriu >= 4.2, set {TRUST_ENV}=1")
     if cuda:
         inv = read_inventory()
         gpu_bytes = sum(sum(inv.process_memory.get(p.pid, {}).values()) for p in cuda)

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 from gpusnap import MANIFEST_NAME
 from gpusnap.criu import pages_aside
 from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
+from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import early_pages, prefetch
 from gpusnap.ops.sources import PushSource, cause, kept_error
@@ -40,7 +41,8 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
     checkpoint succeeded (see push())."""
     from gpusnap.ops import checkpoint as ops_checkpoint  # CRIU/GPU code, only when needed
 
-    sets_aside = stream and pages_aside.enabled()
+    # Only where CRIU runs gpusnap's action script, which moves them (criu/runtimes.py).
+    sets_aside = stream and pages_aside.enabled() and runs_action_script(container.runtime)
     # The export holds the pages only where they are not set aside: then it
     # needs the roomiest place (36.7 GB at 32 GiB filled the disk beside
     # Podman's storage, where the set-aside export needs a few MB).

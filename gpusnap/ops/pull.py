@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from gpusnap.criu import pages_aside
+from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci import podman_image, reference, segments
@@ -315,7 +317,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
     # the pre-restore action renames them into place or links them (criu/pages_aside.py).
     pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=pages_dir(
-        remote.bundle.total_bytes))) if pages_aside.enabled() else None
+        remote.bundle.total_bytes))) \
+        if pages_aside.enabled() and runs_action_script(_restoring_runtime(files)) else None
     try:
         # Leaving this stops the pump: a download blocked on the full pipe fails then.
         # The FIFO's folder is where doctor looks for what a killed CLI left.
@@ -340,6 +343,16 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         if pages is not None:  # restored (or not needed): in the background, GBs of it
             discard(pages, pages.parent)
     return result, {**job.result(), "streamed": True}
+
+
+def _restoring_runtime(files: dict[str, bytes]) -> str:
+    """The OCI runtime Podman restores with: the one config.dump names (Podman
+    keeps the checkpointed container's), else Podman's default."""
+    try:
+        named = json.loads(files.get("config.dump") or b"{}").get("runtime")
+    except (ValueError, AttributeError):
+        named = None
+    return named or podman.default_runtime()
 
 
 def _restore_staged(remote: Remote, name: str | None, keep: bool, tcp_established: bool,

@@ -26,6 +26,7 @@ class Container:
     checkpointed: bool
     userdata: Path  # the bundle dir; CRIU writes into userdata/checkpoint
     devices: list[str]
+    runtime: str = ""  # its OCI runtime (runc, crun): which CRIU configuration it hands on
 
     @property
     def running(self) -> bool:
@@ -83,7 +84,14 @@ def find(name: str) -> Container | None:
         checkpointed=bool(state.get("Checkpointed")),
         userdata=Path(bundle),
         devices=[d.get("PathInContainer", "") for d in data.get("HostConfig", {}).get("Devices") or []],
+        runtime=data.get("OCIRuntime") or "",
     )
+
+
+def default_runtime() -> str:
+    """The OCI runtime Podman uses when none is named ("runc", "crun"); "" if unknown."""
+    res = _run(["info", "--format", "{{.Host.OCIRuntime.Name}}"])
+    return res.stdout.strip() if res.returncode == 0 else ""
 
 
 def version() -> str:

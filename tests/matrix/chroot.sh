@@ -12,6 +12,24 @@ shift
 ROOT=${GPUSNAP_MATRIX_DIR:-/var/cache/gpusnap/matrix}/$DIST-root
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 [ -f "$ROOT/.gpusnap-matrix" ] || { echo "no $ROOT: run tests/matrix/rootfs.sh $DIST" >&2; exit 1; }
+# On a hybrid-cgroup host (v1 controllers beside an empty v2: this one), a
+# runtime in v2 mode (crun) leaves its containers in the v1 cgroups its caller
+# had. From the host's v1 roots, CRIU dumped every v1 cgroup of the host, then
+# failed restoring the root cpuset's cpu_exclusive, and each failed restore
+# left its copies nested under libpod_parent (172,048 of them after a few
+# runs). So the matrix runs in an empty child of each v1 hierarchy.
+if [ -d /sys/fs/cgroup/unified ]; then
+  for c in /sys/fs/cgroup/*/; do
+    [ "$(basename "$c")" = unified ] && continue
+    d=${c}gpusnap-matrix
+    mkdir -p "$d"
+    if [ -f "$d/cpuset.cpus" ]; then
+      cat "${c}cpuset.cpus" > "$d/cpuset.cpus"
+      cat "${c}cpuset.mems" > "$d/cpuset.mems"
+    fi
+    echo $$ > "$d/cgroup.procs"
+  done
+fi
 exec unshare --mount --propagation private bash -c '
   set -e
   R=$1 SRC=$2

@@ -2,13 +2,13 @@
 # The version matrix: the integration tests that matter most, run with newer
 # container stacks than the host's Debian 12 (Podman 4.3 + runc), each in a
 # Debian root filesystem of its own (rootfs.sh, cached) entered by chroot.sh.
-#   tests/matrix/run.sh [DIST:RUNTIME,RUNTIME ...]   default: trixie:runc
-# (trixie:crun: checkpoint works, restore does not yet; see README, "Version matrix")
+#   tests/matrix/run.sh [DIST:RUNTIME,RUNTIME ...]   default: trixie:crun,runc
+# (see README, "Version matrix")
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 [ "$(id -u)" = 0 ] || { echo "run.sh: run as root" >&2; exit 1; }
 rc=0
-for spec in "${@:-trixie:runc}"; do
+for spec in "${@:-trixie:crun,runc}"; do
   dist=${spec%%:*}
   runtimes=${spec#*:}
   bash "$HERE/rootfs.sh" "$dist" || { rc=1; continue; }

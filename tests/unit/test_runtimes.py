@@ -1,0 +1,44 @@
+"""criu/runtimes.py: which runtimes hand CRIU gpusnap's action script."""
+
+from __future__ import annotations
+
+from gpusnap.criu import runtimes
+from gpusnap.ops import pull
+
+
+def test_runc_does_crun_only_when_told(monkeypatch):
+    monkeypatch.delenv(runtimes.TRUST_ENV, raising=False)
+    assert runtimes.runs_action_script("runc")
+    assert runtimes.runs_action_script("/usr/sbin/runc")
+    assert runtimes.runs_action_script("")  # Podman's default where none is told
+    assert not runtimes.runs_action_script("crun")
+    assert not runtimes.runs_action_script("/usr/bin/youki")
+    assert "libcriu >= 4.2" in runtimes.why_not("/usr/bin/crun")
+    monkeypatch.setenv(runtimes.TRUST_ENV, "1")
+    assert runtimes.runs_action_script("crun")
+
+
+def test_a_restore_uses_the_runtime_config_dump_names(monkeypatch):
+    monkeypatch.setattr(pull.podman, "default_runtime", lambda: "crun")
+    assert pull._restoring_runtime({"config.dump": b'{"runtime": "runc"}'}) == "runc"
+    assert pull._restoring_runtime({"config.dump": b'{"name": "x"}'}) == "crun"
+    assert pull._restoring_runtime({"config.dump": b"not json"}) == "crun"
+
+
+def test_a_cuda_container_under_crun_is_refused_before_anything(monkeypatch, tmp_path):
+    import pytest
+
+    from gpusnap.errors import GpusnapError
+    from gpusnap.ops import checkpoint
+    from gpusnap.runtime.podman import Container
+
+    monkeypatch.delenv(runtimes.TRUST_ENV, raising=False)
+    ctr = Container("abc", "llm", "running", 4242, "img", False, tmp_path, [], runtime="crun")
+    monkeypatch.setattr(checkpoint, "require_supported", lambda verb: None)
+    monkeypatch.setattr(checkpoint, "cuda_processes", lambda pid: ["a CUDA process"])
+    monkeypatch.setattr(checkpoint, "cuda_plugin_path", lambda: None)
+    monkeypatch.setattr(checkpoint, "read_inventory", lambda: pytest.fail("the GPU was asked"))
+    with pytest.raises(GpusnapError) as err:
+        checkpoint.plan("llm", None, False, False, 10_000, container=ctr)
+    assert "runs under crun" in err.value.message and "keeps running" in err.value.message
+    assert "--runtime runc" in err.value.hint
