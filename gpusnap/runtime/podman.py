@@ -151,6 +151,11 @@ def restore(source: str, *, archive: bool, name: str | None, keep: bool,
         hint = "`gpusnap inspect` shows what the checkpoint needs"
         if "already in use" in err or "already exists" in err:
             hint = "remove the existing container or restore under another --name"
+        elif "requested static ip" in err or "requested static mac" in err:
+            # Another host's network (a Podman 4 host's 10.88/16 against a Podman 5 host's, say)
+            hint = ("the checkpoint keeps the address it had on its network, which this host's "
+                    "network does not hold: restore it under a new --name (Podman then gives it "
+                    "an address here)")
         raise GpusnapError(f"podman container restore: {err}", hint)
     return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
 

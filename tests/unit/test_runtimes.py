@@ -42,3 +42,20 @@ def test_a_cuda_container_under_crun_is_refused_before_anything(monkeypatch, tmp
         checkpoint.plan("llm", None, False, False, 10_000, container=ctr)
     assert "runs under crun" in err.value.message and "keeps running" in err.value.message
     assert "--runtime runc" in err.value.hint
+
+
+def test_a_static_address_of_another_network_is_explained(monkeypatch):
+    import subprocess
+
+    import pytest
+
+    from gpusnap.errors import GpusnapError
+    from gpusnap.runtime import podman
+
+    err = "Error: requested static ip 10.89.0.2 not in any subnet on network podman\n"
+    monkeypatch.setattr(podman, "_run", lambda args, timeout=None:
+                        subprocess.CompletedProcess(args, 125, "", err))
+    with pytest.raises(GpusnapError) as e:
+        podman.restore("/x.tar.zst", archive=True, name=None, keep=False, tcp_established=False)
+    assert "requested static ip 10.89.0.2" in e.value.message
+    assert "new --name" in e.value.hint
