@@ -8,10 +8,16 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 [ "$(id -u)" = 0 ] || { echo "run.sh: run as root" >&2; exit 1; }
 rc=0
+# Podman 4 <-> 5 archives: this host's Podman exports, each root restores it
+# and exports its own, which this host restores (xver.sh).
+X=$HERE/../../.matrix/xver
+rm -rf "$X" && mkdir -p "$X"
+podman save -q localhost/gpusnap-demo -o "$X/demo.tar" && bash "$HERE/xver.sh" make "$X" from-host || rc=1
 for spec in "${@:-trixie:crun,runc}"; do
   dist=${spec%%:*}
   runtimes=${spec#*:}
   bash "$HERE/rootfs.sh" "$dist" || { rc=1; continue; }
   bash "$HERE/chroot.sh" "$dist" bash /src/tests/matrix/inside.sh "$dist" ${runtimes//,/ } || rc=1
+  [ -f "$X/from-$dist.tar.zst" ] && { bash "$HERE/xver.sh" check "$X" "from-$dist" || rc=1; }
 done
 exit $rc
