@@ -39,6 +39,7 @@ import tarfile
 from pathlib import Path
 
 from gpusnap.oci.bundle import FileEntry
+from gpusnap.runtime.memory import in_ram as path_in_ram
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX
 
 PATTERN = "pages-*.img"
@@ -173,8 +174,6 @@ def bring_back(images: Path, copy: bool = False) -> int:
 
 def in_ram(images: Path) -> bool:
     """Some pages link of ``images`` names a file in RAM (runtime/memory.py)."""
-    from gpusnap.runtime.memory import in_ram as path_in_ram
-
     return any(link.is_symlink() and path_in_ram(Path(os.readlink(link)))
                for link in images.glob(PATTERN))
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap import MANIFEST_NAME, archive, journal, requests
+from gpusnap.criu import pages_aside
 from gpusnap.criu.log import first_error as criu_error
 from gpusnap.criu.runtimes import TRUST_ENV, runs_action_script, why_not
 from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, cuda_plugin_path,
@@ -156,8 +157,6 @@ def run(p: CheckpointPlan) -> dict:
         requests.put(p.container.pid, "pages", images=str(p.container.checkpoint_dir),
                      aside=str(p.pages_aside))
         if p.pages_prelinked:
-            from gpusnap.criu import pages_aside
-
             p.container.checkpoint_dir.mkdir(mode=0o700, exist_ok=True)
             # A few links per task: each task's memory and each shared segment
             # takes one pages image; names past these are written to the disk.
@@ -176,9 +175,7 @@ def run(p: CheckpointPlan) -> dict:
             where = "the container is still running"
             _drop_stale_dump(p.container, started_at)
             if p.pages_prelinked:
-                from gpusnap.criu import pages_aside
-
-                pages_aside.drop_links(p.container.checkpoint_dir, p.pages_aside)
+                    pages_aside.drop_links(p.container.checkpoint_dir, p.pages_aside)
         elif restorable:
             where = f"the container is {state}, its checkpoint is kept locally"
             hint = f"`gpusnap restore {p.container.name}` brings it back; " + (hint or "")

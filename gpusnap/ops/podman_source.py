@@ -23,6 +23,7 @@ from gpusnap.criu import pages_aside
 from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
+from gpusnap.ops import checkpoint as ops_checkpoint
 from gpusnap.ops import early_pages, prefetch
 from gpusnap.ops.sources import PushSource, cause, kept_error
 from gpusnap.runtime import memory, podman
@@ -39,8 +40,6 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
     push reads that tar while Podman still writes it (upload overlaps the
     dump), else once it is complete. ``on_checkpointed``: called once the
     checkpoint succeeded (see push())."""
-    from gpusnap.ops import checkpoint as ops_checkpoint  # CRIU/GPU code, only when needed
-
     # Only where CRIU runs gpusnap's action script, which moves them (criu/runtimes.py).
     sets_aside = stream and pages_aside.enabled() and runs_action_script(container.runtime)
     # The export holds the pages only where they are not set aside: then it
@@ -99,7 +98,7 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         if not stopped:
             raise
         if aside is not None:  # the export alone must restore anywhere: pages into it
-            _make_export_whole(exc, source, export, aside, container, ops_checkpoint.drop_local)
+            _make_export_whole(exc, source, export, aside, container)
         raise kept_error(exc, source, f"in {export}", f"`gpusnap push {export} REF`",
                          f"`podman rm {source}; gpusnap restore {export}`") from None
     else:
@@ -113,7 +112,7 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         pool.shutdown(wait=True)
         if work is not None and not stopped:
             if aside is not None:
-                _local_checkpoint_after_failure(container, aside, ops_checkpoint.drop_local)
+                _local_checkpoint_after_failure(container, aside)
             shutil.rmtree(work, ignore_errors=True)
             if in_ram:
                 shutil.rmtree(aside, ignore_errors=True)
@@ -152,7 +151,7 @@ def _when_checkpointed(callback: Callable[[dict], None], plan, export: Path,
 
 
 def _make_export_whole(exc: BaseException, source: str, export: Path, aside: Path,
-                       container: podman.Container, drop_local: Callable[[Path], None]) -> None:
+                       container: podman.Container) -> None:
     """The pages into the kept export, then the local checkpoint and the pages
     folder go (one copy on disk). Where the export cannot take them (disk
     full), the local checkpoint stays whole and is what the error offers."""
@@ -165,7 +164,7 @@ def _make_export_whole(exc: BaseException, source: str, export: Path, aside: Pat
                            "so its checkpoint is kept "
                            f"locally, in {container.checkpoint_dir} and {pages}",
                            f"`gpusnap restore {source}` brings it back here") from None
-    drop_local(container.userdata)
+    ops_checkpoint.drop_local(container.userdata)
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -183,15 +182,14 @@ def _same_fs(a: Path, b: Path) -> bool:
         return False
 
 
-def _local_checkpoint_after_failure(container: podman.Container, aside: Path,
-                                    drop_local: Callable[[Path], None]) -> None:
+def _local_checkpoint_after_failure(container: podman.Container, aside: Path) -> None:
     """A push that failed and stopped nothing: a container that runs on has a
     stale dump (dropped); one the failed dump stopped keeps its local
     checkpoint, whose pages go back where CRIU wrote them."""
     if podman.exists(container.id) and podman.inspect(container.id).running:
         pages_aside.drop_links(container.checkpoint_dir, aside)
         if any(aside.iterdir()):
-            drop_local(container.userdata)
+            ops_checkpoint.drop_local(container.userdata)
     elif any(aside.iterdir()):
         # A copy where the pages are in RAM: the checkpoint must outlive the folder.
         pages_aside.bring_back(container.checkpoint_dir, copy=True)
