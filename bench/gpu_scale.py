@@ -20,10 +20,13 @@ Adam moments rewritten every step), one process on GPU 0:
            export and import tars (how gpusnap moved them before 2026-11-25)
   disk     as gpusnap, with GPUSNAP_PAGES_RAM=0: CRIU's pages on the disk on both
            ends, never in RAM (runtime/memory.py; how gpusnap kept them until 2026-11-25 21:00)
+  shm      as gpusnap, with GPUSNAP_PAGES_HUGE=0: pages in RAM on /dev/shm's 4 KiB
+           pages, not gpusnap's huge-page tmpfs (how they were kept until 2026-11-26)
   detach   `gpusnap migrate --detach CTR REF` (back once checkpointed locally),
            `gpusnap status ID --wait`, then as gpusnap
   precopy  `gpusnap migrate -P CTR REF:pre` (the job runs on), `gpusnap pull
            --prefetch REF:pre` (the target's cache), then as gpusnap to REF:final
+  precopy-shm  precopy with GPUSNAP_PAGES_HUGE=0
   local    `gpusnap checkpoint CTR --export F`, `podman rm`, `gpusnap restore F`
   plain    driver lock + checkpoint, `podman container checkpoint --export` with
            CRIU not set up for gpusnap, `oras push`, `oras pull`, `podman rm`,
@@ -66,10 +69,13 @@ from migrate import (GPUSNAP, Beat, Migration, container_id, driver_floor,  # no
 
 from timeline import Timeline, summary  # noqa: E402
 
+from gpusnap.runtime import memory  # noqa: E402
+
 from tests.faults.netreg import make_registry  # noqa: E402
 from tests.integration.oci_registry import permissive_policy  # noqa: E402
 
 RAM = Path("/mnt/gpusnap-ram")
+SHM = {memory.HUGE_ENV: "0"}  # pages in RAM on /dev/shm, not gpusnap's huge-page tmpfs
 JOBS = Path(__file__).resolve().parent.parent / "tests" / "gpu" / "jobs.py"
 
 
@@ -164,7 +170,7 @@ class Job:
 
 
 def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None,
-                 env: dict | None = None) -> Migration:
+                 env: dict | None = None, after_push=None) -> Migration:
     """`gpusnap migrate` (stop), `podman rm`, `gpusnap restore REF`; the source
     and the target keep their own chunk caches under ``cache``, as two hosts would."""
     m = m or Migration("gpusnap", f"{job.kind} {job.gib:g} GiB")
@@ -185,12 +191,14 @@ def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None,
     m.extra["chunks"], m.extra["push"] = pushed["chunks"], {
         k: pushed.get(k) for k in ("seconds", "throughput_mb_s", "prefetched_bytes", "layers",
                                    "parallel_bytes", "processes", "chunks_sent")}
+    if after_push:
+        after_push(pushed["pinned"])
     m.phases["rm"] = timed(["podman", "rm", job.name]).seconds
     restore_ref(m, pushed["pinned"], target, events)
     after = journal_events(mark, cid)  # where CRIU's pages were, each side (runtime/memory.py)
     m.extra["pages_in_ram"] = {
         "source": any(e.get("event") == "pages-aside" and
-                      str(e.get("aside", "")).startswith("/dev/shm/") for e in after),
+                      memory.in_ram(Path(str(e.get("aside", "")))) for e in after),
         "target": any(e.get("event") == "pages-in-place" and e.get("in_ram") for e in after)}
     return m
 
@@ -220,12 +228,13 @@ def detach_case(job: Job, ref: str, cache: Path) -> Migration:
     return m
 
 
-def precopy_case(job: Job, pre: str, final: str, cache: Path) -> Migration:
+def precopy_case(job: Job, pre: str, final: str, cache: Path, name: str = "precopy",
+                 env: dict | None = None) -> Migration:
     """`gpusnap migrate -P` (round 1, the job runs on), `gpusnap pull --prefetch`
     on the target, then gpusnap_case's final round and restore. Downtime counts
     from the final round; round 1's pause of the job is reported beside it."""
-    m = Migration("precopy", f"{job.kind} {job.gib:g} GiB")
-    source, target = ({**os.environ, "GPUSNAP_CACHE_DIR": str(cache / side)}
+    m = Migration(name, f"{job.kind} {job.gib:g} GiB")
+    source, target = ({**os.environ, **(env or {}), "GPUSNAP_CACHE_DIR": str(cache / side)}
                       for side in ("source", "target"))
     round1_wall = time.time()
     r = timed([GPUSNAP, "migrate", "-P", job.name, pre, "--plain-http", "--json"], env=source)
@@ -238,10 +247,47 @@ def precopy_case(job: Job, pre: str, final: str, cache: Path) -> Migration:
     m.phases["prefetch (job runs)"], m.rss_kib["gpusnap pull --prefetch"] = r.seconds, r.maxrss_kib
     m.extra["prefetch"] = {k: warm[k] for k in ("bytes_fetched", "chunks", "seconds",
                                                 "throughput_mb_s")}
-    gpusnap_case(job, final, cache, m)
+    m.extra["pages_layout"] = {}  # filled once the final round is pushed: pages_layout()
+    gpusnap_case(job, final, cache, m, env, after_push=lambda pinned: m.extra.update(
+        pages_layout=pages_layout(first["pinned"], pinned)))
     m.extra["round1_pause_s"], _, _ = job.downtime(round1_wall, until=m.extra["start_wall"])
     m.extra["final_bytes_fraction"] = round(m.bytes_up / max(1, first["bytes_sent"]), 4)
     return m
+
+
+def pages_layout(first: str, final: str) -> dict:
+    """How the final round's pages files lie against round 1's, per file: bytes
+    whose chunk is at the same offset in both, bytes whose chunk is somewhere
+    in round 1's file, and the first offset where they part. (Whether a target
+    could patch round 1's file in place rather than write the final one anew.)"""
+    from gpusnap.criu import pages_aside
+    from gpusnap.oci.registry import RegistryOptions
+    from gpusnap.ops.pull import open_remote
+
+    def files(ref: str) -> dict[str, list]:
+        bundle = open_remote(ref, RegistryOptions(plain_http=True)).bundle
+        return {f.path: f.chunks for f in bundle.files if pages_aside.is_pages(f.path)}
+
+    out = {}
+    old_files, new_files = files(first), files(final)
+    for path, chunks in new_files.items():
+        old, at, pos = old_files.get(path, []), {}, 0
+        for c in old:
+            at[(pos, c.digest)] = True
+            pos += c.size
+        known = {c.digest for c in old}
+        same = anywhere = pos = 0
+        parted = None
+        for c in chunks:
+            if (pos, c.digest) in at:
+                same += c.size
+            elif parted is None:
+                parted = pos
+            anywhere += c.size if c.digest in known else 0
+            pos += c.size
+        out[path] = {"bytes": pos, "old_bytes": sum(c.size for c in old), "same_offset": same,
+                     "anywhere": anywhere, "first_difference": parted}
+    return out
 
 
 def local_case(job: Job, work: Path) -> Migration:
@@ -337,6 +383,13 @@ def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path,
                 m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:disk"), cache,
                                  Migration("disk", f"{job.kind} {job.gib:g} GiB"),
                                  {"GPUSNAP_PAGES_RAM": "0"})
+            elif pipeline == "shm":  # pages in RAM on /dev/shm's 4 KiB pages, as before 2026-11-26
+                m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:shm"), cache,
+                                 Migration("shm", f"{job.kind} {job.gib:g} GiB"), SHM)
+            elif pipeline == "precopy-shm":
+                m = precopy_case(job, reg.ref(f"bench/{kind}-{size:g}:pre-shm"),
+                                 reg.ref(f"bench/{kind}-{size:g}:final-shm"), cache,
+                                 "precopy-shm", SHM)
             elif pipeline == "detach":
                 m = detach_case(job, reg.ref(f"bench/{kind}-{size:g}:detach"), cache)
             elif pipeline == "precopy":

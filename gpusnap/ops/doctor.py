@@ -19,6 +19,7 @@ from gpusnap.criu.freezer import is_frozen
 from gpusnap.ops import leftovers
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import PROC, gpu_use
+from gpusnap.runtime import memory
 
 HOOK_FILES = (Path("/etc/containers/oci/hooks.d/gpusnap-prestart.json"),
               Path("/usr/share/containers/oci/hooks.d/gpusnap-prestart.json"))
@@ -133,8 +134,22 @@ def stuck_processes() -> list[dict]:
             and not is_frozen(c.pid)]
 
 
+def _pages_check() -> Check:
+    """Which tmpfs takes CRIU's pages in RAM (runtime/memory.py): gpusnap's
+    huge-page one, or /dev/shm where the kernel's tmpfs has no huge pages."""
+    if memory.huge_mounted():
+        return Check("pages in RAM", True, f"{memory.HUGE_ROOT}: tmpfs with huge pages",
+                     required=False)
+    if Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").exists():
+        return Check("pages in RAM", True, f"{memory.HUGE_ROOT}: a tmpfs with huge pages, "
+                     "mounted by the first push or restore that needs it", required=False)
+    return Check("pages in RAM", False, f"this kernel's tmpfs has no huge pages: "
+                 f"{memory.RAM_ROOT} with 4 KiB pages (CRIU's page I/O is slower)",
+                 "a kernel built with CONFIG_TRANSPARENT_HUGEPAGE", required=False)
+
+
 def run(fix: bool) -> dict:
-    checks = _criu_checks() + _integration_checks() + _gpu_checks()
+    checks = _criu_checks() + _integration_checks() + _gpu_checks() + [_pages_check()]
     checks.append(Check("kernel", True, f"{platform.release()} {platform.machine()}",
                         required=False))
     stuck = stuck_processes()

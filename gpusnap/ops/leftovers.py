@@ -34,11 +34,11 @@ STAGING_IDLE_S = 10
 
 
 def _staging_roots() -> set[Path]:
-    from gpusnap.runtime.memory import RAM_ROOT
+    from gpusnap.runtime.memory import roots as ram_roots
     from gpusnap.runtime.storage import storage_root
 
     root = storage_root()
-    return {d for d in (root.parent if root else None, Path("/var/tmp"), RAM_ROOT)
+    return {d for d in (root.parent if root else None, Path("/var/tmp"), *ram_roots())
             if d and d.is_dir()}
 
 

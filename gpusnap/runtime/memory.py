@@ -13,18 +13,33 @@ will hold at once: on the source the pages and the GPU memory the driver
 moves into the process first; on the target the pages file and the restored
 process (CRIU reads one into the other). Elsewhere the pages go to the disk
 as before. GPUSNAP_PAGES_RAM=0 never uses RAM; =1 skips the memory check
-(/dev/shm must still have the room).
+(the tmpfs must still have the room).
+
+Which tmpfs: one of gpusnap's own, mounted on first use at /run/gpusnap/ram
+with transparent huge pages (``huge=always``), else /dev/shm. CRIU writes
+and reads its pages one 4 KiB page at a time through the page cache, and a
+tmpfs of 4 KiB pages allocates, maps and looks up each one: with 2 MiB
+folios it does so 512 times less often (docs/benchmarks.md, bench/page_io.py).
+/dev/shm itself is left as the host has it (other programs share it).
+GPUSNAP_PAGES_HUGE=0 uses /dev/shm.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 RAM_ROOT = Path("/dev/shm")
+HUGE_ROOT = Path("/run/gpusnap/ram")
 ENV = "GPUSNAP_PAGES_RAM"
+HUGE_ENV = "GPUSNAP_PAGES_HUGE"
 MIN_RESERVE = 2 << 30
+# The tmpfs's own cap; ram_dir's memory check is what keeps the host's reserve.
+HUGE_OPTIONS = "mode=0700,huge=always,size=90%"
 
 
 def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
@@ -47,13 +62,14 @@ def reserve(total: int) -> int:
 
 
 def ram_dir(size: int, held_too: int = 0, info: dict[str, int] | None = None,
-            root: Path = RAM_ROOT) -> Path | None:
-    """``root`` (/dev/shm) for ``size`` bytes of pages, where it has the room and
-    the host can hold them and ``held_too`` more bytes at once with its reserve
-    left; None: the disk."""
+            root: Path | None = None) -> Path | None:
+    """``root`` (default: ram_root()) for ``size`` bytes of pages, where it has
+    the room and the host can hold them and ``held_too`` more bytes at once
+    with its reserve left; None: the disk."""
     mode = os.environ.get(ENV, "auto")
     if mode == "0" or size <= 0:
         return None
+    root = ram_root() if root is None else root
     try:
         if not root.is_dir() or shutil.disk_usage(root).free < size + (64 << 20):
             return None
@@ -68,6 +84,59 @@ def ram_dir(size: int, held_too: int = 0, info: dict[str, int] | None = None,
     return root
 
 
-def in_ram(path: Path, root: Path = RAM_ROOT) -> bool:
-    """``path`` lies in ``root`` (a folder ram_dir gave)."""
-    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
+def ram_root() -> Path:
+    """The tmpfs for pages in RAM: gpusnap's huge-page one (mounted here on
+    first use, by root), else /dev/shm (GPUSNAP_PAGES_HUGE=0, not root, or a
+    kernel whose tmpfs has no huge pages)."""
+    if os.environ.get(HUGE_ENV, "1") == "0":
+        return RAM_ROOT
+    return HUGE_ROOT if mount_huge(HUGE_ROOT) else RAM_ROOT
+
+
+def huge_mounted(point: Path = HUGE_ROOT, mountinfo: Path = Path("/proc/self/mountinfo")) -> bool:
+    """A tmpfs with huge=always is mounted at ``point``."""
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 10 or fields[4] != str(point):
+            continue
+        tail = fields[fields.index("-") + 1:]  # fstype, source, super options
+        if tail[0] == "tmpfs" and "huge=always" in tail[2].split(","):
+            return True
+    return False
+
+
+def mount_huge(point: Path) -> bool:
+    """Mount gpusnap's huge-page tmpfs at ``point`` unless it is there; False
+    where it cannot be (not root, no mount(8), tmpfs without huge pages).
+    A lock beside it: two gpusnap commands must not stack two mounts."""
+    if huge_mounted(point):
+        return True
+    if os.geteuid() != 0:
+        return False
+    try:
+        point.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(point.parent / f".{point.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if huge_mounted(point):
+                return True
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run(["mount", "-t", "tmpfs", "-o", HUGE_OPTIONS, "gpusnap-ram",
+                                str(point)], capture_output=True, timeout=30, check=False)
+    except OSError:
+        return False
+    return huge_mounted(point)
+
+
+def roots() -> tuple[Path, ...]:
+    """Every tmpfs pages in RAM may lie in."""
+    return (HUGE_ROOT, RAM_ROOT)
+
+
+def in_ram(path: Path, root: Path | None = None) -> bool:
+    """``path`` lies in ``root`` (a folder ram_dir gave), by default in any of roots()."""
+    real = Path(os.path.realpath(path))
+    return any(real.is_relative_to(os.path.realpath(r)) for r in ((root,) if root else roots()))

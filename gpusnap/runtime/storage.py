@@ -65,7 +65,7 @@ def staging_dir(size: int, graph_root: Path | None = None) -> Path:
 
 
 def pages_dir(size: int) -> Path:
-    """Where a restore writes CRIU's memory pages: RAM (/dev/shm) where the host
+    """Where a restore writes CRIU's memory pages: RAM (memory.ram_root()) where the host
     can hold them and the restored process at once (runtime/memory.py; CRIU
     reads them through a relative link: criu/pages_aside.py); else beside
     Podman's storage, so that the pre-restore action moves them into the

@@ -36,3 +36,33 @@ def test_the_folder_must_have_the_room_and_the_switch_wins(tmp_path, monkeypatch
     assert memory.ram_dir(1 << 20, 0, info, root=tmp_path) is None
     monkeypatch.setenv(memory.ENV, "1")
     assert memory.ram_dir(1 << 20, 0, {}, root=tmp_path) == tmp_path
+
+
+MOUNTINFO = """\
+22 1 0:21 / /dev/shm rw,nosuid,nodev shared:3 - tmpfs tmpfs rw,inode64
+98 25 0:45 / /run/gpusnap/ram rw,relatime shared:50 - tmpfs gpusnap-ram rw,size=22020096k,mode=700,huge=always,inode64
+99 25 0:46 / /mnt/plain rw,relatime shared:51 - tmpfs tmpfs rw,size=1024k,inode64
+100 25 0:47 / /mnt/ext rw,relatime shared:52 - ext4 /dev/vdb rw,huge=always
+"""
+
+
+def test_huge_mounted_reads_the_super_options(tmp_path):
+    info = tmp_path / "mountinfo"
+    info.write_text(MOUNTINFO)
+    assert memory.huge_mounted(memory.HUGE_ROOT, info)
+    assert not memory.huge_mounted(memory.Path("/mnt/plain"), info)  # tmpfs, 4 KiB pages
+    assert not memory.huge_mounted(memory.Path("/mnt/ext"), info)  # not a tmpfs
+    assert not memory.huge_mounted(memory.Path("/dev/shm"), info)
+    assert not memory.huge_mounted(memory.HUGE_ROOT, tmp_path / "missing")
+
+
+def test_the_switch_keeps_dev_shm(monkeypatch):
+    monkeypatch.setenv(memory.HUGE_ENV, "0")
+    assert memory.ram_root() == memory.RAM_ROOT
+
+
+def test_in_ram_knows_both_roots(tmp_path):
+    assert memory.in_ram(memory.HUGE_ROOT / "gpusnap-push-x" / "pages-1.img")
+    assert memory.in_ram(memory.RAM_ROOT / "gpusnap-pull-x" / "pages-1.img")
+    assert not memory.in_ram(tmp_path / "pages-1.img")
+    assert memory.in_ram(tmp_path / "a", root=tmp_path)
