@@ -41,7 +41,9 @@ is the driver's own checkpoint + restore of the case, from the journal.
 
 Where things live: the registry's storage on a tmpfs of --ram-gib at
 /mnt/gpusnap-ram (RAM, so the 64 GB disk holds Podman's storage and the
-checkpoint's other copies); scratch archives (gpusnap's staged export, the
+checkpoint's other copies), or with --ram-gib 0 on the disk (pre-copy at 32
+GiB on one host: the RAM then holds the pages prepared by the prefetch,
+ops/prepared_pages.py, beside the source's pages and the job); scratch archives (gpusnap's staged export, the
 plain and local cases' archives) on --workdir: the disk, or with --stage-gib a
 tmpfs mounted there; each is deleted as soon as the next phase has it. The
 chunk caches: --cache-dir (put it on the disk where CRIU's pages should go to
@@ -75,6 +77,7 @@ from tests.faults.netreg import make_registry  # noqa: E402
 from tests.integration.oci_registry import permissive_policy  # noqa: E402
 
 RAM = Path("/mnt/gpusnap-ram")
+DISK_REGISTRIES = Path("/var/lib/gpusnap-bench-registries")  # --ram-gib 0
 SHM = {memory.HUGE_ENV: "0"}  # pages in RAM on /dev/shm, not gpusnap's huge-page tmpfs
 JOBS = Path(__file__).resolve().parent.parent / "tests" / "gpu" / "jobs.py"
 
@@ -245,8 +248,9 @@ def precopy_case(job: Job, pre: str, final: str, cache: Path, name: str = "preco
               env=target)
     warm = json.loads(r.stdout)
     m.phases["prefetch (job runs)"], m.rss_kib["gpusnap pull --prefetch"] = r.seconds, r.maxrss_kib
-    m.extra["prefetch"] = {k: warm[k] for k in ("bytes_fetched", "chunks", "seconds",
-                                                "throughput_mb_s")}
+    m.extra["prefetch"] = {k: warm.get(k) for k in ("bytes_fetched", "chunks", "seconds",
+                                                    "throughput_mb_s", "fetch_seconds",
+                                                    "prepared")}
     m.extra["pages_layout"] = {}  # filled once the final round is pushed: pages_layout()
     gpusnap_case(job, final, cache, m, env, after_push=lambda pinned: m.extra.update(
         pages_layout=pages_layout(first["pinned"], pinned)))
@@ -335,8 +339,9 @@ def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpusnap-scale-", dir=args.workdir))
     cache = Path(args.cache_dir) / work.name if args.cache_dir else work / "cache"
     os.environ["GPUSNAP_POLICY"] = str(permissive_policy(work))
-    RAM.mkdir(parents=True, exist_ok=True)
-    if not os.path.ismount(RAM):
+    registries = RAM if args.ram_gib else DISK_REGISTRIES
+    registries.mkdir(parents=True, exist_ok=True)
+    if args.ram_gib and not os.path.ismount(RAM):
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.ram_gib}g", "tmpfs", str(RAM)],
                        check=True)
     try:
@@ -352,7 +357,7 @@ def run(args) -> int:
                         continue
                     print(f"== {name} ({time.strftime('%H:%M:%S')})", flush=True)
                     try:
-                        row = one_case(size, kind, pipeline, work, results, cache)
+                        row = one_case(size, kind, pipeline, work, results, cache, registries)
                     except (SystemExit, Exception) as exc:  # the next case still runs
                         row = {"case": name, "failed": str(exc)[-3000:]}
                         print(f"{name}: FAILED {str(exc)[-1500:]}", flush=True)
@@ -364,8 +369,8 @@ def run(args) -> int:
 
 
 def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path,
-             cache: Path) -> dict:
-    reg = make_registry(RAM / f"registry-{pipeline}") if pipeline != "local" else None
+             cache: Path, registries: Path = RAM) -> dict:
+    reg = make_registry(registries / f"registry-{pipeline}") if pipeline != "local" else None
     job = Job(kind, size)
     print(f"  {job.name}: NVML shows {job.gpu_bytes / 2**30:.2f} GiB in use on GPU 0", flush=True)
     try:
@@ -558,7 +563,8 @@ def main() -> int:
     ap.add_argument("--pipelines", default="gpusnap,local,plain")
     ap.add_argument("--plain-train", action="store_true", help="also the plain pipeline for training")
     ap.add_argument("--workdir", default="/var/tmp")
-    ap.add_argument("--ram-gib", type=int, default=70, help="tmpfs for the registries' storage")
+    ap.add_argument("--ram-gib", type=int, default=70, help="tmpfs for the registries' storage "
+                    f"(0: on the disk, {DISK_REGISTRIES}, leaving the RAM to pages in RAM)")
     ap.add_argument("--cache-dir", default="",
                     help="the chunk caches (default: under --workdir); on the disk, where the "
                          "tmpfs would take the memory the pages in RAM need (runtime/memory.py)")

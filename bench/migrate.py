@@ -395,6 +395,7 @@ def restore_ref(m: Migration, pinned: str, env: dict, push_events: list[dict]) -
     m.rss_kib["gpusnap restore"] = r.maxrss_kib
     m.bytes_down = restored["pull"]["bytes_fetched"]
     m.extra["bytes_from_cache"] = restored["pull"]["bytes_from_cache"]
+    m.extra["pages_prepared"] = restored["pull"].get("pages_prepared")  # ops/prepared_pages.py
     driver_floor(m, journal_events(mark) + push_events)
     return restored
 

@@ -40,6 +40,11 @@ def _human_prefetch(r: dict) -> None:
         console.print(f"  [bold yellow]Warning:[/] the cache now holds more than its limit "
                       f"({human_bytes(r['cache_limit'])}): the next transfer may drop these "
                       "chunks; raise GPUSNAP_CACHE_MAX_BYTES")
+    prepared = r.get("prepared")
+    if prepared:
+        console.print(f"  its memory pages are written out in {prepared['folder']}"
+                      f"{' (RAM)' if prepared['in_ram'] else ''}: a restore links or patches "
+                      "them instead of writing them")
     if r["pre_checkpoint"]:
         console.print("  restore the final round (`gpusnap migrate` on the source pushes it): "
                       "only the chunks that changed since this one are fetched then")

@@ -299,18 +299,27 @@ class FetchPool:
         pages beside Podman's import (criu/pages_aside.py). ``check``: called
         as segments complete, raises to stop. ``mapped``: a tmpfs file, written
         through mappings (_write_mapped). Returns the bytes written."""
-        runs = fetch_segments(chunks)
         size = sum(c.size for c in chunks)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
-        futures, offset = [], 0
-        for run in runs:
-            futures.append(self._pool.submit(_fetch, FetchSegment(str(path), run, offset,
-                                                                  mapped)))
-            offset += sum(c.size for c in run)
+        return self.patch_file([(0, chunks)], path, check, mapped)
+
+    def patch_file(self, runs: list[tuple[int, list[Chunk]]], path: Path,
+                   check: Callable[[], None] = lambda: None, mapped: bool = False) -> int:
+        """Runs of chunks, each (offset, chunks), written into the existing file
+        ``path`` in place, as write_file does (ops/prepared_pages.py: only what
+        differs from a file prepared ahead). Returns the bytes written."""
+        futures, written = [], 0
+        for start, chunks in runs:
+            offset = start
+            for run in fetch_segments(chunks):
+                futures.append(self._pool.submit(_fetch, FetchSegment(str(path), run, offset,
+                                                                      mapped)))
+                offset += sum(c.size for c in run)
+            written += offset - start
         try:
             for future in futures:
                 self._done(future)
@@ -318,7 +327,7 @@ class FetchPool:
         finally:
             for future in futures:
                 future.cancel()
-        return size
+        return written
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

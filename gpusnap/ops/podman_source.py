@@ -24,7 +24,7 @@ from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import checkpoint as ops_checkpoint
-from gpusnap.ops import early_pages, prefetch
+from gpusnap.ops import early_pages, prefetch, prepared_pages
 from gpusnap.ops.sources import PushSource, cause, kept_error
 from gpusnap.runtime import memory, podman
 from gpusnap.runtime.follow import follow
@@ -122,10 +122,11 @@ def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
     """Where CRIU's pages go for this push, and whether that is RAM: a folder on
     /dev/shm that CRIU writes into through links (the host can spare the pages
     and the GPU memory the driver moves into the process first:
-    runtime/memory.py), else one beside Podman's storage they are moved into
+    runtime/memory.py; pages prepared for a restore give way: prepared_pages),
+    else one beside Podman's storage they are moved into
     after the dump (a rename: the images' filesystem), else none (the export
     holds them)."""
-    ram = memory.ram_dir(plan.estimate_bytes, held_too=plan.gpu_bytes)
+    ram = prepared_pages.evict_for(plan.estimate_bytes, held_too=plan.gpu_bytes)
     if ram is not None:
         return Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=ram)), True
     if _same_fs(root, plan.container.userdata):

@@ -24,6 +24,7 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.tarfiles import ArchiveWriter, PipeWriter, ReaderStopped
 from gpusnap.oci.transfer import Downloader, Progress
+from gpusnap.ops import prepared_pages
 from gpusnap.runtime import memory, podman
 from gpusnap.runtime import stream as stream_module
 from gpusnap.runtime.storage import PULL_PREFIX, discard, fifo_dir, pages_dir, staging_dir
@@ -154,10 +155,13 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
                 cache_root: Path | None = None, workers: int = WORKERS,
                 progress: Progress | None = None,
                 total: Callable[[int], None] | None = None,
-                cancel: threading.Event | None = None, processes: int | None = None) -> dict:
+                cancel: threading.Event | None = None, processes: int | None = None,
+                prepared: prepared_pages.Match | None = None) -> dict:
     """The bundle's files, each chunk fetched (cache first) and verified, into
     ``writer`` (an ArchiveWriter, or a DirectoryWriter: add/commit/abort).
-    ``cancel`` set stops it between two chunks (the reader gave up)."""
+    ``cancel`` set stops it between two chunks (the reader gave up).
+    ``prepared``: pages files written ahead on this host (ops/prepared_pages.py),
+    linked or patched instead of written anew."""
     cache = ChunkCache.open(cache_root) if use_cache else None
     processes = segments.default_workers() if processes is None else processes
     b = remote.bundle
@@ -181,8 +185,13 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
         for entry in b.files:
             if id(entry) in big and pages is not None and pages_aside.is_pages(entry.path):
                 path = pages_aside.path_in(pages, entry)
-                beside += fetch.write_file(entry.chunks, path, lambda: _stopped(cancel),
-                                           mapped=memory.in_ram(path))
+                runs = prepared_pages.use(prepared, entry, path) if prepared else None
+                if runs is None:
+                    beside += fetch.write_file(entry.chunks, path, lambda: _stopped(cancel),
+                                               mapped=memory.in_ram(path))
+                else:
+                    beside += fetch.patch_file(runs, path, lambda: _stopped(cancel),
+                                               mapped=memory.in_ram(path))
                 writer.add_beside(entry, path)
             elif id(entry) in big:
                 pieces = fetch.pieces(entry.chunks)
@@ -209,7 +218,7 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "processes": fetch.workers if fetch else 0, "pages_written_in_place": beside,
-            "trust": remote.trust}
+            "pages_prepared": prepared_pages.report(prepared), "trust": remote.trust}
 
 
 def _stopped(cancel: threading.Event | None) -> None:
@@ -316,9 +325,12 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     # CRIU's memory pages go to a folder of their own, not through Podman's
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
     # the pre-restore action renames them into place or links them (criu/pages_aside.py).
-    pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=pages_dir(
-        remote.bundle.total_bytes))) \
-        if pages_aside.enabled() and runs_action_script(_restoring_runtime(files)) else None
+    aside = pages_aside.enabled() and runs_action_script(_restoring_runtime(files))
+    prepared = prepared_pages.best(remote.bundle) if aside else None
+    if prepared is not None and not prepared_pages.claim(prepared):
+        prepared = None  # another restore took it: written anew
+    pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
+        if aside else None
     try:
         # Leaving this stops the pump: a download blocked on the full pipe fails then.
         # The FIFO's folder is where doctor looks for what a killed CLI left.
@@ -326,7 +338,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
                 stream_module.import_piped(Path(near), stream_module.config_tar(files), opens,
                                            target) as (fifo, sink):
             job = pool.submit(write_files, remote, PipeWriter(sink, pages), Path(label),
-                              cancel=cancel, **kw)
+                              cancel=cancel, prepared=prepared, **kw)
             result = ops_restore.import_archive(nullcontext(fifo), contents, plan, name, keep,
                                                 tcp_established, label)
     except BaseException as exc:
@@ -342,7 +354,18 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         pool.shutdown(wait=True)
         if pages is not None:  # restored (or not needed): in the background, GBs of it
             discard(pages, pages.parent)
+        prepared_pages.release(prepared)
     return result, {**job.result(), "streamed": True}
+
+
+def _pages_root(remote: Remote, prepared: prepared_pages.Match | None) -> Path:
+    """Where a restore writes CRIU's pages: beside the prepared files it links or
+    moves (the same filesystem), else RAM (prepared files of other checkpoints
+    give way there: prepared_pages.evict_for), else pages_dir's disk."""
+    if prepared is not None:
+        return prepared.root
+    size = remote.bundle.total_bytes
+    return prepared_pages.evict_for(size, held_too=size) or pages_dir(size)
 
 
 def _restoring_runtime(files: dict[str, bytes]) -> str:

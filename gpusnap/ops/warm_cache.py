@@ -7,6 +7,10 @@ asks the cache first) and fetches only the rest. The blobs are stored as the
 registry holds them (compressed; checked against their digest here and again
 when a restore reads them). Entries appear by rename: a prefetch killed
 halfway is resumed by running it again, and what it stored is not fetched twice.
+
+Then the pages files themselves are written out from the cache, while the job
+still runs on the source (ops/prepared_pages.py): the restore of the final
+round patches them where they differ, a replica of REF links them.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ from typing import Callable
 
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
+from gpusnap.oci import segments
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.malloc import one_heap_for_all_threads
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.oci.transfer import Progress
+from gpusnap.criu import pages_aside
+from gpusnap.ops import prepared_pages
 from gpusnap.ops.pull import OnTrusted, open_remote
 from gpusnap.trust.options import TrustOptions
 
@@ -89,6 +96,8 @@ def prefetch(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = 
                            f"be stored in {cache.root} (disk full?)",
                            "free space there and prefetch again: what is stored is kept")
     cache.prune(keep=frozenset(blobs))
+    fetched_in = time.monotonic() - start
+    prepared = _prepare(remote, cache)
     seconds = time.monotonic() - start
     return {"reference": str(remote.client.ref), "digest": remote.digest,
             "cache": str(cache.root), "chunks": len(blobs), "chunks_fetched": len(missing),
@@ -98,4 +107,20 @@ def prefetch(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = 
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(need / seconds / 1e6, 1) if seconds else None,
             "pre_checkpoint": fmt.is_pre_checkpoint(remote.manifest),
+            "fetch_seconds": round(fetched_in, 3), "prepared": prepared,
             "trust": remote.trust}
+
+
+def _prepare(remote, cache: ChunkCache) -> dict | None:
+    """The pages files written out ahead where a restore would write them beside
+    Podman's import (worker processes, pages set aside, nothing sealed)."""
+    workers = segments.default_workers()
+    if remote.cipher is not None or workers < 2 or not pages_aside.enabled() \
+            or not prepared_pages.big_pages(remote.bundle):
+        return None
+    pool = segments.FetchPool(str(remote.client.ref), remote.client.opts, cache.root, workers,
+                              lambda counts: None)
+    try:
+        return prepared_pages.prepare(remote.bundle, remote.digest, pool)
+    finally:
+        pool.close()

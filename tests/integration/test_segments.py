@@ -4,6 +4,7 @@ the same chunks as the one-stream path, the same bytes back."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import json
 import subprocess
 import tarfile
@@ -181,3 +182,61 @@ def test_big_process_memory_moves_beside_podmans_tars_and_comes_back_whole(regis
     left = [p for d in (Path("/var/lib/containers"), Path("/var/tmp"))
             for p in d.glob(".gpusnap-pull-*") if any(p.glob("pages-*.img"))]
     assert not left, left  # the pages folder goes with the restore
+
+
+def test_pages_prepared_by_a_prefetch_are_patched_for_the_final_round_and_linked_for_replicas(
+        registry, name):
+    """Pre-copy of a container with ~300 MB of process memory: `pull --prefetch`
+    of round 1 writes its pages file out (ops/prepared_pages.py); the restore of
+    the final round patches it in place, writing only what moved, and the
+    process's memory is as before. A prefetch of the final round prepares it
+    again, and two replicas restored from it link that file: nothing written."""
+    from tests.conftest import DEMO_IMAGE, wait_counter
+
+    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
+                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
+    wait_counter(name, 3, timeout=120)
+    before = _md5_of_memory(name)
+    repo = registry.ref(f"ckpt/prepared-{uuid.uuid4().hex[:8]}")
+    flags = [*registry.flags(), "--json"]
+    res = run([GPUSNAP, "migrate", "-P", name, f"{repo}:pre", *flags], input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    pre_pinned = json.loads(res.stdout)["pinned"]
+    res = run([GPUSNAP, "pull", "--prefetch", pre_pinned, *flags],
+              input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    prepared = json.loads(res.stdout)["prepared"]
+    assert prepared and prepared["bytes"] >= 256 << 20, prepared
+    folder = Path(prepared["folder"])
+    assert (folder / "index.json").is_file() and (folder / "pages-1.img").is_file()
+    res = run([GPUSNAP, "migrate", name, f"{repo}:final", *flags], input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    final = json.loads(res.stdout)["pinned"]
+    subprocess.run(["podman", "rm", name], check=True, capture_output=True)
+    res = run([GPUSNAP, "restore", final, *flags], input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    pulled = json.loads(res.stdout)["pull"]
+    took = pulled["pages_prepared"]
+    assert took and took["how"] == "patched" and took["folder"] == str(folder), pulled
+    assert took["bytes_reused"] >= 200 << 20, took  # the base64 text lay where it was
+    assert pulled["pages_written_in_place"] < 64 << 20, pulled
+    assert not folder.exists()  # spent by the patch
+    assert _md5_of_memory(name) == before
+
+    res = run([GPUSNAP, "pull", "--prefetch", final, *flags], input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    folder = Path(json.loads(res.stdout)["prepared"]["folder"])
+    replicas = [f"{name}-r{n}" for n in (1, 2)]
+    try:
+        for replica in replicas:
+            res = run([GPUSNAP, "restore", final, "--name", replica, *flags],
+                      input=PASSWORD + "\n")
+            assert res.returncode == 0, (res.stdout, res.stderr)
+            pulled = json.loads(res.stdout)["pull"]
+            assert pulled["pages_prepared"]["how"] == "linked", pulled
+            assert pulled["pages_written_in_place"] == 0, pulled
+            assert _md5_of_memory(replica) == before
+        assert (folder / "pages-1.img").is_file()  # still there for the next replica
+    finally:
+        subprocess.run(["podman", "rm", "-f", *replicas], capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,370 @@
+"""CRIU's pages files written ahead on a target, so that a restore writes only what differs.
+
+A restore of REF writes each big ``pages-N.img`` from chunks (the cache first)
+before CRIU can read it: 14 s of a 32 GiB pre-copy's 70 s stop on the H200
+host, 6.4 s of a warm-cache replica's 16 s (docs/benchmarks.md), though the
+bytes were on the host already. `gpusnap pull --prefetch REF` therefore
+leaves the pages files of REF written out in a *prepared* folder (RAM where
+runtime/memory.py allows, else beside Podman's storage), with their chunk
+lists in ``index.json``; a later restore compares its own chunk lists with it:
+
+- the same file (a replica of REF): a hard link, nothing written; the
+  prepared file stays for the next replica;
+- at least half the bytes the same chunk at the same offset (the final round
+  of a pre-copy: 91.5% of an 8 GiB inference job's pages file lay where round
+  1's had, measured on the H200): the prepared folder is claimed (renamed, so
+  one restore has it), each file resized and only the differing runs of
+  chunks written in place; the folder is gone afterwards;
+- otherwise the file is written anew, as before.
+
+Every way out of a failed claim or link (another restore took it, memory
+pressure evicted it) falls back to writing anew. Prepared folders in RAM give
+way, oldest first, to a push or restore that needs the memory (ram_dir).
+Sealed (encrypted) checkpoints are not prepared: their chunks are opened in
+the pulling process only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpusnap import journal
+from gpusnap.criu import pages_aside
+from gpusnap.oci import segments
+from gpusnap.oci.bundle import Bundle, Chunk, FileEntry
+from gpusnap.runtime import memory
+from gpusnap.runtime.storage import PULL_PREFIX, storage_root
+
+PREFIX = "gpusnap-prepared-"
+INDEX = "index.json"
+NEAR = 0.5  # share of the bytes that must lie in place for a patch to beat writing anew
+
+Runs = list[tuple[int, list[Chunk]]]  # (offset, consecutive chunks) still to write
+
+
+def big_pages(bundle: Bundle) -> list[FileEntry]:
+    """The pages files a restore writes beside Podman's import (ops/pull.write_files)."""
+    return [f for f in bundle.files if f.type == "file" and pages_aside.is_pages(f.path)
+            and segments.worth_fetching(f.size)]
+
+
+def _layout(chunks: list[Chunk] | list[list]) -> list[tuple[str, int]]:
+    return [(c.digest, c.size) if isinstance(c, Chunk) else (str(c[0]), int(c[1]))
+            for c in chunks]
+
+
+@dataclass
+class Patch:
+    """How a prepared file becomes a restore's: bytes already in place, moves
+    within the file (src, dst, size) for chunks it holds elsewhere (what a
+    few pages more or less before them shift), and runs still to fetch."""
+    same: int = 0
+    moves: list[tuple[int, int, int]] = field(default_factory=list)
+    runs: Runs = field(default_factory=list)
+
+    @property
+    def moved(self) -> int:
+        return sum(m[2] for m in self.moves)
+
+
+def plan_patch(new: list[Chunk], old: list[tuple[str, int]]) -> Patch:
+    """``new``'s chunks against the old file's: in place, movable (the same
+    chunk at another offset), or runs to fetch, each with its offset."""
+    at, where, pos = set(), {}, 0
+    for digest, size in old:
+        at.add((pos, digest, size))
+        where.setdefault((digest, size), pos)
+        pos += size
+    patch, pos, run_end = Patch(), 0, -1
+    for c in new:
+        src = where.get((c.digest, c.size))
+        if (pos, c.digest, c.size) in at:
+            patch.same += c.size
+        elif src is not None:
+            patch.moves.append((src, pos, c.size))
+        elif run_end == pos:
+            patch.runs[-1][1].append(c)
+            run_end = pos + c.size
+        else:
+            patch.runs.append((pos, [c]))
+            run_end = pos + c.size
+        pos += c.size
+    return patch
+
+
+class _Written:
+    """Disjoint byte ranges written so far (a patch's destinations never overlap)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def overlaps(self, start: int, end: int) -> bool:
+        i = bisect.bisect_left(self.starts, end)
+        return i > 0 and self.ends[i - 1] > start
+
+    def add(self, start: int, end: int) -> None:
+        i = bisect.bisect_left(self.starts, start)
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+
+
+def apply_moves(fd: int, moves: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Copy each (src, dst, size) within the file, in an order that reads every
+    source before anything is written over it where it can: moves forward from
+    the end, then moves backward from the start (a shift by a few pages is then
+    copied whole). A move whose source was already written over is returned,
+    not done: its chunk is fetched instead."""
+    ahead = sorted((m for m in moves if m[1] > m[0]), key=lambda m: m[1], reverse=True)
+    back = sorted((m for m in moves if m[1] < m[0]), key=lambda m: m[1])
+    written, left = _Written(), []
+    for src, dst, size in ahead + back:
+        if written.overlaps(src, src + size):
+            left.append((src, dst, size))
+            continue
+        data = os.pread(fd, size, src)
+        view = memoryview(data)
+        pos = dst
+        while view:
+            n = os.pwrite(fd, view, pos)
+            view, pos = view[n:], pos + n
+        written.add(dst, dst + size)
+    return left
+
+
+def roots() -> list[Path]:
+    """Where prepared folders may lie: the RAM roots, and beside Podman's storage."""
+    root = storage_root()
+    return [r for r in (*memory.roots(), root.parent if root else None) if r and r.is_dir()]
+
+
+def folders(where: list[Path] | None = None) -> list[Path]:
+    """Complete prepared folders (their index written last), oldest first."""
+    found = []
+    for root in where if where is not None else roots():
+        try:
+            found += [p for p in root.glob(PREFIX + "*") if (p / INDEX).is_file()]
+        except OSError:
+            continue
+    return sorted(found, key=lambda p: _mtime(p / INDEX))
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _index(folder: Path) -> dict:
+    try:
+        return json.loads((folder / INDEX).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclass
+class Match:
+    """The prepared folder a restore reads from, and how: ``exact`` (link its
+    files) or a patch (claim the folder, then write ``runs`` per file)."""
+    folder: Path
+    exact: bool
+    layouts: dict[str, list[tuple[str, int]]]
+    same_bytes: int
+    claimed: Path | None = None
+    reused: int = 0
+    used: list[str] = field(default_factory=list)
+
+    @property
+    def root(self) -> Path:
+        return self.folder.parent
+
+
+def best(bundle: Bundle, where: list[Path] | None = None) -> Match | None:
+    """The prepared folder that spares a restore of ``bundle`` the most writing:
+    one holding its very files, else the one with the most bytes in place (at
+    least NEAR of them); None where none helps."""
+    entries = big_pages(bundle)
+    total = sum(f.size for f in entries)
+    if not total:
+        return None
+    top: Match | None = None
+    for folder in folders(where):
+        layouts = {k: _layout(v) for k, v in _index(folder).get("files", {}).items()}
+        same = exact = 0
+        for f in entries:
+            old = layouts.get(f.path)
+            if old is None:
+                continue
+            if old == _layout(f.chunks):
+                exact += f.size
+                same += f.size
+            else:
+                patch = plan_patch(f.chunks, old)
+                same += patch.same + patch.moved
+        match = Match(folder, exact == total, layouts, same)
+        if match.exact:
+            return match
+        if same >= NEAR * total and (top is None or same > top.same_bytes):
+            top = match
+    return top
+
+
+def claim(match: Match) -> bool:
+    """A patch's folder renamed to one of this restore's own (a pull folder: a
+    killed restore's is found by doctor); False: another restore or an eviction
+    took it first."""
+    if match.exact:
+        return True
+    claimed = match.root / f"{PULL_PREFIX}claimed-{match.folder.name}-{os.getpid()}"
+    try:
+        os.rename(match.folder, claimed)
+    except OSError:
+        return False
+    match.claimed = claimed
+    return True
+
+
+def use(match: Match, entry: FileEntry, path: Path) -> Runs | None:
+    """``entry``'s prepared file put at ``path`` (a link, or the claimed file
+    moved there and resized); the runs still to write into it in place.
+    None: write it anew (no such file, or it went away)."""
+    old = match.layouts.get(entry.path)
+    name = entry.path.rpartition("/")[2]
+    if old is None:
+        return None
+    try:
+        if match.exact:
+            os.link(match.folder / name, path)
+            runs: Runs = []
+        elif match.claimed is not None:
+            os.rename(match.claimed / name, path)
+            runs = _patch(path, entry, old)
+        else:
+            return None
+    except OSError:
+        return None
+    written = sum(c.size for _, run in runs for c in run)
+    match.reused += entry.size - written
+    match.used.append(entry.path)
+    return runs
+
+
+def report(match: Match | None) -> dict | None:
+    """What a restore took from a prepared folder, for --json."""
+    if match is None or not match.used:
+        return None
+    return {"folder": str(match.folder), "how": "linked" if match.exact else "patched",
+            "files": len(match.used), "bytes_reused": match.reused}
+
+
+def _patch(path: Path, entry: FileEntry, old: list[tuple[str, int]]) -> Runs:
+    """The prepared file at ``path`` made ``entry``'s but for the runs returned:
+    chunks it holds elsewhere moved into place, then the file cut to size
+    (not before: a move may read past the new end)."""
+    patch = plan_patch(entry.chunks, old)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if entry.size > os.fstat(fd).st_size:
+            os.ftruncate(fd, entry.size)
+        left = apply_moves(fd, patch.moves)
+        os.ftruncate(fd, entry.size)
+    finally:
+        os.close(fd)
+    if not left:
+        return patch.runs
+    fetch = {dst for _, dst, _ in left}  # moves whose source was written over: fetched
+    for off, run in patch.runs:
+        for c in run:
+            fetch.add(off)
+            off += c.size
+    runs: Runs = []
+    pos = run_end = 0
+    for c in entry.chunks:
+        if pos in fetch:
+            if runs and run_end == pos:
+                runs[-1][1].append(c)
+            else:
+                runs.append((pos, [c]))
+            run_end = pos + c.size
+        pos += c.size
+    return runs
+
+
+def release(match: Match | None) -> None:
+    """After the restore: a claimed folder is spent (what is left of it goes)."""
+    if match is not None and match.claimed is not None:
+        shutil.rmtree(match.claimed, ignore_errors=True)
+
+
+def evict_for(size: int, held_too: int = 0) -> Path | None:
+    """memory.ram_dir, after dropping prepared folders in RAM, oldest first, for
+    as long as they stand in its way (a push or restore needs the memory more
+    than pages prepared for a restore that may never come)."""
+    ram = memory.ram_dir(size, held_too)
+    if ram is not None or os.environ.get(memory.ENV) == "0":
+        return ram
+    for folder in folders([r for r in memory.roots() if r.is_dir()]):
+        freed = _du(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        journal.record("prepared-evicted", folder=str(folder), bytes=freed)
+        ram = memory.ram_dir(size, held_too)
+        if ram is not None:
+            return ram
+    return None
+
+
+def _du(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*") if p.is_file())
+
+
+def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None) -> dict | None:
+    """Write ``bundle``'s big pages files into a prepared folder with their chunk
+    lists (``fetch_pool``: a segments.FetchPool; its chunks are in the cache by
+    now). ``where``: the root (default: RAM if the host can hold the files and
+    the process restored from them, else beside Podman's storage if it has the
+    room, else nothing is prepared). Idempotent; a killed run leaves a pull
+    folder doctor removes."""
+    entries = big_pages(bundle)
+    size = sum(f.size for f in entries)
+    if not entries:
+        return None
+    name = PREFIX + digest.partition(":")[2][:16]
+    for folder in folders():
+        if folder.name == name:
+            os.utime(folder / INDEX)  # recently wanted: evicted last
+            return {"folder": str(folder), "bytes": size, "in_ram": memory.in_ram(folder),
+                    "seconds": 0.0}
+    root = where or evict_for(size, held_too=size) or _beside_storage(size)
+    if root is None:
+        return None
+    start = time.monotonic()
+    work = root / f"{PULL_PREFIX}{name}-{os.getpid()}"
+    work.mkdir(mode=0o700)
+    try:
+        mapped = memory.in_ram(work)
+        for f in entries:
+            fetch_pool.write_file(f.chunks, pages_aside.path_in(work, f), mapped=mapped)
+        (work / INDEX).write_text(json.dumps({
+            "digest": digest, "created": time.time(),
+            "files": {f.path: [[c.digest, c.size] for c in f.chunks] for f in entries}}))
+        os.rename(work, root / name)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return {"folder": str(root / name), "bytes": size, "in_ram": memory.in_ram(root),
+            "seconds": round(time.monotonic() - start, 3)}
+
+
+def _beside_storage(size: int) -> Path | None:
+    root = storage_root()
+    near = root.parent if root else None
+    if near is not None and near.is_dir() and shutil.disk_usage(near).free >= 2 * size:
+        return near  # twice: the restore's own copies need the room too
+    return None

@@ -1,0 +1,198 @@
+"""ops/prepared_pages.py: which prepared folder a restore takes, and what it still writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpusnap.oci import segments
+from gpusnap.oci.bundle import Bundle, Chunk, FileEntry
+from gpusnap.ops import prepared_pages as pp
+
+MiB = 1 << 20
+SIZE = 4 * segments.FETCH_SEGMENT  # the smallest file a restore writes beside the import
+
+
+def chunk(name: str, size: int) -> Chunk:
+    return Chunk(f"sha256:{name}", size, f"sha256:z{name}", size // 2)
+
+
+def pages(chunks: list[Chunk], path: str = "checkpoint/pages-1.img") -> FileEntry:
+    return FileEntry(path=path, type="file", size=sum(c.size for c in chunks), chunks=chunks)
+
+
+def bundle(*files: FileEntry) -> Bundle:
+    small = FileEntry(path="checkpoint/pagemap-1.img", type="file", size=10,
+                      chunks=[chunk("pm", 10)])
+    return Bundle(files=[small, *files], summary={}, gpu_manifest=None, chunking={},
+                  compression={})
+
+
+def quarters(*names: str) -> list[Chunk]:
+    return [chunk(n, SIZE // 4) for n in names]
+
+
+def make_folder(root: Path, name: str, entry: FileEntry, fill: bytes = b"o") -> Path:
+    folder = root / (pp.PREFIX + name)
+    folder.mkdir()
+    with open(folder / entry.path.rpartition("/")[2], "wb") as f:
+        f.truncate(entry.size)
+        f.write(fill)
+    (folder / pp.INDEX).write_text(json.dumps(
+        {"files": {entry.path: [[c.digest, c.size] for c in entry.chunks]}}))
+    return folder
+
+
+def test_plan_patch_keeps_what_lies_in_place_and_moves_what_shifted():
+    old = [("a", 4), ("b", 4), ("c", 4), ("d", 4)]
+    new = [Chunk("a", 4, "", 0), Chunk("x", 4, "", 0), Chunk("y", 4, "", 0),
+           Chunk("d", 4, "", 0), Chunk("e", 4, "", 0)]
+    patch = pp.plan_patch(new, old)
+    assert patch.same == 8 and patch.moves == []  # a and d, at their offsets
+    assert [(off, [c.digest for c in run]) for off, run in patch.runs] == \
+        [(4, ["x", "y"]), (16, ["e"])]
+    # two bytes more before them: every old chunk moves forward by 2
+    patch = pp.plan_patch([Chunk("z", 2, "", 0), *[Chunk(d, 4, "", 0) for d in "abcd"]], old)
+    assert patch.same == 0 and patch.moves == [(0, 2, 4), (4, 6, 4), (8, 10, 4), (12, 14, 4)]
+    assert [(off, [c.digest for c in run]) for off, run in patch.runs] == [(0, ["z"])]
+
+
+def _file(tmp_path: Path, data: bytes) -> int:
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    return os.open(path, os.O_RDWR)
+
+
+@pytest.mark.parametrize("shift", [2, -2, 5, -7])
+def test_a_shifted_file_is_moved_whole_in_place(tmp_path, shift):
+    """Chunks of 4 bytes shifted by less than a chunk (each move overlaps the
+    next one's source): copied in an order that reads each before it is hit."""
+    old = b"".join(bytes([65 + i]) * 4 for i in range(8))
+    moves = [(i * 4, i * 4 + shift + (8 if shift < 0 else 0), 4) for i in range(8)]
+    fd = _file(tmp_path, old + b"\0" * 16)
+    try:
+        assert pp.apply_moves(fd, moves) == []
+        data = os.pread(fd, 64, 0)
+    finally:
+        os.close(fd)
+    start = shift + (8 if shift < 0 else 0)
+    assert data[start:start + 32] == old
+
+
+def test_a_move_whose_source_was_written_over_is_left_to_fetch(tmp_path):
+    # a swap: each destination is the other's source; one is done, one is fetched
+    fd = _file(tmp_path, b"aaaabbbb")
+    try:
+        left = pp.apply_moves(fd, [(0, 4, 4), (4, 0, 4)])
+        data = os.pread(fd, 8, 0)
+    finally:
+        os.close(fd)
+    assert left == [(4, 0, 4)] and data == b"aaaaaaaa"
+
+
+def test_best_prefers_the_exact_file_then_the_most_in_place(tmp_path):
+    final = pages(quarters("a", "b", "c", "n"))
+    make_folder(tmp_path, "half", pages(quarters("a", "b", "x", "y")))
+    near = make_folder(tmp_path, "near", pages(quarters("a", "b", "c", "y")))
+    match = pp.best(bundle(final), [tmp_path])
+    assert match.folder == near and not match.exact and match.same_bytes == 3 * SIZE // 4
+    exact = make_folder(tmp_path, "exact", final)
+    match = pp.best(bundle(final), [tmp_path])
+    assert match.folder == exact and match.exact
+
+
+def test_under_half_in_place_is_written_anew(tmp_path):
+    make_folder(tmp_path, "far", pages(quarters("a", "x", "y", "z")))
+    assert pp.best(bundle(pages(quarters("a", "b", "c", "d"))), [tmp_path]) is None
+    assert pp.best(bundle(), [tmp_path]) is None  # no pages file written beside the import
+
+
+def test_a_link_leaves_the_prepared_file_for_the_next_replica(tmp_path):
+    final = pages(quarters("a", "b", "c", "d"))
+    folder = make_folder(tmp_path, "r", final, b"prepared")
+    out = tmp_path / "pull"
+    out.mkdir()
+    for n in (1, 2):
+        match = pp.best(bundle(final), [tmp_path])
+        assert pp.claim(match)
+        assert pp.use(match, final, out / f"pages-{n}.img") == []
+        pp.release(match)
+        assert pp.report(match)["how"] == "linked"
+        assert pp.report(match)["bytes_reused"] == SIZE
+    assert (folder / "pages-1.img").stat().st_nlink == 3
+    assert (out / "pages-2.img").read_bytes()[:8] == b"prepared"
+
+
+def test_a_patch_claims_the_folder_resizes_and_leaves_nothing(tmp_path):
+    old = pages(quarters("a", "b", "c", "d"))
+    new = pages([*quarters("a", "b", "c"), chunk("e", SIZE // 4 + MiB)])
+    folder = make_folder(tmp_path, "pre", old)
+    match = pp.best(bundle(new), [tmp_path])
+    assert pp.claim(match) and not folder.exists()
+    assert not pp.claim(pp.Match(folder, False, {}, 0))  # the next restore: written anew
+    path = tmp_path / "pages-1.img"
+    runs = pp.use(match, new, path)
+    assert [(off, [c.digest for c in run]) for off, run in runs] == \
+        [(3 * SIZE // 4, ["sha256:e"])]
+    assert path.stat().st_size == new.size
+    assert pp.report(match) == {"folder": str(folder), "how": "patched", "files": 1,
+                                "bytes_reused": 3 * SIZE // 4}
+    pp.release(match)
+    assert not list(tmp_path.glob("*claimed*"))
+
+
+def test_a_file_gone_from_the_folder_is_written_anew(tmp_path):
+    final = pages(quarters("a", "b", "c", "d"))
+    folder = make_folder(tmp_path, "gone", final)
+    match = pp.best(bundle(final), [tmp_path])
+    os.unlink(folder / "pages-1.img")  # evicted between the choice and the link
+    assert pp.use(match, final, tmp_path / "x.img") is None
+    other = pages(quarters("a", "b", "c", "d"), "checkpoint/pages-2.img")
+    assert pp.use(match, other, tmp_path / "y.img") is None  # not in the index
+
+
+def test_folders_without_an_index_are_not_offered(tmp_path):
+    (tmp_path / (pp.PREFIX + "partial")).mkdir()
+    assert pp.folders([tmp_path]) == []
+
+
+def test_eviction_drops_prepared_folders_in_ram_oldest_first(tmp_path, monkeypatch):
+    old = make_folder(tmp_path, "old", pages(quarters("a", "b", "c", "d")))
+    new = make_folder(tmp_path, "new", pages(quarters("e", "f", "g", "h")))
+    os.utime(old / pp.INDEX, (1, 1))
+    monkeypatch.setattr(pp.memory, "roots", lambda: (tmp_path,))
+    room = iter([None, tmp_path])  # refused once, then there is room
+    monkeypatch.setattr(pp.memory, "ram_dir", lambda size, held_too=0: next(room))
+    monkeypatch.setattr(pp.journal, "record", lambda *a, **k: None)
+    assert pp.evict_for(SIZE) == tmp_path
+    assert not old.exists() and new.exists()
+
+
+@pytest.mark.parametrize("env", ["0"])
+def test_no_eviction_where_ram_is_off(tmp_path, monkeypatch, env):
+    folder = make_folder(tmp_path, "kept", pages(quarters("a", "b", "c", "d")))
+    monkeypatch.setenv(pp.memory.ENV, env)
+    monkeypatch.setattr(pp.memory, "roots", lambda: (tmp_path,))
+    assert pp.evict_for(SIZE) is None and folder.exists()
+
+
+def test_a_patch_moves_shifted_chunks_and_fetches_only_the_new_one(tmp_path):
+    q = SIZE // 4
+    body = {n: bytes([ord(n)]) * q for n in "abcd"}
+    old = pages(quarters("a", "b", "c", "d"))
+    new = pages([chunk("n", MiB), *quarters("a", "b", "c", "e")])  # a MiB more before them
+    folder = make_folder(tmp_path, "shifted", old)
+    (folder / "pages-1.img").write_bytes(b"".join(body[n] for n in "abcd"))
+    match = pp.best(bundle(new), [tmp_path])
+    assert match is not None and pp.claim(match)
+    path = tmp_path / "pages-1.img"
+    runs = pp.use(match, new, path)
+    assert [(off, [c.digest for c in run]) for off, run in runs] == \
+        [(0, ["sha256:n"]), (MiB + 3 * q, ["sha256:e"])]
+    data = path.read_bytes()
+    assert len(data) == new.size and data[MiB:MiB + 3 * q] == body["a"] + body["b"] + body["c"]
+    assert pp.report(match)["bytes_reused"] == 3 * q
+    pp.release(match)
