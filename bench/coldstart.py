@@ -14,6 +14,9 @@ not just write them):
   b  restore    `gpusnap restore REF --name r1`, an empty chunk cache
   c  warm       `gpusnap restore REF --name r2`, the cache (b) filled
   d  2 at once  `gpusnap restore REF --name r3` and `--name r4` together, warm cache
+  e  prepared   `gpusnap pull --prefetch REF` (not timed: the host warmed ahead,
+                which also writes the pages files out), then `restore --name r5`
+  f  2 at once  `--name r6` and `--name r7` together on the prepared host
 
 REF is `gpusnap push` of (a)'s container once it answers (it keeps running:
 the source of every replica). Every replica must answer requests 0-9 exactly
@@ -182,9 +185,36 @@ def restore(ref: str, name: str, cache: Path, t0: float) -> dict:
     return {"first_answer_s": round(first - t0, 3), "restore_rss_mib": round(r.maxrss_kib / 1024),
             "bytes_fetched": pull.get("bytes_fetched"),
             "bytes_from_cache": pull.get("bytes_from_cache"),
+            "pages_prepared": pull.get("pages_prepared"),
             "phases": {"download": pull.get("seconds"),
                        "restore": round(r.seconds - (pull.get("seconds") or 0), 3),
                        "first answer": round(first - done, 3)}}
+
+
+def together(ref: str, tag: str, names: tuple[str, ...], case: str, cache: Path,
+             expected: list[str], tcp: bool, servers: list[Server]) -> list[dict]:
+    """Replicas ``names`` restored at the same time (page cache dropped first),
+    each checked and left running (added to ``servers``); their rows."""
+    drop_caches()
+    t0 = time.time()
+    done: dict[str, dict] = {}
+    threads = [threading.Thread(target=lambda n=n: done.__setitem__(
+        n, restore(ref, f"{tag}-{n}", cache, t0))) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if len(done) != len(names):
+        raise SystemExit(f"a replica of ({case}) failed: see above")
+    rows = []
+    for n in names:
+        srv = Server(f"{tag}-{n}")
+        servers.append(srv)
+        check(srv, expected, tcp)
+        label = f"{case}: {n}" if len(names) > 1 else case
+        rows.append({"case": label, **done[n], "identity": srv.identity()})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def check(srv: Server, expected: list[str], tcp: bool = False) -> None:
@@ -212,6 +242,7 @@ def run(args) -> dict:
     tag = f"coldstart-{os.getpid()}"
     servers: list[Server] = []
     rows: list[dict] = []
+    prepared = None
     try:
         src, row = cold_start(image, f"{tag}-source", network, args.gib, args.tcp)
         servers.append(src)
@@ -235,23 +266,18 @@ def run(args) -> dict:
             rows.append(row)
             print(json.dumps(row), flush=True)
             srv.remove()  # one replica at a time until (d)
-        drop_caches()
-        t0 = time.time()
-        pair: dict[str, dict] = {}
-        threads = [threading.Thread(target=lambda n=n: pair.__setitem__(
-            n, restore(pinned, f"{tag}-{n}", target, t0))) for n in ("r3", "r4")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if len(pair) != 2:
-            raise SystemExit("a replica of (d) failed: see above")
-        for n in ("r3", "r4"):
-            srv = Server(f"{tag}-{n}")
-            servers.append(srv)
-            check(srv, expected, args.tcp)
-            rows.append({"case": f"d 2 at once: {n}", **pair[n], "identity": srv.identity()})
-            print(json.dumps(rows[-1]), flush=True)
+        rows += together(pinned, tag, ("r3", "r4"), "d 2 at once", target, expected, args.tcp,
+                         servers)
+        # A host warmed ahead: `pull --prefetch` also writes the pages files out
+        # (ops/prepared_pages.py); each replica then links them.
+        warm = timed([GPUSNAP, "pull", "--prefetch", pinned, "--plain-http", "--json"],
+                     env={**os.environ, "GPUSNAP_CACHE_DIR": str(target)})
+        prepared = json.loads(warm.stdout).get("prepared")
+        print(f"prefetched (pages prepared: {prepared}) in {warm.seconds:.1f} s", flush=True)
+        rows += together(pinned, tag, ("r5",), "e prepared host", target, expected, args.tcp,
+                         servers)
+        rows += together(pinned, tag, ("r6", "r7"), "f 2 at once, prepared host", target,
+                         expected, args.tcp, servers)
         check(src, expected, args.tcp)  # the source answered all along; still does
         ids = [s.identity() for s in servers]
         for key in ("name", "id") + (("ip", "mac") if network == "bridge" else ()):
@@ -271,6 +297,8 @@ def run(args) -> dict:
         reg.stop()
         shutil.rmtree(reg.root, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
+        if prepared:  # the pages written out by (e)'s prefetch: GBs of RAM
+            shutil.rmtree(prepared["folder"], ignore_errors=True)
 
 
 def report(result: dict) -> None:

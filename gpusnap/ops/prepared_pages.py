@@ -27,10 +27,13 @@ the pulling process only.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,27 +118,54 @@ class _Written:
         self.ends.insert(i, end)
 
 
-def apply_moves(fd: int, moves: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+MOVE_THREADS = 8
+MOVE_BATCH = 64 << 20  # bytes read before any is written: the RAM a patch holds
+
+
+def apply_moves(fd: int, moves: list[tuple[int, int, int]], threads: int = MOVE_THREADS,
+                batch: int = MOVE_BATCH) -> list[tuple[int, int, int]]:
     """Copy each (src, dst, size) within the file, in an order that reads every
     source before anything is written over it where it can: moves forward from
     the end, then moves backward from the start (a shift by a few pages is then
     copied whole). A move whose source was already written over is returned,
-    not done: its chunk is fetched instead."""
+    not done: its chunk is fetched instead.
+
+    In batches of ``batch`` bytes: every source of a batch is read (threads,
+    pread: a tmpfs read takes no inode lock) before any of it is written
+    (threads, through mappings: write(2) would take turns on the inode lock).
+    A single thread moved 34 GB in ~10 s on the H200 host."""
     ahead = sorted((m for m in moves if m[1] > m[0]), key=lambda m: m[1], reverse=True)
     back = sorted((m for m in moves if m[1] < m[0]), key=lambda m: m[1])
-    written, left = _Written(), []
-    for src, dst, size in ahead + back:
-        if written.overlaps(src, src + size):
-            left.append((src, dst, size))
-            continue
-        data = os.pread(fd, size, src)
-        view = memoryview(data)
-        pos = dst
-        while view:
-            n = os.pwrite(fd, view, pos)
-            view, pos = view[n:], pos + n
-        written.add(dst, dst + size)
+    order = ahead + back
+    written, left, i = _Written(), [], 0
+    with ThreadPoolExecutor(threads, thread_name_prefix="gpusnap-move") as pool:
+        while i < len(order):
+            todo, size = [], 0
+            while i < len(order) and (not todo or size + order[i][2] <= batch):
+                src, dst, n = order[i]
+                i += 1
+                if written.overlaps(src, src + n):
+                    left.append((src, dst, n))
+                    continue
+                todo.append((src, dst, n))
+                size += n
+            datas = list(pool.map(lambda m: os.pread(fd, m[2], m[0]), todo))
+            list(pool.map(lambda md: _put(fd, md[0][1], md[1]), zip(todo, datas)))
+            for _, dst, n in todo:
+                written.add(dst, dst + n)
     return left
+
+
+def _put(fd: int, offset: int, data: bytes) -> None:
+    """``data`` into the file at ``offset`` through a mapping of just that range;
+    ctypes.memmove releases the GIL, a slice assignment would not."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, offset + len(data) - start, offset=start) as mm:
+        view = (ctypes.c_char * len(mm)).from_buffer(mm)
+        try:
+            ctypes.memmove(ctypes.addressof(view) + offset - start, data, len(data))
+        finally:
+            del view  # the mapping cannot close while a buffer of it is exported
 
 
 def roots() -> list[Path]:

@@ -83,14 +83,38 @@ def test_a_shifted_file_is_moved_whole_in_place(tmp_path, shift):
 
 
 def test_a_move_whose_source_was_written_over_is_left_to_fetch(tmp_path):
-    # a swap: each destination is the other's source; one is done, one is fetched
+    # a swap: each destination is the other's source
     fd = _file(tmp_path, b"aaaabbbb")
     try:
-        left = pp.apply_moves(fd, [(0, 4, 4), (4, 0, 4)])
+        left = pp.apply_moves(fd, [(0, 4, 4), (4, 0, 4)], batch=4)  # one move a batch
         data = os.pread(fd, 8, 0)
+        assert left == [(4, 0, 4)] and data == b"aaaaaaaa"  # the second is fetched
+        os.pwrite(fd, b"aaaabbbb", 0)
+        assert pp.apply_moves(fd, [(0, 4, 4), (4, 0, 4)]) == []  # one batch: read, then written
+        assert os.pread(fd, 8, 0) == b"bbbbaaaa"
     finally:
         os.close(fd)
-    assert left == [(4, 0, 4)] and data == b"aaaaaaaa"
+
+
+@pytest.mark.parametrize("batch", [1 << 20, 64 << 20])
+def test_moves_in_batches_of_a_big_shift_match_a_copy(tmp_path, batch):
+    """A 24 MiB file whose 4 KiB-aligned chunks all shift by one page (and a
+    few by more): moved in batches, with threads, equal to the file the
+    shifted layout describes."""
+    rng = __import__("random").Random(7)
+    sizes = [rng.randrange(1, 64) * 4096 for _ in range(200)]
+    old = os.urandom(sum(sizes))
+    moves, pos, expect = [], 0, bytearray(len(old) + 4096)
+    for size in sizes:
+        moves.append((pos, pos + 4096, size))
+        expect[pos + 4096:pos + 4096 + size] = old[pos:pos + size]
+        pos += size
+    fd = _file(tmp_path, old + bytes(4096))
+    try:
+        assert pp.apply_moves(fd, moves, batch=batch) == []
+        assert os.pread(fd, len(expect), 0)[4096:] == bytes(expect[4096:])
+    finally:
+        os.close(fd)
 
 
 def test_best_prefers_the_exact_file_then_the_most_in_place(tmp_path):
