@@ -207,6 +207,9 @@ class Match:
     exact: bool
     layouts: dict[str, list[tuple[str, int]]]
     same_bytes: int
+    # the prepared file each of the restore's files is made from: CRIU numbers
+    # pages-N.img by task, and a child process more or less renumbers them
+    sources: dict[str, str] = field(default_factory=dict)
     claimed: Path | None = None
     reused: int = 0
     used: list[str] = field(default_factory=list)
@@ -228,17 +231,22 @@ def best(bundle: Bundle, where: list[Path] | None = None) -> Match | None:
     for folder in folders(where):
         layouts = {k: _layout(v) for k, v in _index(folder).get("files", {}).items()}
         same = exact = 0
+        sources: dict[str, str] = {}
         for f in entries:
-            old = layouts.get(f.path)
-            if old is None:
-                continue
-            if old == _layout(f.chunks):
+            new = _layout(f.chunks)
+            twin = next((k for k, old in layouts.items() if old == new), None)
+            if twin is not None:
                 exact += f.size
                 same += f.size
-            else:
-                patch = plan_patch(f.chunks, old)
-                same += patch.same + patch.moved
-        match = Match(folder, exact == total, layouts, same)
+                sources[f.path] = twin
+                continue
+            scores = {k: plan_patch(f.chunks, old) for k, old in layouts.items()
+                      if k not in sources.values()}
+            pick = max(scores, key=lambda k: scores[k].same + scores[k].moved, default=None)
+            if pick is not None and scores[pick].same + scores[pick].moved:
+                same += scores[pick].same + scores[pick].moved
+                sources[f.path] = pick
+        match = Match(folder, exact == total, layouts, same, sources=sources)
         if match.exact:
             return match
         if same >= NEAR * total and (top is None or same > top.same_bytes):
@@ -265,10 +273,10 @@ def use(match: Match, entry: FileEntry, path: Path) -> Runs | None:
     """``entry``'s prepared file put at ``path`` (a link, or the claimed file
     moved there and resized); the runs still to write into it in place.
     None: write it anew (no such file, or it went away)."""
-    old = match.layouts.get(entry.path)
-    name = entry.path.rpartition("/")[2]
-    if old is None:
+    source = match.sources.get(entry.path)
+    if source is None:
         return None
+    old, name = match.layouts[source], source.rpartition("/")[2]
     try:
         if match.exact:
             os.link(match.folder / name, path)

@@ -220,3 +220,22 @@ def test_a_patch_moves_shifted_chunks_and_fetches_only_the_new_one(tmp_path):
     assert len(data) == new.size and data[MiB:MiB + 3 * q] == body["a"] + body["b"] + body["c"]
     assert pp.report(match)["bytes_reused"] == 3 * q
     pp.release(match)
+
+
+def test_a_renumbered_pages_file_is_found_under_its_old_name(tmp_path):
+    """CRIU numbers pages-N.img by task: a child process more at the dump
+    renumbers the same memory; it is matched by content, not by name."""
+    old = pages(quarters("a", "b", "c", "d"), "checkpoint/pages-1.img")
+    folder = make_folder(tmp_path, "renumbered", old, b"first")
+    new = pages(quarters("a", "b", "c", "d"), "checkpoint/pages-3.img")
+    match = pp.best(bundle(new), [tmp_path])
+    assert match.exact and match.sources == {"checkpoint/pages-3.img": "checkpoint/pages-1.img"}
+    assert pp.use(match, new, tmp_path / "pages-3.img") == []
+    assert (tmp_path / "pages-3.img").read_bytes()[:5] == b"first"
+    near = pages(quarters("a", "b", "c", "x"), "checkpoint/pages-2.img")
+    match = pp.best(bundle(near), [tmp_path])
+    assert match.sources == {"checkpoint/pages-2.img": "checkpoint/pages-1.img"}
+    assert pp.claim(match) and not folder.exists()
+    runs = pp.use(match, near, tmp_path / "pages-2.img")
+    assert [off for off, _ in runs] == [3 * SIZE // 4]
+    pp.release(match)
