@@ -16,7 +16,7 @@ from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import resume, states
 from gpusnap.criu.freezer import is_frozen
-from gpusnap.ops import leftovers
+from gpusnap.ops import leftovers, prepared_pages
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import PROC, gpu_use
 from gpusnap.runtime import memory
@@ -148,8 +148,22 @@ def _pages_check() -> Check:
                  "a kernel built with CONFIG_TRANSPARENT_HUGEPAGE", required=False)
 
 
+def _prepared_check() -> Check:
+    """Pages files a prefetch wrote out (ops/prepared_pages.py): memory or disk
+    held on purpose, shown so that it is not a surprise."""
+    found = prepared_pages.folders()
+    if not found:
+        return Check("prepared pages", True, "none (`gpusnap pull --prefetch` writes them)",
+                     required=False)
+    return Check("prepared pages", True, "; ".join(
+        f"{f} ({prepared_pages.size_of(f) / 1e9:.1f} GB)" for f in found) +
+        ": a restore of their checkpoint links them; in RAM they give way to a push or "
+        "restore that needs the memory; `rm -r` drops one", required=False)
+
+
 def run(fix: bool) -> dict:
-    checks = _criu_checks() + _integration_checks() + _gpu_checks() + [_pages_check()]
+    checks = _criu_checks() + _integration_checks() + _gpu_checks() + [_pages_check(),
+                                                                        _prepared_check()]
     checks.append(Check("kernel", True, f"{platform.release()} {platform.machine()}",
                         required=False))
     stuck = stuck_processes()

@@ -335,6 +335,19 @@ def _patch(path: Path, entry: FileEntry, old: list[tuple[str, int]]) -> Runs:
     return runs
 
 
+def drop_rounds(repository: str) -> list[Path]:
+    """After a restore from ``repository``: the prepared folders of its
+    pre-checkpoints (a pre-copy's round 1, whose final round is restored now:
+    patched from them, or too changed to be) are of no further use."""
+    dropped = []
+    for folder in folders():
+        index = _index(folder)
+        if index.get("pre_checkpoint") and index.get("repository") == repository:
+            shutil.rmtree(folder, ignore_errors=True)
+            dropped.append(folder)
+    return dropped
+
+
 def release(match: Match | None) -> None:
     """After the restore: a claimed folder is spent (what is left of it goes)."""
     if match is not None and match.claimed is not None:
@@ -349,7 +362,7 @@ def evict_for(size: int, held_too: int = 0) -> Path | None:
     if ram is not None or os.environ.get(memory.ENV) == "0":
         return ram
     for folder in folders([r for r in memory.roots() if r.is_dir()]):
-        freed = _du(folder)
+        freed = size_of(folder)
         shutil.rmtree(folder, ignore_errors=True)
         journal.record("prepared-evicted", folder=str(folder), bytes=freed)
         ram = memory.ram_dir(size, held_too)
@@ -358,11 +371,12 @@ def evict_for(size: int, held_too: int = 0) -> Path | None:
     return None
 
 
-def _du(folder: Path) -> int:
+def size_of(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*") if p.is_file())
 
 
-def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None) -> dict | None:
+def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None, *,
+            repository: str = "", pre_checkpoint: bool = False) -> dict | None:
     """Write ``bundle``'s big pages files into a prepared folder with their chunk
     lists (``fetch_pool``: a segments.FetchPool; its chunks are in the cache by
     now). ``where``: the root (default: RAM if the host can hold the files and
@@ -390,7 +404,8 @@ def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None) 
         for f in entries:
             fetch_pool.write_file(f.chunks, pages_aside.path_in(work, f), mapped=mapped)
         (work / INDEX).write_text(json.dumps({
-            "digest": digest, "created": time.time(),
+            "digest": digest, "created": time.time(), "repository": repository,
+            "pre_checkpoint": pre_checkpoint,
             "files": {f.path: [[c.digest, c.size] for c in f.chunks] for f in entries}}))
         os.rename(work, root / name)
     except BaseException:

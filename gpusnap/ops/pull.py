@@ -355,6 +355,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         if pages is not None:  # restored (or not needed): in the background, GBs of it
             discard(pages, pages.parent)
         prepared_pages.release(prepared)
+    ref = remote.client.ref
+    prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}")
     return result, {**job.result(), "streamed": True}
 
 

@@ -121,6 +121,9 @@ def _prepare(remote, cache: ChunkCache) -> dict | None:
     pool = segments.FetchPool(str(remote.client.ref), remote.client.opts, cache.root, workers,
                               lambda counts: None)
     try:
-        return prepared_pages.prepare(remote.bundle, remote.digest, pool)
+        ref = remote.client.ref
+        return prepared_pages.prepare(remote.bundle, remote.digest, pool,
+                                      repository=f"{ref.registry}/{ref.repository}",
+                                      pre_checkpoint=fmt.is_pre_checkpoint(remote.manifest))
     finally:
         pool.close()

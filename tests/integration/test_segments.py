@@ -199,35 +199,37 @@ def test_pages_prepared_by_a_prefetch_are_patched_for_the_final_round_and_linked
     before = _md5_of_memory(name)
     repo = registry.ref(f"ckpt/prepared-{uuid.uuid4().hex[:8]}")
     flags = [*registry.flags(), "--json"]
-    res = run([GPUSNAP, "migrate", "-P", name, f"{repo}:pre", *flags], input=PASSWORD + "\n")
-    assert res.returncode == 0, (res.stdout, res.stderr)
-    pre_pinned = json.loads(res.stdout)["pinned"]
-    res = run([GPUSNAP, "pull", "--prefetch", pre_pinned, *flags],
-              input=PASSWORD + "\n")
-    assert res.returncode == 0, (res.stdout, res.stderr)
-    prepared = json.loads(res.stdout)["prepared"]
-    assert prepared and prepared["bytes"] >= 256 << 20, prepared
-    folder = Path(prepared["folder"])
-    assert (folder / "index.json").is_file() and (folder / "pages-1.img").is_file()
-    res = run([GPUSNAP, "migrate", name, f"{repo}:final", *flags], input=PASSWORD + "\n")
-    assert res.returncode == 0, (res.stdout, res.stderr)
-    final = json.loads(res.stdout)["pinned"]
-    subprocess.run(["podman", "rm", name], check=True, capture_output=True)
-    res = run([GPUSNAP, "restore", final, *flags], input=PASSWORD + "\n")
-    assert res.returncode == 0, (res.stdout, res.stderr)
-    pulled = json.loads(res.stdout)["pull"]
-    took = pulled["pages_prepared"]
-    assert took and took["how"] == "patched" and took["folder"] == str(folder), pulled
-    assert took["bytes_reused"] >= 200 << 20, took  # the base64 text lay where it was
-    assert pulled["pages_written_in_place"] < 64 << 20, pulled
-    assert not folder.exists()  # spent by the patch
-    assert _md5_of_memory(name) == before
-
-    res = run([GPUSNAP, "pull", "--prefetch", final, *flags], input=PASSWORD + "\n")
-    assert res.returncode == 0, (res.stdout, res.stderr)
-    folder = Path(json.loads(res.stdout)["prepared"]["folder"])
     replicas = [f"{name}-r{n}" for n in (1, 2)]
+    made: list[Path] = []  # prepared folders: GBs of RAM on a real host, removed whatever happens
     try:
+        res = run([GPUSNAP, "migrate", "-P", name, f"{repo}:pre", *flags], input=PASSWORD + "\n")
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        res = run([GPUSNAP, "pull", "--prefetch", json.loads(res.stdout)["pinned"], *flags],
+                  input=PASSWORD + "\n")
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        prepared = json.loads(res.stdout)["prepared"]
+        assert prepared and prepared["bytes"] >= 256 << 20, prepared
+        folder = Path(prepared["folder"])
+        made.append(folder)
+        assert (folder / "index.json").is_file() and (folder / "pages-1.img").is_file()
+        res = run([GPUSNAP, "migrate", name, f"{repo}:final", *flags], input=PASSWORD + "\n")
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        final = json.loads(res.stdout)["pinned"]
+        subprocess.run(["podman", "rm", name], check=True, capture_output=True)
+        res = run([GPUSNAP, "restore", final, *flags], input=PASSWORD + "\n")
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        pulled = json.loads(res.stdout)["pull"]
+        took = pulled["pages_prepared"]
+        assert took and took["how"] == "patched" and took["folder"] == str(folder), pulled
+        assert took["bytes_reused"] >= 200 << 20, took  # the base64 text lay where it was
+        assert pulled["pages_written_in_place"] < 64 << 20, pulled
+        assert not folder.exists()  # spent by the patch
+        assert _md5_of_memory(name) == before
+
+        res = run([GPUSNAP, "pull", "--prefetch", final, *flags], input=PASSWORD + "\n")
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        folder = Path(json.loads(res.stdout)["prepared"]["folder"])
+        made.append(folder)
         for replica in replicas:
             res = run([GPUSNAP, "restore", final, "--name", replica, *flags],
                       input=PASSWORD + "\n")
@@ -239,4 +241,5 @@ def test_pages_prepared_by_a_prefetch_are_patched_for_the_final_round_and_linked
         assert (folder / "pages-1.img").is_file()  # still there for the next replica
     finally:
         subprocess.run(["podman", "rm", "-f", *replicas], capture_output=True)
-        shutil.rmtree(folder, ignore_errors=True)
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)

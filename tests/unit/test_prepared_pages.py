@@ -239,3 +239,14 @@ def test_a_renumbered_pages_file_is_found_under_its_old_name(tmp_path):
     runs = pp.use(match, near, tmp_path / "pages-2.img")
     assert [off for off, _ in runs] == [3 * SIZE // 4]
     pp.release(match)
+
+
+def test_a_restore_drops_the_prepared_rounds_of_its_repository(tmp_path, monkeypatch):
+    monkeypatch.setattr(pp, "roots", lambda: [tmp_path])
+    entries = {n: make_folder(tmp_path, n, pages(quarters(n, "b", "c", "d"))) for n in "xyz"}
+    for n, repo, pre in (("x", "reg/app", True), ("y", "reg/app", False), ("z", "reg/other", True)):
+        index = json.loads((entries[n] / pp.INDEX).read_text())
+        (entries[n] / pp.INDEX).write_text(json.dumps(
+            {**index, "repository": repo, "pre_checkpoint": pre}))
+    assert pp.drop_rounds("reg/app") == [entries["x"]]
+    assert not entries["x"].exists() and entries["y"].exists() and entries["z"].exists()
