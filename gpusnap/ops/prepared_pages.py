@@ -10,11 +10,13 @@ lists in ``index.json``; a later restore compares its own chunk lists with it:
 
 - the same file (a replica of REF): a hard link, nothing written; the
   prepared file stays for the next replica;
-- at least half the bytes the same chunk at the same offset (the final round
-  of a pre-copy: 91.5% of an 8 GiB inference job's pages file lay where round
-  1's had, measured on the H200): the prepared folder is claimed (renamed, so
-  one restore has it), each file resized and only the differing runs of
-  chunks written in place; the folder is gone afterwards;
+- at least half the bytes found in it, at the same offset or at another (the
+  final round of a pre-copy: 91.5% of an 8 GiB inference job's pages file lay
+  where round 1's had, and at 32 GiB 93.7% lay shifted by an early change,
+  measured on the H200): the prepared folder is claimed (renamed, so one
+  restore has it), chunks found elsewhere moved within the file
+  (apply_moves), each file resized and only the rest fetched in place; the
+  folder is gone afterwards;
 - otherwise the file is written anew, as before.
 
 Every way out of a failed claim or link (another restore took it, memory
@@ -46,7 +48,7 @@ from gpusnap.runtime.storage import PULL_PREFIX, storage_root
 
 PREFIX = "gpusnap-prepared-"
 INDEX = "index.json"
-NEAR = 0.5  # share of the bytes that must lie in place for a patch to beat writing anew
+NEAR = 0.5  # share of the bytes a patch must find in the prepared file to beat writing anew
 
 Runs = list[tuple[int, list[Chunk]]]  # (offset, consecutive chunks) still to write
 
@@ -221,8 +223,8 @@ class Match:
 
 def best(bundle: Bundle, where: list[Path] | None = None) -> Match | None:
     """The prepared folder that spares a restore of ``bundle`` the most writing:
-    one holding its very files, else the one with the most bytes in place (at
-    least NEAR of them); None where none helps."""
+    one holding its very files, else the one whose files hold the most of its
+    bytes, in place or to be moved (at least NEAR of them); None where none helps."""
     entries = big_pages(bundle)
     total = sum(f.size for f in entries)
     if not total:
