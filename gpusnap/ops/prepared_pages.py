@@ -138,8 +138,10 @@ def apply_moves(fd: int, moves: list[tuple[int, int, int]], threads: int = MOVE_
     ahead = sorted((m for m in moves if m[1] > m[0]), key=lambda m: m[1], reverse=True)
     back = sorted((m for m in moves if m[1] < m[0]), key=lambda m: m[1])
     order = ahead + back
+    if not order:
+        return []
     written, left, i = _Written(), [], 0
-    buf = memoryview(bytearray(max([batch, *(m[2] for m in order)]) if order else 0))
+    buf = memoryview(bytearray(max([batch, *(m[2] for m in order)])))
     with ThreadPoolExecutor(threads, thread_name_prefix="gpusnap-move") as pool:
         while i < len(order):
             todo, size = [], 0
@@ -339,12 +341,12 @@ def _patch(path: Path, entry: FileEntry, old: list[tuple[str, int]]) -> Runs:
     return runs
 
 
-def drop_rounds(repository: str) -> list[Path]:
+def drop_rounds(repository: str, where: list[Path] | None = None) -> list[Path]:
     """After a restore from ``repository``: the prepared folders of its
     pre-checkpoints (a pre-copy's round 1, whose final round is restored now:
     patched from them, or too changed to be) are of no further use."""
     dropped = []
-    for folder in folders():
+    for folder in folders(where):
         index = _index(folder)
         if index.get("pre_checkpoint") and index.get("repository") == repository:
             shutil.rmtree(folder, ignore_errors=True)

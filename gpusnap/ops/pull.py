@@ -326,7 +326,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
     # the pre-restore action renames them into place or links them (criu/pages_aside.py).
     aside = pages_aside.enabled() and runs_action_script(_restoring_runtime(files))
-    prepared = prepared_pages.best(remote.bundle) if aside else None
+    where = prepared_pages.roots() if aside else []  # asks `podman info` once (~0.2 s)
+    prepared = prepared_pages.best(remote.bundle, where) if aside else None
     if prepared is not None and not prepared_pages.claim(prepared):
         prepared = None  # another restore took it: written anew
     pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
@@ -356,7 +357,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
             discard(pages, pages.parent)
         prepared_pages.release(prepared)
     ref = remote.client.ref
-    prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}")
+    prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}", where)
     return result, {**job.result(), "streamed": True}
 
 
