@@ -175,7 +175,7 @@ def run(p: CheckpointPlan) -> dict:
             where = "the container is still running"
             _drop_stale_dump(p.container, started_at)
             if p.pages_prelinked:
-                    pages_aside.drop_links(p.container.checkpoint_dir, p.pages_aside)
+                pages_aside.drop_links(p.container.checkpoint_dir, p.pages_aside)
         elif restorable:
             where = f"the container is {state}, its checkpoint is kept locally"
             hint = f"`gpusnap restore {p.container.name}` brings it back; " + (hint or "")

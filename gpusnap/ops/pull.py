@@ -186,12 +186,9 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             if id(entry) in big and pages is not None and pages_aside.is_pages(entry.path):
                 path = pages_aside.path_in(pages, entry)
                 runs = prepared_pages.use(prepared, entry, path) if prepared else None
-                if runs is None:
-                    beside += fetch.write_file(entry.chunks, path, lambda: _stopped(cancel),
-                                               mapped=memory.in_ram(path))
-                else:
-                    beside += fetch.patch_file(runs, path, lambda: _stopped(cancel),
-                                               mapped=memory.in_ram(path))
+                stop, mapped = (lambda: _stopped(cancel)), memory.in_ram(path)
+                beside += fetch.write_file(entry.chunks, path, stop, mapped) if runs is None \
+                    else fetch.patch_file(runs, path, stop, mapped)
                 writer.add_beside(entry, path)
             elif id(entry) in big:
                 pieces = fetch.pieces(entry.chunks)
@@ -367,8 +364,7 @@ def _pages_root(remote: Remote, prepared: prepared_pages.Match | None) -> Path:
     give way there: prepared_pages.evict_for), else pages_dir's disk."""
     if prepared is not None:
         return prepared.root
-    size = remote.bundle.total_bytes
-    return prepared_pages.evict_for(size, held_too=size) or pages_dir(size)
+    return pages_dir(remote.bundle.total_bytes, prepared_pages.evict_for)
 
 
 def _restoring_runtime(files: dict[str, bytes]) -> str:

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from gpusnap.errors import GpusnapError
 
@@ -64,13 +65,15 @@ def staging_dir(size: int, graph_root: Path | None = None) -> Path:
     return roomiest(candidates, size, "free space beside Podman's storage or in /var/tmp")
 
 
-def pages_dir(size: int) -> Path:
+def pages_dir(size: int, ram_dir: Callable[..., Path | None] | None = None) -> Path:
     """Where a restore writes CRIU's memory pages: RAM (memory.ram_root()) where the host
     can hold them and the restored process at once (runtime/memory.py; CRIU
     reads them through a relative link: criu/pages_aside.py); else beside
     Podman's storage, so that the pre-restore action moves them into the
-    container by a rename; else /var/tmp."""
-    from gpusnap.runtime.memory import ram_dir
+    container by a rename; else /var/tmp. ``ram_dir``: memory.ram_dir, or a
+    caller's that makes room first (ops/prepared_pages.evict_for)."""
+    if ram_dir is None:
+        from gpusnap.runtime.memory import ram_dir
 
     ram = ram_dir(size, held_too=size)
     if ram is not None:
