@@ -6,10 +6,12 @@ tasks can read them before a restore. CRIU runs it only when the runtime
 that drives CRIU passes it a configuration file naming it:
 
 - runc reads /etc/criu/runc.conf for every checkpoint and restore;
-- crun passes /etc/criu/crun.conf (else runc.conf) only when built against
-  libcriu 4.2 or newer. Debian 13's crun 1.21 with libcriu 4.1 passes none:
-  measured in the version matrix (a `log-file` in crun.conf was ignored).
-  Where crun is known to pass it, GPUSNAP_CRUN_CONFIG=1 says so.
+- crun passes /etc/criu/crun.conf (else runc.conf) from crun 1.26 on, and only
+  when the libcriu.so.2 it loads at run time has criu_set_config_file()
+  (libcriu >= 4.2; crun's src/libcrun/criu.c, handle_criu_config_file).
+  Debian 13's crun 1.21 with libcriu 4.1 passes none: measured in the version
+  matrix (a `log-file` in crun.conf was ignored); Debian sid's crun 1.28 with
+  libcriu 4.2 passes it. GPUSNAP_CRUN_CONFIG=1 or =0 overrides the probe.
 
 Where the script does not run, gpusnap keeps CRIU's pages in Podman's tars
 (nothing would move them) and refuses to checkpoint a container with CUDA
@@ -18,10 +20,16 @@ processes (nothing would quiesce them), before anything is touched.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 TRUST_ENV = "GPUSNAP_CRUN_CONFIG"
+CRUN_FIRST = (1, 26)  # the first crun release that calls criu_set_config_file()
+_SBIN = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def runs_action_script(runtime: str) -> bool:
@@ -30,14 +38,44 @@ def runs_action_script(runtime: str) -> bool:
     if name == "runc":
         return True
     if name == "crun":
-        return os.environ.get(TRUST_ENV) == "1"
+        told = os.environ.get(TRUST_ENV)
+        if told in ("0", "1"):
+            return told == "1"
+        version = crun_version(runtime)
+        return version is not None and version >= CRUN_FIRST and libcriu_sets_config_file()
     return False
+
+
+def crun_version(runtime: str = "crun") -> tuple[int, int] | None:
+    """crun's (major, minor) from `crun --version`, None where it cannot be run."""
+    path = runtime if "/" in runtime else shutil.which(runtime, path=os.environ.get("PATH", "") + ":" + _SBIN)
+    if not path:
+        return None
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"crun version (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def libcriu_sets_config_file() -> bool:
+    """The libcriu.so.2 a runtime dlopen()s here has criu_set_config_file() (libcriu >= 4.2)."""
+    try:
+        lib = ctypes.CDLL("libcriu.so.2")
+    except OSError:
+        return False
+    return hasattr(lib, "criu_set_config_file")
 
 
 def why_not(runtime: str) -> str:
     """Why CRIU would not run the action script under ``runtime``, and the way on."""
     name = Path(runtime).name
     if name == "crun":
-        return (f"{name} hands CRIU no configuration file unless it is built against libcriu "
-                f">= 4.2, so gpusnap's action script would not run")
+        version = crun_version(runtime)
+        have = f"crun {version[0]}.{version[1]}" if version else "this crun"
+        if version is not None and version >= CRUN_FIRST:
+            have += " with a libcriu older than 4.2"
+        return (f"{have} hands CRIU no configuration file (crun >= {CRUN_FIRST[0]}.{CRUN_FIRST[1]} "
+                "with libcriu >= 4.2 does), so gpusnap's action script would not run")
     return f"{name} is not known to hand CRIU /etc/criu/runc.conf, so gpusnap's action script would not run"

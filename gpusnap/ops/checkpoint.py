@@ -73,8 +73,8 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
         raise GpusnapError(f"{container.name} has CUDA processes and runs under "
                            f"{container.runtime}: {why_not(container.runtime)} and its GPU "
                            "could not be quiesced; the container keeps running",
-                           "run it with `podman run --runtime runc`; where crun is built with "
-                           f"libcriu >= 4.2, set {TRUST_ENV}=1")
+                           "run it with `podman run --runtime runc`, or install crun >= 1.26 "
+                           f"and libcriu >= 4.2 ({TRUST_ENV}=1 where the probe misjudges)")
     if cuda:
         inv = read_inventory()
         gpu_bytes = sum(sum(inv.process_memory.get(p.pid, {}).values()) for p in cuda)

@@ -6,16 +6,41 @@ from gpusnap.criu import runtimes
 from gpusnap.ops import pull
 
 
-def test_runc_does_crun_only_when_told(monkeypatch):
+def test_runc_does_other_runtimes_do_not(monkeypatch):
     monkeypatch.delenv(runtimes.TRUST_ENV, raising=False)
     assert runtimes.runs_action_script("runc")
     assert runtimes.runs_action_script("/usr/sbin/runc")
     assert runtimes.runs_action_script("")  # Podman's default where none is told
-    assert not runtimes.runs_action_script("crun")
     assert not runtimes.runs_action_script("/usr/bin/youki")
-    assert "libcriu >= 4.2" in runtimes.why_not("/usr/bin/crun")
+
+
+def _fake_crun(tmp_path, version: str) -> str:
+    crun = tmp_path / "crun"
+    crun.write_text(f"#!/bin/sh\necho 'crun version {version}'\necho 'commit: x'\n")
+    crun.chmod(0o755)
+    return str(crun)
+
+
+def test_crun_does_from_1_26_with_a_libcriu_that_sets_config_files(monkeypatch, tmp_path):
+    monkeypatch.delenv(runtimes.TRUST_ENV, raising=False)
+    monkeypatch.setattr(runtimes, "libcriu_sets_config_file", lambda: True)
+    assert not runtimes.runs_action_script(_fake_crun(tmp_path, "1.21"))
+    assert "crun 1.21 hands CRIU no configuration file" in runtimes.why_not(str(tmp_path / "crun"))
+    assert runtimes.runs_action_script(_fake_crun(tmp_path, "1.28"))
+    monkeypatch.setattr(runtimes, "libcriu_sets_config_file", lambda: False)
+    assert not runtimes.runs_action_script(str(tmp_path / "crun"))
+    assert "crun 1.28 with a libcriu older than 4.2" in runtimes.why_not(str(tmp_path / "crun"))
+    assert not runtimes.runs_action_script(str(tmp_path / "no-such-crun"))
     monkeypatch.setenv(runtimes.TRUST_ENV, "1")
     assert runtimes.runs_action_script("crun")
+    monkeypatch.setenv(runtimes.TRUST_ENV, "0")
+    monkeypatch.setattr(runtimes, "libcriu_sets_config_file", lambda: True)
+    assert not runtimes.runs_action_script(str(tmp_path / "crun"))
+
+
+def test_the_libcriu_probe_reads_this_hosts_library():
+    # Debian 12 here: libcriu2 3.17 (no criu_set_config_file) or none at all.
+    assert runtimes.libcriu_sets_config_file() is False
 
 
 def test_a_restore_uses_the_runtime_config_dump_names(monkeypatch):
@@ -32,7 +57,7 @@ def test_a_cuda_container_under_crun_is_refused_before_anything(monkeypatch, tmp
     from gpusnap.ops import checkpoint
     from gpusnap.runtime.podman import Container
 
-    monkeypatch.delenv(runtimes.TRUST_ENV, raising=False)
+    monkeypatch.setenv(runtimes.TRUST_ENV, "0")
     ctr = Container("abc", "llm", "running", 4242, "img", False, tmp_path, [], runtime="crun")
     monkeypatch.setattr(checkpoint, "require_supported", lambda verb: None)
     monkeypatch.setattr(checkpoint, "cuda_processes", lambda pid: ["a CUDA process"])
