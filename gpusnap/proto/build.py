@@ -20,9 +20,11 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent / "src"
 PACKAGE = "gpusnap_pb"
-PROTOS = ("mount", "task_types", "shim", "task_events", "events_service", "runc_options",
+PROTOS = ("mount", "task_types", "shim", "task_events", "events_service", "runc_options", "ttrpc",
           # containerd's client API (checkpoint clients: tests, gpusnap.ops.containerd_api)
-          "descriptor", "containers", "tasks", "content", "images", "leases", "snapshots", "diff")
+          "descriptor", "containers", "tasks", "content", "images", "leases", "snapshots", "diff",
+          # Kubernetes' CRI (runtime.v1), the kubelet's calls: gpusnap.runtime.cri
+          "cri")
 
 
 class ProtoBuildError(RuntimeError):

@@ -1,8 +1,10 @@
 """containerd-shim-gpusnap-v1: containerd's runtime v2 shim entry point.
 
 containerd runs `SHIM -namespace NS -address ADDR -publish-binary BIN -id ID start`
-in the bundle directory and reads `{"version":2,"address":...,"protocol":"grpc"}`
-from stdout; `... -bundle DIR delete` cleans up after a dead shim and answers a
+in the bundle directory and reads `{"version":V,"address":...,"protocol":P}`
+from stdout (V: 2 for containerd 1.7, which refuses more, over gRPC; 3 for
+containerd 2.x, over ttrpc (ttrpc.py says why); the service is
+containerd.task.v3.Task for both); `... -bundle DIR delete` cleans up after a dead shim and answers a
 DeleteResponse in protobuf on stdout.
 
 `start` stays light (no grpc import): it asks the warm zygote (zygote.py) for a
@@ -86,7 +88,8 @@ def _cold_start(req: dict) -> bool:
                 os.dup2(null, fd)
             from gpusnap.shim.server import serve
 
-            code = serve(req["namespace"], req["address"], req["socket"], w, req["debug"])
+            code = serve(req["namespace"], req["address"], req["socket"], w, req["debug"], "cold",
+                         req.get("protocol", "grpc"))
         finally:
             os._exit(code)
     os.close(w)
@@ -94,12 +97,37 @@ def _cold_start(req: dict) -> bool:
         return f.read(1) == b"1"
 
 
+def task_api_version(containerd: str) -> int:
+    """The bootstrap version the containerd at path CONTAINERD accepts: 3 from 2.0 on, else 2.
+
+    containerd sets MAX_SHIM_VERSION=2 in 1.7 and 2.x alike, so its own
+    `--version` tells (a Go binary: tens of milliseconds, once per shim start).
+    """
+    told = os.environ.get("GPUSNAP_SHIM_TASK_VERSION")
+    if told in ("2", "3"):
+        return int(told)
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.run([containerd or "containerd", "--version"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 2
+    m = re.search(r"\s[v]?(\d+)\.\d+", out)
+    return 3 if m and int(m.group(1)) >= 2 else 2
+
+
 def start(flags: dict[str, str]) -> int:
     ns, address, cid = flags.get("namespace", ""), flags.get("address", ""), flags.get("id", "")
     if not (ns and address and cid):
         raise UsageError("start needs -namespace, -address and -id")
     path = socket_path(address, ns, cid)
-    response = json.dumps({"version": 2, "address": path, "protocol": "grpc"})
+    version = task_api_version(flags.get("publish-binary", ""))
+    # containerd 2.x reads an idle gRPC channel as a dead shim (ttrpc.py): ttrpc there.
+    protocol = "ttrpc" if version >= 3 else "grpc"
+    response = json.dumps({"version": version, "protocol": protocol,
+                           "address": f"unix://{path}" if protocol == "ttrpc" else path})
     from gpusnap.private import private_dir, write_private
 
     if not _listening(path):
@@ -108,7 +136,7 @@ def start(flags: dict[str, str]) -> int:
         from gpusnap.shim import zygote
 
         warm = zygote.enabled()
-        req = {"namespace": ns, "address": address, "socket": path, "cwd": os.getcwd(),
+        req = {"namespace": ns, "address": address, "socket": path, "cwd": os.getcwd(), "protocol": protocol,
                "debug": flags.get("debug") == "true", "env": dict(os.environ)}
         if not (warm and zygote.request(SOCKET_DIR, {**req, "stamp": zygote.code_stamp()})):
             if not _cold_start(req):

@@ -1,4 +1,5 @@
-"""The serving shim process: gRPC task service on a unix socket."""
+"""The serving shim process: the task service on a unix socket, over gRPC
+(containerd 1.7) or ttrpc (containerd 2.x: see ttrpc.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _set_name(name: bytes) -> None:
 
 
 def serve(namespace: str, containerd_address: str, socket_path: str, ready_fd: int, debug: bool,
-          origin: str = "cold") -> int:
+          origin: str = "cold", protocol: str = "grpc") -> int:
     """Serve until Shutdown; write one byte to READY_FD once listening."""
     setup_logging(os.path.join(os.getcwd(), "log"), debug)
     threading.excepthook = lambda a: log.error("thread %s: %s", a.thread.name if a.thread else "?",
@@ -40,28 +41,38 @@ def serve(namespace: str, containerd_address: str, socket_path: str, ready_fd: i
     reaper.start()
     done = threading.Event()
     service = TaskService(namespace, Publisher(containerd_address, namespace), reaper, done.set)
-    # Wait() holds a worker until its process exits: keep plenty of them.
-    server = grpc.server(ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"))
-    server.add_generic_rpc_handlers((generic_handler(load().shim.DESCRIPTOR.services_by_name["Task"], service),))
-    # 0600: containerd connects as root; nobody else may drive this shim's containers.
-    with private_umask():
-        bound = server.add_insecure_port(f"unix:{socket_path}")
-    if bound == 0:
-        log.error("cannot listen on %s", socket_path)
-        return 1
-    server.start()
+    task = load().shim.DESCRIPTOR.services_by_name["Task"]
+    if protocol == "ttrpc":
+        from gpusnap.shim.ttrpc import TtrpcServer
+
+        server = TtrpcServer(task, service)
+        if not server.listen(socket_path):
+            return 1
+        stop = server.stop
+    else:
+        # Wait() holds a worker until its process exits: keep plenty of them.
+        grpc_server = grpc.server(ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"))
+        grpc_server.add_generic_rpc_handlers((generic_handler(task, service),))
+        # 0600: containerd connects as root; nobody else may drive this shim's containers.
+        with private_umask():
+            bound = grpc_server.add_insecure_port(f"unix:{socket_path}")
+        if bound == 0:
+            log.error("cannot listen on %s", socket_path)
+            return 1
+        grpc_server.start()
+        stop = lambda: grpc_server.stop(grace=0.5).wait()  # noqa: E731
     info = os.path.splitext(socket_path)[0] + ".json"
     # who serves this socket, for operators and tests
     write_private(info, json.dumps({"pid": os.getpid(), "address": containerd_address,
                                     "namespace": namespace, "bundle": os.getcwd(),
-                                    "origin": origin}))
+                                    "origin": origin, "protocol": protocol}))
     _set_name(b"gpusnap-shim")
     os.write(ready_fd, b"1")
     os.close(ready_fd)
-    log.debug("serving on %s (pid %d, %s start)", socket_path, os.getpid(), origin)
+    log.debug("serving %s on %s (pid %d, %s start)", protocol, socket_path, os.getpid(), origin)
     done.wait()
     service.publisher.flush(5.0)
-    server.stop(grace=0.5).wait()
+    stop()
     for f in (socket_path, info):
         try:
             os.unlink(f)

@@ -79,7 +79,8 @@ def _serve_child(conn: socket.socket, listener: socket.socket, req: dict) -> Non
         os.environ.update(req["env"])
         ready = os.dup(conn.fileno())
         conn.close()
-        code = serve(req["namespace"], req["address"], req["socket"], ready, bool(req.get("debug")), "zygote")
+        code = serve(req["namespace"], req["address"], req["socket"], ready, bool(req.get("debug")), "zygote",
+                     req.get("protocol", "grpc"))
     finally:
         os._exit(code)
 

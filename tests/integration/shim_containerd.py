@@ -237,20 +237,27 @@ def wait_status(c: PrivateContainerd, name: str, status: str, timeout: float = 1
 
 
 def shim_call(c: PrivateContainerd, task: str, method: str, **fields):
-    """One RPC straight to the shim serving TASK (containerd.task.v3.Task)."""
+    """One RPC straight to the shim serving TASK (containerd.task.v3.Task), in
+    the protocol it serves (gRPC under containerd 1.7, ttrpc under 2.x)."""
     import grpc
+    from google.protobuf import message_factory
 
     from gpusnap.proto import load
     from gpusnap.proto.rpc import unary_stub
+    from gpusnap.shim import ttrpc
 
     pb = load().shim
     (info,) = [p for p in c.shim_dir.glob("*.json")
                if json.loads(p.read_text()).get("bundle", "").endswith(f"/{task}")]
     service = pb.DESCRIPTOR.services_by_name["Task"]
-    with grpc.insecure_channel(f"unix:{info.with_suffix('.sock')}") as ch:
-        req_cls = getattr(pb, service.methods_by_name[method].input_type.name)
-        return unary_stub(ch, service, method)(req_cls(**fields), timeout=30)
-
+    method_desc = service.methods_by_name[method]
+    req = message_factory.GetMessageClass(method_desc.input_type)(**fields)
+    sock = str(info.with_suffix(".sock"))
+    if json.loads(info.read_text()).get("protocol") == "ttrpc":
+        return ttrpc.call(sock, service.full_name, method, req,
+                          message_factory.GetMessageClass(method_desc.output_type))
+    with grpc.insecure_channel(f"unix:{sock}") as ch:
+        return unary_stub(ch, service, method)(req, timeout=30)
 
 
 STAMPED_COUNTER = COUNTER.replace("i=0;", "i=$(($(date +%s)*100000));")
