@@ -9,7 +9,9 @@ set -euo pipefail
 DIST=${1:?usage: rootfs.sh trixie|sid}
 DIR=${GPUSNAP_MATRIX_DIR:-/var/cache/gpusnap/matrix}
 ROOT=$DIR/$DIST-root
-PKGS="podman crun runc conmon catatonit netavark aardvark-dns iptables criu python3-venv zstd busybox-static ca-certificates docker-registry apache2-utils nftables libcriu2 iproute2"
+PKGS="podman crun runc conmon catatonit netavark aardvark-dns iptables criu python3-venv zstd busybox-static ca-certificates docker-registry apache2-utils nftables libcriu2 iproute2 procps"
+# sid also brings containerd 2 and the CNI plugins its CRI needs (tests/matrix/cri.sh).
+[ "$DIST" = sid ] && PKGS="$PKGS containerd containernetworking-plugins"
 MARK=$ROOT/.gpusnap-matrix
 want=$(echo "$DIST $PKGS" | sha256sum | cut -c1-16)
 host_settings() {
@@ -35,6 +37,9 @@ echo "matrix: debootstrap $DIST into $ROOT"
 debootstrap --variant=minbase --include=ca-certificates "$DIST" "$ROOT" http://deb.debian.org/debian >"$DIR/$DIST-debootstrap.log" 2>&1 \
   || { tail -5 "$DIR/$DIST-debootstrap.log"; exit 1; }
 host_settings
+# This machine's Debian mirror is a dated snapshot: sid's Release file has
+# expired there by the time it is read (trixie's, a stable release, has not).
+echo 'Acquire::Check-Valid-Until "false";' > "$ROOT/etc/apt/apt.conf.d/99gpusnap-matrix"
 printf '#!/bin/sh\nexit 101\n' > "$ROOT/usr/sbin/policy-rc.d"  # no services started inside
 chmod 755 "$ROOT/usr/sbin/policy-rc.d"
 mount --bind /proc "$ROOT/proc"
