@@ -22,12 +22,12 @@ unit: install
 	$(PYTEST) -q tests/unit
 
 integration: install demo-image
-	$(PYTEST) -q -m "not gpu" tests/integration
+	$(PYTEST) -q -m "not gpu and not cri" tests/integration
 
 test: install demo-image  ## everything that runs without a GPU
-	$(PYTEST) -q -m "not gpu" tests
+	$(PYTEST) -q -m "not gpu and not cri" tests
 
-test-matrix:     ## the integration tests under Podman 5 (Debian trixie root, cached); MATRIX="trixie:crun,runc"
+test-matrix: install demo-image  ## integration tests under Podman 5 + crun/runc (Debian trixie, sid roots, cached), containerd 2.1 + shim + CRI (sid); MATRIX="sid:crun"
 	bash tests/matrix/run.sh $(MATRIX)
 
 gpu-bundle:      ## .deb files the bare GPU machine needs, into .gpu-bundle/ (run here, carried there)

@@ -2,7 +2,8 @@
 # The version matrix: the integration tests that matter most, run with newer
 # container stacks than the host's Debian 12 (Podman 4.3 + runc), each in a
 # Debian root filesystem of its own (rootfs.sh, cached) entered by chroot.sh.
-#   tests/matrix/run.sh [DIST:RUNTIME,RUNTIME ...]   default: trixie:crun,runc
+#   tests/matrix/run.sh [DIST:RUNTIME,RUNTIME ...]   default: trixie:crun,runc sid:crun,runc
+# (a root with containerd 2, sid's, also runs the shim's tests and the CRI path)
 # (see README, "Version matrix")
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -13,7 +14,9 @@ rc=0
 X=$HERE/../../.matrix/xver
 rm -rf "$X" && mkdir -p "$X"
 podman save -q localhost/gpusnap-demo -o "$X/demo.tar" && bash "$HERE/xver.sh" make "$X" from-host || rc=1
-for spec in "${@:-trixie:crun,runc}"; do
+specs=("$@")
+[ ${#specs[@]} -gt 0 ] || specs=(trixie:crun,runc sid:crun,runc)
+for spec in "${specs[@]}"; do
   dist=${spec%%:*}
   runtimes=${spec#*:}
   bash "$HERE/rootfs.sh" "$dist" || { rc=1; continue; }
