@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import shutil
-import subprocess
 from pathlib import Path
+
+from gpusnap.criu.version import tool_version
 
 TRUST_ENV = "GPUSNAP_CRUN_CONFIG"
 CRUN_FIRST = (1, 26)  # the first crun release that calls criu_set_config_file()
@@ -49,13 +49,7 @@ def runs_action_script(runtime: str) -> bool:
 def crun_version(runtime: str = "crun") -> tuple[int, int] | None:
     """crun's (major, minor) from `crun --version`, None where it cannot be run."""
     path = runtime if "/" in runtime else shutil.which(runtime, path=os.environ.get("PATH", "") + ":" + _SBIN)
-    if not path:
-        return None
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = re.search(r"crun version (\d+)\.(\d+)", out)
+    m = tool_version(path, r"crun version (\d+)\.(\d+)", timeout=10)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 

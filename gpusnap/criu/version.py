@@ -15,16 +15,20 @@ MIN_VERSION = (4, 0)
 PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib64/criu")
 
 
-def criu_version(criu: str = "criu") -> str | None:
-    """'4.1.1', or None when there is no usable criu on PATH."""
-    path = shutil.which(criu)
+def tool_version(path: str | None, pattern: str, timeout: float = 20) -> re.Match | None:
+    """PATTERN searched in what `PATH --version` prints; None where it cannot be run."""
     if path is None:
         return None
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=timeout).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    m = re.search(r"Version:\s*([\d.]+)", out)
+    return re.search(pattern, out)
+
+
+def criu_version(criu: str = "criu") -> str | None:
+    """'4.1.1', or None when there is no usable criu on PATH."""
+    m = tool_version(shutil.which(criu), r"Version:\s*([\d.]+)")
     return m.group(1) if m else None
 
 
