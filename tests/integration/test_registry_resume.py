@@ -107,14 +107,15 @@ def test_push_stopped_by_a_dead_registry_resumes_with_what_it_lacked(registry, s
 
     registry.start()
     again = gs_json("push", str(source), ref, *registry.flags())
-    layers = {layer["digest"]: layer["size"] for layer in fetch_manifest(registry, ref)["layers"]}
+    listed = fetch_manifest(registry, ref)["layers"]  # a chunk may repeat (same bytes twice)
+    layers = {layer["digest"]: layer["size"] for layer in listed}
     lacked = {d: s for d, s in layers.items() if d not in present}
     with capsys.disabled():
         print(f"\n  push resumed: {len(present)} of {len(layers)} chunks were in the registry "
               f"when it died; the re-run sent {again['chunks_sent']} "
               f"({again['bytes_sent']} bytes)")
     assert 0 < len(lacked) < len(layers)
-    assert again["chunks"] == len(layers)
+    assert again["chunks"] == len(listed)
     assert again["chunks_sent"] == len(lacked)
     assert again["bytes_sent"] == sum(lacked.values())
 
@@ -143,7 +144,8 @@ def test_pull_stopped_by_a_dead_registry_resumes_from_the_chunk_cache(registry, 
               input=PASSWORD + "\n", env=env)
     assert res.returncode == 0, res.stderr
     again = json.loads(res.stdout)
-    layers = {layer["digest"]: layer["size"] for layer in fetch_manifest(registry, ref)["layers"]}
+    listed = fetch_manifest(registry, ref)["layers"]  # a chunk may repeat (same bytes twice)
+    layers = {layer["digest"]: layer["size"] for layer in listed}
     from_cache = sum(size for digest, size in cached.items() if digest in layers)
     with capsys.disabled():
         print(f"\n  pull resumed: {len(cached)} of {len(layers)} chunks were cached when the "
@@ -165,7 +167,8 @@ def test_a_blob_left_half_linked_by_a_killed_registry_is_sent_again(registry, ca
     repo = f"ckpt/halflink-{uuid.uuid4().hex[:8]}"
     ref = registry.ref(f"{repo}:v1")
     first = gs_json("push", str(small), ref, *registry.flags())
-    layers = {layer["digest"]: layer["size"] for layer in fetch_manifest(registry, ref)["layers"]}
+    listed = fetch_manifest(registry, ref)["layers"]  # a chunk may repeat (same bytes twice)
+    layers = {layer["digest"]: layer["size"] for layer in listed}
     broken = sorted(layers)[0]
     link = (registry.storage / "docker/registry/v2/repositories" / repo / "_layers/sha256"
             / broken.split(":", 1)[1] / "link")
