@@ -106,15 +106,9 @@ def task_api_version(containerd: str) -> int:
     told = os.environ.get("GPUSNAP_SHIM_TASK_VERSION")
     if told in ("2", "3"):
         return int(told)
-    import re
-    import subprocess
+    from gpusnap.criu.version import tool_version  # re and subprocess: light enough for start
 
-    try:
-        out = subprocess.run([containerd or "containerd", "--version"], capture_output=True,
-                             text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 2
-    m = re.search(r"\s[v]?(\d+)\.\d+", out)
+    m = tool_version(containerd or "containerd", r"\s[v]?(\d+)\.\d+", timeout=10)
     return 3 if m and int(m.group(1)) >= 2 else 2
 
 
