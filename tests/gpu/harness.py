@@ -107,10 +107,11 @@ class CudaContainer:
         _sh("podman", "rm", "-f", "-t", "0", self.name, check=False)
 
 
-def _run(name: str, gpus: list[int], nproc: int, *command: str) -> CudaContainer:
+def _run(name: str, gpus: list[int], nproc: int, *command: str, runtime: str | None = None) -> CudaContainer:
     """A CUDA container running ``command`` with a /status folder; waits for its workers."""
     status = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/var/tmp"))
     _sh("podman", "run", "-d", "--name", name, "--network", "none", *gpu_device_args(gpus),
+        *(["--runtime", runtime] if runtime else []),
         *mount_args(), "-v", f"{status}:/status", "-v", f"{HERE}:/work:ro",
         "-e", f"LD_LIBRARY_PATH={DRIVER_DIR}/lib64:{DRIVER_DIR}/lib", "-e", "PYTHONUNBUFFERED=1",
         IMAGE, *command)
@@ -125,9 +126,10 @@ def _run(name: str, gpus: list[int], nproc: int, *command: str) -> CudaContainer
 
 
 def start(nproc: int = 1, gib: float = 2.0, gpus: list[int] | None = None,
-          name: str | None = None) -> CudaContainer:
+          name: str | None = None, runtime: str | None = None) -> CudaContainer:
+    """``runtime``: Podman's --runtime (crun, runc); Podman's default where None."""
     return _run(name or f"gpusnap-cuda-{uuid.uuid4().hex[:8]}", gpus if gpus is not None else [0],
-                nproc, PYTHON, "/work/workload.py", str(nproc), str(gib))
+                nproc, PYTHON, "/work/workload.py", str(nproc), str(gib), runtime=runtime)
 
 
 def hold_memory(gpu: int, gib: float) -> CudaContainer:

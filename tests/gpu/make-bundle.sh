@@ -5,7 +5,7 @@
 set -euo pipefail
 DIR=${1:-.gpu-bundle}
 HERE=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$DIR/podman" "$DIR/criu"
+mkdir -p "$DIR/podman" "$DIR/criu" "$DIR/crun"
 [[ "$(apt-cache policy criu)" == *sid/main* ]] || { echo "run 'make deps' first (adds the pinned trixie and sid sources)"; exit 1; }
 # Podman and what it and conmon load that Ubuntu 24.04 names differently or lacks.
 PODMAN=(podman conmon runc golang-github-containers-common golang-github-containers-image
@@ -14,6 +14,9 @@ PODMAN=(podman conmon runc golang-github-containers-common golang-github-contain
         # CRIU locks a container's network with iptables-restore; the GPU machine has none.
         iptables libxtables12 libip4tc2 libip6tc2 libnetfilter-conntrack3 libnfnetlink0
         libnftnl11 libmnl0
+        # CRIU saves and restores a network namespace it dumps (crun hands it
+        # Podman's --network none namespace) with ip(8); the GPU machine has none.
+        iproute2 libbpf1 libelf1 libbsd0 libmd0
         # Checkpoint archives are zstd streams; the GPU machine has no zstd binary.
         zstd
         # Containers with an address (bench/coldstart.py's replicas): Podman 4.3's backend.
@@ -22,6 +25,11 @@ PODMAN=(podman conmon runc golang-github-containers-common golang-github-contain
 mapfile -t pkgs < <(grep -v '^#' "$HERE/../../packaging/criu-debs.list" | tr ' ' '\n' | sed '/^$/d')
 rm -f "$DIR"/criu/*.deb  # CRIU 4.2 from sid: no 4.1 library may stay beside it
 (cd "$DIR/criu" && apt-get download -q "${pkgs[@]/%//sid}" >/dev/null 2>&1)
+# crun 1.28 (sid; Podman's default runtime on Fedora/RHEL) with what Ubuntu
+# 24.04 lacks (its glibc 2.39 is new enough), and libcriu 4.2, which crun
+# dlopen()s: with it crun hands CRIU gpusnap's configuration (criu/runtimes.py).
+mkdir -p "$DIR/crun" && rm -f "$DIR"/crun/*.deb
+(cd "$DIR/crun" && apt-get download -q crun/sid libblake3-0/sid libjson-c5/sid libcriu2/sid libprotobuf-c1/sid >/dev/null 2>&1)
 # The device tool carries 64 MiB in all, so the rest comes in two parts that
 # travel in separate runs (name the folders in `carry`):
 # - bin/ + wheels/, the containerd shim's tests: containerd 1.7 and ctr

@@ -32,6 +32,11 @@ EOW
   chmod 755 /usr/local/sbin/$tool
 done
 iptables -L -n >/dev/null && echo "iptables (nft) works"
+if ! command -v ip >/dev/null && [ -x $SYS/bin/ip ]; then  # CRIU's `ip addr save` (crun)
+  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s/bin/ip "$@"\n' "$LIBS" "$SYS" > /usr/local/sbin/ip
+  chmod 755 /usr/local/sbin/ip
+fi
+command -v ip >/dev/null && ip -V
 if ! command -v zstd >/dev/null; then
   printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s/usr/bin/zstd "$@"\n' "$LIBS" "$SYS" > /usr/local/bin/zstd
   chmod 755 /usr/local/bin/zstd
@@ -79,6 +84,28 @@ if ! ldconfig -p | grep -q 'libcuda.so.1 '; then
 fi
 
 bash "$REPO/packaging/criu-prefix.sh" "$BUNDLE/criu" /opt/gpusnap/criu /usr/local/sbin/criu
+# crun (bundle part crun/, carried where the crun tests run): its own libraries
+# beside it, behind a wrapper named crun (Podman and gpusnap know the runtime by
+# that name); libcriu.so.2 where every process finds it, as libcriu2 installs
+# it, since crun dlopen()s it and gpusnap's probe loads the same one.
+if ls "$BUNDLE"/crun/crun_*.deb >/dev/null 2>&1; then
+  for deb in "$BUNDLE"/crun/*.deb; do dpkg -x "$deb" /opt/gpusnap/crun; done
+  CRUN_LIBS=/opt/gpusnap/crun/usr/lib/x86_64-linux-gnu
+  mkdir -p /opt/gpusnap/libcriu
+  cp -a $CRUN_LIBS/libcriu.so.2* /opt/gpusnap/libcriu/
+  ldconfig -p | grep -q 'libprotobuf-c.so.1 ' || cp -a $CRUN_LIBS/libprotobuf-c.so.1* /opt/gpusnap/libcriu/
+  echo /opt/gpusnap/libcriu > /etc/ld.so.conf.d/gpusnap-libcriu.conf
+  ldconfig
+  # Only what the machine lacks: CRIU and its action script inherit this path.
+  CRUN_PATH=$CRUN_LIBS
+  LD_LIBRARY_PATH=$CRUN_PATH ldd /opt/gpusnap/crun/usr/bin/crun | grep -q 'not found' && CRUN_PATH=$CRUN_PATH:$LIBS
+  printf '#!/bin/sh\n# crun from Debian sid with its libraries (tests/gpu/prepare.sh)\nLD_LIBRARY_PATH=%s exec /opt/gpusnap/crun/usr/bin/crun "$@"\n' \
+    "$CRUN_PATH" > /opt/gpusnap/bin/crun
+  chmod 755 /opt/gpusnap/bin/crun
+  ln -sf /opt/gpusnap/bin/crun /usr/local/bin/crun
+  crun --version | head -2
+  sed -i "s|^runc = \\[.*|&\ncrun = [\"/opt/gpusnap/bin/crun\"]|" /etc/containers/containers.conf
+fi
 # What came of the bundle's optional parts (make-bundle.sh: bin/ + wheels/ for
 # the shim tests, bench/ for the registry benches): Go binaries and wheels.
 for tools in "$BUNDLE/bin/tools.tar.zst" "$BUNDLE/bench/tools.tar.zst"; do
