@@ -130,3 +130,17 @@ def foreign_h100_manifest():
         processes=[ManifestProcess(pid=7, comm="python3", gpus=[uuid], gpu_memory={uuid: 2 << 30})],
         driver_version="580.159.04", cuda_driver_version="13.0", criu_version="4.1.1",
         quiesced_by="gpusnap", host={"hostname": "gpu-host", "kernel": "6.18", "arch": "x86_64"})
+
+
+def with_gpu_manifest(export: Path, tmp_path: Path) -> Path:
+    """``export`` with a GPU manifest naming an H100 no test host has, as if its
+    processes had been CUDA processes gpusnap quiesced."""
+    from gpusnap import MANIFEST_NAME
+
+    root = tmp_path / "unpacked"
+    root.mkdir()
+    run(["tar", "-I", "zstd", "-xf", str(export), "-C", str(root)], check=True)
+    (root / "checkpoint" / MANIFEST_NAME).write_text(foreign_h100_manifest().to_json())
+    out = tmp_path / "gpu.tar.zst"
+    run(["tar", "-I", "zstd", "-cf", str(out), "-C", str(root), "."], check=True)
+    return out

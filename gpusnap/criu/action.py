@@ -132,6 +132,41 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
         write_private(_restore_state(criu_pid), json.dumps(kept))
 
 
+def check_without_hook(image_dir: str, criu_pid: int) -> None:
+    """Where the runtime runs no OCI hook at restore (crun), the checks gpusnap's
+    hook makes under runc, made here before CRIU restores a task: GPUs that
+    cannot take the checkpoint are refused, and so is a move onto other GPUs,
+    which only the hook's live remap or `gpusnap restore` (a plan beside the
+    manifest) can make. GpusnapError says why."""
+    folder = Path(image_dir) if image_dir else None
+    if folder is None or not (folder / MANIFEST_NAME).exists() or (folder / PLAN_NAME).exists():
+        return
+    if _runtime_of(criu_pid) != "crun":
+        return
+    from gpusnap.hook.main import plan_restore_here
+
+    config = Path(os.path.realpath(folder)).parent / "config.json"  # Podman: userdata/checkpoint
+    spec = json.loads(config.read_text()) if config.exists() else {}
+    problems, plan = plan_restore_here(folder / MANIFEST_NAME, spec)
+    if problems:
+        raise GpusnapError("cannot restore here: " + "; ".join(problems))
+    if plan is not None and plan.needs_remap:
+        raise GpusnapError("crun runs no OCI hook at restore, so a plain `podman container "
+                           f"restore` cannot move the GPUs ({'; '.join(plan.describe())}); "
+                           "`gpusnap restore` moves them before Podman starts")
+
+
+def _runtime_of(criu_pid: int) -> str:
+    """The command name of the program that started CRIU (runc, crun). Its comm,
+    not its exe: crun runs from a sealed memfd copy of itself ("/memfd:crun")."""
+    try:
+        stat = Path(f"/proc/{criu_pid}/stat").read_text()
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        return Path(f"/proc/{ppid}/comm").read_text().strip()
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
 def _restore_state(criu_pid: int) -> Path:
     return _marker_dir() / f"{criu_pid}-restore.json"
 
@@ -208,9 +243,17 @@ def _run(action: str) -> int:
             journal.record("failed", action=action, error=str(exc))
         return 0
     if action == "pre-restore":
+        image_dir = os.environ.get("CRTOOLS_IMAGE_DIR", "")
+        try:
+            check_without_hook(image_dir, os.getppid())
+        except GpusnapError as exc:  # CRIU stops before any task is restored
+            journal.record("refused-restore", action=action, error=str(exc))
+            # CRIU logs what its scripts print; Podman quotes its log's "Error" lines
+            print(f"Error (gpusnap): {exc}", file=sys.stderr)
+            return 1
         # Only keeps files for later: never the reason a restore fails.
         try:
-            pre_restore(os.environ.get("CRTOOLS_IMAGE_DIR", ""), os.getppid())
+            pre_restore(image_dir, os.getppid())
         except (OSError, ValueError) as exc:
             journal.record("failed", action=action, error=str(exc))
         return 0

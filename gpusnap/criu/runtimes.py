@@ -24,8 +24,12 @@ import ctypes
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpusnap.criu.version import tool_version
+
+if TYPE_CHECKING:
+    from gpusnap.gpu.manifest import Manifest
 
 TRUST_ENV = "GPUSNAP_CRUN_CONFIG"
 CRUN_FIRST = (1, 26)  # the first crun release that calls criu_set_config_file()
@@ -73,3 +77,33 @@ def why_not(runtime: str) -> str:
         return (f"{have} hands CRIU no configuration file (crun >= {CRUN_FIRST[0]}.{CRUN_FIRST[1]} "
                 "with libcriu >= 4.2 does), so gpusnap's action script would not run")
     return f"{name} is not known to hand CRIU /etc/criu/runc.conf, so gpusnap's action script would not run"
+
+
+def require_gpu_restore(runtime: str, manifest: "Manifest | dict | None", source: str,
+                        untouched: str) -> None:
+    """Refuse, before anything is restored, a checkpoint whose CUDA processes gpusnap
+    quiesced when ``runtime`` would restore it without the action script: CRIU
+    would bring the processes back with no GPU state, locked for good.
+
+    ``manifest``: the checkpoint's GPU manifest (or its dict); ``untouched``: what the
+    refusal says stayed as it was ("nothing was restored", "nothing was downloaded").
+    """
+    from gpusnap.errors import GpusnapError
+
+    if manifest is None:
+        return
+    if isinstance(manifest, dict):
+        quiesced_by, processes = manifest.get("quiesced_by"), manifest.get("processes")
+    else:
+        quiesced_by, processes = manifest.quiesced_by, manifest.processes
+    if quiesced_by != "gpusnap" or not processes:
+        return
+    runtime = runtime or "runc"
+    if runs_action_script(runtime):
+        return
+    name = Path(runtime).name
+    raise GpusnapError(
+        f"{source} holds CUDA processes whose GPU state gpusnap brings back at restore, but "
+        f"Podman would restore it under {name}: {why_not(runtime)}; {untouched}",
+        f"restore it on a host whose {name} passes CRIU its configuration, or whose Podman "
+        f"has runc as {name} ({TRUST_ENV}=1 where the probe misjudges)")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from gpusnap.criu import pages_aside
-from gpusnap.criu.runtimes import runs_action_script
+from gpusnap.criu.runtimes import require_gpu_restore, runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci import podman_image, reference, segments
@@ -268,6 +268,8 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_r
     from gpusnap.ops.gpu_plan import plan_here
 
     manifest = remote.bundle.gpu_manifest
+    require_gpu_restore(remote.bundle.summary.get("runtime") or podman.default_runtime(), manifest,
+                        str(remote.client.ref), "nothing was downloaded")
     return plan_here(Manifest.from_dict(manifest) if manifest else None, gpu_map,
                      refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
                                   "inspect REF` lists them), or name targets with --gpu-map; "

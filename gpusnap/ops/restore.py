@@ -9,6 +9,7 @@ from typing import ContextManager
 
 from gpusnap import archive, journal
 from gpusnap.criu.log import first_error as criu_error
+from gpusnap.criu.runtimes import require_gpu_restore
 from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import ProcessState
@@ -28,7 +29,10 @@ _NOT_HERE = ("restore on a host with GPUs like the checkpoint's (`gpusnap inspec
 
 def _plan(contents: archive.CheckpointContents, gpu_map: str | None, remap: bool) -> Plan:
     require_supported("restore")
-    return plan_here(contents.manifest, gpu_map, remap=remap, refusal_hint=_NOT_HERE)
+    manifest = contents.manifest
+    runtime = (contents.json_file("config.dump") or {}).get("runtime") or podman.default_runtime()
+    require_gpu_restore(runtime, manifest, contents.source, "nothing was changed")
+    return plan_here(manifest, gpu_map, remap=remap, refusal_hint=_NOT_HERE)
 
 
 def _retarget(contents: archive.CheckpointContents, plan: Plan) -> dict | None:

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap import MANIFEST_NAME
 from gpusnap.runtime.fifo_pump import referenced
 from tests.conftest import (GPUSNAP, assert_one_line_error, gpusnap, gpusnap_json, podman,
-                            foreign_h100_manifest, read_counter, run, wait_counter)
+                            read_counter, run, wait_counter, with_gpu_manifest)
 
 
 def _refused(res: subprocess.CompletedProcess, *needles: str) -> str:
@@ -233,20 +232,8 @@ def _podman_exporting(where: Path) -> bool:
     return False
 
 
-def _with_gpu_manifest(export: Path, tmp_path: Path) -> Path:
-    """The export with a manifest naming an H100 this GPU-less host cannot give."""
-    root = tmp_path / "unpacked"
-    root.mkdir()
-    run(["tar", "-I", "zstd", "-xf", str(export), "-C", str(root)], check=True)
-    manifest = foreign_h100_manifest()
-    (root / "checkpoint" / MANIFEST_NAME).write_text(manifest.to_json())
-    out = tmp_path / "gpu.tar.zst"
-    run(["tar", "-I", "zstd", "-cf", str(out), "-C", str(root), "."], check=True)
-    return out
-
-
 def test_gpu_checkpoint_refused_on_a_host_without_that_gpu(counter, export, tmp_path):
-    archive = _with_gpu_manifest(export, tmp_path)
+    archive = with_gpu_manifest(export, tmp_path)
     assert gpusnap_json("inspect", str(archive))["gpu"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
     names = (f"{counter}-gpu", f"{counter}-gpu2")
     try:

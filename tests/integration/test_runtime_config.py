@@ -5,12 +5,15 @@ version matrix's Debian sid root), not crun 1.21 with libcriu 4.1 (trixie)."""
 
 from __future__ import annotations
 
+import json
+import os
 import uuid
 from pathlib import Path
 
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.runtime import podman as podman_rt
-from tests.conftest import COUNTER, DEMO_IMAGE, podman, read_counter, run, wait_counter
+from tests.conftest import (COUNTER, DEMO_IMAGE, assert_one_line_error, gpusnap, gpusnap_json,
+                            podman, read_counter, run, wait_counter, with_gpu_manifest)
 
 
 def test_criu_runs_the_action_script_exactly_where_gpusnap_says_it_does():
@@ -35,3 +38,46 @@ def test_criu_runs_the_action_script_exactly_where_gpusnap_says_it_does():
         assert read_counter(name) > before
     finally:
         run(["podman", "rm", "-f", "-t", "0", name])
+
+
+def test_gpu_checkpoint_is_refused_where_nothing_would_bring_the_gpu_back(tmp_path):
+    """A checkpoint whose CUDA processes gpusnap quiesced, on this GPU-less host:
+    `gpusnap restore` refuses it in one line whatever the runtime (no such GPU
+    here, or a runtime that would not run the action script); plain `podman
+    container restore` is refused by the OCI hook under runc and, since crun
+    runs no hook at restore, by the action script under a crun that runs it."""
+    name = f"gst-gpuref-{uuid.uuid4().hex[:6]}"
+    podman("run", "-d", "--name", name, DEMO_IMAGE, "sh", "-c", COUNTER)
+    restored = (f"{name}-a", f"{name}-b")
+    try:
+        runtime = podman("inspect", "-f", "{{.OCIRuntime}}", name).stdout.strip()
+        wait_counter(name, 0)
+        export = tmp_path / "ctr.tar.zst"
+        gpusnap_json("checkpoint", name, "--export", str(export), "--leave-running")
+        archive = with_gpu_manifest(export, tmp_path)
+        res = gpusnap("restore", str(archive), "--name", restored[0])
+        if runs_action_script(runtime):
+            assert_one_line_error(res, "cannot restore here", "NVIDIA GPU")
+        else:
+            assert_one_line_error(res, "holds CUDA processes", f"under {runtime}", "nothing was changed")
+        if runtime == "runc" or runs_action_script(runtime):
+            journal = Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap")) / "journal.jsonl"
+            seen = journal.stat().st_size if journal.exists() else 0
+            res = podman("container", "restore", "--import", str(archive), "--name", restored[1],
+                         check=False)
+            assert res.returncode != 0, res.stdout
+            if runtime == "runc":  # runc prints what its hook said
+                assert "gpusnap: cannot restore here" in res.stderr, res.stderr
+            else:  # crun quotes CRIU's first "Error" line: on this host a harmless rlimit one
+                with journal.open() as f:
+                    f.seek(seen)
+                    refusals = [json.loads(line) for line in f if '"refused-restore"' in line]
+                assert refusals and "cannot restore here" in refusals[0]["error"], refusals
+        for other in restored:
+            state = podman("ps", "-a", "--filter", f"name=^{other}$", "--format", "{{.Status}}").stdout
+            assert "Up" not in state, (other, state)
+        before = read_counter(name)
+        assert wait_counter(name, before) > before  # the source counts on, untouched
+    finally:
+        for other in (name, *restored):
+            run(["podman", "rm", "-f", "-t", "0", other])

@@ -84,3 +84,63 @@ def test_a_static_address_of_another_network_is_explained(monkeypatch):
         podman.restore("/x.tar.zst", archive=True, name=None, keep=False, tcp_established=False)
     assert "requested static ip 10.89.0.2" in e.value.message
     assert "new --name" in e.value.hint
+
+
+def test_a_gpu_checkpoint_is_refused_where_the_runtime_would_not_bring_it_back(monkeypatch):
+    import pytest
+
+    from gpusnap.errors import GpusnapError
+    from tests.conftest import foreign_h100_manifest
+
+    monkeypatch.setenv(runtimes.TRUST_ENV, "0")
+    manifest = foreign_h100_manifest()
+    runtimes.require_gpu_restore("runc", manifest, "a.tar", "nothing was changed")
+    runtimes.require_gpu_restore("crun", None, "a.tar", "nothing was changed")  # no GPU in it
+    as_dict = {"quiesced_by": "criu-cuda-plugin", "processes": [{"pid": 7}]}
+    runtimes.require_gpu_restore("crun", as_dict, "a.tar", "x")  # CRIU's plugin brings it back
+    for given in (manifest, {"quiesced_by": "gpusnap", "processes": [{"pid": 7}]}):
+        with pytest.raises(GpusnapError) as err:
+            runtimes.require_gpu_restore("/usr/bin/crun", given, "ref", "nothing was downloaded")
+        assert err.value.message.startswith("ref holds CUDA processes")
+        assert "under crun" in err.value.message and err.value.message.endswith("nothing was downloaded")
+        assert "runc" in err.value.hint
+
+
+def test_crun_restores_are_checked_in_pre_restore_runc_ones_by_the_hook(monkeypatch, tmp_path):
+    import pytest
+
+    from gpusnap import MANIFEST_NAME, PLAN_NAME
+    from gpusnap.criu import action
+    from gpusnap.errors import GpusnapError
+    from tests.conftest import foreign_h100_manifest
+
+    images = tmp_path / "userdata" / "checkpoint"
+    images.mkdir(parents=True)
+    action.check_without_hook(str(images), 1)  # no manifest: nothing to check
+    (images / MANIFEST_NAME).write_text(foreign_h100_manifest().to_json())
+    (tmp_path / "userdata" / "config.json").write_text("{}")
+    monkeypatch.setattr(action, "_runtime_of", lambda pid: "runc")
+    action.check_without_hook(str(images), 1)  # runc: its hook checks
+    monkeypatch.setattr(action, "_runtime_of", lambda pid: "crun")
+    monkeypatch.setattr("gpusnap.hook.main.plan_restore_here",
+                        lambda path, spec: (["no NVIDIA GPU on this host"], None))
+    with pytest.raises(GpusnapError, match="cannot restore here: no NVIDIA GPU"):
+        action.check_without_hook(str(images), 1)
+    (images / PLAN_NAME).write_text("{}")  # `gpusnap restore` planned it: checked already
+    action.check_without_hook(str(images), 1)
+
+
+def test_the_runtime_that_started_criu_is_its_parent():
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from gpusnap.criu import action
+
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        assert action._runtime_of(child.pid) == Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+    finally:
+        child.kill()
+        child.wait()
+    assert action._runtime_of(0) == ""
