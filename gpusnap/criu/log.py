@@ -2,16 +2,51 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+# "(00.123456) Error (criu/mount.c:...): ..." from CRIU itself; children it
+# runs (ip, iptables-restore, action scripts) write theirs without the time.
+_ERROR = re.compile(r"^(?:\(\s*[\d.]+\)\s*)?(Error \(.*)$")
+
+# What a user can do about the errors CRIU words for its own developers.
+_EXPLAINED = (
+    ("No mapping for", "a mount the checkpoint holds has no counterpart here{cgroup}"),
+    ('execvp("ip"', "CRIU saves and restores the container's network namespace with ip(8): "
+                    "install iproute2"),
+    ('execvp("iptables-restore"', "CRIU locks the container's network with iptables-restore: "
+                                  "install iptables (or set another network-lock in "
+                                  "/etc/criu/runc.conf)"),
+)
 
 
 def first_error(log: Path) -> str | None:
-    """CRIU's first error line in a dump/restore log (the later ones are fallout)."""
+    """CRIU's first error line in a dump/restore log (the later ones are fallout),
+    with what it means where gpusnap knows."""
     try:
         with open(log, errors="replace") as f:
             for line in f:
-                if line.startswith("Error (") and "RLIMIT_NOFILE" not in line:
-                    return line.strip()
+                m = _ERROR.match(line.strip())
+                if m and "RLIMIT_NOFILE" not in line:
+                    return _explained(m.group(1))
     except OSError:
         pass
     return None
+
+
+def _explained(line: str) -> str:
+    for needle, meaning in _EXPLAINED:
+        if needle in line:
+            return f"{line} ({meaning.format(cgroup=_cgroup_note())})"
+    return line
+
+
+def _cgroup_note() -> str:
+    """A v1 host's container mounts each cgroup controller, which a v2-only host has not."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    unified = any(f[1:3] == ["/sys/fs/cgroup", "cgroup2"] for f in (ln.split() for ln in mounts))
+    return (": a checkpoint from a cgroup v1 host does not restore on this cgroup v2 host; "
+            "restore it on a host with cgroup v1, or checkpoint again on a v2 host") if unified else ""

@@ -9,7 +9,7 @@ set -euo pipefail
 DIST=${1:?usage: rootfs.sh trixie|sid}
 DIR=${GPUSNAP_MATRIX_DIR:-/var/cache/gpusnap/matrix}
 ROOT=$DIR/$DIST-root
-PKGS="podman crun runc conmon catatonit netavark aardvark-dns iptables criu python3-venv zstd busybox-static ca-certificates docker-registry apache2-utils nftables libcriu2 iproute2 procps"
+PKGS="podman crun runc conmon catatonit netavark aardvark-dns iptables criu python3-venv zstd busybox-static ca-certificates docker-registry apache2-utils nftables libcriu2 iproute2 procps oras"
 # sid also brings containerd 2 and the CNI plugins its CRI needs (tests/matrix/cri.sh).
 [ "$DIST" = sid ] && PKGS="$PKGS containerd containernetworking-plugins"
 MARK=$ROOT/.gpusnap-matrix
