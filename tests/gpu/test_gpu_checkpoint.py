@@ -17,24 +17,28 @@ def _status(name: str) -> str:
     return podman("inspect", name, "--format", "{{.State.Status}}").stdout.strip()
 
 
-def test_podman_export_import_restores_gpu_memory(cuda_ctr, tmp_path):
-    """Unchanged Podman commands: checkpoint --export, rm, restore --import."""
+def podman_export_import(ctr: harness.CudaContainer, archive) -> None:
+    """Unchanged Podman commands on a 2 GiB CUDA container: checkpoint --export
+    (the GPU freed, the manifest written by gpusnap's action script), rm,
+    restore --import (its GPU memory back, every element compared)."""
     used_running = harness.gpu_memory_used()
-    archive = tmp_path / "cuda.tar.zst"
-    podman("container", "checkpoint", "--export", str(archive), cuda_ctr.name)
+    podman("container", "checkpoint", "--export", str(archive), ctr.name)
     used_checkpointed = harness.gpu_memory_used()
     assert used_running - used_checkpointed >= 2 * GIB, (used_running, used_checkpointed)
-    info = gpusnap_json("inspect", str(archive))
-    gpu = info["gpu"]
+    gpu = gpusnap_json("inspect", str(archive))["gpu"]
     assert gpu["quiesced_by"] == "gpusnap" and len(gpu["gpus"]) == 1
     assert gpu["gpu_memory_bytes"] >= 2 * GIB
     assert gpu["processes"][0]["comm"].startswith("python")
-    podman("rm", cuda_ctr.name)
-    its = cuda_ctr.iterations()
+    podman("rm", ctr.name)
+    its = ctr.iterations()
     podman("container", "restore", "--import", str(archive))
-    cuda_ctr.wait_running(above=its)
-    cuda_ctr.verify()
+    ctr.wait_running(above=its)
+    ctr.verify()
     assert harness.gpu_memory_used() - used_checkpointed >= 2 * GIB
+
+
+def test_podman_export_import_restores_gpu_memory(cuda_ctr, tmp_path):
+    podman_export_import(cuda_ctr, tmp_path / "cuda.tar.zst")
 
 
 def test_gpusnap_checkpoint_restore_two_processes(cuda_ctr2, tmp_path):
