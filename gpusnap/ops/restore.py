@@ -19,7 +19,7 @@ from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.procs import cuda_processes
-from gpusnap.runtime import podman
+from gpusnap.runtime import identity, podman
 from gpusnap.runtime.stream import config_only_opens, config_tar, import_fifo
 
 
@@ -134,10 +134,15 @@ def import_archive(opener: ContextManager[Path], contents: archive.CheckpointCon
             why += f" ({criu + '; ' if criu else ''}CRIU's log is kept in {log})"
         raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged",
                            exc.hint) from None
-    return restored(target or source, source, time.monotonic() - start, plan)
+    seconds = time.monotonic() - start
+    hostname = None
+    if name:  # a copy under a new name: its own hostname, not the checkpoint's
+        hostname = identity.follow_new_id(name, (contents.json_file("config.dump") or {}).get("id", ""))
+    return restored(target or source, source, seconds, plan, hostname=hostname)
 
 
-def restored(target: str, source: str, seconds: float, plan: Plan) -> dict:
+def restored(target: str, source: str, seconds: float, plan: Plan,
+             hostname: str | None = None) -> dict:
     """The restored container's report (and journal record), its GPU processes checked."""
     ctr = podman.inspect(target)
     gpu = _gpu_report(ctr.pid)
@@ -145,6 +150,8 @@ def restored(target: str, source: str, seconds: float, plan: Plan) -> dict:
                    moves=plan.describe() if plan.needs_remap else None)
     result = {"container": {"id": ctr.id, "name": ctr.name, "status": ctr.status},
               "source": source, "seconds": round(seconds, 3), "gpu_processes": gpu}
+    if hostname:
+        result["container"]["hostname"] = hostname
     if plan.moves:
         result["gpus"] = [{"from": m.source.to_dict(), "to": m.target.to_dict(),
                            "why": list(m.reasons)} for m in plan.moves]

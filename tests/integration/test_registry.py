@@ -29,7 +29,9 @@ def gs(*args: str, password: str = PASSWORD, **kw) -> subprocess.CompletedProces
 
 def gs_json(*args: str, password: str = PASSWORD) -> dict:
     res = gs(*args, "--json", password=password)
-    assert res.returncode == 0, (args, res.stdout, res.stderr)
+    if res.returncode != 0:  # whole: pytest shortens a long assertion's tuple in the middle
+        raise AssertionError(f"gpusnap {' '.join(args)} failed ({res.returncode}):\n"
+                             f"{res.stdout}\n{res.stderr}")
     return json.loads(res.stdout)
 
 

@@ -1,16 +1,18 @@
 """Several replicas restored from one checkpoint in a registry, on one host,
-sharing its chunk cache: each its own container counting on independently,
-the second one downloading nothing, a damaged cache entry fetched again, two
-restores at once on one cache."""
+sharing its chunk cache: each its own container counting on independently
+under a hostname of its own, the second one downloading nothing, a damaged
+cache entry fetched again, two restores at once on one cache."""
 
 from __future__ import annotations
 
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import GPUSNAP, podman, read_counter, run, wait_counter
+from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, gpusnap_json, podman, read_counter, run,
+                            wait_counter)
 from tests.integration.oci_registry import PASSWORD
 from tests.integration.test_registry import gs_json, unique_ref
 
@@ -36,6 +38,12 @@ def test_replicas_from_one_ref_count_on_independently_and_share_the_cache(
             assert p["bytes_fetched"] == 0 and p["bytes_from_cache"] > 0, p
         for n in names:
             assert wait_counter(n, before) > before  # on from the checkpoint's count
+        # each a hostname of its own: Podman's, from its own ID, not the source's
+        hostnames = {n: _hostnames(n) for n in [counter, *names]}
+        for n in names:
+            ctr_id = podman("inspect", "-f", "{{.Id}}", n).stdout.strip()
+            assert hostnames[n] == (ctr_id[:12],) * 3, (n, hostnames[n])
+        assert len({h[0] for h in hostnames.values()}) == len(hostnames), hostnames
         # independent: one stopped, the others and the original count on
         podman("stop", "-t", "0", names[0])
         for n in [counter, *names[1:]]:
@@ -71,3 +79,41 @@ def test_two_restores_at_once_on_one_empty_cache_both_succeed(registry, counter,
         assert not list(Path(cache_dir / "tmp").iterdir())  # no half-written entry left
     finally:
         _replicas(*names)
+
+
+def _hostnames(name: str) -> tuple[str, str, str]:
+    """The container's hostname: its UTS namespace's, /etc/hostname, and the one
+    /etc/hosts gives its own address."""
+    uts = podman("exec", name, "cat", "/proc/sys/kernel/hostname").stdout.strip()
+    etc = podman("exec", name, "cat", "/etc/hostname").stdout.strip()
+    hosts = podman("exec", name, "cat", "/etc/hosts").stdout.split()
+    own = next((w for w in hosts if w in (uts, etc)), "")
+    return uts, etc, own
+
+
+def test_a_copy_gets_its_own_hostname_unless_the_user_chose_one(tmp_path):
+    """From an archive: the derived hostname follows the copy's ID; one set with
+    `podman run --hostname` stays on every copy (as for containers of one spec)."""
+    tag = uuid.uuid4().hex[:6]
+    derived, chosen = f"gst-host-{tag}", f"gst-chosen-{tag}"
+    copies = [f"{derived}-copy", f"{chosen}-copy"]
+    podman("run", "-d", "--name", derived, DEMO_IMAGE, "sh", "-c", COUNTER)
+    podman("run", "-d", "--name", chosen, "--hostname", "web1", DEMO_IMAGE, "sh", "-c", COUNTER)
+    try:
+        for src, copy in zip((derived, chosen), copies):
+            wait_counter(src, 0)
+            archive = tmp_path / f"{src}.tar.zst"
+            gpusnap_json("checkpoint", src, "--export", str(archive), "--leave-running")
+            restored = gpusnap_json("restore", str(archive), "--name", copy)["container"]
+            if src == derived:
+                # (reported where gpusnap changed it: Podman 4.3 keeps the checkpoint's)
+                assert restored.get("hostname", restored["id"][:12]) == restored["id"][:12]
+                assert _hostnames(copy) == (restored["id"][:12],) * 3
+                assert _hostnames(src) != _hostnames(copy)
+            else:
+                assert "hostname" not in restored, restored
+                assert _hostnames(copy) == ("web1",) * 3 == _hostnames(src)
+            before = read_counter(copy)
+            assert wait_counter(copy, before) > before
+    finally:
+        _replicas(derived, chosen, *copies)

@@ -144,3 +144,15 @@ def test_the_runtime_that_started_criu_is_its_parent():
         child.kill()
         child.wait()
     assert action._runtime_of(0) == ""
+
+
+def test_the_old_hostname_is_replaced_only_where_it_stands_as_a_word(tmp_path):
+    from gpusnap.runtime import identity
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\tlocalhost\n10.88.0.4\t4147f24bde4a web\n"
+                     "10.88.0.5\t4147f24bde4a0 x.4147f24bde4a\n")
+    identity._rewrite(str(hosts), "4147f24bde4a", "fc3e7329036c")
+    assert hosts.read_text() == ("127.0.0.1\tlocalhost\n10.88.0.4\tfc3e7329036c web\n"
+                                 "10.88.0.5\t4147f24bde4a0 x.4147f24bde4a\n")
+    identity._rewrite(str(tmp_path / "missing"), "a", "b")  # nothing to rewrite: no error
