@@ -105,5 +105,6 @@ def require_gpu_restore(runtime: str, manifest: "Manifest | dict | None", source
     raise GpusnapError(
         f"{source} holds CUDA processes whose GPU state gpusnap brings back at restore, but "
         f"Podman would restore it under {name}: {why_not(runtime)}; {untouched}",
-        f"restore it on a host whose {name} passes CRIU its configuration, or whose Podman "
-        f"has runc as {name} ({TRUST_ENV}=1 where the probe misjudges)")
+        f"restore it on a host where {name} hands CRIU its configuration file (runc always; "
+        f"crun >= {CRUN_FIRST[0]}.{CRUN_FIRST[1]} with libcriu >= 4.2; {TRUST_ENV}=1 where the "
+        "probe misjudges)")
