@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -69,11 +70,28 @@ def _criu_checks() -> list[Check]:
     return checks
 
 
+def _runtime_check() -> Check:
+    """The OCI runtime Podman uses (runc where it says none): gpusnap needs CRIU to
+    get its action script there (runc always; crun >= 1.26 with libcriu >= 4.2)."""
+    from gpusnap.criu.runtimes import runs_action_script, why_not
+    from gpusnap.runtime import podman
+
+    name = (podman.default_runtime() if shutil.which("podman") else "") or "runc"
+    path = shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/local/sbin:/usr/sbin:/sbin")
+    if path is None:
+        return Check("oci runtime", False, f"{name}: not found",
+                     f"install {name} (or runc), as Podman's configuration names it")
+    if runs_action_script(name):
+        return Check("oci runtime", True, f"{name} ({path}): CRIU gets gpusnap's action script")
+    # a warning: containers without CUDA processes still checkpoint as Podman would
+    return Check("oci runtime", False, f"{name} ({path}): {why_not(name)}; CUDA containers "
+                 "are refused at checkpoint",
+                 "install runc and set runtime = \"runc\" in containers.conf, or crun >= 1.26 "
+                 "with libcriu >= 4.2", required=False)
+
+
 def _integration_checks() -> list[Check]:
-    checks = []
-    runtime = shutil.which("runc")
-    checks.append(Check("runc", runtime is not None, runtime or "not found",
-                        "" if runtime else "install runc (crun runs no hooks on restore)"))
+    checks = [_runtime_check()]
     podman = shutil.which("podman")
     checks.append(Check("podman", podman is not None, podman or "not found",
                         "" if podman else "install podman", required=False))

@@ -156,3 +156,24 @@ def test_the_old_hostname_is_replaced_only_where_it_stands_as_a_word(tmp_path):
     assert hosts.read_text() == ("127.0.0.1\tlocalhost\n10.88.0.4\tfc3e7329036c web\n"
                                  "10.88.0.5\t4147f24bde4a0 x.4147f24bde4a\n")
     identity._rewrite(str(tmp_path / "missing"), "a", "b")  # nothing to rewrite: no error
+
+
+def test_doctor_judges_the_runtime_podman_uses(monkeypatch, tmp_path):
+    from gpusnap.ops import doctor
+    from gpusnap.runtime import podman
+
+    crun = _fake_crun(tmp_path, "1.21")
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(doctor.shutil, "which", lambda n, path=None: crun if n == "crun" else
+                        ("/usr/bin/podman" if n == "podman" else None))
+    monkeypatch.setattr(podman, "default_runtime", lambda: "crun")
+    monkeypatch.delenv(runtimes.TRUST_ENV, raising=False)
+    monkeypatch.setattr(runtimes, "libcriu_sets_config_file", lambda: True)
+    old = doctor._runtime_check()
+    assert old.level == "warning" and "crun 1.21 hands CRIU no configuration file" in old.detail
+    assert "crun >= 1.26" in old.fix
+    _fake_crun(tmp_path, "1.28")
+    assert doctor._runtime_check().level == "ok"
+    monkeypatch.setattr(podman, "default_runtime", lambda: "runc")  # runc, not installed
+    missing = doctor._runtime_check()
+    assert missing.level == "error" and missing.detail == "runc: not found"
