@@ -17,6 +17,10 @@ def test_meminfo_reads_bytes(tmp_path):
 
 def test_ram_only_with_the_reserve_left(tmp_path, monkeypatch):
     monkeypatch.delenv(memory.ENV, raising=False)
+    # the memory reserve alone: the folder's room is the next test's (this host's disk
+    # had under 37 GiB free once the suite's temporary files were there)
+    monkeypatch.setattr(memory.shutil, "disk_usage",
+                        lambda path: __import__("types").SimpleNamespace(free=1 << 50))
     info = {"MemTotal": 128 * GiB, "MemAvailable": 100 * GiB}
     # 128 GiB host: 8 GiB reserve. 37 GB of pages + 34 GB moved off the GPU first: fits
     assert memory.ram_dir(37 * GiB, 34 * GiB, info, root=tmp_path) == tmp_path
