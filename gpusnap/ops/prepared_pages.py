@@ -219,6 +219,7 @@ class Match:
     claimed: Path | None = None
     reused: int = 0
     used: list[str] = field(default_factory=list)
+    failed: str | None = None  # why a file of it could not be used (written anew)
 
     @property
     def root(self) -> Path:
@@ -248,9 +249,9 @@ def best(bundle: Bundle, where: list[Path] | None = None) -> Match | None:
                 continue
             scores = {k: plan_patch(f.chunks, old) for k, old in layouts.items()
                       if k not in sources.values()}
-            pick = max(scores, key=lambda k: scores[k].same + scores[k].moved, default=None)
-            if pick is not None and scores[pick].same + scores[pick].moved:
-                same += scores[pick].same + scores[pick].moved
+            pick = max(scores, key=lambda k: _held(scores[k]), default=None)
+            if pick is not None and _held(scores[pick]):
+                same += _held(scores[pick])
                 sources[f.path] = pick
         match = Match(folder, exact == total, layouts, same, sources=sources)
         if match.exact:
@@ -292,7 +293,8 @@ def use(match: Match, entry: FileEntry, path: Path) -> Runs | None:
             runs = _patch(path, entry, old)
         else:
             return None
-    except OSError:
+    except OSError as exc:
+        match.failed = f"{name}: {exc.strerror or exc}"
         return None
     written = sum(c.size for _, run in runs for c in run)
     match.reused += entry.size - written
@@ -306,6 +308,33 @@ def report(match: Match | None) -> dict | None:
         return None
     return {"folder": str(match.folder), "how": "linked" if match.exact else "patched",
             "files": len(match.used), "bytes_reused": match.reused}
+
+
+def _held(patch: Patch) -> int:
+    return patch.same + patch.moved
+
+
+def explain(bundle: Bundle, where: list[Path] | None, match: Match | None) -> str | None:
+    """Why a restore took nothing from a prepared folder (--json), None where it did:
+    a prefetch that did not help should say why, not leave the user guessing."""
+    if match is not None and match.used:
+        return None
+    if match is not None:
+        return match.failed or "the prepared folder's files could not be taken (written anew)"
+    total = sum(f.size for f in big_pages(bundle))
+    if not total:
+        return "no pages file big enough to prepare"
+    found = folders(where)
+    if not found:
+        return "no prepared folder on this host (gpusnap pull --prefetch REF makes one)"
+    shares = []
+    for folder in found:
+        layouts = [_layout(v) for v in _index(folder).get("files", {}).values()]
+        held = sum(max((_held(plan_patch(f.chunks, old)) for old in layouts), default=0)
+                   for f in big_pages(bundle))
+        shares.append(held / total)
+    return (f"{len(found)} prepared folder(s), holding at most {max(shares):.0%} of its "
+            f"pages ({NEAR:.0%} needed), or taken by another restore first")
 
 
 def _patch(path: Path, entry: FileEntry, old: list[tuple[str, int]]) -> Runs:

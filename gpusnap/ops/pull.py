@@ -15,6 +15,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from gpusnap import journal
 from gpusnap.criu import pages_aside
 from gpusnap.criu.runtimes import require_gpu_restore, runs_action_script
 from gpusnap.errors import GpusnapError
@@ -329,6 +330,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     prepared = prepared_pages.best(remote.bundle, where) if aside else None
     if prepared is not None and not prepared_pages.claim(prepared):
         prepared = None  # another restore took it: written anew
+        journal.record("prepared-lost", ref=str(remote.client.ref))
     pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
         if aside else None
     try:
@@ -355,9 +357,11 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         if pages is not None:  # restored (or not needed): in the background, GBs of it
             discard(pages, pages.parent)
         prepared_pages.release(prepared)
+    why = prepared_pages.explain(remote.bundle, where, prepared) if aside else \
+        "pages go through Podman's import (GPUSNAP_PAGES_ASIDE=0, or a runtime without the action script)"
     ref = remote.client.ref
     prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}", where)
-    return result, {**job.result(), "streamed": True}
+    return result, {**job.result(), "streamed": True, "pages_prepared_skipped": why}
 
 
 def _pages_root(remote: Remote, prepared: prepared_pages.Match | None) -> Path:

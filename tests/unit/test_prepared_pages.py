@@ -129,9 +129,15 @@ def test_best_prefers_the_exact_file_then_the_most_in_place(tmp_path):
 
 
 def test_under_half_in_place_is_written_anew(tmp_path):
+    final = bundle(pages(quarters("a", "b", "c", "d")))
+    assert pp.explain(final, [tmp_path], None).startswith("no prepared folder on this host")
     make_folder(tmp_path, "far", pages(quarters("a", "x", "y", "z")))
-    assert pp.best(bundle(pages(quarters("a", "b", "c", "d"))), [tmp_path]) is None
+    assert pp.best(final, [tmp_path]) is None
+    assert pp.explain(final, [tmp_path], None) == (
+        "1 prepared folder(s), holding at most 25% of its pages (50% needed), "
+        "or taken by another restore first")
     assert pp.best(bundle(), [tmp_path]) is None  # no pages file written beside the import
+    assert pp.explain(bundle(), [tmp_path], None) == "no pages file big enough to prepare"
 
 
 def test_a_link_leaves_the_prepared_file_for_the_next_replica(tmp_path):
@@ -146,6 +152,7 @@ def test_a_link_leaves_the_prepared_file_for_the_next_replica(tmp_path):
         pp.release(match)
         assert pp.report(match)["how"] == "linked"
         assert pp.report(match)["bytes_reused"] == SIZE
+        assert pp.explain(bundle(final), [tmp_path], match) is None
     assert (folder / "pages-1.img").stat().st_nlink == 3
     assert (out / "pages-2.img").read_bytes()[:8] == b"prepared"
 
@@ -174,6 +181,7 @@ def test_a_file_gone_from_the_folder_is_written_anew(tmp_path):
     match = pp.best(bundle(final), [tmp_path])
     os.unlink(folder / "pages-1.img")  # evicted between the choice and the link
     assert pp.use(match, final, tmp_path / "x.img") is None
+    assert pp.explain(bundle(final), [tmp_path], match).startswith("pages-1.img: No such file")
     other = pages(quarters("a", "b", "c", "d"), "checkpoint/pages-2.img")
     assert pp.use(match, other, tmp_path / "y.img") is None  # not in the index
 
