@@ -12,6 +12,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpusnap.proto.wire import WireError
+from gpusnap.proto.wire import read_varint as _read_varint
+
 IMG_COMMON_MAGIC = 0x54564319
 MNTS_MAGIC = 0x55563928
 FSTYPE_TMPFS = 5
@@ -34,31 +37,23 @@ class MountEntry:
     ext_key: str | None = None
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data):
-            raise ImageError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, pos
-        if shift > 63:
-            raise ImageError("varint too long")
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    try:
+        return _read_varint(data, pos)
+    except WireError as exc:
+        raise ImageError(str(exc)) from None
 
 
 def _message(data: bytes) -> dict[str, int | str]:
     fields: dict[str, int | str] = {}
     pos = 0
     while pos < len(data):
-        tag, pos = _varint(data, pos)
+        tag, pos = read_varint(data, pos)
         number, wire = tag >> 3, tag & 7
         if wire == 0:
-            value, pos = _varint(data, pos)
+            value, pos = read_varint(data, pos)
         elif wire == 2:
-            size, pos = _varint(data, pos)
+            size, pos = read_varint(data, pos)
             if pos + size > len(data):
                 raise ImageError("truncated field")
             value, pos = data[pos:pos + size], pos + size

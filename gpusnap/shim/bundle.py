@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from gpusnap.proto.wire import varint
+
 SHIM_STATE = "gpusnap-shim.json"  # runc root and binary of a created container; removed by Delete
 
 
@@ -39,15 +41,6 @@ def clear_state(bundle: str) -> None:
         pass
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def delete_response(exit_status: int, exited_at_ns: int) -> bytes:
     """containerd.task.v3.DeleteResponse{exit_status=2, exited_at=3} in protobuf wire format.
 
@@ -55,5 +48,5 @@ def delete_response(exit_status: int, exited_at_ns: int) -> bytes:
     the generated message).
     """
     secs, nanos = divmod(exited_at_ns, 1_000_000_000)
-    ts = b"\x08" + _varint(secs) + (b"\x10" + _varint(nanos) if nanos else b"")
-    return b"\x10" + _varint(exit_status) + b"\x1a" + _varint(len(ts)) + ts
+    ts = b"\x08" + varint(secs) + (b"\x10" + varint(nanos) if nanos else b"")
+    return b"\x10" + varint(exit_status) + b"\x1a" + varint(len(ts)) + ts

@@ -1,0 +1,33 @@
+"""Protobuf's varints, for the few messages gpusnap reads and writes by hand
+(CRIU's mount and pagemap images, the shim's delete reply): no protobuf import."""
+
+from __future__ import annotations
+
+
+class WireError(ValueError):
+    pass
+
+
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint at ``pos``, and the position after it."""
+    value = shift = 0
+    while True:
+        if pos >= len(data):
+            raise WireError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, pos
+        if shift > 63:
+            raise WireError("varint too long")
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
