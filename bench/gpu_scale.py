@@ -27,6 +27,9 @@ Adam moments rewritten every step), one process on GPU 0:
   precopy  `gpusnap migrate -P CTR REF:pre` (the job runs on), `gpusnap pull
            --prefetch REF:pre` (the target's cache), then as gpusnap to REF:final
   precopy-shm  precopy with GPUSNAP_PAGES_HUGE=0
+  precopy-patch  precopy with GPUSNAP_PAGES_PARENT=0: round 1's prepared file
+           patched (shifted chunks moved within it) instead of read as CRIU's
+           parent images (how the final round was restored until 2026-11-26 12:00)
   local    `gpusnap checkpoint CTR --export F`, `podman rm`, `gpusnap restore F`
   plain    driver lock + checkpoint, `podman container checkpoint --export` with
            CRIU not set up for gpusnap, `oras push`, `oras pull`, `podman rm`,
@@ -395,6 +398,10 @@ def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path,
                 m = precopy_case(job, reg.ref(f"bench/{kind}-{size:g}:pre-shm"),
                                  reg.ref(f"bench/{kind}-{size:g}:final-shm"), cache,
                                  "precopy-shm", SHM)
+            elif pipeline == "precopy-patch":  # the prepared file patched, not CRIU's parent
+                m = precopy_case(job, reg.ref(f"bench/{kind}-{size:g}:pre-patch"),
+                                 reg.ref(f"bench/{kind}-{size:g}:final-patch"), cache,
+                                 "precopy-patch", {"GPUSNAP_PAGES_PARENT": "0"})
             elif pipeline == "detach":
                 m = detach_case(job, reg.ref(f"bench/{kind}-{size:g}:detach"), cache)
             elif pipeline == "precopy":

@@ -63,6 +63,10 @@ def _driver():
 
 
 def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
+    if image_dir:
+        from gpusnap.criu import pages_aside
+
+        pages_aside.drop_stale_parent(Path(image_dir))
     procs = cuda_processes(init_pid)
     if not procs:
         return

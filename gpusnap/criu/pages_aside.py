@@ -43,6 +43,8 @@ from gpusnap.runtime.memory import in_ram as path_in_ram
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX
 
 PATTERN = "pages-*.img"
+PAGEMAP_PATTERN = "pagemap-*.img"
+PARENT = "parent"  # CRIU's link to a parent images folder (criu/include/image.h)
 
 
 def enabled() -> bool:
@@ -145,9 +147,12 @@ def bring_back(images: Path, copy: bool = False) -> int:
     """Each absolute pages symlink of ``images`` that names a file of ours made
     readable to the restored tasks: the file renamed into its place, or where
     it lies on another filesystem a relative link to it (``copy``: a copy, for
-    pages that must outlive their folder). Files."""
+    pages that must outlive their folder). A pagemap rewritten against a parent
+    (ops/parent_pages.py) likewise, and the parent folder its folder names
+    becomes ``images/parent`` (a relative link). Files."""
     done = 0
-    for link in sorted(images.glob(PATTERN)):
+    links = sorted(images.glob(PATTERN)) + sorted(images.glob(PAGEMAP_PATTERN))
+    for link in links:
         if not link.is_symlink():
             continue
         path = os.readlink(link)
@@ -169,7 +174,20 @@ def bring_back(images: Path, copy: bool = False) -> int:
             else:
                 os.symlink(relative_link(path, images), link)
         done += 1
+        parent = Path(path).parent / PARENT
+        if parent.is_symlink() and not os.path.lexists(images / PARENT):
+            os.symlink(relative_link(os.readlink(parent), images), images / PARENT)
     return done
+
+
+def drop_stale_parent(images: Path) -> bool:
+    """Before a dump: a ``parent`` link bring_back left (Podman keeps the images
+    with --keep) names a folder gone since; CRIU would fail on it."""
+    link = images / PARENT
+    if link.is_symlink() and PULL_PREFIX in os.readlink(link) and not link.exists():
+        link.unlink()
+        return True
+    return False
 
 
 def in_ram(images: Path) -> bool:

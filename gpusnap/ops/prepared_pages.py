@@ -14,9 +14,13 @@ lists in ``index.json``; a later restore compares its own chunk lists with it:
   final round of a pre-copy: 91.5% of an 8 GiB inference job's pages file lay
   where round 1's had, and at 32 GiB 93.7% lay shifted by an early change,
   measured on the H200): the prepared folder is claimed (renamed, so one
-  restore has it), chunks found elsewhere moved within the file
-  (apply_moves), each file resized and only the rest fetched in place; the
-  folder is gone afterwards;
+  restore has it) and becomes CRIU's *parent* images folder: the final
+  round's pagemap is rewritten so that pages round 1 holds at the same
+  address are read from there, and only the rest is written
+  (ops/parent_pages.py). Where that cannot be (a folder prepared without
+  pagemaps, addresses that moved), chunks found elsewhere are moved within
+  the file (apply_moves), each file resized and only the rest fetched in
+  place. The folder is gone afterwards;
 - otherwise the file is written anew, as before.
 
 Every way out of a failed claim or link (another restore took it, memory
@@ -29,6 +33,7 @@ the pulling process only.
 from __future__ import annotations
 
 import bisect
+import fnmatch
 import json
 import os
 import shutil
@@ -38,14 +43,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap import journal
-from gpusnap.criu import pages_aside
+from gpusnap.criu import pagemap, pages_aside
 from gpusnap.oci import segments
 from gpusnap.oci.bundle import Bundle, Chunk, FileEntry
+from gpusnap.ops import parent_pages
 from gpusnap.runtime import memory
 from gpusnap.runtime.storage import PULL_PREFIX, storage_root
 
 PREFIX = "gpusnap-prepared-"
 INDEX = "index.json"
+PARENT_ENV = "GPUSNAP_PAGES_PARENT"  # =0: patch the prepared file instead (benchmarks compare)
 NEAR = 0.5  # share of the bytes a patch must find in the prepared file to beat writing anew
 
 Runs = list[tuple[int, list[Chunk]]]  # (offset, consecutive chunks) still to write
@@ -55,6 +62,13 @@ def big_pages(bundle: Bundle) -> list[FileEntry]:
     """The pages files a restore writes beside Podman's import (ops/pull.write_files)."""
     return [f for f in bundle.files if f.type == "file" and pages_aside.is_pages(f.path)
             and segments.worth_fetching(f.size)]
+
+
+def pagemaps(bundle: Bundle) -> list[FileEntry]:
+    """The tasks' pagemap images: kept in a prepared folder, so that a later
+    round's restore can read it as CRIU's parent (ops/parent_pages.py)."""
+    return [f for f in bundle.files if f.type == "file" and f.path.startswith("checkpoint/")
+            and fnmatch.fnmatch(f.path.rpartition("/")[2], pages_aside.PAGEMAP_PATTERN)]
 
 
 def _layout(chunks: list[Chunk] | list[list]) -> list[tuple[str, int]]:
@@ -220,6 +234,8 @@ class Match:
     reused: int = 0
     used: list[str] = field(default_factory=list)
     failed: str | None = None  # why a file of it could not be used (written anew)
+    # pages file -> its plan against the claimed folder as CRIU's parent (parent_plans)
+    plans: dict[str, parent_pages.Plan] = field(default_factory=dict)
 
     @property
     def root(self) -> Path:
@@ -306,8 +322,77 @@ def report(match: Match | None) -> dict | None:
     """What a restore took from a prepared folder, for --json."""
     if match is None or not match.used:
         return None
-    return {"folder": str(match.folder), "how": "linked" if match.exact else "patched",
-            "files": len(match.used), "bytes_reused": match.reused}
+    how = "linked" if match.exact else "parent" if match.plans else "patched"
+    return {"folder": str(match.folder), "how": how, "files": len(match.used),
+            "bytes_reused": match.reused}
+
+
+def parent_plans(match: Match, bundle: Bundle, final: dict[str, bytes]) -> bool:
+    """Plan every pages file of ``bundle`` whose task has a pagemap in the claimed
+    folder against it as CRIU's parent (``final``: the bundle's pagemap images
+    by path). Taken (True) where the parent then holds at least NEAR of the
+    pages; else the folder is patched as before. A folder prepared before
+    pagemaps were kept, or images that do not parse, are patched too."""
+    if match.exact or match.claimed is None or os.environ.get(PARENT_ENV, "1") == "0":
+        return False
+    files = {f.path: f for f in big_pages(bundle)}
+    plans: dict[str, parent_pages.Plan] = {}
+    try:
+        for path, image in final.items():
+            name = path.rpartition("/")[2]
+            mine = pagemap.parse(image)
+            entry = files.get(f"checkpoint/{mine.pages_file}")
+            if entry is None or not (match.claimed / name).is_file():
+                continue
+            theirs = (match.claimed / name).read_bytes()
+            old = match.layouts.get(f"checkpoint/{pagemap.parse(theirs).pages_file}")
+            if old is None or not (match.claimed / pagemap.parse(theirs).pages_file).is_file():
+                continue
+            plan = parent_pages.plan(entry.chunks, old, image, theirs)
+            plan.pagemap_path = path
+            plans[entry.path] = plan
+    except (OSError, pagemap.ImageError) as exc:
+        journal.record("prepared-parent-refused", folder=str(match.folder), error=str(exc))
+        return False
+    total = sum(f.size for f in files.values())
+    if not plans or sum(p.parent_bytes for p in plans.values()) < NEAR * total:
+        return False
+    match.plans = plans
+    return True
+
+
+def rewritten(match: Match | None, path: str) -> bytes | None:
+    """The pagemap image a restore hands CRIU instead of the bundle's ``path``."""
+    if match is None:
+        return None
+    return next((p.pagemap for p in match.plans.values() if p.pagemap_path == path), None)
+
+
+def write_parent(match: Match, entry: FileEntry, path: Path, fetch_pool,
+                 check=lambda: None, mapped: bool = False) -> int:
+    """``entry``'s pages that its parent lacks, compacted into ``path``; the
+    folder of ``path`` names the parent (bring_back links it for CRIU). The
+    chunks that hold them go into a sparse scratch file at their own offsets
+    first (worker processes, cache first). Bytes written."""
+    plan = match.plans[entry.path]
+    link = path.parent / pages_aside.PARENT
+    if not os.path.lexists(link):
+        os.symlink(match.claimed, link)
+    scratch = path.with_name(f".{path.name}.scratch")
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, entry.size)
+    finally:
+        os.close(fd)
+    try:
+        written = fetch_pool.patch_file(plan.runs, scratch, check, mapped)
+        parent_pages.compact(scratch, path, plan.own)
+    finally:
+        scratch.unlink(missing_ok=True)
+    os.chmod(path, 0o600)
+    match.reused += plan.parent_bytes
+    match.used.append(entry.path)
+    return written
 
 
 def _held(patch: Patch) -> int:
@@ -411,7 +496,8 @@ def size_of(folder: Path) -> int:
 
 
 def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None, *,
-            repository: str = "", pre_checkpoint: bool = False) -> dict | None:
+            repository: str = "", pre_checkpoint: bool = False,
+            pagemaps: dict[str, bytes] | None = None) -> dict | None:
     """Write ``bundle``'s big pages files into a prepared folder with their chunk
     lists (``fetch_pool``: a segments.FetchPool; its chunks are in the cache by
     now). ``where``: the root (default: RAM if the host can hold the files and
@@ -438,6 +524,8 @@ def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None, 
         mapped = memory.in_ram(work)
         for f in entries:
             fetch_pool.write_file(f.chunks, pages_aside.path_in(work, f), mapped=mapped)
+        for path, image in (pagemaps or {}).items():
+            (work / path.rpartition("/")[2]).write_bytes(image)
         (work / INDEX).write_text(json.dumps({
             "digest": digest, "created": time.time(), "repository": repository,
             "pre_checkpoint": pre_checkpoint,

@@ -184,12 +184,24 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
     pages = getattr(writer, "pages", None)
     try:
         for entry in b.files:
+            image = prepared_pages.rewritten(prepared, entry.path) if pages else None
             if id(entry) in big and pages is not None and pages_aside.is_pages(entry.path):
                 path = pages_aside.path_in(pages, entry)
-                runs = prepared_pages.use(prepared, entry, path) if prepared else None
                 stop, mapped = (lambda: _stopped(cancel)), memory.in_ram(path)
+                if prepared is not None and entry.path in prepared.plans:
+                    beside += prepared_pages.write_parent(prepared, entry, path, fetch, stop,
+                                                          mapped)
+                    writer.add_beside(entry, path)
+                    continue
+                runs = prepared_pages.use(prepared, entry, path) if prepared else None
                 beside += fetch.write_file(entry.chunks, path, stop, mapped) if runs is None \
                     else fetch.patch_file(runs, path, stop, mapped)
+                writer.add_beside(entry, path)
+            elif image is not None:  # CRIU reads this one, rewritten against its parent
+                for _ in islice(stream, len(entry.chunks)):
+                    pass
+                path = pages_aside.path_in(pages, entry)
+                path.write_bytes(image)
                 writer.add_beside(entry, path)
             elif id(entry) in big:
                 pieces = fetch.pieces(entry.chunks)
@@ -294,13 +306,18 @@ def _config_files(remote: Remote, use_cache: bool = True, cache_root: Path | Non
                   **_) -> dict[str, bytes] | None:
     """config.dump and spec.dump, fetched ahead of the rest: what Podman reads on
     the opens before the one that imports (None: the bundle lacks one)."""
-    entries = {f.path: f for f in remote.bundle.files if f.path in stream_module.CONFIG_FILES}
+    entries = [f for f in remote.bundle.files if f.path in stream_module.CONFIG_FILES]
     if len(entries) != len(stream_module.CONFIG_FILES):
         return None
-    downloader = Downloader(remote.client, ChunkCache.open(cache_root) if use_cache else None,
-                            2, None, cipher=remote.cipher)
+    return fetch_small(remote, entries, ChunkCache.open(cache_root) if use_cache else None)
+
+
+def fetch_small(remote: Remote, entries: list[fmt.FileEntry],
+                cache: ChunkCache | None) -> dict[str, bytes]:
+    """Small files of the bundle, whole, by path (cache first)."""
+    downloader = Downloader(remote.client, cache, 2, None, cipher=remote.cipher)
     try:
-        return {name: b"".join(downloader.fetch(entries[name].chunks)) for name in entries}
+        return {f.path: b"".join(downloader.fetch(f.chunks)) for f in entries}
     finally:
         downloader.close()
 
@@ -331,6 +348,11 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     if prepared is not None and not prepared_pages.claim(prepared):
         prepared = None  # another restore took it: written anew
         journal.record("prepared-lost", ref=str(remote.client.ref))
+    if prepared is not None and not prepared.exact:
+        cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
+        prepared_pages.parent_plans(prepared, remote.bundle,
+                                    fetch_small(remote, prepared_pages.pagemaps(remote.bundle),
+                                                cache))
     pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
         if aside else None
     try:

@@ -31,7 +31,7 @@ from gpusnap.oci.registry import RegistryOptions
 from gpusnap.oci.transfer import Progress
 from gpusnap.criu import pages_aside
 from gpusnap.ops import prepared_pages
-from gpusnap.ops.pull import OnTrusted, open_remote
+from gpusnap.ops.pull import OnTrusted, fetch_small, open_remote
 from gpusnap.trust.options import TrustOptions
 
 # Blobs are fetched whole: I/O bound, and the digest check releases the GIL, so
@@ -122,8 +122,11 @@ def _prepare(remote, cache: ChunkCache) -> dict | None:
                               lambda counts: None)
     try:
         ref = remote.client.ref
+        # the pagemaps too: a later round's restore reads this folder as CRIU's parent
+        maps = fetch_small(remote, prepared_pages.pagemaps(remote.bundle), cache)
         return prepared_pages.prepare(remote.bundle, remote.digest, pool,
                                       repository=f"{ref.registry}/{ref.repository}",
-                                      pre_checkpoint=fmt.is_pre_checkpoint(remote.manifest))
+                                      pre_checkpoint=fmt.is_pre_checkpoint(remote.manifest),
+                                      pagemaps=maps)
     finally:
         pool.close()

@@ -189,3 +189,30 @@ def test_bring_back_across_filesystems_links_relatively_or_copies(tmp_path, monk
         (images / name).symlink_to(aside / name)
     assert pages_aside.bring_back(images, copy=True) == 2
     assert not link.is_symlink() and link.read_bytes() == b"A" * 8192
+
+
+def test_a_rewritten_pagemap_and_its_parent_are_brought_back(tmp_path):
+    """ops/parent_pages.py: the pull's folder holds the compact pages file, the
+    rewritten pagemap and a link to round 1's claimed folder; CRIU must find
+    all three through the images folder, and the next dump no stale parent."""
+    images = tmp_path / "userdata" / "checkpoint"
+    images.mkdir(parents=True)
+    pull = tmp_path / ".gpusnap-pull-abc"
+    claimed = tmp_path / ".gpusnap-pull-claimed-gpusnap-prepared-x-1"
+    pull.mkdir()
+    claimed.mkdir()
+    (claimed / "pages-8.img").write_bytes(b"R" * 4096)
+    (pull / "pages-8.img").write_bytes(b"N" * 4096)
+    (pull / "pagemap-9.img").write_bytes(b"rewritten")
+    (pull / "parent").symlink_to(claimed)
+    (images / "pages-8.img").symlink_to(pull / "pages-8.img")
+    (images / "pagemap-9.img").symlink_to(pull / "pagemap-9.img")
+    assert pages_aside.bring_back(images) == 2
+    assert (images / "pagemap-9.img").read_bytes() == b"rewritten"
+    parent = images / "parent"
+    assert not os.readlink(parent).startswith("/")  # resolves from CRIU's folder descriptor
+    assert (parent / "pages-8.img").read_bytes() == b"R" * 4096
+    assert not pages_aside.drop_stale_parent(images)  # still there: kept
+    claimed.joinpath("pages-8.img").unlink()
+    claimed.rmdir()  # the restore is over and its folder gone
+    assert pages_aside.drop_stale_parent(images) and not os.path.lexists(parent)

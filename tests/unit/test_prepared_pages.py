@@ -258,3 +258,65 @@ def test_a_restore_drops_the_prepared_rounds_of_its_repository(tmp_path, monkeyp
             {**index, "repository": repo, "pre_checkpoint": pre}))
     assert pp.drop_rounds("reg/app") == [entries["x"]]
     assert not entries["x"].exists() and entries["y"].exists() and entries["z"].exists()
+
+
+class _Pool:
+    """FetchPool's patch_file from a dict of chunk bodies (the real one fetches
+    by worker process; tests/integration/test_segments.py runs it)."""
+
+    def __init__(self, body: dict[str, bytes]) -> None:
+        self.body = body
+
+    def patch_file(self, runs, path, check=lambda: None, mapped=False) -> int:
+        written = 0
+        with open(path, "r+b") as f:
+            for off, run in runs:
+                f.seek(off)
+                for c in run:
+                    f.write(self.body[c.digest])
+                    written += c.size
+        return written
+
+
+def test_a_shifted_file_becomes_the_parent_and_only_the_new_pages_are_written(tmp_path):
+    from gpusnap.criu import pagemap as pm
+
+    q = SIZE // 4
+    body = {f"sha256:{n}": bytes([ord(n)]) * q for n in "abcde"}
+    body["sha256:n"] = b"n" * MiB
+    old = pages(quarters("a", "b", "c", "d"))
+    new = pages([chunk("n", MiB), *quarters("a", "b", "c", "e")])  # a grown mapping first
+    folder = make_folder(tmp_path, "round1", old)
+    (folder / "pages-1.img").write_bytes(b"".join(body[c.digest] for c in old.chunks))
+    image = lambda runs: pm.serialize(pm.Pagemap(1, tuple(pm.Run(v, n, pm.PE_PRESENT)  # noqa: E731
+                                                          for v, n in runs)))
+    big = 0x7f0000000000
+    (folder / "pagemap-1.img").write_bytes(image([(0x1000, 1), (big, SIZE // pm.PAGE - 1)]))
+    final = image([(0x1000, 1 + MiB // pm.PAGE), (big, SIZE // pm.PAGE - 1)])
+    match = pp.best(bundle(new), [tmp_path])
+    assert pp.claim(match)
+    assert pp.parent_plans(match, bundle(new), {"checkpoint/pagemap-1.img": final})
+    plan = match.plans["checkpoint/pages-1.img"]
+    assert plan.parent_bytes == 3 * q - pm.PAGE  # a, b, c but the page kept out of `big`
+    out = tmp_path / "pull"
+    out.mkdir()
+    written = pp.write_parent(match, new, out / "pages-1.img", _Pool(body))
+    assert written == MiB + 2 * q  # n, and the chunks holding the page before big and e
+    assert (out / "pages-1.img").stat().st_size == plan.own_bytes == MiB + q + pm.PAGE
+    assert os.readlink(out / "parent") == str(match.claimed)
+    assert pp.rewritten(match, "checkpoint/pagemap-1.img") == plan.pagemap
+    assert pp.report(match)["how"] == "parent"
+    assert (match.claimed / "pages-1.img").is_file()  # the parent stays until the restore ends
+    pp.release(match)
+    assert not match.claimed.exists()
+
+
+def test_a_folder_without_pagemaps_is_patched_as_before(tmp_path):
+    old = pages(quarters("a", "b", "c", "d"))
+    make_folder(tmp_path, "older", old)
+    new = pages(quarters("a", "b", "c", "e"))
+    match = pp.best(bundle(new), [tmp_path])
+    assert pp.claim(match)
+    assert not pp.parent_plans(match, bundle(new), {"checkpoint/pagemap-1.img": b"x"}) \
+        and not match.plans
+    pp.release(match)
