@@ -51,17 +51,20 @@ class Plan:
 
 def _matched(new: list[Chunk], old: list[tuple[str, int]]) -> list[tuple[int, int, int]]:
     """(start, end, delta) in the new file: where its bytes equal the old
-    file's at offset + delta (chunks found in place first, else anywhere),
-    consecutive chunks with one delta merged."""
+    file's at offset + delta, consecutive chunks with one delta merged. A
+    chunk is looked for where the previous one's shift puts it, then in place,
+    then anywhere: a chunk that occurs many times (zeroed memory) would
+    otherwise be matched with its first copy, at another address."""
     at, where, pos = set(), {}, 0
     for digest, size in old:
         at.add((pos, digest, size))
         where.setdefault((digest, size), pos)
         pos += size
     out: list[tuple[int, int, int]] = []
-    pos = 0
+    pos = delta = 0
     for c in new:
-        src = pos if (pos, c.digest, c.size) in at else where.get((c.digest, c.size))
+        src = next((s for s in (pos + delta, pos) if (s, c.digest, c.size) in at),
+                   where.get((c.digest, c.size)))
         if src is not None:
             delta = src - pos
             if out and out[-1][1] == pos and out[-1][2] == delta:

@@ -128,3 +128,16 @@ def test_pagemap_images_round_trip_and_bad_ones_are_refused():
     with pytest.raises(pm.ImageError):  # a pagemap that does not describe the pages file
         parent_pages.plan([Chunk("sha256:a", PAGE, "z", 0)], [], _image(1, [(0, 2)]),
                           _image(1, [(0, 1)]))
+
+
+def test_repeated_chunks_follow_the_shift_of_their_neighbours(tmp_path):
+    """Zeroed memory makes one chunk many times over: each copy is the parent's
+    where the shift around it says, not where the first copy lay."""
+    rnd = random.Random(5)
+    zero = bytes(PAGE)
+    old = rnd.randbytes(PAGE) + zero * 4 + rnd.randbytes(PAGE) + zero * 4 + rnd.randbytes(PAGE)
+    new = rnd.randbytes(PAGE) + old  # a grown mapping before: everything one page on
+    cuts = lambda data: [PAGE * i for i in range(1, len(data) // PAGE)]  # noqa: E731
+    plan = _case(tmp_path, [(0x10000, 1), (0x7f0000000000, 10)], old,
+                 [(0x10000, 2), (0x7f0000000000, 10)], new, cuts(old), cuts(new))
+    assert plan.own == [(0, 2 * PAGE)]  # the grown mapping's pages; all ten others the parent's
