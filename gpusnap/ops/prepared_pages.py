@@ -345,8 +345,9 @@ def parent_plans(match: Match, bundle: Bundle, final: dict[str, bytes]) -> bool:
             if entry is None or not (match.claimed / name).is_file():
                 continue
             theirs = (match.claimed / name).read_bytes()
-            old = match.layouts.get(f"checkpoint/{pagemap.parse(theirs).pages_file}")
-            if old is None or not (match.claimed / pagemap.parse(theirs).pages_file).is_file():
+            parent_file = pagemap.parse(theirs).pages_file  # round 1's numbering may differ
+            old = match.layouts.get(f"checkpoint/{parent_file}")
+            if old is None or not (match.claimed / parent_file).is_file():
                 continue
             plan = parent_pages.plan(entry.chunks, old, image, theirs)
             plan.pagemap_path = path
@@ -524,8 +525,11 @@ def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None, 
         mapped = memory.in_ram(work)
         for f in entries:
             fetch_pool.write_file(f.chunks, pages_aside.path_in(work, f), mapped=mapped)
+        kept = {pages_aside.path_in(work, f).name for f in entries}
         for path, image in (pagemaps or {}).items():
-            (work / path.rpartition("/")[2]).write_bytes(image)
+            # only a task whose pages are here: CRIU would find no pages file for another
+            if _pages_file(image) in kept:
+                (work / path.rpartition("/")[2]).write_bytes(image)
         (work / INDEX).write_text(json.dumps({
             "digest": digest, "created": time.time(), "repository": repository,
             "pre_checkpoint": pre_checkpoint,
@@ -536,6 +540,13 @@ def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None, 
         raise
     return {"folder": str(root / name), "bytes": size, "in_ram": memory.in_ram(root),
             "seconds": round(time.monotonic() - start, 3)}
+
+
+def _pages_file(image: bytes) -> str | None:
+    try:
+        return pagemap.parse(image).pages_file
+    except pagemap.ImageError:
+        return None
 
 
 def _beside_storage(size: int) -> Path | None:

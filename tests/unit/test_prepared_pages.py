@@ -277,6 +277,27 @@ class _Pool:
                     written += c.size
         return written
 
+    def write_file(self, chunks, path, check=lambda: None, mapped=False) -> int:
+        path.write_bytes(b"".join(self.body[c.digest] for c in chunks))
+        return sum(c.size for c in chunks)
+
+
+def test_a_prepared_folder_keeps_the_pagemaps_of_the_tasks_whose_pages_it_holds(tmp_path):
+    from gpusnap.criu import pagemap as pm
+
+    q = SIZE // 4
+    body = {f"sha256:{n}": bytes([ord(n)]) * q for n in "abcd"}
+    image = lambda pages_id: pm.serialize(pm.Pagemap(pages_id, (pm.Run(0x1000, 1, 4),)))  # noqa: E731
+    maps = {"checkpoint/pagemap-1.img": image(1), "checkpoint/pagemap-7.img": image(2),
+            "checkpoint/pagemap-9.img": b"not an image"}
+    out = pp.prepare(bundle(pages(quarters("a", "b", "c", "d"))), "sha256:" + "f" * 64,
+                     _Pool(body), tmp_path, pagemaps=maps)
+    folder = Path(out["folder"])
+    # task 7's pages-2.img is small (not prepared) and 9's unreadable: CRIU would
+    # open them in the parent folder and find no pages file there
+    assert sorted(p.name for p in folder.iterdir()) == ["index.json", "pagemap-1.img",
+                                                        "pages-1.img"]
+
 
 def test_a_shifted_file_becomes_the_parent_and_only_the_new_pages_are_written(tmp_path):
     from gpusnap.criu import pagemap as pm
