@@ -297,8 +297,8 @@ def use(match: Match, entry: FileEntry, path: Path) -> Runs | None:
     moved there and resized); the runs still to write into it in place.
     None: write it anew (no such file, or it went away)."""
     source = match.sources.get(entry.path)
-    if source is None:
-        return None
+    if source is None or match.plans:
+        return None  # (a parent folder stays whole: CRIU reads it, nothing moves out)
     old, name = match.layouts[source], source.rpartition("/")[2]
     try:
         if match.exact:

@@ -191,11 +191,10 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
                 if prepared is not None and entry.path in prepared.plans:
                     beside += prepared_pages.write_parent(prepared, entry, path, fetch, stop,
                                                           mapped)
-                    writer.add_beside(entry, path)
-                    continue
-                runs = prepared_pages.use(prepared, entry, path) if prepared else None
-                beside += fetch.write_file(entry.chunks, path, stop, mapped) if runs is None \
-                    else fetch.patch_file(runs, path, stop, mapped)
+                else:
+                    runs = prepared_pages.use(prepared, entry, path) if prepared else None
+                    beside += fetch.write_file(entry.chunks, path, stop, mapped) \
+                        if runs is None else fetch.patch_file(runs, path, stop, mapped)
                 writer.add_beside(entry, path)
             elif image is not None:  # CRIU reads this one, rewritten against its parent
                 for _ in islice(stream, len(entry.chunks)):
@@ -380,7 +379,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
             discard(pages, pages.parent)
         prepared_pages.release(prepared)
     why = prepared_pages.explain(remote.bundle, where, prepared) if aside else \
-        "pages go through Podman's import (GPUSNAP_PAGES_ASIDE=0, or a runtime without the action script)"
+        "pages go through Podman's import (GPUSNAP_PAGES_ASIDE=0, or a runtime without " \
+        "the action script)"
     ref = remote.client.ref
     prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}", where)
     return result, {**job.result(), "streamed": True, "pages_prepared_skipped": why}

@@ -328,6 +328,10 @@ def test_a_shifted_file_becomes_the_parent_and_only_the_new_pages_are_written(tm
     assert pp.rewritten(match, "checkpoint/pagemap-1.img") == plan.pagemap
     assert pp.report(match)["how"] == "parent"
     assert (match.claimed / "pages-1.img").is_file()  # the parent stays until the restore ends
+    # another task's file the folder could patch is written anew: nothing leaves the parent
+    match.sources["checkpoint/pages-3.img"] = "checkpoint/pages-1.img"
+    assert pp.use(match, pages(new.chunks, "checkpoint/pages-3.img"), out / "pages-3.img") is None
+    assert (match.claimed / "pages-1.img").is_file()
     pp.release(match)
     assert not match.claimed.exists()
 
