@@ -46,6 +46,7 @@ class _Watched:
     end: int = 0  # bytes handed to workers, a multiple of params.segment
     bad: bool = False  # the file was replaced or shrank after segments were read
     futures: list[Future] = field(default_factory=list)
+    held: Path | None = None  # the workers' way to the file (the push pins it open)
 
 
 class EarlyPages:
@@ -56,8 +57,10 @@ class EarlyPages:
 
     def __init__(self, images: Path, submit: Callable[[Path, int, int, chunker.ChunkParams], Future],
                  params_for: Callable[[int], chunker.ChunkParams], final_from: int,
-                 done: Callable[[], bool]) -> None:
+                 done: Callable[[], bool],
+                 pin: Callable[[Path], Path | None] = lambda path: path) -> None:
         self.images, self._submit, self._params_for = images, submit, params_for
+        self._pin = pin
         self._final_from, self._done = final_from, done
         self._files: dict[str, _Watched] = {}
         self._taken: set[str] = set()  # handed to the push: never watched again
@@ -84,14 +87,18 @@ class EarlyPages:
         if w is None:
             if path.name in self._taken or st.st_size < self._final_from:
                 return
-            w = self._files[path.name] = _Watched(st.st_ino, self._params_for(st.st_size))
+            held = self._pin(path)
+            if held is None:
+                return
+            w = self._files[path.name] = _Watched(st.st_ino, self._params_for(st.st_size),
+                                                  held=held)
         if w.ino != st.st_ino or st.st_size < w.end:  # replaced or cut: take() gives nothing
             w.bad = True
         if w.bad:
             return
         seg = w.params.segment
         while w.end + seg <= st.st_size:
-            w.futures.append(self._submit(path, w.end, seg, w.params))
+            w.futures.append(self._submit(w.held, w.end, seg, w.params))
             w.end += seg
             self.early_bytes += seg
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
@@ -110,6 +112,8 @@ class _Parts:
         self.pool: segments.SegmentPool | None = None
         self.split_bytes = 0  # of the files the workers chunked
         self.early: early_pages.EarlyPages | None = None
+        self._held: list[int] = []  # descriptors of the files the workers read (pin)
+        self._lock = threading.Lock()
 
     def _pool(self) -> segments.SegmentPool:
         if self.pool is None:
@@ -121,17 +125,38 @@ class _Parts:
         if self._make_pool is not None:
             self.early = early_pages.EarlyPages(
                 images, lambda *a: self._counted(self._pool().submit(*a)),
-                lambda size: chunk_params(size, scale), _FINAL_PARAMS_FROM, done)
+                lambda size: chunk_params(size, scale), _FINAL_PARAMS_FROM, done, self.pin)
 
     def split_file(self, path: Path, size: int, params: chunker.ChunkParams
                    ) -> list[Future] | None:
         """Futures of the file's segments (worker processes), or None: not worth it."""
         if self._make_pool is None or not segments.worth_it(size, params):
             return None
+        held = self.pin(path, size)
+        if held is None:
+            return None
         futures, start = self.early.take(path, size, params) if self.early else ([], 0)
-        futures += [self._counted(f) for f in self._pool().submit_file(path, size, params, start)]
+        futures += [self._counted(f) for f in self._pool().submit_file(held, size, params, start)]
         self.split_bytes += size
         return futures
+
+    def pin(self, path: Path, size: int | None = None) -> Path | None:
+        """``path`` held open until the push ends, as the workers' way to it:
+        CRIU's images in Podman's bundle dir go as soon as the export is
+        written (a --leave-running dump is stale then, checkpoint.py drops it),
+        while the workers may not have opened them yet (a migrate -P under a
+        runtime that runs no action script, whose pages stay there, failed so
+        under crun 1.21). None: not that file any more (read from the stream)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        if size is not None and os.fstat(fd).st_size != size:
+            os.close(fd)
+            return None
+        with self._lock:  # the early-pages thread pins too
+            self._held.append(fd)
+        return Path(f"/proc/{os.getpid()}/fd/{fd}")
 
     def _counted(self, f: Future) -> Future:
         f.add_done_callback(self._count)
@@ -161,6 +186,10 @@ class _Parts:
             self.early.stop()
         if self.pool is not None:
             self.pool.close()
+        with self._lock:
+            for fd in self._held:
+                os.close(fd)
+            self._held.clear()
 
 
 def _upload_files(src: PushSource, parts: _Parts, scale: int, label: str

@@ -251,3 +251,35 @@ def test_pages_prepared_by_a_prefetch_are_the_parent_of_the_final_round_and_link
         subprocess.run(["podman", "rm", "-f", *replicas], capture_output=True)
         for folder in made:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_running_containers_pages_left_in_podmans_folder_are_read_to_the_end(registry, name):
+    """`migrate -P` where CRIU's pages stay in Podman's checkpoint folder (no
+    action script moves them: GPUSNAP_PAGES_ASIDE=0 here, crun < 1.26 in the
+    field): the dump is stale once the export is written and is dropped then,
+    while the push's workers still read it by segments. They read the files
+    the push holds open; the pushed checkpoint restores with the same memory.
+    (Under trixie's crun 1.21 this ended in a worker's FileNotFoundError.)"""
+    import os
+
+    from tests.conftest import DEMO_IMAGE, wait_counter
+
+    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
+                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
+    wait_counter(name, 3, timeout=120)
+    before = _md5_of_memory(name)
+    repo = registry.ref(f"ckpt/left-{uuid.uuid4().hex[:8]}")
+    env = {**os.environ, "GPUSNAP_PAGES_ASIDE": "0"}
+    res = run([GPUSNAP, "migrate", "-P", name, f"{repo}:pre", *registry.flags(), "--json"],
+              input=PASSWORD + "\n", env=env)
+    assert res.returncode == 0, res.stderr
+    pushed = json.loads(res.stdout)
+    assert pushed["parallel_bytes"] >= 256 << 20, pushed  # read by the workers
+    copy = f"{name}-copy"  # round 1 of a pre-copy restores as a copy; the source runs on
+    try:
+        res = run([GPUSNAP, "restore", pushed["pinned"], "--name", copy, *registry.flags(),
+                   "--json"], input=PASSWORD + "\n")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert _md5_of_memory(copy) == before
+    finally:
+        subprocess.run(["podman", "rm", "-f", "-t", "0", copy], capture_output=True)
