@@ -152,7 +152,10 @@ class SegmentPool:
                 for at in range(start, size, step)]
 
     def submit(self, path: Path, start: int, length: int, params: chunker.ChunkParams) -> Future:
-        return self._pool.submit(_run, Segment(str(path), start, length, params))
+        try:
+            return self._pool.submit(_run, Segment(str(path), start, length, params))
+        except BrokenProcessPool:  # a worker died before this segment was handed out
+            raise worker_died("push") from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -271,8 +274,7 @@ class FetchPool:
                 while runs and len(pending) < self.window:
                     self._n += 1
                     out = self.dir / f"{self._n}.seg"
-                    pending.append((out, self._pool.submit(_fetch, FetchSegment(str(out),
-                                                                              runs.popleft()))))
+                    pending.append((out, self._submit(FetchSegment(str(out), runs.popleft()))))
                 out, future = pending.popleft()
                 self._done(future)
                 with open(out, "rb", buffering=0) as f:
@@ -283,14 +285,18 @@ class FetchPool:
             for _, f in pending:
                 f.cancel()
 
+    def _submit(self, segment: FetchSegment) -> Future:
+        try:
+            return self._pool.submit(_fetch, segment)
+        except BrokenProcessPool:  # a worker died before this segment was handed out
+            raise worker_died("pull") from None
+
     def _done(self, future: Future) -> None:
         """A segment's counts, once it is fetched; a dead worker in one line."""
         try:
             self._count(future.result())
         except BrokenProcessPool:
-            raise GpusnapError("a download worker process died (out of memory?)",
-                               "run the command again: chunks already fetched are "
-                               "in the cache") from None
+            raise worker_died("pull") from None
 
     def write_file(self, chunks: list[Chunk], path: Path,
                    check: Callable[[], None] = lambda: None, mapped: bool = False) -> int:
@@ -316,8 +322,7 @@ class FetchPool:
         for start, chunks in runs:
             offset = start
             for run in fetch_segments(chunks):
-                futures.append(self._pool.submit(_fetch, FetchSegment(str(path), run, offset,
-                                                                      mapped)))
+                futures.append(self._submit(FetchSegment(str(path), run, offset, mapped)))
                 offset += sum(c.size for c in run)
             written += offset - start
         try:
@@ -332,6 +337,16 @@ class FetchPool:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def worker_died(verb: str) -> GpusnapError:
+    """A worker process killed (the OOM killer's way), in one line: ``verb``
+    push or pull; what is done already is not done again."""
+    if verb == "push":
+        return GpusnapError("a push worker process died (out of memory?)",
+                            "push again: chunks already sent are skipped")
+    return GpusnapError("a download worker process died (out of memory?)",
+                        "run the command again: chunks already fetched are in the cache")
 
 
 def _scratch(window: int) -> Path:

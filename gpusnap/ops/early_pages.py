@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from gpusnap.errors import GpusnapError
 from gpusnap.oci import chunker
 
 POLL = 0.05  # seconds between looks at the folder
@@ -80,7 +81,10 @@ class EarlyPages:
                 with self._lock:
                     if self._stop.is_set():
                         return
-                    self._advance(path, st)
+                    try:
+                        self._advance(path, st)
+                    except GpusnapError:
+                        return  # a worker died: the push says so when it takes the file
 
     def _advance(self, path: Path, st: os.stat_result) -> None:
         w = self._files.get(path.name)

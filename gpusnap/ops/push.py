@@ -173,8 +173,7 @@ class _Parts:
             try:
                 r = f.result()
             except BrokenProcessPool:
-                raise GpusnapError("a push worker process died (out of memory?)",
-                                   "push again: chunks already sent are skipped") from None
+                raise segments.worker_died("push") from None
             if isinstance(r, segments.SegmentResult):
                 out.extend(r.chunks)
             else:
