@@ -66,13 +66,9 @@ def _message(data: bytes) -> dict[str, int | str]:
     return fields
 
 
-def parse_mountpoints(data: bytes) -> list[MountEntry]:
-    if len(data) < 8:
-        raise ImageError("not a CRIU image: too short")
-    common, magic = struct.unpack_from("<II", data, 0)
-    if common != IMG_COMMON_MAGIC or magic != MNTS_MAGIC:
-        raise ImageError(f"not a CRIU mountpoints image (magic {common:#x} {magic:#x})")
-    entries, pos = [], 8
+def messages(data: bytes) -> list[bytes]:
+    """The u32-sized protobuf messages after an image's two magics (the caller checked them)."""
+    out, pos = [], 8
     while pos < len(data):
         if pos + 4 > len(data):
             raise ImageError("truncated entry size")
@@ -80,8 +76,20 @@ def parse_mountpoints(data: bytes) -> list[MountEntry]:
         pos += 4
         if pos + size > len(data):
             raise ImageError("truncated entry")
-        f = _message(data[pos:pos + size])
+        out.append(data[pos:pos + size])
         pos += size
+    return out
+
+
+def parse_mountpoints(data: bytes) -> list[MountEntry]:
+    if len(data) < 8:
+        raise ImageError("not a CRIU image: too short")
+    common, magic = struct.unpack_from("<II", data, 0)
+    if common != IMG_COMMON_MAGIC or magic != MNTS_MAGIC:
+        raise ImageError(f"not a CRIU mountpoints image (magic {common:#x} {magic:#x})")
+    entries = []
+    for message in messages(data):
+        f = _message(message)
         entries.append(MountEntry(mnt_id=int(f.get("mnt_id", 0)),
                                   parent_mnt_id=int(f.get("parent_mnt_id", 0)),
                                   fstype=int(f.get("fstype", 0)), root_dev=int(f.get("root_dev", 0)),

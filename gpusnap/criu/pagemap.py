@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError, read_varint
+from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError, messages, read_varint
 from gpusnap.proto.wire import varint
 
 PAGEMAP_MAGIC = 0x56084025
@@ -30,10 +30,6 @@ class Run:
     @property
     def present(self) -> bool:
         return bool(self.flags & PE_PRESENT)
-
-    @property
-    def end(self) -> int:
-        return self.vaddr + self.pages * PAGE
 
 
 @dataclass(frozen=True)
@@ -62,23 +58,15 @@ def _fields(data: bytes) -> dict[int, int]:
 def parse(data: bytes) -> Pagemap:
     if len(data) < 8 or struct.unpack_from("<II", data) != (IMG_COMMON_MAGIC, PAGEMAP_MAGIC):
         raise ImageError("not a CRIU pagemap image")
-    messages, pos = [], 8
-    while pos < len(data):
-        if pos + 4 > len(data):
-            raise ImageError("truncated pagemap entry size")
-        (size,) = struct.unpack_from("<I", data, pos)
-        if pos + 4 + size > len(data):
-            raise ImageError("truncated pagemap entry")
-        messages.append(_fields(data[pos + 4:pos + 4 + size]))
-        pos += 4 + size
-    if not messages:
+    fields = [_fields(m) for m in messages(data)]
+    if not fields:
         raise ImageError("a pagemap image without its head")
     runs = []
-    for f in messages[1:]:
+    for f in fields[1:]:
         # as criu/page-read.c reads old images: in_parent, or no flags at all (present)
         flags = f[4] if 4 in f else (PE_PARENT if f.get(3) else PE_PRESENT)
         runs.append(Run(f.get(1, 0), f.get(5, f.get(2, 0)), flags))
-    return Pagemap(messages[0].get(1, 0), tuple(runs))
+    return Pagemap(fields[0].get(1, 0), tuple(runs))
 
 
 def _message(fields: list[tuple[int, int]]) -> bytes:

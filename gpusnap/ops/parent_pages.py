@@ -170,10 +170,10 @@ def _covering(chunks: list[Chunk], ranges: list[tuple[int, int]]) -> Runs:
     return runs
 
 
-def plan(new: list[Chunk], old: list[tuple[str, int]], final: bytes, parent: bytes) -> Plan:
-    """The final round's pages (chunk list ``new``, pagemap image ``final``)
-    against round 1's (chunk list ``old``, pagemap image ``parent``)."""
-    fm, parent_map = pm.parse(final), pm.parse(parent)
+def plan(new: list[Chunk], old: list[tuple[str, int]], fm: pm.Pagemap,
+         parent_map: pm.Pagemap) -> Plan:
+    """The final round's pages (chunk list ``new``, pagemap ``fm``) against
+    round 1's (chunk list ``old``, pagemap ``parent_map``)."""
     size = sum(c.size for c in new)
     if fm.present_bytes() != size:
         raise pm.ImageError(f"the pagemap names {fm.present_bytes()} bytes of pages, "

@@ -344,12 +344,12 @@ def parent_plans(match: Match, bundle: Bundle, final: dict[str, bytes]) -> bool:
             entry = files.get(f"checkpoint/{mine.pages_file}")
             if entry is None or not (match.claimed / name).is_file():
                 continue
-            theirs = (match.claimed / name).read_bytes()
-            parent_file = pagemap.parse(theirs).pages_file  # round 1's numbering may differ
+            theirs = pagemap.parse((match.claimed / name).read_bytes())
+            parent_file = theirs.pages_file  # round 1's numbering may differ
             old = match.layouts.get(f"checkpoint/{parent_file}")
             if old is None or not (match.claimed / parent_file).is_file():
                 continue
-            plan = parent_pages.plan(entry.chunks, old, image, theirs)
+            plan = parent_pages.plan(entry.chunks, old, mine, theirs)
             plan.pagemap_path = path
             plans[entry.path] = plan
     except (OSError, pagemap.ImageError) as exc:

@@ -59,7 +59,7 @@ def _restored(image: bytes, pages: bytes, parent: dict[int, bytes]) -> dict[int,
 def _case(tmp_path: Path, old_runs, old_data, new_runs, new_data, old_cuts, new_cuts):
     plan = parent_pages.plan(_chunks(new_data, new_cuts), [(c.digest, c.size) for c in
                                                            _chunks(old_data, old_cuts)],
-                             _image(7, new_runs), _image(3, old_runs))
+                             pm.parse(_image(7, new_runs)), pm.parse(_image(3, old_runs)))
     scratch, out = tmp_path / "scratch", tmp_path / "pages-7.img"
     scratch.write_bytes(new_data)  # all of it here: the runs say which chunks a pull writes
     assert parent_pages.compact(scratch, out, plan.own) == plan.own_bytes
@@ -126,8 +126,8 @@ def test_pagemap_images_round_trip_and_bad_ones_are_refused():
     with pytest.raises(pm.ImageError):
         pm.parse(pm.serialize(m)[:-1])
     with pytest.raises(pm.ImageError):  # a pagemap that does not describe the pages file
-        parent_pages.plan([Chunk("sha256:a", PAGE, "z", 0)], [], _image(1, [(0, 2)]),
-                          _image(1, [(0, 1)]))
+        parent_pages.plan([Chunk("sha256:a", PAGE, "z", 0)], [], pm.parse(_image(1, [(0, 2)])),
+                          pm.parse(_image(1, [(0, 1)])))
 
 
 def test_repeated_chunks_follow_the_shift_of_their_neighbours(tmp_path):
