@@ -30,6 +30,10 @@ Adam moments rewritten every step), one process on GPU 0:
   precopy-patch  precopy with GPUSNAP_PAGES_PARENT=0: round 1's prepared file
            patched (shifted chunks moved within it) instead of read as CRIU's
            parent images (how the final round was restored until 2026-11-26 12:00)
+  precopy-nofill  precopy with /etc/gpusnap/page-fill.json {"enabled": false}:
+           CRIU writes every page into the restored process on its one thread
+           (how every restore went until 2026-11-26 15:00; criu/fill_plan.py)
+  gpusnap-nofill  gpusnap likewise
   local    `gpusnap checkpoint CTR --export F`, `podman rm`, `gpusnap restore F`
   plain    driver lock + checkpoint, `podman container checkpoint --export` with
            CRIU not set up for gpusnap, `oras push`, `oras pull`, `podman rm`,
@@ -56,6 +60,7 @@ RAM: a cache on a tmpfs takes the memory memory.ram_dir looks for).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -73,6 +78,8 @@ from migrate import (GPUSNAP, Beat, Migration, container_id, driver_floor,  # no
                      journal_events, journal_size, plain, restore_ref, timed)
 
 from timeline import Timeline, summary  # noqa: E402
+
+from gpusnap.criu import fill_plan  # noqa: E402
 
 from gpusnap.runtime import memory  # noqa: E402
 
@@ -207,6 +214,22 @@ def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None,
                       memory.in_ram(Path(str(e.get("aside", "")))) for e in after),
         "target": any(e.get("event") == "pages-in-place" and e.get("in_ram") for e in after)}
     return m
+
+
+@contextlib.contextmanager
+def no_page_fill():
+    """The restore's CRIU action reads this host file, not the CLI's environment."""
+    path = fill_plan.SETTINGS
+    old = path.read_bytes() if path.exists() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"enabled": false}')
+    try:
+        yield
+    finally:
+        if old is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(old)
 
 
 def detach_case(job: Job, ref: str, cache: Path) -> Migration:
@@ -402,6 +425,15 @@ def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path,
                 m = precopy_case(job, reg.ref(f"bench/{kind}-{size:g}:pre-patch"),
                                  reg.ref(f"bench/{kind}-{size:g}:final-patch"), cache,
                                  "precopy-patch", {"GPUSNAP_PAGES_PARENT": "0"})
+            elif pipeline == "precopy-nofill":
+                with no_page_fill():
+                    m = precopy_case(job, reg.ref(f"bench/{kind}-{size:g}:pre-nofill"),
+                                     reg.ref(f"bench/{kind}-{size:g}:final-nofill"), cache,
+                                     "precopy-nofill")
+            elif pipeline == "gpusnap-nofill":
+                with no_page_fill():
+                    m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:nofill"), cache,
+                                     Migration("gpusnap-nofill", f"{job.kind} {job.gib:g} GiB"))
             elif pipeline == "detach":
                 m = detach_case(job, reg.ref(f"bench/{kind}-{size:g}:detach"), cache)
             elif pipeline == "precopy":

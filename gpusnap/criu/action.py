@@ -12,6 +12,10 @@ a non-zero exit aborts the dump. Two steps matter:
 - post-resume, once restored tasks run again: restore their GPU state and
   unlock them.
 
+(And, for a restore with big memory, pre-restore picks the runs of pages that
+page_fill.py writes on many threads at pre-resume, while the tasks are still
+stopped, instead of CRIU on one: fill_plan.py.)
+
 (And post-dump, only for a push that asks: the memory pages set aside, out of
 Podman's export; pages_aside.py.)
 
@@ -20,8 +24,10 @@ Containers without CUDA processes are left exactly as CRIU would treat them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -34,11 +40,11 @@ from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import mps_active, read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume_onto
 from gpusnap.private import write_private
-from gpusnap.procs import cuda_processes, start_time
+from gpusnap.procs import cuda_processes, process_tree, start_time
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
 # The steps with work to do; packaging/bin/criu-action lets only these start Python.
-ACTIONS = ("pre-dump", "post-dump", "pre-restore", "post-resume")
+ACTIONS = ("pre-dump", "post-dump", "pre-restore", "pre-resume", "post-resume")
 
 
 def lock_timeout_ms(init_pid: int) -> int:
@@ -134,6 +140,75 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
             if (folder / name).exists()}
     if kept:
         write_private(_restore_state(criu_pid), json.dumps(kept))
+    _plan_fill(folder, criu_pid)
+
+
+def _plan_fill(folder: Path, criu_pid: int) -> None:
+    """Leave the big runs of pages to pre-resume's threads (fill_plan.py). Never
+    the reason a restore fails: CRIU then restores every page itself."""
+    from gpusnap.criu import fill_plan
+
+    state = _fill_state(criu_pid)
+    try:
+        if not fill_plan.settings().enabled:
+            return
+        planned = fill_plan.prepare(folder, lambda p: write_private(state, p.to_json()))
+    except (OSError, ValueError) as exc:
+        state.unlink(missing_ok=True)
+        journal.record("pages-fill-skipped", error=str(exc))
+        return
+    if planned is not None:
+        journal.record("pages-fill-planned", bytes=planned.bytes, tasks=len(planned.tasks))
+
+
+def _fill_state(criu_pid: int) -> Path:
+    return _marker_dir() / f"{criu_pid}-fill.json"
+
+
+def pre_resume(init_pid: int, criu_pid: int) -> None:
+    """Write the runs pre-restore left out, into the restored tasks, still stopped.
+    Where any byte cannot be written the restored tasks are killed (CRIU then
+    fails the restore: nothing runs on memory that is not what was dumped);
+    the images folder is put back either way."""
+    from gpusnap.criu import fill_plan, page_fill
+
+    state = _fill_state(criu_pid)
+    if not state.exists():
+        return
+    folder, tree = None, [init_pid]
+    started = time.monotonic()
+    try:
+        planned = fill_plan.Plan.from_json(state.read_text())
+        folder = Path(planned.folder)
+        tree = process_tree(init_pid) or tree
+        threads = fill_plan.settings().threads or page_fill.default_threads()
+        pids = {_ns_pid(pid): pid for pid in tree}
+        for vpid, runs in planned.tasks.items():
+            if vpid not in pids:
+                raise OSError(f"no restored task has pid {vpid} in the container")
+            page_fill.fill(pids[vpid], runs, threads)
+    except Exception as exc:  # whatever it was, these tasks must not run
+        for pid in {init_pid, *tree}:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        raise GpusnapError(f"could not write the restored memory ({exc}); the restored "
+                           "processes were stopped and the restore fails",
+                           "the checkpoint is unchanged: restore it again") from None
+    finally:
+        if folder is not None:
+            with contextlib.suppress(OSError, ValueError):
+                fill_plan.undo(folder)
+        state.unlink(missing_ok=True)
+    journal.record("pages-filled", init_pid=init_pid, bytes=planned.bytes, threads=threads,
+                   tasks=len(planned.tasks), seconds=round(time.monotonic() - started, 3))
+
+
+def _ns_pid(pid: int) -> int:
+    """The pid of a process in its own pid namespace (the container's): CRIU's images use it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return pid
 
 
 def check_without_hook(image_dir: str, criu_pid: int) -> None:
@@ -266,6 +341,8 @@ def _run(action: str) -> int:
         image_dir = os.environ["CRTOOLS_IMAGE_DIR"]
         if action == "pre-dump":
             pre_dump(init_pid, image_dir, os.getppid())
+        elif action == "pre-resume":
+            pre_resume(init_pid, os.getppid())
         else:
             post_resume(init_pid, os.getppid())
     except (GpusnapError, QuiesceError) as exc:

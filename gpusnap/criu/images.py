@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap.proto.wire import WireError
-from gpusnap.proto.wire import read_varint as _read_varint
+from gpusnap.proto.wire import fields as wire_fields
 
 IMG_COMMON_MAGIC = 0x54564319
 MNTS_MAGIC = 0x55563928
@@ -37,33 +37,20 @@ class MountEntry:
     ext_key: str | None = None
 
 
-def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+def fields_of(data: bytes) -> list[tuple[int, int, int | bytes | None]]:
+    """A message's (number, wire type, value) fields; a broken one is an ImageError."""
     try:
-        return _read_varint(data, pos)
+        return list(wire_fields(data))
     except WireError as exc:
         raise ImageError(str(exc)) from None
 
 
 def _message(data: bytes) -> dict[str, int | str]:
-    fields: dict[str, int | str] = {}
-    pos = 0
-    while pos < len(data):
-        tag, pos = read_varint(data, pos)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            value, pos = read_varint(data, pos)
-        elif wire == 2:
-            size, pos = read_varint(data, pos)
-            if pos + size > len(data):
-                raise ImageError("truncated field")
-            value, pos = data[pos:pos + size], pos + size
-        elif wire in (1, 5):
-            value, pos = None, pos + (8 if wire == 1 else 4)
-        else:
-            raise ImageError(f"unsupported protobuf wire type {wire}")
+    out: dict[str, int | str] = {}
+    for number, _, value in fields_of(data):
         if number in _FIELDS and value is not None:
-            fields[_FIELDS[number]] = value.decode() if isinstance(value, bytes) else value
-    return fields
+            out[_FIELDS[number]] = value.decode() if isinstance(value, bytes) else value
+    return out
 
 
 def messages(data: bytes) -> list[bytes]:

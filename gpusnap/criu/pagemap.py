@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError, messages, read_varint
+from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError, fields_of, messages
 from gpusnap.proto.wire import varint
 
 PAGEMAP_MAGIC = 0x56084025
@@ -46,12 +46,11 @@ class Pagemap:
 
 
 def _fields(data: bytes) -> dict[int, int]:
-    out, pos = {}, 0
-    while pos < len(data):
-        tag, pos = read_varint(data, pos)
-        if tag & 7 != 0:
-            raise ImageError(f"unexpected wire type {tag & 7} in a pagemap entry")
-        out[tag >> 3], pos = read_varint(data, pos)
+    out = {}
+    for number, wire, value in fields_of(data):
+        if wire != 0:
+            raise ImageError(f"unexpected wire type {wire} in a pagemap entry")
+        out[number] = value
     return out
 
 

@@ -31,3 +31,24 @@ def varint(n: int) -> bytes:
         out.append(b | (0x80 if n else 0))
         if not n:
             return bytes(out)
+
+
+def fields(data: bytes):
+    """Each (field number, wire type, value) of a message: an int for varints,
+    bytes for length-delimited fields, None for fixed 32/64-bit ones (unused here)."""
+    pos = 0
+    while pos < len(data):
+        tag, pos = read_varint(data, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = read_varint(data, pos)
+        elif wire == 2:
+            size, pos = read_varint(data, pos)
+            if pos + size > len(data):
+                raise WireError("truncated field")
+            value, pos = data[pos:pos + size], pos + size
+        elif wire in (1, 5):
+            value, pos = None, pos + (8 if wire == 1 else 4)
+        else:
+            raise WireError(f"unsupported protobuf wire type {wire}")
+        yield number, wire, value

@@ -127,15 +127,27 @@ def test_a_worker_killed_mid_transfer_is_one_line_and_the_rerun_completes(regist
 
 # A shell holding ~280 MB of base64 text in a variable (anonymous memory, so
 # CRIU's pages-*.img, not /dev/shm's tar) answers "md5 of it" on request.
-# Only shell builtins in the loop (busybox's sleep runs in the shell too): busybox
-# runs mv and rm in a forked child that holds a copy of the shell's memory, and a
-# dump that caught one held the ~290 MB twice (the prepared-pages test then found
-# half of it prepared: the CI flake of 2026-11-26). /tmp/c may be read half
+# Only shell builtins in the loop: busybox runs mv, rm and sleep in a forked
+# child, and a dump that caught one before its exec held the ~290 MB twice (the
+# prepared-pages test then found half of it prepared: the CI flake of
+# 2026-11-26; and memory two tasks map at one range is left to CRIU, so no page
+# fill). The wait is `read -t` on a FIFO nobody writes. /tmp/c may be read half
 # written: wait_counter retries.
-_BIG_MEMORY = ("x=$(head -c 210m /dev/urandom | base64 -w 0); i=0; while true; do i=$((i+1)); "
+_BIG_MEMORY = ("mkfifo /tmp/w; exec 3<>/tmp/w; "
+               "x=$(head -c 210m /dev/urandom | base64 -w 0); i=0; while true; do i=$((i+1)); "
                "echo $i > /tmp/c; "
                "if [ -e /tmp/ask ]; then rm /tmp/ask; echo -n \"$x\" | md5sum > /tmp/sum.new; "
-               "mv /tmp/sum.new /tmp/sum; fi; sleep 0.05; done")
+               "mv /tmp/sum.new /tmp/sum; fi; read -t 0.05 _ <&3; done")
+
+
+def _journal_size() -> int:
+    return Path("/run/gpusnap/journal.jsonl").stat().st_size
+
+
+def _events_since(mark: int) -> list[str]:
+    with open("/run/gpusnap/journal.jsonl") as f:
+        f.seek(mark)
+        return [json.loads(line)["event"] for line in f if line.strip()]
 
 
 def _md5_of_memory(name: str) -> str:
@@ -166,7 +178,7 @@ def test_big_process_memory_moves_beside_podmans_tars_and_comes_back_whole(regis
                     "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
     wait_counter(name, 3, timeout=120)
     before = _md5_of_memory(name)
-    mark = Path("/run/gpusnap/journal.jsonl").stat().st_size
+    mark = _journal_size()
     ref = registry.ref(f"ckpt/big-memory-{uuid.uuid4().hex[:8]}:v1")
     res = run([GPUSNAP, "migrate", name, ref, *registry.flags(), "--json"], input=PASSWORD + "\n")
     assert res.returncode == 0, (res.stdout, res.stderr)
@@ -178,10 +190,10 @@ def test_big_process_memory_moves_beside_podmans_tars_and_comes_back_whole(regis
     assert res.returncode == 0, (res.stdout, res.stderr)
     pulled = json.loads(res.stdout)["pull"]
     assert pulled["pages_written_in_place"] >= 256 << 20, pulled
-    with open("/run/gpusnap/journal.jsonl") as f:
-        f.seek(mark)
-        events = [json.loads(line)["event"] for line in f if line.strip()]
+    events = _events_since(mark)
     assert "pages-aside" in events and "pages-in-place" in events, events
+    # the ~290 MB were written into the restored shell by page_fill's threads, not by CRIU
+    assert "pages-filled" in events, events
     time.sleep(0.2)
     assert _md5_of_memory(name) == before
     left = [p for d in (Path("/var/lib/containers"), Path("/var/tmp"))
@@ -221,8 +233,10 @@ def test_pages_prepared_by_a_prefetch_are_the_parent_of_the_final_round_and_link
         assert res.returncode == 0, (res.stdout, res.stderr)
         final = json.loads(res.stdout)["pinned"]
         subprocess.run(["podman", "rm", name], check=True, capture_output=True)
+        mark = _journal_size()
         res = run([GPUSNAP, "restore", final, *flags], input=PASSWORD + "\n")
         assert res.returncode == 0, (res.stdout, res.stderr)
+        assert "pages-filled" in _events_since(mark)  # read by page_fill through two parents
         pulled = json.loads(res.stdout)["pull"]
         took = pulled["pages_prepared"]
         # whole, not pytest's cut repr: pages_prepared_skipped says why when it was not taken

@@ -92,6 +92,7 @@ def test_post_resume_falls_back_to_fewer_pairs_when_the_driver_refuses(tmp_path,
 def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tmp_path):
     """packaging/bin/criu-action runs for every CRIU step; run with a stand-in
     for the Python entry point, it must reach it for exactly ACTIONS."""
+    import os
     import subprocess
     from pathlib import Path
 
@@ -111,8 +112,14 @@ def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tm
         return {s for s in steps
                 if subprocess.run(["sh", str(script)], env={**env, "CRTOOLS_SCRIPT_ACTION": s},
                                   capture_output=True, text=True).stdout.strip() == "reached"}
-    # post-dump starts Python only for a push that asked for it (pages set aside)
-    assert reached() == set(action.ACTIONS) - {"post-dump"}
+    # post-dump starts Python only for a push that asked for it (pages set aside),
+    # pre-resume only where pre-restore left pages to write (for this CRIU: its pid)
+    assert reached() == set(action.ACTIONS) - {"post-dump", "pre-resume"}
     (state / "requests").mkdir(parents=True)
     (state / "requests" / "4242.pages.json").write_text("{}")
+    assert reached() == set(action.ACTIONS) - {"pre-resume"}
+    (state / "actions").mkdir()
+    (state / "actions" / f"{os.getpid() + 1}-fill.json").write_text("{}")  # another CRIU's
+    assert reached() == set(action.ACTIONS) - {"pre-resume"}
+    (state / "actions" / f"{os.getpid()}-fill.json").write_text("{}")
     assert reached() == set(action.ACTIONS)

@@ -1,0 +1,307 @@
+"""Which pages gpusnap writes into a restored process itself, and how CRIU is told to leave them.
+
+CRIU restores memory on one thread (page_fill.py says why that matters). Before
+it starts (pre-restore), ``prepare`` picks the big runs of pages that lie in
+plain private memory (mm.Vma.plain_private_memory) and rewrites the images
+folder so that CRIU restores everything but those runs:
+
+    images/
+      pagemap-<vpid>.img   new: every run CRIU still restores is PE_PARENT, the
+                           picked runs are holes (left unmapped: zero until filled)
+      pages-<new id>.img   new, empty: the new pagemaps' own pages file
+      parent -> gpusnap-fill
+      gpusnap-fill/        what CRIU reads those PE_PARENT runs from:
+        pagemap-<vpid>.img the task's pagemap as it was (a hard link; a link to
+                           its file where it was a link, pages in RAM)
+        pages-<id>.img     -> ../pages-<id>.img, each pages file as it was
+        parent             the folder's own parent link, when it had one
+        undo.json          how to put the folder back
+
+Nothing is copied: CRIU reads what it restores from the same files, at the
+same offsets, one parent link further. Then, while the restored tasks are
+still stopped (pre-resume), page_fill writes the picked runs and ``undo``
+puts the folder back as it was, so a folder restored again (Podman keeps a
+checkpoint it failed to restore) is the one CRIU wrote. A restore that never
+reached pre-resume leaves the rewrite: the next ``prepare`` undoes it first.
+
+Nothing is picked (the folder is left alone) where the gain is too small
+(MIN_TOTAL), where a memory area may be shared copy-on-write with another
+task (the same range in two tasks: CRIU shares such pages between them), or
+where the folder is not one this module can reason about (a parent that is a
+folder, shmem pagemaps reading from a parent, a pagemap that is not a file).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpusnap.criu import mm, pagemap
+from gpusnap.criu.images import ImageError
+from gpusnap.criu.page_fill import Run
+from gpusnap.criu.pages_aside import relative_link
+
+FOLDER = "gpusnap-fill"
+UNDO = "undo.json"
+MIN_RUN = 1 << 20  # smaller runs stay with CRIU: each piece of the fill costs a call
+MIN_TOTAL = 256 << 20  # below this CRIU's ~2 GB/s beats starting the fill
+MAX_PARENTS = 16
+
+
+@dataclass
+class Plan:
+    """The runs to write into each task (by its pid in the images), and the folder."""
+
+    folder: str
+    tasks: dict[int, list[Run]] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.length for runs in self.tasks.values() for r in runs)
+
+    def to_json(self) -> str:
+        return json.dumps({"folder": self.folder, "tasks": {
+            str(vpid): [[r.address, r.length, r.path, r.offset] for r in runs]
+            for vpid, runs in self.tasks.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        return cls(data["folder"], {int(v): [Run(*r) for r in runs]
+                                    for v, runs in data["tasks"].items()})
+
+
+def locate(folder: Path, vpid: int, depth: int = 0) -> list[Run]:
+    """Where each run of the task's pages lies: its address and length, the pages
+    file and offset CRIU reads it from (through parent folders for PE_PARENT runs)."""
+    pm = pagemap.parse((folder / f"pagemap-{vpid}.img").read_bytes())
+    pages = os.path.realpath(folder / pm.pages_file)
+    parent: list[Run] | None = None
+    out: list[Run] = []
+    pos = 0
+    for run in pm.runs:
+        length = run.pages * pagemap.PAGE
+        if run.present:
+            out.append(Run(run.vaddr, length, pages, pos))
+            pos += length
+        elif run.flags & pagemap.PE_PARENT:
+            if parent is None:
+                if depth >= MAX_PARENTS or not (folder / "parent").is_dir():
+                    raise ImageError(f"{folder}: pagemap-{vpid}.img reads from a parent it lacks")
+                parent = locate(Path(os.path.realpath(folder / "parent")), vpid, depth + 1)
+            out += _covering(parent, run.vaddr, length)
+        else:
+            raise ImageError(f"pagemap-{vpid}.img: a run with flags {run.flags} (lazy pages)")
+    return out
+
+
+def _covering(located: list[Run], start: int, length: int) -> list[Run]:
+    """The parts of ``located`` (sorted, not overlapping) that make up [start, start+length)."""
+    out, at, end = [], start, start + length
+    i = bisect.bisect_right([r.address for r in located], start) - 1
+    while at < end:
+        if i < 0 or i >= len(located) or not located[i].address <= at < located[i].address + located[i].length:
+            raise ImageError(f"page {at:#x} is not in the parent's pagemap")
+        r = located[i]
+        n = min(end, r.address + r.length) - at
+        out.append(Run(at, n, r.path, r.offset + at - r.address))
+        at += n
+        i += 1
+    return out
+
+
+def _clip(located: list[Run], areas: list[tuple[int, int]]) -> list[Run]:
+    """The parts of the located runs that lie inside one of ``areas`` (sorted), where
+    they make a stretch of MIN_RUN or more (a stretch may span pieces of several
+    files: the final round's own pages and its parent's)."""
+    parts = []
+    for r in located:
+        i = max(bisect.bisect_right([a for a, _ in areas], r.address) - 1, 0)
+        while i < len(areas) and areas[i][0] < r.address + r.length:
+            lo, hi = max(r.address, areas[i][0]), min(r.address + r.length, areas[i][1])
+            if hi > lo:
+                parts.append(Run(lo, hi - lo, r.path, r.offset + lo - r.address))
+            i += 1
+    out: list[Run] = []
+    stretch: list[Run] = []
+    for part in parts + [None]:
+        if part is None or (stretch and stretch[-1].address + stretch[-1].length != part.address):
+            if sum(p.length for p in stretch) >= MIN_RUN:
+                out += stretch
+            stretch = []
+        if part is not None:
+            stretch.append(part)
+    return out
+
+
+def _without(runs: tuple[pagemap.Run, ...], holes: list[Run]) -> tuple[pagemap.Run, ...]:
+    """Each run minus the holes, as PE_PARENT runs (gpusnap-fill holds the pages)."""
+    out, starts = [], [h.address for h in holes]
+    for run in runs:
+        at, end = run.vaddr, run.vaddr + run.pages * pagemap.PAGE
+        i = max(bisect.bisect_right(starts, at) - 1, 0)
+        while at < end:
+            hole = holes[i] if i < len(holes) else None
+            if hole is None or hole.address >= end:
+                out.append(pagemap.Run(at, (end - at) // pagemap.PAGE, pagemap.PE_PARENT))
+                break
+            if hole.address + hole.length <= at:
+                i += 1
+                continue
+            if hole.address > at:
+                out.append(pagemap.Run(at, (hole.address - at) // pagemap.PAGE, pagemap.PE_PARENT))
+            at = min(end, hole.address + hole.length)
+            i += 1
+    return tuple(out)
+
+
+def plan(folder: Path) -> Plan | None:
+    """The runs worth filling in this images folder, or None (CRIU restores all)."""
+    real = Path(os.path.realpath(folder))
+    parent = real / "parent"
+    if parent.exists() and not parent.is_symlink():
+        return None
+    for shmem in real.glob("pagemap-shmem-*.img"):
+        if any(not r.present for r in pagemap.parse(shmem.read_bytes()).runs):
+            return None  # would read from a parent folder that gpusnap-fill replaces
+    vmas = {int(p.name[3:-4]): mm.parse(p.read_bytes()) for p in real.glob("mm-*.img")
+            if p.name[3:-4].isdigit()}
+    seen = Counter((v.start, v.end) for areas in vmas.values() for v in areas)
+    out = Plan(str(real))
+    for vpid, areas in sorted(vmas.items()):
+        if not (real / f"pagemap-{vpid}.img").is_file():
+            continue
+        own = sorted((v.start, v.end) for v in areas
+                     if v.plain_private_memory and seen[(v.start, v.end)] == 1)
+        runs = _clip(locate(real, vpid), own) if own else []
+        if runs:
+            out.tasks[vpid] = runs
+    return out if out.bytes >= MIN_TOTAL else None
+
+
+def _link_text(folder: Path) -> str | None:
+    link = folder / "parent"
+    return os.readlink(link) if link.is_symlink() else None
+
+
+def _symlink(target: str, path: Path) -> None:
+    """``path`` -> ``target``, replacing what is there in one step."""
+    tmp = path.with_name(path.name + ".gpusnap-tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    os.replace(tmp, path)
+
+
+def rewrite(p: Plan) -> None:
+    """Lay the folder out as the module's doc shows; undo.json first, so a rewrite
+    cut short anywhere is put back by ``undo``."""
+    folder = Path(p.folder)
+    aside = folder / FOLDER
+    ids = [int(f.name[6:-4]) for f in folder.glob("pages-*.img") if f.name[6:-4].isdigit()]
+    new_id = max(ids, default=0) + 1
+    old_parent = _link_text(folder)
+    # with a parent, every task's PE_PARENT runs must now go through gpusnap-fill
+    vpids = sorted(p.tasks) if old_parent is None else \
+        sorted(int(f.name[8:-4]) for f in folder.glob("pagemap-*.img") if f.name[8:-4].isdigit())
+    # pages in RAM while the folder is on disk: the pagemaps are relative links (pages_aside)
+    links = {str(v): os.readlink(folder / f"pagemap-{v}.img") for v in vpids
+             if (folder / f"pagemap-{v}.img").is_symlink()}
+    aside.mkdir(mode=0o700)
+    (aside / UNDO).write_text(json.dumps({"parent": old_parent, "pages_id": new_id, "tasks": vpids,
+                                          "links": links}))
+    for name in ids:
+        os.symlink(f"../pages-{name}.img", aside / f"pages-{name}.img")
+    if old_parent is not None:
+        os.symlink(old_parent if os.path.isabs(old_parent) else f"../{old_parent}", aside / "parent")
+    (folder / f"pages-{new_id}.img").touch()
+    for vpid in vpids:
+        path = folder / f"pagemap-{vpid}.img"
+        old = pagemap.parse(path.read_bytes())
+        if str(vpid) in links:
+            os.symlink(relative_link(path, aside), aside / path.name)
+        else:
+            os.link(path, aside / path.name)
+        holes = sorted(p.tasks.get(vpid, []), key=lambda r: r.address)
+        tmp = path.with_name(path.name + ".gpusnap-tmp")
+        tmp.write_bytes(pagemap.serialize(pagemap.Pagemap(new_id, _without(old.runs, holes))))
+        os.replace(tmp, path)
+    _symlink(FOLDER, folder / "parent")
+
+
+def undo(folder: Path) -> bool:
+    """Put a rewritten folder back as CRIU wrote it; False where there was nothing to undo."""
+    folder = Path(os.path.realpath(folder))
+    aside = folder / FOLDER
+    if not aside.is_dir():
+        return False
+    try:
+        state = json.loads((aside / UNDO).read_text())
+    except (OSError, ValueError):
+        state = None  # cut short before anything outside gpusnap-fill changed
+    if state is not None:
+        links = state.get("links", {})
+        for vpid in state["tasks"]:
+            kept = aside / f"pagemap-{vpid}.img"
+            if str(vpid) in links:
+                _symlink(links[str(vpid)], folder / kept.name)
+            elif kept.exists():
+                os.replace(kept, folder / kept.name)
+        if state["parent"] is None:
+            if _link_text(folder) == FOLDER:
+                (folder / "parent").unlink()
+        else:
+            _symlink(state["parent"], folder / "parent")
+        (folder / f"pages-{state['pages_id']}.img").unlink(missing_ok=True)
+    shutil.rmtree(aside)
+    for tmp in folder.glob("*.gpusnap-tmp"):
+        tmp.unlink()
+    return True
+
+
+def prepare(folder: Path, keep: Callable[[Plan], None]) -> Plan | None:
+    """Undo a leftover rewrite, plan, and rewrite where there is something to fill.
+    ``keep`` stores the plan for pre-resume before the folder changes (a rewrite
+    whose plan is lost would restore zeros); any failure puts the folder back
+    and leaves the restore to CRIU alone."""
+    undo(folder)
+    p = plan(folder)
+    if p is None:
+        return None
+    keep(p)
+    try:
+        rewrite(p)
+    except BaseException:
+        undo(folder)
+        raise
+    return p
+
+
+@dataclass(frozen=True)
+class Settings:
+    """/etc/gpusnap/page-fill.json: {"enabled": false} leaves every page to CRIU
+    (benchmarks compare); "threads" overrides page_fill.default_threads()."""
+
+    enabled: bool = True
+    threads: int = 0
+
+
+SETTINGS = Path("/etc/gpusnap/page-fill.json")
+
+
+def settings(path: Path = SETTINGS) -> Settings:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return Settings()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("enabled", True), bool) \
+            or not isinstance(data.get("threads", 0), int) or data.get("threads", 0) < 0:
+        raise ValueError(f'{path}: expected {{"enabled": true|false, "threads": N}}')
+    return Settings(data.get("enabled", True), data.get("threads", 0))

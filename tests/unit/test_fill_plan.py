@@ -1,0 +1,347 @@
+"""criu/fill_plan.py + criu/page_fill.py: the runs left out of CRIU's restore,
+checked by reading every page back the way CRIU does (present runs in order,
+PE_PARENT runs from the parent folder, recursively) and adding what the fill
+writes: together they must be the dumped memory, page for page, and disjoint.
+The fill itself writes into real child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpusnap.criu import action, fill_plan, mm, page_fill
+from gpusnap.criu import pagemap as pm
+from gpusnap.criu.images import IMG_COMMON_MAGIC
+from gpusnap.errors import GpusnapError
+from gpusnap.proto.wire import varint
+
+PAGE = pm.PAGE
+PLAIN = (mm.VMA_AREA_REGULAR | mm.VMA_ANON_PRIVATE, 0x3, mm.MAP_PRIVATE | mm.MAP_ANONYMOUS)
+FILE_PRIVATE = (mm.VMA_AREA_REGULAR | (1 << 6), 0x3, mm.MAP_PRIVATE)
+STACK = (mm.VMA_AREA_REGULAR | mm.VMA_ANON_PRIVATE | (1 << 1), 0x3,
+         mm.MAP_PRIVATE | mm.MAP_ANONYMOUS | mm.MAP_GROWSDOWN)
+READ_ONLY = (mm.VMA_AREA_REGULAR | mm.VMA_ANON_PRIVATE, 0x1, mm.MAP_PRIVATE | mm.MAP_ANONYMOUS)
+
+
+@pytest.fixture(autouse=True)
+def small(monkeypatch):
+    monkeypatch.setattr(fill_plan, "MIN_RUN", 2 * PAGE)
+    monkeypatch.setattr(fill_plan, "MIN_TOTAL", 8 * PAGE)
+
+
+def _msg(fields: list[tuple[int, int | bytes]]) -> bytes:
+    out = b""
+    for n, v in fields:
+        out += varint(n << 3 | 2) + varint(len(v)) + v if isinstance(v, bytes) \
+            else varint(n << 3) + varint(v)
+    return out
+
+
+def _mm_image(vmas: list[tuple[int, int, tuple[int, int, int]]]) -> bytes:
+    body = _msg([(1, 0x400000), (2, 0x401000)] + [
+        (14, _msg([(1, start), (2, end), (3, 0), (4, 0), (5, prot), (6, flags), (7, status),
+                   (8, 1)])) for start, end, (status, prot, flags) in vmas])
+    return struct.pack("<III", IMG_COMMON_MAGIC, mm.MM_MAGIC, len(body)) + body
+
+
+def _task(folder: Path, vpid: int, pages_id: int, vmas, runs: list[tuple[int, int, int]],
+          rnd: random.Random) -> dict[int, bytes]:
+    """mm, pagemap and pages images of one task; runs: (vaddr, pages, flags). The
+    memory it dumped: every page of its present runs (parent runs are the parent's)."""
+    folder.mkdir(exist_ok=True)
+    (folder / f"mm-{vpid}.img").write_bytes(_mm_image(vmas))
+    (folder / f"pagemap-{vpid}.img").write_bytes(
+        pm.serialize(pm.Pagemap(pages_id, tuple(pm.Run(v, n, f) for v, n, f in runs))))
+    memory, data = {}, bytearray()
+    for vaddr, n, flags in runs:
+        if flags & pm.PE_PRESENT:
+            for i in range(n):
+                memory[vaddr + i * PAGE] = page = rnd.randbytes(PAGE)
+                data += page
+    (folder / f"pages-{pages_id}.img").write_bytes(bytes(data))
+    return memory
+
+
+def _criu_reads(folder: Path, vpid: int) -> dict[int, bytes]:
+    """What CRIU writes into the task's memory from this folder (criu/page-read.c)."""
+    image = pm.parse((folder / f"pagemap-{vpid}.img").read_bytes())
+    data = (folder / image.pages_file).read_bytes()
+    parent = None
+    out, pos = {}, 0
+    for r in image.runs:
+        for i in range(r.pages):
+            vaddr = r.vaddr + i * PAGE
+            if r.flags & pm.PE_PARENT:
+                parent = parent if parent is not None else _criu_reads(folder / "parent", vpid)
+                out[vaddr] = parent[vaddr]
+            else:
+                out[vaddr] = data[pos:pos + PAGE]
+                pos += PAGE
+    assert pos == len(data)
+    return out
+
+
+def _fills(runs: list[page_fill.Run]) -> dict[int, bytes]:
+    out = {}
+    for r in runs:
+        with open(r.path, "rb") as f:
+            f.seek(r.offset)
+            data = f.read(r.length)
+        assert len(data) == r.length
+        for i in range(0, r.length, PAGE):
+            out[r.address + i] = data[i:i + PAGE]
+    return out
+
+
+def _snapshot(folder: Path) -> dict[str, bytes | str]:
+    return {str(p.relative_to(folder)): (os.readlink(p) if p.is_symlink() else p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_symlink() or p.is_file()}
+
+
+def _restored(folder: Path, vpid: int, p: fill_plan.Plan) -> dict[int, bytes]:
+    by_criu, filled = _criu_reads(folder, vpid), _fills(p.tasks.get(vpid, []))
+    assert not by_criu.keys() & filled.keys()  # a page is CRIU's or the fill's, never both
+    return {**by_criu, **filled}
+
+
+A, B, C, D = 0x10000000, 0x20000000, 0x30000000, 0x7ff000000000
+
+
+def _one_task(folder: Path, rnd: random.Random) -> dict[int, bytes]:
+    vmas = [(A, A + 16 * PAGE, PLAIN), (B, B + 8 * PAGE, FILE_PRIVATE),
+            (C, C + 64 * PAGE, PLAIN), (D, D + 8 * PAGE, STACK), (D + 64 * PAGE, D + 72 * PAGE, READ_ONLY)]
+    # one run across both ends of A (1 page in it: too short to fill), B whole, C in three runs
+    runs = [(A + 15 * PAGE, 1, pm.PE_PRESENT), (B, 8, pm.PE_PRESENT), (C, 10, pm.PE_PRESENT),
+            (C + 12 * PAGE, 40, pm.PE_PRESENT), (C + 60 * PAGE, 1, pm.PE_PRESENT),
+            (D, 8, pm.PE_PRESENT), (D + 64 * PAGE, 8, pm.PE_PRESENT)]
+    return _task(folder, 1, 1, vmas, runs, rnd)
+
+
+def test_big_runs_of_plain_memory_are_left_to_the_fill_and_the_rest_to_criu(tmp_path):
+    folder = tmp_path / "images"
+    memory = _one_task(folder, random.Random(1))
+    before = _snapshot(folder)
+    kept: list[fill_plan.Plan] = []
+    p = fill_plan.prepare(folder, kept.append)
+    assert p is not None and kept == [p]
+    assert [(r.address, r.length) for r in p.tasks[1]] == [(C, 10 * PAGE), (C + 12 * PAGE, 40 * PAGE)]
+    assert p.bytes == 50 * PAGE
+    assert _restored(folder, 1, p) == memory
+    assert os.readlink(folder / "parent") == fill_plan.FOLDER
+    fill_plan.undo(folder)
+    assert _snapshot(folder) == before  # CRIU's folder exactly as it was
+    assert not fill_plan.undo(folder)
+
+
+def test_a_folder_with_a_parent_is_read_through_it_and_the_fill_reads_the_parents_file(tmp_path):
+    rnd = random.Random(2)
+    round1 = tmp_path / "prepared"
+    vmas = [(C, C + 64 * PAGE, PLAIN), (B, B + 8 * PAGE, FILE_PRIVATE)]
+    old = _task(round1, 1, 1, vmas, [(B, 8, pm.PE_PRESENT), (C, 64, pm.PE_PRESENT)], rnd)
+    folder = tmp_path / "images"
+    # the final round: C's first 60 pages unchanged (the parent's), the last 4 and B anew
+    new = _task(folder, 1, 3, vmas, [(B, 8, pm.PE_PRESENT), (C, 60, pm.PE_PARENT),
+                                     (C + 60 * PAGE, 4, pm.PE_PRESENT)], rnd)
+    (folder / "pages-2.img").write_bytes(b"")  # another task's pages id: the new one must differ
+    os.symlink("../prepared", folder / "parent")
+    memory = {**{a: old[a] for a in old if C <= a < C + 60 * PAGE}, **new}
+    before = _snapshot(folder)
+    p = fill_plan.prepare(folder, lambda p: None)
+    assert p is not None
+    assert {r.path for r in p.tasks[1]} == {os.path.realpath(round1 / "pages-1.img"),
+                                            os.path.realpath(folder / "pages-3.img")}
+    assert pm.parse((folder / "pagemap-1.img").read_bytes()).pages_id == 4
+    assert os.readlink(folder / fill_plan.FOLDER / "parent") == "../../prepared"
+    assert _restored(folder, 1, p) == memory
+    fill_plan.undo(folder)
+    assert _snapshot(folder) == before
+
+
+def test_memory_two_tasks_map_at_the_same_range_stays_with_criu(tmp_path):
+    """Forked memory: CRIU shares its pages copy-on-write between the two tasks."""
+    rnd = random.Random(3)
+    folder = tmp_path / "images"
+    vmas = [(C, C + 64 * PAGE, PLAIN)]
+    _task(folder, 1, 1, vmas, [(C, 64, pm.PE_PRESENT)], rnd)
+    _task(folder, 7, 2, vmas, [(C, 64, pm.PE_PRESENT)], rnd)
+    before = _snapshot(folder)
+    assert fill_plan.prepare(folder, lambda p: None) is None
+    assert _snapshot(folder) == before
+
+
+def test_too_little_to_fill_leaves_the_folder_alone(tmp_path, monkeypatch):
+    folder = tmp_path / "images"
+    _one_task(folder, random.Random(4))
+    monkeypatch.setattr(fill_plan, "MIN_TOTAL", 51 * PAGE)
+    before = _snapshot(folder)
+    assert fill_plan.prepare(folder, lambda p: None) is None
+    assert _snapshot(folder) == before
+
+
+def test_a_rewrite_cut_short_is_put_back_and_a_leftover_one_undone_first(tmp_path, monkeypatch):
+    folder = tmp_path / "images"
+    memory = _one_task(folder, random.Random(5))
+    before = _snapshot(folder)
+    real_replace, failed = os.replace, []
+
+    def broken(src, dst):  # the new pagemap cannot take its place; putting back still works
+        if str(src).endswith(".gpusnap-tmp") and not failed:
+            failed.append(dst)
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+    monkeypatch.setattr(fill_plan.os, "replace", broken)
+    with pytest.raises(OSError):
+        fill_plan.prepare(folder, lambda p: None)
+    monkeypatch.setattr(fill_plan.os, "replace", real_replace)
+    assert _snapshot(folder) == before
+    p = fill_plan.prepare(folder, lambda p: None)  # a restore that then never reached pre-resume
+    p = fill_plan.prepare(folder, lambda p: None)  # the next restore of the same folder
+    assert _restored(folder, 1, p) == memory
+    fill_plan.undo(folder)
+    assert _snapshot(folder) == before
+
+
+def test_settings_file(tmp_path):
+    path = tmp_path / "page-fill.json"
+    assert fill_plan.settings(path) == fill_plan.Settings(True, 0)
+    path.write_text('{"enabled": false, "threads": 4}')
+    assert fill_plan.settings(path) == fill_plan.Settings(False, 4)
+    path.write_text('{"threads": "many"}')
+    with pytest.raises(ValueError, match="page-fill.json"):
+        fill_plan.settings(path)
+
+
+def test_a_plan_survives_its_json():
+    p = fill_plan.Plan("/x", {1: [page_fill.Run(C, 4 * PAGE, "/x/pages-1.img", 8192)]})
+    assert fill_plan.Plan.from_json(p.to_json()) == p
+
+
+# -- the fill, into real processes ----------------------------------------------------------
+
+CHILD = r"""
+import ctypes, mmap, sys, time
+m = mmap.mmap(-1, int(sys.argv[1]), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+print(ctypes.addressof(ctypes.c_char.from_buffer(m)), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def child():
+    size = 3 << 20
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(size)], stdout=subprocess.PIPE,
+                            text=True)
+    base = int(proc.stdout.readline())
+    yield proc, base, size
+    proc.kill()
+    proc.wait()
+
+
+def _memory_of(pid: int, address: int, length: int) -> bytes:
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        mem.seek(address)
+        return mem.read(length)
+
+
+def test_fill_writes_every_piece_at_its_address(tmp_path, child):
+    proc, base, size = child
+    data = random.Random(6).randbytes(size)
+    src = tmp_path / "pages.img"
+    src.write_bytes(b"\0" * PAGE + data)
+    runs = [page_fill.Run(base, 1 << 20, str(src), PAGE),
+            page_fill.Run(base + (1 << 20), size - (1 << 20), str(src), PAGE + (1 << 20))]
+    assert page_fill.fill(proc.pid, runs, threads=3, piece=256 << 10) == size
+    assert _memory_of(proc.pid, base, size) == data
+
+
+def test_fill_into_memory_the_process_lacks_is_an_error(tmp_path, child):
+    proc, base, size = child
+    src = tmp_path / "pages.img"
+    src.write_bytes(b"x" * (2 * size))
+    with pytest.raises(OSError, match="cannot write"):
+        page_fill.fill(proc.pid, [page_fill.Run(base, 2 * size, str(src), 0)], threads=2)
+    with pytest.raises(OSError, match="ends before"):
+        page_fill.fill(proc.pid, [page_fill.Run(base, size, str(src), 2 * size - PAGE)], threads=2)
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(fill_plan, "SETTINGS", tmp_path / "page-fill.json")
+    return tmp_path / "state"
+
+
+def _planned(tmp_path: Path, pid: int, base: int, size: int, criu_pid: int) -> tuple[Path, bytes]:
+    """An images folder rewritten as pre-restore does, whose one task is the child."""
+    folder = tmp_path / "images"
+    rnd = random.Random(7)
+    memory = _task(folder, pid, 1, [(base, base + size, PLAIN)], [(base, size // PAGE, pm.PE_PRESENT)],
+                   rnd)
+    assert action._fill_state(criu_pid).parent.is_dir()
+    fill_plan.prepare(folder, lambda p: action.write_private(action._fill_state(criu_pid), p.to_json()))
+    return folder, b"".join(memory[a] for a in sorted(memory))
+
+
+def test_pre_resume_fills_the_restored_task_and_puts_the_folder_back(tmp_path, state, child):
+    proc, base, size = child
+    folder, data = _planned(tmp_path, proc.pid, base, size, criu_pid=4242)
+    action.pre_resume(init_pid=proc.pid, criu_pid=4242)
+    assert _memory_of(proc.pid, base, size) == data
+    assert not (folder / fill_plan.FOLDER).exists() and not (folder / "parent").exists()
+    assert not action._fill_state(4242).exists()
+    event = json.loads((state / "journal.jsonl").read_text().splitlines()[-1])
+    assert event["event"] == "pages-filled" and event["bytes"] == size
+
+
+def test_pre_resume_that_cannot_fill_kills_the_restored_tasks(tmp_path, state, child):
+    proc, base, size = child
+    folder, _ = _planned(tmp_path, proc.pid, base, size, criu_pid=4243)
+    os.truncate(folder / "pages-1.img", PAGE)  # the pages went missing under the restore
+    with pytest.raises(GpusnapError, match="could not write the restored memory"):
+        action.pre_resume(init_pid=proc.pid, criu_pid=4243)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    assert not (folder / fill_plan.FOLDER).exists()
+
+
+def test_a_stretch_made_of_short_pieces_of_two_files_is_filled_whole(tmp_path, monkeypatch):
+    """The final round of a pre-copy reads most pages from its parent, in runs cut
+    wherever a chunk changed: each piece is short, the stretch they make is not."""
+    monkeypatch.setattr(fill_plan, "MIN_RUN", 6 * PAGE)
+    rnd = random.Random(8)
+    round1 = tmp_path / "prepared"
+    vmas = [(C, C + 16 * PAGE, PLAIN)]
+    old = _task(round1, 1, 1, vmas, [(C, 16, pm.PE_PRESENT)], rnd)
+    folder = tmp_path / "images"
+    runs = [(C + i * PAGE, 1, pm.PE_PARENT if i % 2 else pm.PE_PRESENT) for i in range(12)]
+    new = _task(folder, 1, 2, vmas, runs, rnd)
+    os.symlink("../prepared", folder / "parent")
+    p = fill_plan.prepare(folder, lambda p: None)
+    assert p is not None and len(p.tasks[1]) == 12 and p.bytes == 12 * PAGE
+    assert _restored(folder, 1, p) == {**{a: old[a] for a in old if a < C + 12 * PAGE}, **new}
+
+
+def test_pagemaps_and_pages_that_are_links_to_ram_stay_links(tmp_path):
+    """Pages in RAM, the folder on disk: pre-restore left relative links
+    (pages_aside.bring_back); the rewrite reads through them and undo puts the
+    same links back."""
+    ram, folder = tmp_path / "ram", tmp_path / "disk" / "images"
+    memory = _one_task(ram, random.Random(9))
+    folder.mkdir(parents=True)
+    (ram / "mm-1.img").rename(folder / "mm-1.img")
+    for name in ("pagemap-1.img", "pages-1.img"):
+        os.symlink(f"../../ram/{name}", folder / name)
+    before = _snapshot(folder)
+    p = fill_plan.prepare(folder, lambda p: None)
+    assert p is not None and not (folder / "pagemap-1.img").is_symlink()
+    assert _restored(folder, 1, p) == memory
+    fill_plan.undo(folder)
+    assert _snapshot(folder) == before
+    assert pm.parse((ram / "pagemap-1.img").read_bytes()).pages_id == 1  # the RAM file untouched
