@@ -83,6 +83,7 @@ def locate(folder: Path, vpid: int, depth: int = 0) -> list[Run]:
     pm = pagemap.parse((folder / f"pagemap-{vpid}.img").read_bytes())
     pages = os.path.realpath(folder / pm.pages_file)
     parent: list[Run] | None = None
+    starts: list[int] = []
     out: list[Run] = []
     pos = 0
     for run in pm.runs:
@@ -95,16 +96,18 @@ def locate(folder: Path, vpid: int, depth: int = 0) -> list[Run]:
                 if depth >= MAX_PARENTS or not (folder / "parent").is_dir():
                     raise ImageError(f"{folder}: pagemap-{vpid}.img reads from a parent it lacks")
                 parent = locate(Path(os.path.realpath(folder / "parent")), vpid, depth + 1)
-            out += _covering(parent, run.vaddr, length)
+                starts = [r.address for r in parent]
+            out += _covering(parent, starts, run.vaddr, length)
         else:
             raise ImageError(f"pagemap-{vpid}.img: a run with flags {run.flags} (lazy pages)")
     return out
 
 
-def _covering(located: list[Run], start: int, length: int) -> list[Run]:
-    """The parts of ``located`` (sorted, not overlapping) that make up [start, start+length)."""
+def _covering(located: list[Run], starts: list[int], start: int, length: int) -> list[Run]:
+    """The parts of ``located`` (sorted, not overlapping; ``starts`` their addresses)
+    that make up [start, start+length)."""
     out, at, end = [], start, start + length
-    i = bisect.bisect_right([r.address for r in located], start) - 1
+    i = bisect.bisect_right(starts, start) - 1
     while at < end:
         if i < 0 or i >= len(located) or not located[i].address <= at < located[i].address + located[i].length:
             raise ImageError(f"page {at:#x} is not in the parent's pagemap")
@@ -120,9 +123,9 @@ def _clip(located: list[Run], areas: list[tuple[int, int]]) -> list[Run]:
     """The parts of the located runs that lie inside one of ``areas`` (sorted), where
     they make a stretch of MIN_RUN or more (a stretch may span pieces of several
     files: the final round's own pages and its parent's)."""
-    parts = []
+    parts, starts = [], [a for a, _ in areas]
     for r in located:
-        i = max(bisect.bisect_right([a for a, _ in areas], r.address) - 1, 0)
+        i = max(bisect.bisect_right(starts, r.address) - 1, 0)
         while i < len(areas) and areas[i][0] < r.address + r.length:
             lo, hi = max(r.address, areas[i][0]), min(r.address + r.length, areas[i][1])
             if hi > lo:
