@@ -140,14 +140,23 @@ _BIG_MEMORY = ("mkfifo /tmp/w; exec 3<>/tmp/w; "
                "mv /tmp/sum.new /tmp/sum; fi; read -t 0.05 _ <&3; done")
 
 
+_JOURNAL = Path("/run/gpusnap/journal.jsonl")
+
+
 def _journal_size() -> int:
-    return Path("/run/gpusnap/journal.jsonl").stat().st_size
+    return _JOURNAL.stat().st_size if _JOURNAL.exists() else 0  # a fresh host has none yet
+
+
+def _journal_since(mark: int) -> list[dict]:
+    if not _JOURNAL.exists():
+        return []  # nothing recorded (a runtime that runs no action script)
+    with open(_JOURNAL) as f:
+        f.seek(mark)
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _events_since(mark: int) -> list[str]:
-    with open("/run/gpusnap/journal.jsonl") as f:
-        f.seek(mark)
-        return [json.loads(line)["event"] for line in f if line.strip()]
+    return [e["event"] for e in _journal_since(mark)]
 
 
 def _md5_of_memory(name: str) -> str:

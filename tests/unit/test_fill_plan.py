@@ -22,6 +22,7 @@ from gpusnap.criu import pagemap as pm
 from gpusnap.criu.images import IMG_COMMON_MAGIC
 from gpusnap.errors import GpusnapError
 from gpusnap.proto.wire import varint
+from tests.unit.test_parent_pages import _restored as criu_reads
 
 PAGE = pm.PAGE
 PLAIN = (mm.VMA_AREA_REGULAR | mm.VMA_ANON_PRIVATE, 0x3, mm.MAP_PRIVATE | mm.MAP_ANONYMOUS)
@@ -71,22 +72,10 @@ def _task(folder: Path, vpid: int, pages_id: int, vmas, runs: list[tuple[int, in
 
 
 def _criu_reads(folder: Path, vpid: int) -> dict[int, bytes]:
-    """What CRIU writes into the task's memory from this folder (criu/page-read.c)."""
-    image = pm.parse((folder / f"pagemap-{vpid}.img").read_bytes())
-    data = (folder / image.pages_file).read_bytes()
-    parent = None
-    out, pos = {}, 0
-    for r in image.runs:
-        for i in range(r.pages):
-            vaddr = r.vaddr + i * PAGE
-            if r.flags & pm.PE_PARENT:
-                parent = parent if parent is not None else _criu_reads(folder / "parent", vpid)
-                out[vaddr] = parent[vaddr]
-            else:
-                out[vaddr] = data[pos:pos + PAGE]
-                pos += PAGE
-    assert pos == len(data)
-    return out
+    """What CRIU writes into the task's memory from this folder and its parents."""
+    image = (folder / f"pagemap-{vpid}.img").read_bytes()
+    parent = _criu_reads(folder / "parent", vpid) if (folder / "parent").exists() else {}
+    return criu_reads(image, (folder / pm.parse(image).pages_file).read_bytes(), parent)
 
 
 def _fills(runs: list[page_fill.Run]) -> dict[int, bytes]:

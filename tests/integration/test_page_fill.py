@@ -1,0 +1,48 @@
+"""Restored memory written on many threads (criu/fill_plan.py, page_fill.py),
+through plain Podman: `podman container checkpoint --export` and `restore
+--import` of a container holding ~290 MB in one shell variable. gpusnap's
+CRIU action script leaves that memory out of CRIU's restore and writes it at
+pre-resume; the md5 of the variable must be the same afterwards. In the
+version matrix too: every runtime that runs the action script fills, the
+others (trixie's crun 1.21) restore through CRIU alone, the same memory."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from gpusnap.criu.runtimes import runs_action_script
+from tests.conftest import DEMO_IMAGE, wait_counter
+from tests.integration.test_segments import _BIG_MEMORY, _journal_since, _journal_size, _md5_of_memory
+
+
+def _runtime() -> str:
+    return subprocess.run(["podman", "info", "--format", "{{.Host.OCIRuntime.Name}}"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_plain_podman_import_of_big_memory_is_filled_by_threads_and_whole(name, tmp_path):
+    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
+                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
+    wait_counter(name, 3, timeout=120)
+    before = _md5_of_memory(name)
+    archive = tmp_path / "big.tar"
+    subprocess.run(["podman", "container", "checkpoint", "--export", str(archive), name],
+                   check=True, capture_output=True)
+    subprocess.run(["podman", "rm", name], check=True, capture_output=True)
+    mark = _journal_size()
+    res = subprocess.run(["podman", "container", "restore", "--import", str(archive)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    events = _journal_since(mark)
+    filled = [e for e in events if e["event"] == "pages-filled"]
+    if runs_action_script(_runtime()):
+        assert filled and filled[0]["bytes"] >= 256 << 20, events
+    else:
+        assert not filled, events
+    time.sleep(0.2)
+    assert _md5_of_memory(name) == before
+    # the images folder was put back: Podman's checkpoint folder holds no rewrite
+    left = list(Path("/var/lib/containers/storage").glob("overlay-containers/*/userdata/checkpoint/gpusnap-fill"))
+    assert not left, left
