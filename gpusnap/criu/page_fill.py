@@ -7,9 +7,10 @@ its whole GPU memory in host memory, so at 32 GiB that one thread moves
 36.7 GB, ~17-19 s of the stop on an H200 host (docs/benchmarks.md).
 
 Here the big runs are written by a pool of threads with process_vm_writev(2)
-while the restored tasks are still stopped (CRIU's pre-resume step): each
-thread reads a piece of the pages file and writes it at its address in the
-process. Which runs, and how CRIU is told to leave them alone, is
+while the restored tasks are still stopped (CRIU's pre-resume step): the
+pages files are mapped read-only into this process and each thread hands the
+kernel one piece, which it copies from the page cache to its address in the
+process (one copy, no buffers: the script's memory stays small). Which runs, and how CRIU is told to leave them alone, is
 fill_plan.py's part; this module only moves bytes, and checks that every
 byte arrived.
 """
@@ -19,12 +20,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-PIECE = 64 << 20  # one thread's read and write: big enough that a call's cost vanishes
+PIECE = 64 << 20  # one call of one thread: big enough that the call's cost vanishes
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,19 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
+PROT_READ, MAP_SHARED = 0x1, 0x01
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fn = libc.process_vm_writev
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    libc.process_vm_writev.restype = ctypes.c_ssize_t
+    libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                       ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
 
 
@@ -60,56 +67,70 @@ def pieces(runs: Sequence[Run], piece: int = PIECE) -> Iterator[Run]:
             done += n
 
 
-class _Writer:
-    """One thread's buffer and the process it writes into."""
+class _Files:
+    """Each pages file mapped read-only into this process: the kernel copies
+    from the page cache straight into the target, one copy, no buffers."""
 
-    def __init__(self, libc: ctypes.CDLL, pid: int, fds: dict[str, int], piece: int):
-        self.libc, self.pid, self.fds, self.piece = libc, pid, fds, piece
-        self.local = threading.local()
+    def __init__(self, libc: ctypes.CDLL, runs: Sequence[Run]):
+        self.libc, self.maps = libc, {}
+        try:
+            for run in runs:
+                if run.path not in self.maps:
+                    self._map(run.path)
+                base, size = self.maps[run.path]
+                if run.offset + run.length > size:
+                    raise OSError(f"{run.path} ends before offset {run.offset + run.length}")
+        except BaseException:
+            self.close()
+            raise
 
-    def _buffer(self) -> tuple[bytearray, int]:
-        buf = getattr(self.local, "buf", None)
-        if buf is None:
-            buf = self.local.buf = bytearray(self.piece)
-        return buf, ctypes.addressof(ctypes.c_char.from_buffer(buf))
-
-    def write(self, run: Run) -> int:
-        buf, base = self._buffer()
-        view = memoryview(buf)[:run.length]
-        got = 0
-        while got < run.length:  # preadv returns short at a file's end only: then the file is short
-            n = os.preadv(self.fds[run.path], [view[got:]], run.offset + got)
-            if n <= 0:
-                raise OSError(f"{run.path} ends before offset {run.offset + got}")
-            got += n
-        done = 0
-        while done < run.length:  # a partial write stops at the first page it could not write
-            local = _IoVec(base + done, run.length - done)
-            remote = _IoVec(run.address + done, run.length - done)
-            n = self.libc.process_vm_writev(self.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-            if n <= 0:
+    def _map(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            base = self.libc.mmap(None, size, PROT_READ, MAP_SHARED, fd, 0) if size else 0
+            if base in (None, MAP_FAILED):
                 err = ctypes.get_errno()
-                raise OSError(err, f"process {self.pid}: cannot write {run.length - done} bytes "
-                                   f"at {run.address + done:#x}: {os.strerror(err)}")
-            done += n
-        return run.length
+                raise OSError(err, f"cannot map {path}: {os.strerror(err)}")
+            self.maps[path] = (base or 0, size)
+        finally:
+            os.close(fd)
+
+    def address(self, run: Run) -> int:
+        return self.maps[run.path][0] + run.offset
+
+    def close(self) -> None:
+        for base, size in self.maps.values():
+            if size:
+                self.libc.munmap(base, size)
+        self.maps = {}
+
+
+def _write(libc: ctypes.CDLL, pid: int, files: _Files, run: Run) -> int:
+    done, local = 0, files.address(run)
+    while done < run.length:  # a partial write stops at the first page it could not write
+        n = run.length - done
+        src, dst = _IoVec(local + done, n), _IoVec(run.address + done, n)
+        got = libc.process_vm_writev(pid, ctypes.byref(src), 1, ctypes.byref(dst), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process {pid}: cannot write {n} bytes at "
+                               f"{run.address + done:#x}: {os.strerror(err)}")
+        done += got
+    return run.length
 
 
 def fill(pid: int, runs: Sequence[Run], threads: int, piece: int = PIECE) -> int:
     """Write every run into process ``pid``; the bytes written. Raises OSError
     (the first failure) when any byte could not be written: the process must
     then not run (its memory is not what was dumped)."""
-    fds: dict[str, int] = {}
+    libc = _libc()
+    files = _Files(libc, runs)
     try:
-        for run in runs:
-            if run.path not in fds:
-                fds[run.path] = os.open(run.path, os.O_RDONLY)
-        writer = _Writer(_libc(), pid, fds, piece)
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="page-fill") as pool:
-            return sum(pool.map(writer.write, pieces(runs, piece)))
+            return sum(pool.map(lambda r: _write(libc, pid, files, r), pieces(runs, piece)))
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        files.close()
 
 
 def default_threads() -> int:
