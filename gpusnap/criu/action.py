@@ -13,8 +13,8 @@ a non-zero exit aborts the dump. Two steps matter:
   unlock them.
 
 (And, for a restore with big memory, pre-restore picks the runs of pages that
-page_fill.py writes on many threads at pre-resume, while the tasks are still
-stopped, instead of CRIU on one: fill_plan.py.)
+page_fill.py writes on many threads at post-restore, while the tasks wait in
+CRIU's restorer, instead of CRIU on one: fill_plan.py.)
 
 (And post-dump, only for a push that asks: the memory pages set aside, out of
 Podman's export; pages_aside.py.)
@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -44,7 +43,7 @@ from gpusnap.procs import cuda_processes, process_tree, start_time
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
 # The steps with work to do; packaging/bin/criu-action lets only these start Python.
-ACTIONS = ("pre-dump", "post-dump", "pre-restore", "pre-resume", "post-resume")
+ACTIONS = ("pre-dump", "post-dump", "pre-restore", "post-restore", "post-resume")
 
 
 def lock_timeout_ms(init_pid: int) -> int:
@@ -144,56 +143,74 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
 
 
 def _plan_fill(folder: Path, criu_pid: int) -> None:
-    """Leave the big runs of pages to pre-resume's threads (fill_plan.py). Never
-    the reason a restore fails: CRIU then restores every page itself."""
+    """Leave the big runs of pages to post-restore's threads (fill_plan.py).
+    CRIU then restores every page itself where this fails, unless a rewrite
+    could not be put back: GpusnapError, and the restore stops."""
     from gpusnap.criu import fill_plan
 
     state = _fill_state(criu_pid)
+    state.unlink(missing_ok=True)  # never another restore's plan (a CRIU pid reused)
     try:
         if not fill_plan.settings().enabled:
             return
         planned = fill_plan.prepare(folder, lambda p: write_private(state, p.to_json()))
     except (OSError, ValueError) as exc:
         state.unlink(missing_ok=True)
+        if fill_plan.rewritten(folder):
+            raise GpusnapError(f"could not put back CRIU's images in {folder} ({exc})",
+                               "restore the checkpoint from its archive or registry") from None
         journal.record("pages-fill-skipped", error=str(exc))
         return
     if planned is not None:
         journal.record("pages-fill-planned", bytes=planned.bytes, tasks=len(planned.tasks))
 
 
+def undo_leftover_fill(image_dir: str) -> None:
+    """A folder a failed restore left rewritten is put back before anything
+    reads it; where it cannot be, GpusnapError stops the restore (CRIU would
+    restore holes where the pages belong)."""
+    if not image_dir:
+        return
+    from gpusnap.criu import fill_plan
+
+    try:
+        if fill_plan.undo(Path(image_dir)):
+            journal.record("pages-fill-undone", folder=image_dir)
+    except (OSError, ValueError) as exc:
+        raise GpusnapError(f"CRIU's images in {image_dir} were left rewritten by a restore that "
+                           f"failed and cannot be put back ({exc})",
+                           "restore the checkpoint from its archive or registry") from None
+
+
 def _fill_state(criu_pid: int) -> Path:
     return _marker_dir() / f"{criu_pid}-fill.json"
 
 
-def pre_resume(init_pid: int, criu_pid: int) -> None:
-    """Write the runs pre-restore left out, into the restored tasks, still stopped.
-    Where any byte cannot be written the restored tasks are killed (CRIU then
-    fails the restore: nothing runs on memory that is not what was dumped);
-    the images folder is put back either way."""
+def post_restore(init_pid: int, criu_pid: int) -> None:
+    """Write the runs pre-restore left out into the restored tasks, which wait in
+    CRIU's restorer with their memory in place (before CRIU's late device hooks,
+    rseq fix-ups and the tasks' resume). Any failure (GpusnapError here, or this
+    script dying) makes CRIU kill the tasks and fail the restore: nothing runs
+    on memory that is not what was dumped. The images folder is put back either way."""
     from gpusnap.criu import fill_plan, page_fill
 
     state = _fill_state(criu_pid)
     if not state.exists():
         return
-    folder, tree = None, [init_pid]
+    folder = None
     started = time.monotonic()
     try:
         planned = fill_plan.Plan.from_json(state.read_text())
         folder = Path(planned.folder)
-        tree = process_tree(init_pid) or tree
         threads = fill_plan.settings().threads or page_fill.default_threads()
-        pids = {_ns_pid(pid): pid for pid in tree}
+        pids = {_ns_pid(pid): pid for pid in process_tree(init_pid)}
         for vpid, runs in planned.tasks.items():
             if vpid not in pids:
                 raise OSError(f"no restored task has pid {vpid} in the container")
             page_fill.fill(pids[vpid], runs, threads)
-    except Exception as exc:  # whatever it was, these tasks must not run
-        for pid in {init_pid, *tree}:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        raise GpusnapError(f"could not write the restored memory ({exc}); the restored "
-                           "processes were stopped and the restore fails",
-                           "the checkpoint is unchanged: restore it again") from None
+    except Exception as exc:
+        raise GpusnapError(f"could not write the restored memory ({exc}); CRIU stops the "
+                           "restore", "the checkpoint is unchanged: restore it again") from None
     finally:
         if folder is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -324,25 +341,25 @@ def _run(action: str) -> int:
     if action == "pre-restore":
         image_dir = os.environ.get("CRTOOLS_IMAGE_DIR", "")
         try:
+            undo_leftover_fill(image_dir)
             check_without_hook(image_dir, os.getppid())
-        except GpusnapError as exc:  # CRIU stops before any task is restored
+            try:  # only keeps files for later and speeds the restore: never why it fails...
+                pre_restore(image_dir, os.getppid())
+            except (OSError, ValueError) as exc:
+                journal.record("failed", action=action, error=str(exc))
+        except GpusnapError as exc:  # ...unless it must: CRIU stops before any task is restored
             journal.record("refused-restore", action=action, error=str(exc))
             # CRIU logs what its scripts print; Podman quotes its log's "Error" lines
             print(f"Error (gpusnap): {exc}", file=sys.stderr)
             return 1
-        # Only keeps files for later: never the reason a restore fails.
-        try:
-            pre_restore(image_dir, os.getppid())
-        except (OSError, ValueError) as exc:
-            journal.record("failed", action=action, error=str(exc))
         return 0
     try:
         init_pid = int(os.environ["CRTOOLS_INIT_PID"])
         image_dir = os.environ["CRTOOLS_IMAGE_DIR"]
         if action == "pre-dump":
             pre_dump(init_pid, image_dir, os.getppid())
-        elif action == "pre-resume":
-            pre_resume(init_pid, os.getppid())
+        elif action == "post-restore":
+            post_restore(init_pid, os.getppid())
         else:
             post_resume(init_pid, os.getppid())
     except (GpusnapError, QuiesceError) as exc:

@@ -18,17 +18,21 @@ folder so that CRIU restores everything but those runs:
         undo.json          how to put the folder back
 
 Nothing is copied: CRIU reads what it restores from the same files, at the
-same offsets, one parent link further. Then, while the restored tasks are
-still stopped (pre-resume), page_fill writes the picked runs and ``undo``
+same offsets, one parent link further. Then, while the restored tasks wait in
+CRIU's restorer with their memory in place (post-restore: CRIU fails the
+restore if that step fails), page_fill writes the picked runs and ``undo``
 puts the folder back as it was, so a folder restored again (Podman keeps a
 checkpoint it failed to restore) is the one CRIU wrote. A restore that never
-reached pre-resume leaves the rewrite: the next ``prepare`` undoes it first.
+reached post-restore leaves the rewrite: the next restore's pre-restore puts
+it back before anything else (action.undo_leftover_fill).
 
 Nothing is picked (the folder is left alone) where the gain is too small
 (MIN_TOTAL), where a memory area may be shared copy-on-write with another
 task (the same range in two tasks: CRIU shares such pages between them), or
 where the folder is not one this module can reason about (a parent that is a
-folder, shmem pagemaps reading from a parent, a pagemap that is not a file).
+folder, shmem pagemaps reading from a parent, a pagemap that is not a file,
+hugetlb or plugin memory: CRIU reads those in its restorer at offsets of the
+task's own pages file, which PE_PARENT runs do not advance).
 """
 
 from __future__ import annotations
@@ -175,6 +179,8 @@ def plan(folder: Path) -> Plan | None:
             return None  # would read from a parent folder that gpusnap-fill replaces
     vmas = {int(p.name[3:-4]): mm.parse(p.read_bytes()) for p in real.glob("mm-*.img")
             if p.name[3:-4].isdigit()}
+    if any(v.restored_in_place for areas in vmas.values() for v in areas):
+        return None
     seen = Counter((v.start, v.end) for areas in vmas.values() for v in areas)
     out = Plan(str(real))
     for vpid, areas in sorted(vmas.items()):
@@ -216,8 +222,8 @@ def rewrite(p: Plan) -> None:
     links = {str(v): os.readlink(folder / f"pagemap-{v}.img") for v in vpids
              if (folder / f"pagemap-{v}.img").is_symlink()}
     aside.mkdir(mode=0o700)
-    (aside / UNDO).write_text(json.dumps({"parent": old_parent, "pages_id": new_id, "tasks": vpids,
-                                          "links": links}))
+    _write_synced(aside / UNDO, json.dumps({"parent": old_parent, "pages_id": new_id,
+                                            "tasks": vpids, "links": links}))
     for name in ids:
         os.symlink(f"../pages-{name}.img", aside / f"pages-{name}.img")
     if old_parent is not None:
@@ -237,6 +243,24 @@ def rewrite(p: Plan) -> None:
     _symlink(FOLDER, folder / "parent")
 
 
+def _write_synced(path: Path, text: str) -> None:
+    """On the disk before anything it describes changes (a crash must not leave
+    the original pagemaps in gpusnap-fill with nothing saying where they go)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rewritten(folder: Path) -> bool:
+    return (Path(os.path.realpath(folder)) / FOLDER).is_dir()
+
+
 def undo(folder: Path) -> bool:
     """Put a rewritten folder back as CRIU wrote it; False where there was nothing to undo."""
     folder = Path(os.path.realpath(folder))
@@ -246,6 +270,8 @@ def undo(folder: Path) -> bool:
     try:
         state = json.loads((aside / UNDO).read_text())
     except (OSError, ValueError):
+        if any(aside.glob("pagemap-*.img")):  # the originals, with nothing saying where to
+            raise OSError(f"{aside / UNDO} is unreadable and {aside} holds CRIU's pagemaps") from None
         state = None  # cut short before anything outside gpusnap-fill changed
     if state is not None:
         links = state.get("links", {})
@@ -269,7 +295,7 @@ def undo(folder: Path) -> bool:
 
 def prepare(folder: Path, keep: Callable[[Plan], None]) -> Plan | None:
     """Undo a leftover rewrite, plan, and rewrite where there is something to fill.
-    ``keep`` stores the plan for pre-resume before the folder changes (a rewrite
+    ``keep`` stores the plan for post-restore before the folder changes (a rewrite
     whose plan is lost would restore zeros); any failure puts the folder back
     and leaves the restore to CRIU alone."""
     undo(folder)
@@ -297,7 +323,8 @@ class Settings:
 SETTINGS = Path("/etc/gpusnap/page-fill.json")
 
 
-def settings(path: Path = SETTINGS) -> Settings:
+def settings(path: Path | None = None) -> Settings:
+    path = path or SETTINGS
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:

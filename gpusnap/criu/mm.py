@@ -15,8 +15,8 @@ from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError, fields_of, message
 
 MM_MAGIC = 0x57492820
 PROT_WRITE = 0x2
-MAP_PRIVATE, MAP_ANONYMOUS, MAP_GROWSDOWN = 0x02, 0x20, 0x0100
-VMA_AREA_REGULAR, VMA_ANON_PRIVATE = 1 << 0, 1 << 9
+MAP_PRIVATE, MAP_ANONYMOUS, MAP_GROWSDOWN, MAP_HUGETLB = 0x02, 0x20, 0x0100, 0x40000
+VMA_AREA_REGULAR, VMA_ANON_PRIVATE, VMA_EXT_PLUGIN = 1 << 0, 1 << 9, 1 << 27
 # Kinds of memory CRIU restores its own way (stacks, vdso, AIO rings, SysV
 # shm, memfd, shadow stacks, guard pages, uprobes, plugins' areas, unsupported).
 VMA_SPECIAL = ((1 << 1) | (1 << 2) | (1 << 3) | (1 << 10) | (1 << 11) | (1 << 12) | (1 << 13)
@@ -37,7 +37,13 @@ class Vma:
         its pages into place: nothing else of the task depends on how they got there."""
         return (self.status & VMA_AREA_REGULAR and self.status & VMA_ANON_PRIVATE
                 and not self.status & VMA_SPECIAL and self.prot & PROT_WRITE
-                and self.flags & MAP_PRIVATE and not self.flags & MAP_GROWSDOWN)
+                and self.flags & MAP_PRIVATE and not self.flags & (MAP_GROWSDOWN | MAP_HUGETLB))
+
+    @property
+    def restored_in_place(self) -> bool:
+        """Memory CRIU never premaps (criu/mem.c, premap_priv_vmas): hugetlb and
+        plugins' areas, whose pages its restorer reads itself."""
+        return bool(self.flags & MAP_HUGETLB or self.status & VMA_EXT_PLUGIN)
 
 
 def parse(data: bytes) -> list[Vma]:

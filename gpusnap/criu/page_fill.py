@@ -7,7 +7,7 @@ its whole GPU memory in host memory, so at 32 GiB that one thread moves
 36.7 GB, ~17-19 s of the stop on an H200 host (docs/benchmarks.md).
 
 Here the big runs are written by a pool of threads with process_vm_writev(2)
-while the restored tasks are still stopped (CRIU's pre-resume step): the
+while the restored tasks wait in CRIU's restorer (its post-restore step): the
 pages files are mapped read-only into this process and each thread hands the
 kernel one piece, which it copies from the page cache to its address in the
 process (one copy, no buffers: the script's memory stays small). Which runs, and how CRIU is told to leave them alone, is

@@ -2,7 +2,7 @@
 through plain Podman: `podman container checkpoint --export` and `restore
 --import` of a container holding ~290 MB in one shell variable. gpusnap's
 CRIU action script leaves that memory out of CRIU's restore and writes it at
-pre-resume; the md5 of the variable must be the same afterwards. In the
+post-restore; the md5 of the variable must be the same afterwards. In the
 version matrix too: every runtime that runs the action script fills, the
 others (trixie's crun 1.21) restore through CRIU alone, the same memory."""
 

@@ -113,13 +113,13 @@ def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tm
                 if subprocess.run(["sh", str(script)], env={**env, "CRTOOLS_SCRIPT_ACTION": s},
                                   capture_output=True, text=True).stdout.strip() == "reached"}
     # post-dump starts Python only for a push that asked for it (pages set aside),
-    # pre-resume only where pre-restore left pages to write (for this CRIU: its pid)
-    assert reached() == set(action.ACTIONS) - {"post-dump", "pre-resume"}
+    # post-restore only where pre-restore left pages to write (for this CRIU: its pid)
+    assert reached() == set(action.ACTIONS) - {"post-dump", "post-restore"}
     (state / "requests").mkdir(parents=True)
     (state / "requests" / "4242.pages.json").write_text("{}")
-    assert reached() == set(action.ACTIONS) - {"pre-resume"}
+    assert reached() == set(action.ACTIONS) - {"post-restore"}
     (state / "actions").mkdir()
     (state / "actions" / f"{os.getpid() + 1}-fill.json").write_text("{}")  # another CRIU's
-    assert reached() == set(action.ACTIONS) - {"pre-resume"}
+    assert reached() == set(action.ACTIONS) - {"post-restore"}
     (state / "actions" / f"{os.getpid()}-fill.json").write_text("{}")
     assert reached() == set(action.ACTIONS)

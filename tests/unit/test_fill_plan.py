@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import struct
 import subprocess
 import sys
@@ -279,10 +278,10 @@ def _planned(tmp_path: Path, pid: int, base: int, size: int, criu_pid: int) -> t
     return folder, b"".join(memory[a] for a in sorted(memory))
 
 
-def test_pre_resume_fills_the_restored_task_and_puts_the_folder_back(tmp_path, state, child):
+def test_post_restore_fills_the_restored_task_and_puts_the_folder_back(tmp_path, state, child):
     proc, base, size = child
     folder, data = _planned(tmp_path, proc.pid, base, size, criu_pid=4242)
-    action.pre_resume(init_pid=proc.pid, criu_pid=4242)
+    action.post_restore(init_pid=proc.pid, criu_pid=4242)
     assert _memory_of(proc.pid, base, size) == data
     assert not (folder / fill_plan.FOLDER).exists() and not (folder / "parent").exists()
     assert not action._fill_state(4242).exists()
@@ -290,14 +289,65 @@ def test_pre_resume_fills_the_restored_task_and_puts_the_folder_back(tmp_path, s
     assert event["event"] == "pages-filled" and event["bytes"] == size
 
 
-def test_pre_resume_that_cannot_fill_kills_the_restored_tasks(tmp_path, state, child):
+def test_post_restore_that_cannot_fill_fails_the_step_and_puts_the_folder_back(
+        tmp_path, state, child, monkeypatch):
+    """CRIU kills the restored tasks and fails the restore when post-restore fails
+    (criu/cr-restore.c): the step must fail, as the script's exit code."""
     proc, base, size = child
     folder, _ = _planned(tmp_path, proc.pid, base, size, criu_pid=4243)
     os.truncate(folder / "pages-1.img", PAGE)  # the pages went missing under the restore
     with pytest.raises(GpusnapError, match="could not write the restored memory"):
-        action.pre_resume(init_pid=proc.pid, criu_pid=4243)
-    assert proc.wait(timeout=10) == -signal.SIGKILL
+        action.post_restore(init_pid=proc.pid, criu_pid=4243)
     assert not (folder / fill_plan.FOLDER).exists()
+    (tmp_path / "again").mkdir()  # the same through the script's entry (CRIU: its parent)
+    _planned(tmp_path / "again", proc.pid, base, size, criu_pid=os.getppid())
+    os.truncate(tmp_path / "again" / "images" / "pages-1.img", PAGE)
+    monkeypatch.setenv("CRTOOLS_INIT_PID", str(proc.pid))
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(tmp_path / "again" / "images"))
+    assert action._run("post-restore") == 1
+
+
+def test_a_stale_plan_of_another_restore_is_never_used(tmp_path, state, child):
+    proc, base, size = child
+    stale = action._fill_state(4244)
+    action.write_private(stale, fill_plan.Plan("/gone", {1: []}).to_json())
+    folder = tmp_path / "images"
+    _task(folder, 1, 1, [(C, C + 4 * PAGE, PLAIN)], [(C, 4, pm.PE_PRESENT)], random.Random(10))
+    action._plan_fill(folder, 4244)  # nothing worth filling here: the old plan must go
+    assert not stale.exists()
+
+
+def test_a_folder_a_failed_restore_left_rewritten_is_put_back_first(tmp_path, state, monkeypatch):
+    """Even with the fill turned off since: CRIU must never read its holes."""
+    folder = tmp_path / "images"
+    _one_task(folder, random.Random(11))
+    before = _snapshot(folder)
+    fill_plan.prepare(folder, lambda p: None)  # and that restore never reached post-restore
+    fill_plan.SETTINGS.write_text('{"enabled": false}')
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(folder))
+    assert action._run("pre-restore") == 0
+    assert _snapshot(folder) == before
+
+
+def test_a_rewrite_that_cannot_be_put_back_refuses_the_restore(tmp_path, state, monkeypatch, capsys):
+    folder = tmp_path / "images"
+    _one_task(folder, random.Random(12))
+    fill_plan.prepare(folder, lambda p: None)
+    (folder / fill_plan.FOLDER / fill_plan.UNDO).write_text("")  # lost in a crash
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(folder))
+    assert action._run("pre-restore") == 1
+    assert "cannot be put back" in capsys.readouterr().err
+    assert (folder / fill_plan.FOLDER / "pagemap-1.img").exists()  # the original kept
+
+
+def test_hugetlb_memory_leaves_the_folder_to_criu(tmp_path):
+    """CRIU reads hugetlb pages in its restorer at its own pages file's offsets."""
+    folder = tmp_path / "images"
+    _one_task(folder, random.Random(13))
+    huge = (mm.VMA_AREA_REGULAR | mm.VMA_ANON_PRIVATE, 0x3,
+            mm.MAP_PRIVATE | mm.MAP_ANONYMOUS | mm.MAP_HUGETLB)
+    (folder / "mm-1.img").write_bytes(_mm_image([(C, C + 64 * PAGE, PLAIN), (A, A + 512 * PAGE, huge)]))
+    assert fill_plan.prepare(folder, lambda p: None) is None
 
 
 def test_a_stretch_made_of_short_pieces_of_two_files_is_filled_whole(tmp_path, monkeypatch):
