@@ -145,7 +145,7 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
 def _plan_fill(folder: Path, criu_pid: int) -> None:
     """Leave the big runs of pages to post-restore's threads (fill_plan.py).
     CRIU then restores every page itself where this fails, unless a rewrite
-    could not be put back: GpusnapError, and the restore stops."""
+    cannot be put back (undo_leftover_fill's GpusnapError: the restore stops)."""
     from gpusnap.criu import fill_plan
 
     state = _fill_state(criu_pid)
@@ -156,9 +156,7 @@ def _plan_fill(folder: Path, criu_pid: int) -> None:
         planned = fill_plan.prepare(folder, lambda p: write_private(state, p.to_json()))
     except (OSError, ValueError) as exc:
         state.unlink(missing_ok=True)
-        if fill_plan.rewritten(folder):
-            raise GpusnapError(f"could not put back CRIU's images in {folder} ({exc})",
-                               "restore the checkpoint from its archive or registry") from None
+        undo_leftover_fill(str(folder))  # where prepare could not put it back itself
         journal.record("pages-fill-skipped", error=str(exc))
         return
     if planned is not None:
@@ -166,9 +164,9 @@ def _plan_fill(folder: Path, criu_pid: int) -> None:
 
 
 def undo_leftover_fill(image_dir: str) -> None:
-    """A folder a failed restore left rewritten is put back before anything
-    reads it; where it cannot be, GpusnapError stops the restore (CRIU would
-    restore holes where the pages belong)."""
+    """A folder left rewritten (by a restore that failed, or a rewrite cut short)
+    is put back before CRIU reads it; where it cannot be, GpusnapError stops
+    the restore (CRIU would restore holes where the pages belong)."""
     if not image_dir:
         return
     from gpusnap.criu import fill_plan

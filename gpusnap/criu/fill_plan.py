@@ -257,10 +257,6 @@ def _write_synced(path: Path, text: str) -> None:
         os.close(fd)
 
 
-def rewritten(folder: Path) -> bool:
-    return (Path(os.path.realpath(folder)) / FOLDER).is_dir()
-
-
 def undo(folder: Path) -> bool:
     """Put a rewritten folder back as CRIU wrote it; False where there was nothing to undo."""
     folder = Path(os.path.realpath(folder))

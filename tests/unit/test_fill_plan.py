@@ -384,3 +384,21 @@ def test_pagemaps_and_pages_that_are_links_to_ram_stay_links(tmp_path):
     fill_plan.undo(folder)
     assert _snapshot(folder) == before
     assert pm.parse((ram / "pagemap-1.img").read_bytes()).pages_id == 1  # the RAM file untouched
+
+
+def test_a_rewrite_cut_short_that_cannot_be_put_back_refuses_the_restore(tmp_path, state, monkeypatch):
+    folder = tmp_path / "images"
+    _one_task(folder, random.Random(14))
+
+    def broken(p):  # the rewrite fails after the pagemaps moved, and so does putting it back
+        raise OSError(5, "Input/output error")
+    real_rewrite = fill_plan.rewrite
+
+    def half(p):
+        real_rewrite(p)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(fill_plan, "rewrite", half)
+    monkeypatch.setattr(fill_plan, "undo", lambda f: broken(f) if (Path(f) / fill_plan.FOLDER).exists() else False)
+    with pytest.raises(GpusnapError, match="cannot be put back"):
+        action._plan_fill(folder, 4245)
+    assert not action._fill_state(4245).exists()
