@@ -34,6 +34,10 @@ Adam moments rewritten every step), one process on GPU 0:
            CRIU writes every page into the restored process on its one thread
            (how every restore went until 2026-11-26 15:00; criu/fill_plan.py)
   gpusnap-nofill  gpusnap likewise
+  precopy-noahead  precopy with GPUSNAP_DUMP_AHEAD=0: CRIU reads the driver's copy
+           of the GPU memory out of the process on its one thread (how every dump
+           went until 2026-11-26 19:00; criu/dump_ahead.py)
+  gpusnap-noahead  gpusnap likewise
   local    `gpusnap checkpoint CTR --export F`, `podman rm`, `gpusnap restore F`
   plain    driver lock + checkpoint, `podman container checkpoint --export` with
            CRIU not set up for gpusnap, `oras push`, `oras pull`, `podman rm`,
@@ -89,6 +93,7 @@ from tests.integration.oci_registry import permissive_policy  # noqa: E402
 RAM = Path("/mnt/gpusnap-ram")
 DISK_REGISTRIES = Path("/var/lib/gpusnap-bench-registries")  # --ram-gib 0
 SHM = {memory.HUGE_ENV: "0"}  # pages in RAM on /dev/shm, not gpusnap's huge-page tmpfs
+NO_AHEAD = {"GPUSNAP_DUMP_AHEAD": "0"}  # CRIU dumps the driver's copy itself (criu/dump_ahead.py)
 JOBS = Path(__file__).resolve().parent.parent / "tests" / "gpu" / "jobs.py"
 
 
@@ -434,6 +439,14 @@ def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path,
                 with no_page_fill():
                     m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:nofill"), cache,
                                      Migration("gpusnap-nofill", f"{job.kind} {job.gib:g} GiB"))
+            elif pipeline == "precopy-noahead":
+                m = precopy_case(job, reg.ref(f"bench/{kind}-{size:g}:pre-noahead"),
+                                 reg.ref(f"bench/{kind}-{size:g}:final-noahead"), cache,
+                                 "precopy-noahead", NO_AHEAD)
+            elif pipeline == "gpusnap-noahead":
+                m = gpusnap_case(job, reg.ref(f"bench/{kind}-{size:g}:noahead"), cache,
+                                 Migration("gpusnap-noahead", f"{job.kind} {job.gib:g} GiB"),
+                                 NO_AHEAD)
             elif pipeline == "detach":
                 m = detach_case(job, reg.ref(f"bench/{kind}-{size:g}:detach"), cache)
             elif pipeline == "precopy":

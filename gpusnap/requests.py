@@ -32,5 +32,14 @@ def take(init_pid: int, kind: str = "") -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def peek(init_pid: int, kind: str = "") -> dict:
+    """A request as ``take`` reads it, left for a later step to take."""
+    try:
+        data = json.loads(_path(init_pid, kind).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def drop(init_pid: int, kind: str = "") -> None:
     _path(init_pid, kind).unlink(missing_ok=True)

@@ -17,7 +17,9 @@ page_fill.py writes on many threads at post-restore, while the tasks wait in
 CRIU's restorer, instead of CRIU on one: fill_plan.py.)
 
 (And post-dump, only for a push that asks: the memory pages set aside, out of
-Podman's export; pages_aside.py.)
+Podman's export; pages_aside.py. Where those go to RAM, pre-dump reads the
+driver's copy of the GPU memory out on many threads before CRIU would, and
+post-dump puts it back into the images: dump_ahead.py.)
 
 Containers without CUDA processes are left exactly as CRIU would treat them.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -72,8 +75,13 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
         from gpusnap.criu import pages_aside
 
         pages_aside.drop_stale_parent(Path(image_dir))
+    _ahead_state(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
+    push = requests.peek(init_pid, "pages")
+    ahead = bool(push.get("read_ahead")) and bool(image_dir)
     procs = cuda_processes(init_pid)
     if not procs:
+        if ahead and push.get("ahead_test_min"):
+            _read_ahead_test(init_pid, criu_pid, push)
         return
     inventory = read_inventory()
     used = {m for p in procs for m in p.gpu_minors}
@@ -89,21 +97,86 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     manifest = gpu_manifest.build(procs, inventory, criu_version(), by)
     pids = [p.pid for p in procs]
     if plugin is None:
+        from gpusnap.criu import dump_ahead
+
+        before = {pid: dump_ahead.mapped(pid) for pid in pids} if ahead else {}
         timing = Timing()
         driver = _driver()
         changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
         manifest.timing = timing.phases
-        _start_guardian(criu_pid, changed)
+        guardian = _start_guardian(criu_pid, changed)
+        if ahead and guardian is not None:
+            _read_ahead(criu_pid, guardian, push,
+                        {pid: dump_ahead.staging(pid, before[pid]) for pid in changed})
     gpu_manifest.write(manifest, image_dir)
     # ``at``: when the GPU was free for the next job (its memory is in host memory now)
     journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
                    at=round(time.time(), 3))
 
 
-def post_dump(init_pid: int, image_dir: str) -> None:
+def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
+                runs: dict[int, list[tuple[int, int]]]) -> None:
+    """Read each process's ``runs`` into the push's folder and take them out of
+    it, so CRIU dumps the rest only (dump_ahead.py). The guardian gets the files
+    before anything is taken. Any failure before that leaves CRIU to dump
+    everything, as without this step; a process whose memory could not be put
+    back fails the dump (AheadError)."""
+    from gpusnap.criu import dump_ahead
+    from gpusnap.runtime.remote_syscall import RemoteSyscallError, supported
+
+    if not supported():
+        return
+    started, aside = time.monotonic(), Path(push["aside"])
+    tasks = []
+    try:
+        for pid, found in runs.items():
+            task = dump_ahead.take(pid, _ns_pid(pid), found, aside)
+            if task is not None:
+                tasks.append(task)
+        if tasks:
+            dump_ahead.hand_over(guardian, tasks)
+    except (OSError, ValueError) as exc:
+        for task in tasks:
+            Path(task.path).unlink(missing_ok=True)
+        journal.record("pages-read-ahead-skipped", error=str(exc))
+        return
+    read_s, taken = round(time.monotonic() - started, 3), []
+    for task in tasks:
+        try:
+            dump_ahead.drop(task)
+            taken.append(task)
+        except RemoteSyscallError as exc:  # its memory is back: CRIU dumps it
+            Path(task.path).unlink(missing_ok=True)
+            journal.record("pages-read-ahead-skipped", pid=task.pid, error=str(exc))
+        except dump_ahead.AheadError as exc:
+            raise GpusnapError(str(exc), "restore the container from its last checkpoint") from None
+    if taken:
+        write_private(_ahead_state(criu_pid), json.dumps([t.to_dict() for t in taken]))
+        journal.record("pages-read-ahead", tasks=len(taken), bytes=sum(t.bytes for t in taken),
+                       read_s=read_s, seconds=round(time.monotonic() - started, 3))
+
+
+def _read_ahead_test(init_pid: int, criu_pid: int, push: dict) -> None:
+    """Tests only: a CPU container's big anonymous memory, which its test keeps
+    still, read ahead as a GPU process's would be (``ahead_test_min`` bytes)."""
+    from gpusnap.criu import dump_ahead
+
+    pids = process_tree(init_pid)
+    guardian = _start_guardian(criu_pid, [], force=True)
+    _read_ahead(criu_pid, guardian, push,
+                {pid: dump_ahead.big_anonymous(pid, int(push["ahead_test_min"])) for pid in pids})
+
+
+def _ahead_state(criu_pid: int) -> Path:
+    return _marker_dir() / f"{criu_pid}-ahead.json"
+
+
+def post_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     """A push asked for the memory pages out of Podman's export (pages_aside.py):
-    moved beside it, a symlink left in their place. The tree is still frozen."""
+    moved beside it, a symlink left in their place. The tree is still frozen.
+    Memory pre-dump read ahead goes back into the images first."""
     request = requests.take(init_pid, "pages")
+    _compose_ahead(init_pid, image_dir, criu_pid, request)
     if not request:
         return
     from gpusnap.criu import pages_aside
@@ -115,12 +188,49 @@ def post_dump(init_pid: int, image_dir: str) -> None:
     journal.record("pages-aside", init_pid=init_pid, aside=str(aside), files=files, bytes=size)
 
 
-def _start_guardian(criu_pid: int, pids: list[int]) -> None:
-    if not pids:
+def _compose_ahead(init_pid: int, image_dir: str, criu_pid: int, request: dict) -> None:
+    """The runs pre-dump read ahead back into CRIU's images (dump_ahead.compose).
+    AheadError, whatever went wrong: without them the images lack memory, so
+    the dump must fail (CRIU then resumes the tree; the guardian puts the
+    memory back)."""
+    state = _ahead_state(criu_pid)
+    if not state.exists():
         return
-    subprocess.Popen([sys.executable, "-m", "gpusnap.criu.guardian", str(criu_pid), *map(str, pids)],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    from gpusnap.criu import dump_ahead
+
+    started = time.monotonic()
+    try:
+        tasks = [dump_ahead.Task.from_dict(d) for d in json.loads(state.read_text())]
+        if not request:
+            raise dump_ahead.AheadError("the push's request is gone")
+        images, aside = Path(request["images"]), Path(request["aside"])
+        if not os.path.samefile(image_dir, images):
+            raise dump_ahead.AheadError(f"CRIU dumps into {image_dir}, the request names {images}")
+        if request.get("fault") == "compose":  # tests: what a failure here leaves
+            raise dump_ahead.AheadError("composing the images failed (injected by a test)")
+        ways = [dump_ahead.compose(images, aside, task) for task in tasks]
+    except dump_ahead.AheadError:
+        raise
+    except Exception as exc:
+        raise dump_ahead.AheadError(f"the memory read ahead could not be put back into "
+                                    f"CRIU's images ({exc})") from None
+    finally:
+        state.unlink(missing_ok=True)
+    journal.record("pages-composed", init_pid=init_pid, tasks=len(tasks), how=ways,
+                   seconds=round(time.monotonic() - started, 3))
+
+
+def _start_guardian(criu_pid: int, pids: list[int], force: bool = False) -> socket.socket | None:
+    """The guardian of ``pids``; the socket it reads what pre-dump read ahead from."""
+    if not pids and not force:
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with theirs:
+        subprocess.Popen([sys.executable, "-m", "gpusnap.criu.guardian", str(criu_pid),
+                          *map(str, pids)],
+                         stdin=theirs.fileno(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    return ours
 
 
 def pre_restore(image_dir: str, criu_pid: int) -> None:
@@ -329,10 +439,16 @@ def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]
 def _run(action: str) -> int:
     if action == "post-dump":
         # An optimisation: never the reason a dump fails (the pages then stay
-        # where CRIU wrote them, and the push reads them from the export).
+        # where CRIU wrote them, and the push reads them from the export)...
+        from gpusnap.criu.dump_ahead import AheadError
+
+        init_pid = os.environ.get("CRTOOLS_INIT_PID", "0")
         try:
-            post_dump(int(os.environ.get("CRTOOLS_INIT_PID", "0")),
-                      os.environ.get("CRTOOLS_IMAGE_DIR", ""))
+            post_dump(int(init_pid), os.environ.get("CRTOOLS_IMAGE_DIR", ""), os.getppid())
+        except AheadError as exc:  # ...unless the images lack memory read ahead: CRIU resumes the tree
+            journal.record("failed", action=action, init_pid=init_pid, error=str(exc))
+            print(f"Error (gpusnap): {exc}", file=sys.stderr)
+            return 1
         except (OSError, ValueError, KeyError) as exc:
             journal.record("failed", action=action, error=str(exc))
         return 0

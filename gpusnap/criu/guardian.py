@@ -2,7 +2,11 @@
 
 It waits for CRIU to exit. Processes that were dumped and killed are gone;
 any that survived (``--leave-running``, or a dump that failed or was killed)
-are restored and unlocked as soon as their cgroup is thawed.
+are restored and unlocked as soon as their cgroup is thawed. Memory pre-dump
+took out of a process (dump_ahead.py: handed over on stdin, a socket, with
+the files that hold it) is written back first: the driver restores from it.
+A process whose memory cannot be written back is left locked, not restored
+from memory that is not its own, and the journal says so.
 
 Usage: python -m gpusnap.criu.guardian CRIU_PID PID...
 """
@@ -42,12 +46,48 @@ def survivors_to_resume(pids: list[int], deadline: float) -> list[int]:
         time.sleep(0.05)
 
 
+def _handed_over() -> list:
+    """What pre-dump read ahead, (task, fd) each; nothing where stdin is no socket."""
+    import socket
+
+    from gpusnap.criu import dump_ahead
+
+    try:
+        sock = socket.socket(fileno=0)
+    except OSError:
+        return []
+    return dump_ahead.received(sock)
+
+
+def write_back(taken: list) -> set[int]:
+    """Each surviving process's memory back from the files; the pids it failed for."""
+    from gpusnap.criu import dump_ahead
+
+    failed = set()
+    for task, fd in taken:
+        if not alive(task.pid):
+            continue
+        try:
+            dump_ahead.write_back(task, fd)
+            journal.record("guardian-wrote-back", pid=task.pid, bytes=task.bytes)
+        except OSError as exc:
+            failed.add(task.pid)
+            journal.record("guardian-failed", pids=[task.pid],
+                           error=f"its memory could not be written back ({exc}): left "
+                                 "locked; restore the container from its checkpoint")
+    return failed
+
+
 def main(argv: list[str]) -> int:
     criu_pid, pids = int(argv[0]), [int(p) for p in argv[1:]]
     wait_exit(criu_pid)
-    living = survivors_to_resume(pids, time.monotonic() + THAW_WAIT_S)
+    taken = _handed_over()
+    watched = sorted(set(pids) | {task.pid for task, _ in taken})
+    living = survivors_to_resume(watched, time.monotonic() + THAW_WAIT_S)
+    failed = write_back(taken) if taken and living else set()
+    living = [p for p in living if p in pids and p not in failed]
     if not living:
-        return 0
+        return 1 if failed else 0
     from gpusnap.gpu.cuda import CudaDriver
     try:
         changed = resume(CudaDriver(), living)

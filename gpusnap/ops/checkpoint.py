@@ -149,13 +149,29 @@ def _drop_stale_dump(ctr: podman.Container, since: float) -> None:
         pass
 
 
+def _read_ahead(p: CheckpointPlan) -> dict:
+    """Whether pre-dump reads the driver's copy of GPU memory into the push's
+    RAM folder itself, on many threads (criu/dump_ahead.py; GPUSNAP_DUMP_AHEAD=0:
+    CRIU dumps it, as before). GPUSNAP_DUMP_AHEAD_TEST_MIN is for the tests: a
+    CPU container's anonymous areas of at least that many bytes are taken too,
+    and GPUSNAP_DUMP_AHEAD_TEST_FAULT=compose makes post-dump fail there."""
+    if not p.pages_prelinked or os.environ.get("GPUSNAP_DUMP_AHEAD", "1") == "0":
+        return {}
+    out: dict = {"read_ahead": True}
+    test_min = os.environ.get("GPUSNAP_DUMP_AHEAD_TEST_MIN", "")
+    if test_min.isdigit():
+        out["ahead_test_min"] = int(test_min)
+        out["fault"] = os.environ.get("GPUSNAP_DUMP_AHEAD_TEST_FAULT", "")
+    return out
+
+
 def run(p: CheckpointPlan) -> dict:
     start, started_at = time.monotonic(), time.time()
     if p.cuda:
         requests.put(p.container.pid, lock_timeout_ms=p.lock_timeout_ms)
     if p.pages_aside is not None:
         requests.put(p.container.pid, "pages", images=str(p.container.checkpoint_dir),
-                     aside=str(p.pages_aside))
+                     aside=str(p.pages_aside), **_read_ahead(p))
         if p.pages_prelinked:
             p.container.checkpoint_dir.mkdir(mode=0o700, exist_ok=True)
             # A few links per task: each task's memory and each shared segment

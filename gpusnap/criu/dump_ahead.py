@@ -1,0 +1,344 @@
+"""The driver's copy of a CUDA process's GPU memory, read out on many threads before CRIU dumps it.
+
+After the driver's checkpoint a CUDA process holds its whole GPU memory in host
+memory: one new anonymous mapping as large as what it used on the GPU. CRIU
+then copies it out page by page on one thread, through its parasite, into the
+pages file (~2.6 GB/s into gpusnap's huge-page tmpfs): 14-17 s of a 32 GiB
+migration's stop on an H200 host (docs/benchmarks.md). For a push whose pages
+go to RAM, pre-dump instead, right after the driver's checkpoint:
+
+1. finds the memory the checkpoint mapped (``staging``: private anonymous
+   ranges the process did not have before it);
+2. predicts where those runs will lie in the task's pages file (``layout``:
+   CRIU writes pages in address order, so a run's offset is what CRIU dumps
+   below it, which pagescan.py asks the kernel the way CRIU does);
+3. reads them on many threads (process_vm_readv) straight to those offsets of
+   a file in the push's RAM folder (17-27 GB/s on an H200 host);
+4. hands that file and the runs to the guardian, which writes them back into
+   any process that lives on (--leave-running, a failed dump) before the
+   driver restores it;
+5. drops them from the process (madvise MADV_DONTNEED inside it, through
+   ptrace: remote_syscall.py). CRIU finds nothing there.
+
+post-dump (``compose``, the tree still frozen): CRIU's own pages, a few hundred
+MB, are written around the runs, the runs go back into the task's pagemap,
+and the file takes the place of CRIU's pages file. The images are then what
+CRIU would have written itself, byte for byte. Where CRIU dumped other pages
+below a run than predicted (the process changed its memory in between), the
+file is built anew by copying: slower, the same result.
+
+Only memory nothing but the driver touches is taken: the process is locked
+(its CUDA calls wait) from before the checkpoint until the guardian or the
+target restores it. A page of a run that CRIU nevertheless found present fails
+the dump (the container runs on, its memory written back).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gpusnap.criu import pagemap, pagescan
+from gpusnap.criu.page_fill import PIECE, Run, default_threads, fill, pieces
+
+MIN_RUN = 1 << 20  # smaller new mappings stay with CRIU (the driver's own bookkeeping)
+MIN_TOTAL = 256 << 20  # below this CRIU is about as quick as starting the threads
+PAGE = 4096
+PREFIX = ".ahead-"  # the runs' file in the push's folder, until it becomes a pages file
+
+
+class AheadError(Exception):
+    """The dump must fail: the images cannot be made whole, or memory taken out
+    of a process could not be put back (the message says which)."""
+
+
+@dataclass
+class Task:
+    """The runs read out of one process, and where they lie in ``path``."""
+
+    pid: int  # on the host
+    vpid: int  # in the container: CRIU's image names
+    path: str
+    runs: list[tuple[int, int, int]]  # (address, length, offset in path)
+    gaps: list[int]  # bytes CRIU is predicted to dump before each run, after the previous one
+
+    @property
+    def bytes(self) -> int:
+        return sum(length for _, length, _ in self.runs)
+
+    def fill_runs(self, path: str | None = None) -> list[Run]:
+        return [Run(a, n, path or self.path, o) for a, n, o in self.runs]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Task:
+        return cls(int(d["pid"]), int(d["vpid"]), str(d["path"]),
+                   [tuple(map(int, r)) for r in d["runs"]], [int(g) for g in d["gaps"]])
+
+
+def mapped(pid: int) -> list[tuple[int, int]]:
+    """Every range the process maps now (taken before the driver's checkpoint)."""
+    return [(v.start, v.end) for v in pagescan.vmas(pid)]
+
+
+def _minus(ranges: Iterable[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = []
+    for start, end in ranges:
+        pieces = [(start, end)]
+        for h0, h1 in holes:
+            pieces = [p for a, b in pieces
+                      for p in ((a, min(b, h0)), (max(a, h1), b)) if p[0] < p[1]]
+        out += pieces
+    return sorted(out)
+
+
+def staging(pid: int, before: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The private anonymous writable ranges the process did not map ``before``:
+    where the driver's checkpoint put its copy of the GPU memory."""
+    now = [(v.start, v.end) for v in pagescan.vmas(pid)
+           if v.private and v.anonymous and v.perms.startswith("rw") and not v.name.startswith("[")]
+    return [r for r in _minus(now, sorted(before)) if r[1] - r[0] >= MIN_RUN]
+
+
+def big_anonymous(pid: int, min_bytes: int) -> list[tuple[int, int]]:
+    """Tests only (a CPU container whose big memory holds still): the private
+    anonymous writable areas of at least ``min_bytes`` stand in for the staging."""
+    return [(v.start, v.end) for v in pagescan.vmas(pid)
+            if v.private and v.anonymous and v.perms.startswith("rw") and v.end - v.start >= min_bytes]
+
+
+def layout(pid: int, runs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """(gaps, offsets): the bytes CRIU will dump before each run (after the one
+    before it) and so each run's offset in the task's pages file."""
+    found = pagescan.vmas(pid)
+    areas = _minus(pagescan.dumped_areas(found), runs)
+    whole = pagescan.whole(found)
+    dumped = sorted(pagescan.dumped(pid, _minus(areas, whole)) + _minus(whole, runs))
+    gaps, offsets, pos, i = [], [], 0, 0
+    for start, end in runs:
+        gap = 0
+        while i < len(dumped) and dumped[i][1] <= start:
+            gap += dumped[i][1] - dumped[i][0]
+            i += 1
+        gaps.append(gap)
+        pos += gap
+        offsets.append(pos)
+        pos += end - start
+    return gaps, offsets
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _readv():
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.process_vm_readv.restype = ctypes.c_ssize_t
+    libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                      ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    return libc.process_vm_readv
+
+
+def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int) -> None:
+    """Each run (address, length, offset) of ``pid`` into ``path`` at its offset:
+    the file is mapped and each thread has the kernel copy one piece into it."""
+    import mmap
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        view = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    readv = _readv()
+    anchor = ctypes.c_char.from_buffer(view)
+    base = ctypes.addressof(anchor)
+
+    def one(piece: Run) -> int:
+        done = 0
+        while done < piece.length:
+            n = piece.length - done
+            got = readv(pid, ctypes.byref(_IoVec(base + piece.offset + done, n)), 1,
+                        ctypes.byref(_IoVec(piece.address + done, n)), 1, 0)
+            if got <= 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"process {pid}: cannot read {n} bytes at "
+                                   f"{piece.address + done:#x}: {os.strerror(err)}")
+            done += got
+        return piece.length
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dump-ahead") as pool:
+            list(pool.map(one, pieces([Run(a, n, path, o) for a, n, o in runs], PIECE)))
+    finally:
+        del anchor
+        view.close()
+
+
+def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
+         threads: int | None = None) -> Task | None:
+    """Read ``runs`` of ``pid`` into a file in ``folder`` at the offsets CRIU's
+    pages file will have them; None where there is too little to gain."""
+    runs = sorted(runs)
+    if sum(end - start for start, end in runs) < MIN_TOTAL:
+        return None
+    gaps, offsets = layout(pid, runs)
+    placed = [(start, end - start, off) for (start, end), off in zip(runs, offsets)]
+    path = str(folder / f"{PREFIX}{vpid}.img")
+    size = offsets[-1] + runs[-1][1] - runs[-1][0]
+    try:
+        read(pid, placed, path, size, threads or default_threads())
+    except BaseException:
+        Path(path).unlink(missing_ok=True)
+        raise
+    return Task(pid, vpid, path, placed, gaps)
+
+
+def drop(task: Task) -> None:
+    """Take the runs out of the process (they are in ``task.path``).
+    RemoteSyscallError where it refused: what was dropped is back by then.
+    AheadError where it could not be put back."""
+    from gpusnap.runtime.remote_syscall import RemoteSyscallError, madvise_dontneed
+
+    try:
+        madvise_dontneed(task.pid, [(a, n) for a, n, _ in task.runs])
+    except RemoteSyscallError:
+        try:
+            fill(task.pid, task.fill_runs(), default_threads())
+        except OSError as exc:
+            raise AheadError(f"process {task.pid}: its memory could not be put back after "
+                             f"a failed madvise ({exc})") from None
+        raise
+
+
+# -- the guardian's part: the file and the runs, handed over with the file itself
+
+def hand_over(sock: socket.socket, tasks: list[Task]) -> None:
+    """Send the guardian the tasks and an open descriptor of each file: it
+    writes the runs back from those, whatever becomes of the names."""
+    fds = [os.open(t.path, os.O_RDONLY) for t in tasks]
+    try:
+        socket.send_fds(sock, [json.dumps([t.to_dict() for t in tasks]).encode()], fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def received(sock: socket.socket) -> list[tuple[Task, int]]:
+    """What pre-dump handed over (nothing, where it took nothing): (task, fd)."""
+    sock.setblocking(False)
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 64)
+    except (BlockingIOError, OSError):
+        return []
+    if not data:
+        return []
+    return list(zip((Task.from_dict(d) for d in json.loads(data)), fds))
+
+
+def write_back(task: Task, fd: int, threads: int | None = None) -> None:
+    """The runs back into a process that lives on, from the file handed over."""
+    fill(task.pid, task.fill_runs(f"/proc/self/fd/{fd}"), threads or default_threads())
+
+
+# -- post-dump: the images made whole
+
+def compose(images: Path, aside: Path, task: Task) -> str:
+    """Put the runs back into the task's pagemap and make ``task.path`` its
+    pages file (in ``aside``, where the push reads it; a link in ``images``).
+    "in place" where CRIU dumped the predicted pages around the runs, "copied"
+    where the file had to be built anew. AheadError where the images cannot be
+    made whole."""
+    pm_path = images / f"pagemap-{task.vpid}.img"
+    try:
+        pm = pagemap.parse(pm_path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise AheadError(f"cannot read CRIU's pagemap of task {task.vpid}: {exc}") from None
+    own = images / pm.pages_file
+    criu_pages = os.path.realpath(own)
+    for r in pm.runs:
+        end = r.vaddr + r.pages * PAGE
+        if any(a < end and r.vaddr < a + n for a, n, _ in task.runs):
+            raise AheadError(f"task {task.vpid} touched memory gpusnap had read out "
+                             f"({r.vaddr:#x}, {r.pages} pages): the dump stops, the "
+                             "memory goes back")
+    # (run, its offset in task.path) for ours; (run, None) for CRIU's
+    merged = sorted([(r, None) for r in pm.runs]
+                    + [(pagemap.Run(a, n // PAGE, pagemap.PE_PRESENT), o) for a, n, o in task.runs],
+                    key=lambda x: x[0].vaddr)
+    crius = iter(pagemap.offsets(pm))
+    moves, gaps, pos, gap = [], [], 0, 0  # moves: (from CRIU's file?, source offset, offset, bytes)
+    for r, offset in merged:
+        if not r.present:
+            continue
+        n = r.pages * PAGE
+        if offset is None:
+            moves.append((True, next(crius)[0], pos, n))
+            gap += n
+        else:
+            moves.append((False, offset, pos, n))
+            gaps.append(gap)
+            gap = 0
+        pos += n
+    in_place = gaps == task.gaps
+    target = task.path if in_place else task.path + ".new"
+    _assemble(moves, criu_pages, task.path, target, pos, in_place)
+    if not in_place:
+        os.replace(target, task.path)
+    _write_pagemap(pm_path, pagemap.Pagemap(pm.pages_id, tuple(r for r, _ in merged)))
+    final = aside / pm.pages_file
+    os.replace(task.path, final)
+    if os.path.realpath(own) != os.path.realpath(final):
+        if own.is_symlink() and Path(criu_pages).parent == aside:
+            Path(criu_pages).unlink(missing_ok=True)
+        own.unlink(missing_ok=True)
+        os.symlink(final, own)
+    return "in place" if in_place else f"copied: CRIU dumped {gaps} bytes around the runs, not {task.gaps}"
+
+
+def _assemble(moves, criu_pages: str, runs_path: str, target: str, size: int, in_place: bool) -> None:
+    """Write the file: CRIU's pieces from its pages file and, unless the runs
+    already lie where they belong (``in_place``), the runs from theirs."""
+    src_criu = os.open(criu_pages, os.O_RDONLY)
+    src_runs = os.open(runs_path, os.O_RDONLY)
+    dst = os.open(target, os.O_RDWR | (0 if in_place else os.O_CREAT | os.O_TRUNC), 0o600)
+    try:
+        os.ftruncate(dst, size)
+        jobs = [(src_criu if criu else src_runs, src, at, n)
+                for criu, src, at, n in moves if criu or not in_place]
+
+        def copy(job) -> None:
+            fd, src, at, n = job
+            done = 0
+            while done < n:
+                got = os.copy_file_range(fd, dst, n - done, src + done, at + done)
+                if got <= 0:
+                    raise AheadError(f"short copy into {target} at {at + done}")
+                done += got
+
+        split = [(fd, src + k, at + k, min(PIECE, n - k)) for fd, src, at, n in jobs
+                 for k in range(0, n, PIECE)]
+        with ThreadPoolExecutor(max_workers=default_threads(), thread_name_prefix="compose") as pool:
+            list(pool.map(copy, split))
+    finally:
+        os.close(src_criu)
+        os.close(src_runs)
+        os.close(dst)
+
+
+def _write_pagemap(path: Path, pm: pagemap.Pagemap) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    st = path.stat()
+    tmp.write_bytes(pagemap.serialize(pm))
+    os.chmod(tmp, st.st_mode & 0o7777)
+    os.chown(tmp, st.st_uid, st.st_gid)
+    os.replace(tmp, path)

@@ -1,0 +1,121 @@
+"""Which pages of a process CRIU will dump, asked of the kernel the way CRIU asks it.
+
+CRIU (4.x, on kernels with the PAGEMAP_SCAN ioctl, 6.7+) finds the pages of a
+private memory area to dump with one ioctl on /proc/PID/pagemap: every page
+that is present or swapped, except the shared zero page and pages that are
+not anonymous (an untouched page of a private file mapping), criu/pagemap-cache.c.
+``dumped`` makes the same request, so the count of bytes it gives is the
+count CRIU's pages file will hold for that range (while the process does not
+change its memory in between: dump_ahead.py checks after the dump).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+PAGE_IS_FILE, PAGE_IS_PRESENT, PAGE_IS_SWAPPED, PAGE_IS_PFNZERO = 1 << 2, 1 << 3, 1 << 4, 1 << 5
+PAGE = 4096
+REGIONS = 4096  # regions per ioctl call
+
+
+class _ScanArg(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages",
+        "category_inverted", "category_mask", "category_anyof_mask", "return_mask")]
+
+
+class _Region(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64),
+                ("categories", ctypes.c_uint64)]
+
+
+# _IOWR('f', 16, struct pm_scan_arg)
+PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 16
+
+
+class ScanUnsupported(OSError):
+    """The kernel has no PAGEMAP_SCAN (before 6.7): nothing can be predicted."""
+
+
+@dataclass(frozen=True)
+class Vma:
+    start: int
+    end: int
+    perms: str
+    name: str
+
+    @property
+    def private(self) -> bool:
+        return self.perms[3:4] == "p"
+
+    @property
+    def anonymous(self) -> bool:
+        return self.name == "" or self.name.startswith("[anon") or self.name in ("[heap]", "[stack]")
+
+
+def vmas(pid: int, proc: Path = Path("/proc")) -> list[Vma]:
+    out = []
+    for line in (proc / str(pid) / "maps").read_text().splitlines():
+        parts = line.split(None, 5)
+        start, end = (int(v, 16) for v in parts[0].split("-"))
+        out.append(Vma(start, end, parts[1], parts[5].strip() if len(parts) > 5 else ""))
+    return out
+
+
+def dumped_areas(found: list[Vma]) -> list[tuple[int, int]]:
+    """The ranges whose pages CRIU's task dump looks at (vma_area_is_private):
+    private mappings, but not the kernel's [vvar] pages or [vsyscall]. (The
+    [vdso] is dumped whole whatever the pagemap says: ``whole``.)"""
+    return [(v.start, v.end) for v in found
+            if v.private and not v.name.startswith(("[vvar", "[vsyscall"))]
+
+
+def whole(found: list[Vma]) -> list[tuple[int, int]]:
+    """Dumped however much of it is present: the [vdso] (criu/mem.c), and the
+    first page of the first executable mapping, where CRIU writes the code that
+    brings its parasite in (get_exec_start: a private file page becomes the
+    task's own copy, so CRIU dumps it)."""
+    out = [(v.start, v.end) for v in found if v.name == "[vdso]"]
+    first = next((v for v in found if "x" in v.perms[:3] and v.end - v.start >= PAGE
+                  and not v.name.startswith("[vsyscall")), None)
+    if first is not None and first.private and first.name != "[vdso]":
+        out.append((first.start, first.start + PAGE))
+    return sorted(out)
+
+
+def dumped(pid: int, areas: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The runs of pages in ``areas`` that CRIU would write to the pages file,
+    as (start, end), in address order. ScanUnsupported without PAGEMAP_SCAN."""
+    out: list[tuple[int, int]] = []
+    regions = (_Region * REGIONS)()
+    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
+    try:
+        for start, end in sorted(areas):
+            while start < end:
+                arg = _ScanArg(size=ctypes.sizeof(_ScanArg), start=start, end=end,
+                               vec=ctypes.addressof(regions), vec_len=REGIONS,
+                               category_inverted=PAGE_IS_PFNZERO | PAGE_IS_FILE,
+                               category_mask=PAGE_IS_PFNZERO | PAGE_IS_FILE,
+                               category_anyof_mask=PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                               return_mask=PAGE_IS_PRESENT | PAGE_IS_SWAPPED)
+                try:
+                    n = fcntl.ioctl(fd, PAGEMAP_SCAN, arg)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOTTY, errno.EINVAL):
+                        raise ScanUnsupported(exc.errno, "the kernel has no PAGEMAP_SCAN") from None
+                    raise
+                for r in regions[:n]:
+                    if out and out[-1][1] == r.start:
+                        out[-1] = (out[-1][0], r.end)
+                    else:
+                        out.append((r.start, r.end))
+                start = arg.walk_end if arg.walk_end > start else end
+    finally:
+        os.close(fd)
+    return out

@@ -1,0 +1,213 @@
+"""Run a system call inside another process, through ptrace, as CRIU's compel does.
+
+Used for one thing: ``madvise(MADV_DONTNEED)`` on memory whose bytes gpusnap has
+already copied out (criu/dump_fill.py), so that CRIU finds no pages there and
+does not copy them again on its one thread. Only x86-64 (the only architecture
+the CUDA checkpoint API supports).
+
+One thread of the process is seized and interrupted; its registers are saved,
+pointed at a ``syscall`` instruction that is already in the process (the vDSO's
+fallback path: nothing is written into its code, so its other threads can keep
+running), and stepped through the call's entry and exit; then the saved
+registers go back and the thread is let go. A thread interrupted inside a
+blocking call is set up to make that call again, as the kernel itself would
+have (compel's get_task_regs does the same), so the process sees nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import platform
+import signal
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PTRACE_CONT, PTRACE_GETREGS, PTRACE_SETREGS, PTRACE_DETACH, PTRACE_SYSCALL = 7, 12, 13, 17, 24
+PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4206, 0x4207
+PTRACE_EVENT_STOP = 128
+WALL = 0x40000000  # __WALL: the thread may not be a thread-group leader
+SYS_MADVISE = 28
+MADV_DONTNEED = 4
+# What a blocking call interrupted by a stop holds in rax (include/linux/errno.h)
+ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND, ERESTART_RESTARTBLOCK = 512, 513, 514, 516
+MAX_SIGNAL_STOPS = 16  # signals delivered while waiting for our own stop
+
+
+class RemoteSyscallError(OSError):
+    """The call could not be made; the process is as it was (nothing was run)."""
+
+
+class _Regs(ctypes.Structure):
+    """struct user_regs_struct (x86-64)."""
+
+    _fields_ = [(name, ctypes.c_ulonglong) for name in (
+        "r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx",
+        "rsi", "rdi", "orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base", "gs_base",
+        "ds", "es", "fs", "gs")]
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.ptrace.restype = ctypes.c_long
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    return libc
+
+
+def supported() -> bool:
+    return platform.machine() == "x86_64"
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def syscall_address(pid: int, proc: Path = Path("/proc")) -> int:
+    """The address of a ``syscall`` instruction (0f 05) the process already maps:
+    in its vDSO, else in any executable mapping. RemoteSyscallError if none."""
+    areas: list[tuple[int, int, str]] = []
+    for line in (proc / str(pid) / "maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 5 or "x" not in parts[1] or "r" not in parts[1]:
+            continue
+        start, end = (int(v, 16) for v in parts[0].split("-"))
+        name = parts[5] if len(parts) > 5 else ""
+        if name == "[vsyscall]":
+            continue
+        areas.append((start, end, name))
+    areas.sort(key=lambda a: a[2] != "[vdso]")  # the vDSO first: small, always there
+    with open(proc / str(pid) / "mem", "rb", buffering=0) as mem:
+        for start, end, _ in areas:
+            pos = start
+            while pos < end:
+                size = min(1 << 20, end - pos)
+                try:
+                    mem.seek(pos)
+                    data = mem.read(size + 1 if pos + size < end else size)
+                except OSError:
+                    break
+                at = data.find(b"\x0f\x05")
+                if at >= 0:
+                    return pos + at
+                pos += size
+    raise RemoteSyscallError(errno.ENOENT, f"process {pid} maps no syscall instruction")
+
+
+class _Tracee:
+    def __init__(self, libc: ctypes.CDLL, tid: int):
+        self.libc, self.tid = libc, tid
+
+    def _ptrace(self, request: int, addr: int = 0, data=None) -> None:
+        if self.libc.ptrace(request, self.tid, ctypes.c_void_p(addr), data) < 0:
+            err = ctypes.get_errno()
+            raise RemoteSyscallError(err, f"ptrace({request}) of thread {self.tid}: "
+                                          f"{os.strerror(err)}")
+
+    def wait(self) -> int:
+        _, status = os.waitpid(self.tid, WALL)
+        if not os.WIFSTOPPED(status):
+            raise RemoteSyscallError(errno.ESRCH, f"thread {self.tid} ended")
+        return status
+
+    def get_regs(self) -> _Regs:
+        regs = _Regs()
+        self._ptrace(PTRACE_GETREGS, 0, ctypes.byref(regs))
+        return regs
+
+    def set_regs(self, regs: _Regs) -> None:
+        self._ptrace(PTRACE_SETREGS, 0, ctypes.byref(regs))
+
+    def resume(self, request: int, sig: int = 0) -> None:
+        self._ptrace(request, 0, ctypes.c_void_p(sig))
+
+
+def _restartable(regs: _Regs) -> _Regs:
+    """The saved registers as the thread must get them back: a blocking call the
+    stop interrupted is made again (rax = its number, rip on its instruction),
+    as the kernel does on return from a stop when no handler runs."""
+    out = _Regs.from_buffer_copy(regs)
+    if _signed(regs.orig_rax) < 0:
+        return out
+    ret = -_signed(regs.rax)
+    if ret in (ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND):
+        out.rax, out.rip = regs.orig_rax, regs.rip - 2
+    elif ret == ERESTART_RESTARTBLOCK:
+        out.rax = (-errno.EINTR) & (2**64 - 1)  # as compel: the call returns EINTR
+    return out
+
+
+def _live_thread(pid: int, proc: Path = Path("/proc")) -> int:
+    """A thread of ``pid`` that can run a call: not a zombie (a main thread that
+    returned while the others go on)."""
+    for task in sorted((proc / str(pid) / "task").iterdir(), key=lambda t: int(t.name) != pid):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2:].split()[0] not in ("Z", "X"):
+            return int(task.name)
+    raise RemoteSyscallError(errno.ESRCH, f"process {pid} has no live thread")
+
+
+@contextmanager
+def _seized(pid: int) -> Iterator[tuple[_Tracee, _Regs]]:
+    """One thread of ``pid`` stopped under ptrace, with its registers; they are
+    put back and the thread let go on leaving, whatever happened inside."""
+    libc = _libc()
+    tracee = _Tracee(libc, _live_thread(pid))
+    tracee._ptrace(PTRACE_SEIZE)
+    saved = None
+    try:
+        tracee._ptrace(PTRACE_INTERRUPT)
+        for _ in range(MAX_SIGNAL_STOPS):
+            status = tracee.wait()
+            if status >> 16 == PTRACE_EVENT_STOP:
+                break
+            # A signal arrived first: deliver it as if we were not here, wait on.
+            tracee.resume(PTRACE_CONT, os.WSTOPSIG(status))
+        else:
+            raise RemoteSyscallError(errno.EAGAIN, f"thread {tracee.tid} kept taking signals")
+        saved = tracee.get_regs()
+        yield tracee, saved
+    finally:
+        try:
+            if saved is not None:
+                tracee.set_regs(_restartable(saved))
+        finally:
+            libc.ptrace(PTRACE_DETACH, tracee.tid, None, None)
+
+
+def _call(tracee: _Tracee, saved: _Regs, at: int, number: int, args: tuple[int, ...]) -> int:
+    regs = _Regs.from_buffer_copy(saved)
+    regs.rax, regs.orig_rax, regs.rip = number, 2**64 - 1, at  # orig_rax -1: no restart logic
+    for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args):
+        setattr(regs, name, value & (2**64 - 1))
+    tracee.set_regs(regs)
+    for _ in range(2):  # the call's entry stop, then its exit stop
+        tracee.resume(PTRACE_SYSCALL)
+        status = tracee.wait()
+        if os.WSTOPSIG(status) not in (signal.SIGTRAP, signal.SIGTRAP | 0x80):
+            raise RemoteSyscallError(errno.EINTR, f"thread {tracee.tid} stopped with signal "
+                                                  f"{os.WSTOPSIG(status)} inside the call")
+    return _signed(tracee.get_regs().rax)
+
+
+def madvise_dontneed(pid: int, ranges: Iterable[tuple[int, int]]) -> None:
+    """``madvise(address, length, MADV_DONTNEED)`` in process ``pid`` for each
+    range, in one stop of one thread. RemoteSyscallError names the first range
+    the process refused (those before it are already dropped)."""
+    ranges = list(ranges)
+    if not ranges:
+        return
+    if not supported():
+        raise RemoteSyscallError(errno.ENOSYS, f"remote calls need x86-64, not {platform.machine()}")
+    at = syscall_address(pid)
+    with _seized(pid) as (tracee, saved):
+        for address, length in ranges:
+            ret = _call(tracee, saved, at, SYS_MADVISE, (address, length, MADV_DONTNEED))
+            if ret < 0:
+                raise RemoteSyscallError(-ret, f"process {pid} refused madvise({address:#x}, "
+                                               f"{length}): {os.strerror(-ret)}")

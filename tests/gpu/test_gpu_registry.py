@@ -1,0 +1,73 @@
+"""A CUDA container pushed through a loopback registry and restored from it, with
+the driver's copy of its GPU memory read ahead of CRIU (gpusnap/criu/dump_ahead.py):
+the pushed images hold it, the container left running gets it back before the
+driver restores it, and a copy restored from the registry has every element.
+Needs the bundle's bench/ part (docker-registry, bcrypt) carried."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import GPUSNAP, run
+from tests.gpu import harness
+from tests.integration.oci_registry import PASSWORD, make_registry
+
+JOURNAL = Path("/run/gpusnap/journal.jsonl")
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    reg = make_registry(tmp_path_factory.mktemp("registry"))
+    yield reg
+    reg.stop()
+
+
+def _mark() -> int:
+    return JOURNAL.stat().st_size if JOURNAL.exists() else 0
+
+
+def _events(mark: int) -> list[dict]:
+    with open(JOURNAL) as f:
+        f.seek(mark)
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _last(events: list[dict], kind: str) -> dict:
+    found = [e for e in events if e["event"] == kind]
+    assert found, [e["event"] for e in events]
+    return found[-1]
+
+
+def test_push_reads_gpu_memory_ahead_and_both_copies_have_it(cuda_ctr, registry):
+    its = cuda_ctr.wait_running()
+    mark = _mark()
+    ref = registry.ref(f"gpu/ahead-{uuid.uuid4().hex[:8]}:v1")
+    res = run([GPUSNAP, "push", cuda_ctr.name, ref, *registry.flags(), "--json"],
+              input=PASSWORD + "\n", env={**os.environ, "GPUSNAP_PAGES_RAM": "1"})
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    pinned = json.loads(res.stdout)["pinned"]
+    events = _events(mark)
+    taken = _last(events, "pages-read-ahead")
+    assert taken["bytes"] >= 2 << 30, taken  # the 2 GiB tensor, in the driver's copy
+    assert _last(events, "pages-composed")["how"] == ["in place"]
+    assert _last(events, "guardian-wrote-back")["bytes"] == taken["bytes"]
+    cuda_ctr.wait_running(above=its)
+    cuda_ctr.verify()  # the source: its memory back before the driver restored it
+
+    copy = harness.CudaContainer(f"{cuda_ctr.name}-copy", cuda_ctr.status, cuda_ctr.nproc)
+    subprocess.run(["podman", "rm", "-f", "-t", "0", cuda_ctr.name], check=True,
+                   capture_output=True)
+    res = run([GPUSNAP, "restore", pinned, "--name", copy.name, *registry.flags(), "--json"],
+              input=PASSWORD + "\n")
+    try:
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        copy.wait_running(above=cuda_ctr.iterations())
+        copy.verify()  # every element of the restored copy compared
+    finally:
+        copy.remove()

@@ -1,0 +1,105 @@
+"""Memory read out ahead of CRIU's dump on many threads (gpusnap/criu/dump_ahead.py).
+
+On a GPU host pre-dump takes the driver's copy of the GPU memory; here, with no
+GPU, GPUSNAP_DUMP_AHEAD_TEST_MIN has it take a CPU container's big anonymous
+memory instead (the test container never writes it), through the same steps:
+read into the push's RAM folder, dropped from the process inside it (ptrace),
+CRIU's pages composed around it at post-dump, written back by the guardian
+into a process that lives on. Real Podman, runc, CRIU and registry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+
+import pytest
+
+from tests.conftest import DEMO_IMAGE, GPUSNAP, assert_one_line_error, run, wait_counter
+from tests.integration.oci_registry import PASSWORD
+from tests.integration.test_segments import (_BIG_MEMORY, _events_since, _journal_since,
+                                             _journal_size, _md5_of_memory)
+
+pytestmark = pytest.mark.usefixtures("cache_dir")
+
+
+@pytest.fixture(autouse=True)
+def ahead(monkeypatch):
+    monkeypatch.setenv("GPUSNAP_PROCESSES", "2")
+    monkeypatch.setenv("GPUSNAP_PAGES_RAM", "1")  # the read-ahead goes where pages go to RAM
+    monkeypatch.setenv("GPUSNAP_DUMP_AHEAD_TEST_MIN", str(128 << 20))
+
+
+def _big(name: str) -> str:
+    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
+                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
+    wait_counter(name, 3, timeout=120)
+    return _md5_of_memory(name)
+
+
+def _event(events: list[dict], kind: str) -> dict:
+    found = [e for e in events if e["event"] == kind]
+    assert found, [e["event"] for e in events]
+    return found[-1]
+
+
+def test_memory_read_ahead_is_in_the_pushed_images_and_restores_whole(registry, name):
+    """migrate: pre-dump reads the ~280 MB and drops it from the shell, CRIU
+    dumps the rest, post-dump composes the pages file in place; the restored
+    shell's memory is what it was."""
+    before = _big(name)
+    mark = _journal_size()
+    ref = registry.ref(f"ckpt/ahead-{uuid.uuid4().hex[:8]}:v1")
+    res = run([GPUSNAP, "migrate", name, ref, *registry.flags(), "--json"], input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    pushed = json.loads(res.stdout)
+    events = _journal_since(mark)
+    taken = _event(events, "pages-read-ahead")
+    assert taken["bytes"] >= 256 << 20, taken
+    composed = _event(events, "pages-composed")
+    assert composed["how"] == ["in place"], composed  # CRIU dumped what was predicted around it
+    subprocess.run(["podman", "rm", name], check=True, capture_output=True)
+    res = run([GPUSNAP, "restore", pushed["pinned"], *registry.flags(), "--json"],
+              input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert _md5_of_memory(name) == before
+    wait_counter(name, 3, timeout=30)
+
+
+def test_a_container_left_running_gets_its_memory_back(registry, name):
+    """push (the container keeps running): the guardian writes the memory back
+    into the shell once CRIU has let it go; a restored copy has it too."""
+    before = _big(name)
+    mark = _journal_size()
+    ref = registry.ref(f"ckpt/ahead-{uuid.uuid4().hex[:8]}:v1")
+    res = run([GPUSNAP, "push", name, ref, *registry.flags(), "--json"], input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    pushed = json.loads(res.stdout)
+    assert "pages-read-ahead" in _events_since(mark)
+    wrote = _event(_journal_since(mark), "guardian-wrote-back")
+    assert wrote["bytes"] >= 256 << 20, wrote
+    assert _md5_of_memory(name) == before  # the source, running on
+    copy = f"{name}-copy"
+    try:
+        res = run([GPUSNAP, "restore", pushed["pinned"], "--name", copy, *registry.flags(),
+                   "--json"], input=PASSWORD + "\n")
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        assert _md5_of_memory(copy) == before
+    finally:
+        subprocess.run(["podman", "rm", "-f", "-t", "0", copy], capture_output=True)
+
+
+def test_a_failure_after_the_memory_was_taken_leaves_the_container_as_it_was(
+        registry, name, monkeypatch):
+    """post-dump fails to compose the images (injected): CRIU fails the dump and
+    resumes the shell, the guardian puts its memory back; one line says so."""
+    before = _big(name)
+    monkeypatch.setenv("GPUSNAP_DUMP_AHEAD_TEST_FAULT", "compose")
+    mark = _journal_size()
+    ref = registry.ref(f"ckpt/ahead-{uuid.uuid4().hex[:8]}:v1")
+    res = run([GPUSNAP, "migrate", name, ref, *registry.flags()], input=PASSWORD + "\n")
+    assert_one_line_error(res, "still running")
+    assert "pages-read-ahead" in _events_since(mark)
+    assert _event(_journal_since(mark), "guardian-wrote-back")
+    assert _md5_of_memory(name) == before
+    wait_counter(name, 3, timeout=30)
