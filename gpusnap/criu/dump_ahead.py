@@ -52,6 +52,9 @@ MIN_RUN = 1 << 20  # smaller new mappings stay with CRIU (the driver's own bookk
 MIN_TOTAL = 256 << 20  # below this CRIU is about as quick as starting the threads
 PAGE = 4096
 PREFIX = ".ahead-"  # the runs' file in the push's folder, until it becomes a pages file
+READ_PIECE = 16 << 20  # mapped by one thread at a time: 16 threads hold at most 256 MiB
+PROT_RW, MAP_SHARED = 0x3, 0x01
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class AheadError(Exception):
@@ -145,43 +148,47 @@ def _readv():
     libc.process_vm_readv.restype = ctypes.c_ssize_t
     libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
                                       ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
-    return libc.process_vm_readv
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc.process_vm_readv, libc
 
 
 def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int) -> None:
-    """Each run (address, length, offset) of ``pid`` into ``path`` at its offset:
-    the file is mapped and each thread has the kernel copy one piece into it."""
-    import mmap
-
+    """Each run (address, length, offset) of ``pid`` into ``path`` at its offset.
+    Each thread maps one piece of the file at a time and has the kernel copy
+    the process's bytes into it (one copy); unmapped after, so the pages stay
+    in the file, not in this process (its RSS stays at the pieces in flight)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, size)
-        view = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        readv, libc = _readv()
+
+        def one(piece: Run) -> int:
+            base = libc.mmap(None, piece.length, PROT_RW, MAP_SHARED, fd, piece.offset)
+            if base in (None, MAP_FAILED):
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot map {path}: {os.strerror(err)}")
+            try:
+                done = 0
+                while done < piece.length:
+                    n = piece.length - done
+                    got = readv(pid, ctypes.byref(_IoVec(base + done, n)), 1,
+                                ctypes.byref(_IoVec(piece.address + done, n)), 1, 0)
+                    if got <= 0:
+                        err = ctypes.get_errno()
+                        raise OSError(err, f"process {pid}: cannot read {n} bytes at "
+                                           f"{piece.address + done:#x}: {os.strerror(err)}")
+                    done += got
+            finally:
+                libc.munmap(base, piece.length)
+            return piece.length
+
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dump-ahead") as pool:
+            list(pool.map(one, pieces([Run(a, n, path, o) for a, n, o in runs], READ_PIECE)))
     finally:
         os.close(fd)
-    readv = _readv()
-    anchor = ctypes.c_char.from_buffer(view)
-    base = ctypes.addressof(anchor)
-
-    def one(piece: Run) -> int:
-        done = 0
-        while done < piece.length:
-            n = piece.length - done
-            got = readv(pid, ctypes.byref(_IoVec(base + piece.offset + done, n)), 1,
-                        ctypes.byref(_IoVec(piece.address + done, n)), 1, 0)
-            if got <= 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"process {pid}: cannot read {n} bytes at "
-                                   f"{piece.address + done:#x}: {os.strerror(err)}")
-            done += got
-        return piece.length
-
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dump-ahead") as pool:
-            list(pool.map(one, pieces([Run(a, n, path, o) for a, n, o in runs], PIECE)))
-    finally:
-        del anchor
-        view.close()
 
 
 def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
@@ -302,7 +309,47 @@ def compose(images: Path, aside: Path, task: Task) -> str:
             Path(criu_pages).unlink(missing_ok=True)
         own.unlink(missing_ok=True)
         os.symlink(final, own)
-    return "in place" if in_place else f"copied: CRIU dumped {gaps} bytes around the runs, not {task.gaps}"
+    if in_place:
+        return "in place"
+    return (f"copied: CRIU dumped {gaps} bytes around the runs, not {task.gaps}; "
+            f"where: {_differences(task, pm)}")
+
+
+def _extra(pid: int, v, pm: pagemap.Pagemap, most: int = 5) -> str:
+    """Runs the scan finds in ``v`` that CRIU did not dump, with every category
+    the kernel gives them (a diagnostic)."""
+    present = [(r.vaddr, r.vaddr + r.pages * PAGE) for r in pm.runs if r.present]
+    found = pagescan.scan(pid, [(v.start, v.end)], inverted=0, returned=(1 << 9) - 1)
+    out = []
+    for a, b, cats in found:
+        for x, y in _minus([(a, b)], present):
+            out.append(f"{x:#x}+{(y - x) // PAGE}p cat {cats:#x}")
+    return ", ".join(out[:most]) + (f" (+{len(out) - most})" if len(out) > most else "")
+
+
+def _differences(task: Task, pm: pagemap.Pagemap, most: int = 6) -> list[str]:
+    """The mappings where CRIU's pagemap and a scan now (the task is frozen)
+    disagree: what to look at when a prediction missed."""
+    try:
+        found = pagescan.vmas(task.pid)
+        runs = [(a, a + n) for a, n, _ in task.runs]
+        areas = _minus(pagescan.dumped_areas(found), runs)
+        scanned = pagescan.dumped(task.pid, areas)
+    except OSError as exc:
+        return [f"no scan: {exc}"]
+    out = []
+    for v in found:
+        crius = sum(min(r.vaddr + r.pages * PAGE, v.end) - max(r.vaddr, v.start)
+                    for r in pm.runs if r.present and r.vaddr < v.end
+                    and r.vaddr + r.pages * PAGE > v.start)
+        ours = sum(min(b, v.end) - max(a, v.start) for a, b in scanned if a < v.end and b > v.start)
+        if crius != ours and not any(a <= v.start and v.end <= b for a, b in runs) \
+                and v.name != "[vdso]":
+            out.append(f"{v.start:#x}-{v.end:#x} {v.perms} {v.name or '(anon)'}: CRIU {crius}, "
+                       f"scan {ours}; " + _extra(task.pid, v, pm))
+            if len(out) >= most:
+                break
+    return out
 
 
 def _assemble(moves, criu_pages: str, runs_path: str, target: str, size: int, in_place: bool) -> None:

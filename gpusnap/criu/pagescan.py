@@ -92,18 +92,24 @@ def whole(found: list[Vma]) -> list[tuple[int, int]]:
 def dumped(pid: int, areas: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """The runs of pages in ``areas`` that CRIU would write to the pages file,
     as (start, end), in address order. ScanUnsupported without PAGEMAP_SCAN."""
-    out: list[tuple[int, int]] = []
-    regions = (_Region * REGIONS)()
+    return [(a, b) for a, b, _ in scan(pid, areas)]
+
+
+def scan(pid: int, areas: Iterable[tuple[int, int]], inverted: int = PAGE_IS_PFNZERO | PAGE_IS_FILE,
+         returned: int = PAGE_IS_PRESENT | PAGE_IS_SWAPPED) -> list[tuple[int, int, int]]:
+    """(start, end, categories) of the pages in ``areas`` the kernel reports
+    present or swapped and without the ``inverted`` categories."""
+    out: list[tuple[int, int, int]] = []
+    regions = (_Region * REGIONS)()  # noqa: the module's REGIONS, read at each call
     fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
     try:
         for start, end in sorted(areas):
             while start < end:
                 arg = _ScanArg(size=ctypes.sizeof(_ScanArg), start=start, end=end,
                                vec=ctypes.addressof(regions), vec_len=REGIONS,
-                               category_inverted=PAGE_IS_PFNZERO | PAGE_IS_FILE,
-                               category_mask=PAGE_IS_PFNZERO | PAGE_IS_FILE,
+                               category_inverted=inverted, category_mask=inverted,
                                category_anyof_mask=PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-                               return_mask=PAGE_IS_PRESENT | PAGE_IS_SWAPPED)
+                               return_mask=returned)
                 try:
                     n = fcntl.ioctl(fd, PAGEMAP_SCAN, arg)
                 except OSError as exc:
@@ -111,11 +117,19 @@ def dumped(pid: int, areas: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
                         raise ScanUnsupported(exc.errno, "the kernel has no PAGEMAP_SCAN") from None
                     raise
                 for r in regions[:n]:
-                    if out and out[-1][1] == r.start:
-                        out[-1] = (out[-1][0], r.end)
+                    # clipped to what was asked: a huge page's region can begin
+                    # before ``start`` (seen on 6.18: the same 2 MiB reported twice)
+                    a, b = max(r.start, start, out[-1][1] if out else 0), min(r.end, end)
+                    if a >= b:
+                        continue
+                    if out and out[-1][1] == a and out[-1][2] == r.categories:
+                        out[-1] = (out[-1][0], b, r.categories)
                     else:
-                        out.append((r.start, r.end))
-                start = arg.walk_end if arg.walk_end > start else end
+                        out.append((a, b, r.categories))
+                # A full vector: go on after the last region it holds (walk_end
+                # may lie past pages it had no room for).
+                nxt = min(arg.walk_end, regions[n - 1].end) if n == REGIONS else arg.walk_end
+                start = nxt if nxt > start else end
     finally:
         os.close(fd)
     return out
