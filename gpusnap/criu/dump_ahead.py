@@ -210,6 +210,16 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     return Task(pid, vpid, path, placed, gaps)
 
 
+def note_ready(task: Task) -> None:
+    """Tell the push (early_pages.py) the runs are read: the segments wholly in
+    them may be hashed now, while CRIU dumps the rest."""
+    size = os.stat(task.path).st_size
+    ready = Path(task.path + ".ready")
+    tmp = ready.with_name(f".{ready.name}.tmp")
+    tmp.write_text(json.dumps({"size": size, "final": [[o, o + n] for _, n, o in task.runs]}))
+    os.replace(tmp, ready)
+
+
 def drop(task: Task) -> None:
     """Take the runs out of the process (they are in ``task.path``).
     RemoteSyscallError where it refused: what was dropped is back by then.

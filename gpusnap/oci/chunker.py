@@ -163,6 +163,17 @@ def find_cut(buf: bytes | bytearray | memoryview, params: ChunkParams, eof: bool
     return end if cut is None else cut
 
 
+def chunks_of(view: memoryview, params: ChunkParams) -> Iterator[memoryview]:
+    """The chunks of one whole segment held in memory (a mapped file: no copy),
+    as views into it: the same cuts ``split`` makes of it, whose only end of
+    data inside a segment is the segment's end."""
+    pos, n = 0, len(view)
+    while pos < n:
+        cut = find_cut(view[pos:], params, True)
+        yield view[pos:pos + cut]
+        pos += cut
+
+
 def split(stream: BinaryIO, params: ChunkParams, size: int | None = None) -> Iterator[bytes]:
     """Read ``stream`` (``size`` bytes, or to EOF) and yield its chunks in order.
 

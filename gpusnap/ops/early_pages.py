@@ -15,10 +15,18 @@ chunk sizes no longer depend on its size (``final_from``), and because the
 push still checks the file against the export's header (size and mtime) before
 it uses a single early segment. Page images left from an earlier checkpoint
 are removed before the dump (``clear_stale``), so every file seen is this dump's.
+
+Memory pre-dump reads ahead of CRIU (criu/dump_ahead.py) lands in a file of
+the push's RAM folder at its final offsets, with a note once it is all read
+(``.ready``: the file's size and the ranges that are final): the segments that
+lie wholly in those ranges go to the workers then, while CRIU dumps the rest.
+The file becomes a pages file at post-dump, the same inode: ``take`` finds
+them by it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from concurrent.futures import Future
@@ -31,6 +39,7 @@ from gpusnap.oci import chunker
 
 POLL = 0.05  # seconds between looks at the folder
 PATTERN = "pages-*.img"
+READY = ".ahead-*.img.ready"  # dump_ahead.note_ready
 
 
 def clear_stale(images: Path) -> None:
@@ -59,8 +68,13 @@ class EarlyPages:
     def __init__(self, images: Path, submit: Callable[[Path, int, int, chunker.ChunkParams], Future],
                  params_for: Callable[[int], chunker.ChunkParams], final_from: int,
                  done: Callable[[], bool],
-                 pin: Callable[[Path], Path | None] = lambda path: path) -> None:
+                 pin: Callable[[Path], Path | None] = lambda path: path,
+                 aside: Path | None = None) -> None:
         self.images, self._submit, self._params_for = images, submit, params_for
+        self.aside = aside
+        # read ahead: inode -> (chunk parameters, {segment offset: future})
+        self._ahead: dict[int, tuple[chunker.ChunkParams, dict[int, Future]]] = {}
+        self._notes: set[str] = set()
         self._pin = pin
         self._final_from, self._done = final_from, done
         self._files: dict[str, _Watched] = {}
@@ -73,6 +87,15 @@ class EarlyPages:
 
     def _loop(self) -> None:
         while not self._stop.wait(POLL) and not self._done():
+            if self.aside is not None:
+                for note in self.aside.glob(READY):
+                    with self._lock:
+                        if self._stop.is_set():
+                            return
+                        try:
+                            self._read_ahead(note)
+                        except GpusnapError:
+                            return
             for path in self.images.glob(PATTERN):
                 try:
                     st = path.stat()
@@ -106,24 +129,55 @@ class EarlyPages:
             w.end += seg
             self.early_bytes += seg
 
-    def take(self, path: Path, size: int, params: chunker.ChunkParams) -> tuple[list[Future], int]:
-        """The futures of ``path``'s segments already submitted and where they
-        end; ([], 0) when none, or when the file is not the one they came from."""
+    def _read_ahead(self, note: Path) -> None:
+        """The segments of a file read ahead that lie wholly in its final ranges."""
+        if note.name in self._notes:
+            return
+        self._notes.add(note.name)
+        try:
+            ready = json.loads(note.read_text())
+            size, final = int(ready["size"]), [(int(a), int(b)) for a, b in ready["final"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        data = note.with_name(note.name.removesuffix(".ready"))
+        if size < self._final_from:
+            return
+        held = self._pin(data)
+        if held is None:
+            return
+        params = self._params_for(size)
+        seg, submitted = params.segment, {}
+        for at in range(0, size - seg, seg):  # not the last: the file grows past ``size``
+            if any(a <= at and at + seg <= b for a, b in final):
+                submitted[at] = self._submit(held, at, seg, params)
+                self.early_bytes += seg
+        if submitted:
+            self._ahead[os.stat(held).st_ino] = (params, submitted)
+
+    def take(self, path: Path, size: int, params: chunker.ChunkParams) -> dict[int, Future]:
+        """The futures of ``path``'s segments already submitted, by offset; {}
+        when none, or when the file is not the one they came from."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
         with self._lock:
             w = self._files.pop(path.name, None)
             self._taken.add(path.name)
+            ahead = self._ahead.pop(st.st_ino, None) if st is not None else None
+        if ahead is not None:
+            if ahead[0] == params and max(ahead[1]) + params.segment <= size:
+                return ahead[1]
+            for f in ahead[1].values():
+                f.cancel()
         if w is None:
-            return [], 0
-        try:
-            st = os.stat(path)
-            same = st.st_ino == w.ino and st.st_size >= w.end
-        except OSError:
-            same = False
+            return {}
+        same = st is not None and st.st_ino == w.ino and st.st_size >= w.end
         if w.bad or not same or w.params != params or w.end > size:
             for f in w.futures:
                 f.cancel()
-            return [], 0
-        return w.futures, w.end
+            return {}
+        return {i * params.segment: f for i, f in enumerate(w.futures)}
 
     def stop(self) -> None:
         with self._lock:

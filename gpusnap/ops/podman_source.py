@@ -84,7 +84,8 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
                              if stream else None,
                              finish=job.result,
                              userdata=plan.container.userdata if stream else None,
-                             writer_done=job.done)
+                             writer_done=job.done,
+                             pages_aside=aside if stream and in_ram else None)
         except BaseException:
             # The dump goes on to its end whatever the upload did: what is left
             # of the container decides what to say.

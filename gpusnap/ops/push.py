@@ -120,12 +120,15 @@ class _Parts:
             self.pool = self._make_pool()
         return self.pool
 
-    def watch(self, images: Path, scale: int, done: Callable[[], bool]) -> None:
-        """Segments of CRIU's page images go to the workers while CRIU writes them."""
+    def watch(self, images: Path, scale: int, done: Callable[[], bool],
+              aside: Path | None = None) -> None:
+        """Segments of CRIU's page images go to the workers while CRIU writes
+        them, and those of memory pre-dump read ahead once it is read."""
         if self._make_pool is not None:
             self.early = early_pages.EarlyPages(
                 images, lambda *a: self._counted(self._pool().submit(*a)),
-                lambda size: chunk_params(size, scale), _FINAL_PARAMS_FROM, done, self.pin)
+                lambda size: chunk_params(size, scale), _FINAL_PARAMS_FROM, done, self.pin,
+                aside)
 
     def split_file(self, path: Path, size: int, params: chunker.ChunkParams
                    ) -> list[Future] | None:
@@ -135,8 +138,10 @@ class _Parts:
         held = self.pin(path, size)
         if held is None:
             return None
-        futures, start = self.early.take(path, size, params) if self.early else ([], 0)
-        futures += [self._counted(f) for f in self._pool().submit_file(held, size, params, start)]
+        have = self.early.take(path, size, params) if self.early else {}
+        futures = self._pool().submit_file(held, size, params, have)
+        futures = [f if at in have else self._counted(f)
+                   for at, f in zip(range(0, size, params.segment), futures)]
         self.split_bytes += size
         return futures
 
@@ -203,7 +208,7 @@ def _upload_files(src: PushSource, parts: _Parts, scale: int, label: str
     early = prefetch.Prefetch.for_podman(src.userdata, uploader.submit,
                                          lambda size: chunk_params(size, scale), src.writer_done)
     if src.userdata is not None:
-        parts.watch(src.userdata / "checkpoint", scale, src.writer_done)
+        parts.watch(src.userdata / "checkpoint", scale, src.writer_done, src.pages_aside)
     with early, _entries(src) as entries:
         for entry, data in entries:
             aside = pages_aside.target(entry)  # pages moved out of the export: its symlink
@@ -282,7 +287,8 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     client = RegistryClient(ref, opts, push=True)
     client.ping()  # wrong credentials fail before a container is checkpointed
     start = time.monotonic()
-    processes = segments.default_workers() if processes is None else processes
+    if processes is None:
+        processes = segments.default_workers(stopped=container is not None and not leave_running)
     cache = ChunkCache.open(cache_root)
     with open_source(source, leave_running, on_checkpoint,
                      stream=image_format == "gpusnap",

@@ -35,6 +35,9 @@ class PushSource:
     # it copies into the export are chunked there first (prefetch.py).
     userdata: Path | None = None
     writer_done: Callable[[], bool] = lambda: True
+    # The push's folder in RAM that CRIU's pages go to, where pre-dump leaves
+    # the memory it read ahead of CRIU (criu/dump_ahead.py) with a note once read.
+    pages_aside: Path | None = None
 
 
 def dir_size(root: Path) -> int:

@@ -48,11 +48,11 @@ def test_whole_segments_go_out_as_the_file_grows_and_the_rest_is_left(tmp_path):
             f.write(os.urandom(2 * SEG))  # 3 segments + 100 bytes
             f.flush()
             _until(lambda: len(rec.calls) == 3)
-        futures, end = w.take(pages, 3 * SEG + 100, PARAMS)
-        assert end == 3 * SEG and [f.result() for f in futures] == \
+        have = w.take(pages, 3 * SEG + 100, PARAMS)
+        assert sorted(have) == [0, SEG, 2 * SEG] and [have[k].result() for k in sorted(have)] == \
             [("pages-1.img", k * SEG) for k in range(3)]
         assert rec.calls == [("pages-1.img", k * SEG, SEG) for k in range(3)]
-        assert w.take(pages, 3 * SEG + 100, PARAMS) == ([], 0)  # taken once
+        assert w.take(pages, 3 * SEG + 100, PARAMS) == {}  # taken once
         with open(pages, "ab") as f:
             f.write(os.urandom(2 * SEG))
         time.sleep(4 * early_pages.POLL)
@@ -69,7 +69,7 @@ def test_a_replaced_file_or_other_params_gives_nothing_back(tmp_path):
     try:
         _until(lambda: len(rec.calls) == 4)
         other = chunker.ChunkParams(8192, 32768, 131072)
-        assert w.take(pages, 4 * SEG, other) == ([], 0)
+        assert w.take(pages, 4 * SEG, other) == {}
     finally:
         w.stop()
     w = early_pages.EarlyPages(tmp_path, rec.submit, lambda size: PARAMS, SEG, lambda: False)
@@ -79,7 +79,7 @@ def test_a_replaced_file_or_other_params_gives_nothing_back(tmp_path):
         new = tmp_path / "new"
         new.write_bytes(os.urandom(4 * SEG))
         new.rename(pages)  # another file under the same name
-        assert w.take(pages, 4 * SEG, PARAMS) == ([], 0)
+        assert w.take(pages, 4 * SEG, PARAMS) == {}
     finally:
         w.stop()
 
@@ -95,7 +95,55 @@ def test_a_file_cut_short_after_segments_were_read_gives_nothing_back(tmp_path):
         time.sleep(4 * early_pages.POLL)  # seen short (a poll cannot see what comes and goes between two)
         with open(pages, "ab") as f:
             f.write(os.urandom(3 * SEG))  # as long again, other bytes
-        assert w.take(pages, 4 * SEG, PARAMS) == ([], 0)
+        assert w.take(pages, 4 * SEG, PARAMS) == {}
+    finally:
+        w.stop()
+
+
+def test_memory_read_ahead_gives_its_whole_segments_once_noted_and_back_by_inode(tmp_path):
+    """dump_ahead's file at its final offsets: once its note says which ranges
+    are final, the segments wholly inside them (never the last: the file grows)
+    go out; take() finds them under the pages file's name the file gets."""
+    rec, images, aside = Recorder(), tmp_path / "images", tmp_path / "aside"
+    images.mkdir()
+    aside.mkdir()
+    data = aside / ".ahead-7.img"
+    data.write_bytes(os.urandom(6 * SEG))
+    w = early_pages.EarlyPages(images, rec.submit, lambda size: PARAMS, SEG, lambda: False,
+                               aside=aside)
+    try:
+        time.sleep(4 * early_pages.POLL)
+        assert rec.calls == []  # nothing before the note
+        # final: [SEG/2, 6 SEG): segments 1..4 lie wholly in it, 0 does not, 5 is the last
+        (aside / ".ahead-7.img.ready").write_text('{"size": %d, "final": [[%d, %d]]}'
+                                                  % (6 * SEG, SEG // 2, 6 * SEG))
+        _until(lambda: len(rec.calls) == 4)
+        assert [c[1] for c in rec.calls] == [SEG, 2 * SEG, 3 * SEG, 4 * SEG]
+        final = aside / "pages-3.img"
+        data.rename(final)  # post-dump: the same inode under CRIU's name
+        with open(final, "ab") as f:
+            f.write(os.urandom(100))
+        have = w.take(final, 6 * SEG + 100, PARAMS)
+        assert sorted(have) == [SEG, 2 * SEG, 3 * SEG, 4 * SEG]
+        assert w.take(final, 6 * SEG + 100, PARAMS) == {}  # once
+    finally:
+        w.stop()
+
+
+def test_memory_read_ahead_rebuilt_as_another_file_gives_nothing_back(tmp_path):
+    rec, aside = Recorder(), tmp_path
+    data = aside / ".ahead-8.img"
+    data.write_bytes(os.urandom(4 * SEG))
+    (aside / ".ahead-8.img.ready").write_text('{"size": %d, "final": [[0, %d]]}'
+                                              % (4 * SEG, 4 * SEG))
+    w = early_pages.EarlyPages(tmp_path / "none", rec.submit, lambda size: PARAMS, SEG,
+                               lambda: False, aside=aside)
+    try:
+        _until(lambda: len(rec.calls) == 3)
+        w.stop()
+        copy = aside / "pages-1.img"
+        copy.write_bytes(data.read_bytes())  # compose's copy: another inode
+        assert w.take(copy, 4 * SEG, PARAMS) == {}
     finally:
         w.stop()
 
