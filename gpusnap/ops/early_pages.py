@@ -75,6 +75,7 @@ class EarlyPages:
         # read ahead: inode -> (chunk parameters, {segment offset: future})
         self._ahead: dict[int, tuple[chunker.ChunkParams, dict[int, Future]]] = {}
         self._notes: set[str] = set()
+        self._held_ahead: dict[int, Path] = {}
         self._pin = pin
         self._final_from, self._done = final_from, done
         self._files: dict[str, _Watched] = {}
@@ -110,6 +111,9 @@ class EarlyPages:
                         return  # a worker died: the push says so when it takes the file
 
     def _advance(self, path: Path, st: os.stat_result) -> None:
+        if st.st_ino in self._ahead:  # read ahead, now whole under its pages name
+            self._complete(st)
+            return
         w = self._files.get(path.name)
         if w is None:
             if path.name in self._taken or st.st_size < self._final_from:
@@ -152,7 +156,19 @@ class EarlyPages:
                 submitted[at] = self._submit(held, at, seg, params)
                 self.early_bytes += seg
         if submitted:
-            self._ahead[os.stat(held).st_ino] = (params, submitted)
+            ino = os.stat(held).st_ino
+            self._ahead[ino] = (params, submitted)
+            self._held_ahead[ino] = held
+
+    def _complete(self, st: os.stat_result) -> None:
+        """A file read ahead that post-dump made whole: its other whole segments."""
+        params, have = self._ahead[st.st_ino]
+        if self._params_for(st.st_size) != params:
+            return
+        for at in range(0, st.st_size - params.segment + 1, params.segment):
+            if at not in have:
+                have[at] = self._submit(self._held_ahead[st.st_ino], at, params.segment, params)
+                self.early_bytes += params.segment
 
     def take(self, path: Path, size: int, params: chunker.ChunkParams) -> dict[int, Future]:
         """The futures of ``path``'s segments already submitted, by offset; {}

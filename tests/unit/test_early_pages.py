@@ -119,13 +119,18 @@ def test_memory_read_ahead_gives_its_whole_segments_once_noted_and_back_by_inode
                                                   % (6 * SEG, SEG // 2, 6 * SEG))
         _until(lambda: len(rec.calls) == 4)
         assert [c[1] for c in rec.calls] == [SEG, 2 * SEG, 3 * SEG, 4 * SEG]
-        final = aside / "pages-3.img"
-        data.rename(final)  # post-dump: the same inode under CRIU's name
-        with open(final, "ab") as f:
+        with open(data, "ab") as f:
             f.write(os.urandom(100))
-        have = w.take(final, 6 * SEG + 100, PARAMS)
-        assert sorted(have) == [SEG, 2 * SEG, 3 * SEG, 4 * SEG]
-        assert w.take(final, 6 * SEG + 100, PARAMS) == {}  # once
+        final = aside / "pages-3.img"
+        data.rename(final)  # post-dump: whole, the same inode under CRIU's name
+        os.symlink(final, images / "pages-3.img")  # as pages_aside leaves it
+        _until(lambda: len(rec.calls) == 6)  # then its other whole segments, each once
+        assert sorted(c[1] for c in rec.calls) == [k * SEG for k in range(6)]
+        have = w.take(images / "pages-3.img", 6 * SEG + 100, PARAMS)
+        assert sorted(have) == [k * SEG for k in range(6)]
+        time.sleep(4 * early_pages.POLL)
+        assert len(rec.calls) == 6
+        assert w.take(images / "pages-3.img", 6 * SEG + 100, PARAMS) == {}  # once
     finally:
         w.stop()
 
