@@ -4,8 +4,9 @@ After the driver's checkpoint a CUDA process holds its whole GPU memory in host
 memory: one new anonymous mapping as large as what it used on the GPU. CRIU
 then copies it out page by page on one thread, through its parasite, into the
 pages file (~2.6 GB/s into gpusnap's huge-page tmpfs): 14-17 s of a 32 GiB
-migration's stop on an H200 host (docs/benchmarks.md). For a push whose pages
-go to RAM, pre-dump instead, right after the driver's checkpoint:
+migration's stop on an H200 host (docs/benchmarks.md). For a push that stops
+the container and whose pages go to RAM, pre-dump instead, right after the
+driver's checkpoint:
 
 1. finds the memory the checkpoint mapped (``staging``: private anonymous
    ranges the process did not have before it);
@@ -52,7 +53,7 @@ MIN_RUN = 1 << 20  # smaller new mappings stay with CRIU (the driver's own bookk
 MIN_TOTAL = 256 << 20  # below this CRIU is about as quick as starting the threads
 PAGE = 4096
 PREFIX = ".ahead-"  # the runs' file in the push's folder, until it becomes a pages file
-READ_PIECE = 16 << 20  # mapped by one thread at a time: 16 threads hold at most 256 MiB
+READ_PIECE = 8 << 20  # mapped by one thread at a time: 16 threads hold at most 128 MiB
 PROT_RW, MAP_SHARED = 0x3, 0x01
 MAP_FAILED = ctypes.c_void_p(-1).value
 

@@ -41,7 +41,7 @@ if command -v runc >/dev/null && runc --version | grep -q '^runc version 1\.1\.'
 fi
 sh packaging/demo-image.sh >/dev/null
 echo "matrix $DIST: $(podman --version), $(criu --version | head -1), $(python3 --version)"
-TESTS=${GPUSNAP_MATRIX_TESTS:-tests/integration/test_checkpoint_restore.py tests/integration/test_page_fill.py tests/integration/test_replicas.py tests/integration/test_sockets.py tests/integration/test_runtime_config.py tests/integration/test_registry_podman.py}
+TESTS=${GPUSNAP_MATRIX_TESTS:-tests/integration/test_checkpoint_restore.py tests/integration/test_page_fill.py tests/integration/test_dump_ahead.py tests/integration/test_replicas.py tests/integration/test_sockets.py tests/integration/test_runtime_config.py tests/integration/test_registry_podman.py}
 mkdir -p /src/.matrix
 # One pytest run per runtime; tests that failed run once more, alone. On this
 # 2-core VM a few fail now and then for timing, not for gpusnap (CRIU's 10 s

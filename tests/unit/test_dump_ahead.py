@@ -1,0 +1,246 @@
+"""criu/dump_ahead.py, criu/pagescan.py, runtime/remote_syscall.py: memory read out
+of a process ahead of CRIU's dump, and put back into CRIU's images.
+
+compose is checked against what CRIU itself would have written (every present
+page in address order in one pages file), from synthetic images; the reads,
+the scans and the remote madvise run against real child processes."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpusnap.criu import dump_ahead, pagescan
+from gpusnap.criu import pagemap as pm
+from gpusnap.runtime import remote_syscall
+
+PAGE = pm.PAGE
+
+
+def _pages(n: int, seed: int) -> bytes:
+    return bytes((seed * 131 + i * 7) % 251 for i in range(n * PAGE))
+
+
+def _images(tmp_path: Path, criu_runs: list[tuple[int, int]], linked: bool):
+    """An images folder as CRIU leaves it when the runs were taken out: the task's
+    pagemap, its pages file (in ``aside`` behind a link, as the push prelinks it,
+    or in the folder), and the memory: {vaddr: page bytes} of everything dumped."""
+    images, aside = tmp_path / "images", tmp_path / "aside"
+    images.mkdir()
+    aside.mkdir()
+    memory, data = {}, b""
+    for k, (vaddr, n) in enumerate(criu_runs):
+        chunk = _pages(n, k + 1)
+        data += chunk
+        for i in range(n):
+            memory[vaddr + i * PAGE] = chunk[i * PAGE:(i + 1) * PAGE]
+    (images / "pagemap-1.img").write_bytes(pm.serialize(pm.Pagemap(7, tuple(
+        pm.Run(v, n, pm.PE_PRESENT | pm.PE_LAZY) for v, n in criu_runs))))
+    if linked:
+        (aside / "pages-7.img").write_bytes(data)
+        os.symlink(aside / "pages-7.img", images / "pages-7.img")
+    else:
+        (images / "pages-7.img").write_bytes(data)
+    return images, aside, memory
+
+
+def _task(aside: Path, runs: list[tuple[int, int]], gaps: list[int], memory: dict) -> dump_ahead.Task:
+    """The runs read into their file at the offsets ``gaps`` predict."""
+    path = aside / ".ahead-1.img"
+    placed, pos = [], 0
+    with open(path, "wb") as f:
+        for k, ((vaddr, n), gap) in enumerate(zip(runs, gaps)):
+            pos += gap
+            chunk = _pages(n, 100 + k)
+            f.seek(pos)
+            f.write(chunk)
+            placed.append((vaddr, n * PAGE, pos))
+            for i in range(n):
+                memory[vaddr + i * PAGE] = chunk[i * PAGE:(i + 1) * PAGE]
+            pos += n * PAGE
+    return dump_ahead.Task(os.getpid(), 1, str(path), placed, gaps)
+
+
+def _as_criu_writes(memory: dict) -> bytes:
+    return b"".join(memory[v] for v in sorted(memory))
+
+
+def _read_back(images: Path) -> dict:
+    m = pm.parse((images / "pagemap-1.img").read_bytes())
+    data = (images / m.pages_file).read_bytes()
+    out = {}
+    for offset, vaddr, n in pm.offsets(m):
+        for i in range(n):
+            out[vaddr + i * PAGE] = data[offset + i * PAGE:offset + (i + 1) * PAGE]
+    assert len(data) == sum(n for _, _, n in pm.offsets(m)) * PAGE
+    return out
+
+
+CRIU = [(0x400000, 1), (0x600000, 3), (0x7f0000000000, 2)]  # below, between and above
+RUNS = [(0x500000, 5), (0x700000, 4)]
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_compose_in_place_gives_the_images_criu_would_have_written(tmp_path, linked):
+    images, aside, memory = _images(tmp_path, CRIU, linked)
+    task = _task(aside, RUNS, [1 * PAGE, 3 * PAGE], memory)
+    assert dump_ahead.compose(images, aside, task) == "in place"
+    assert _read_back(images) == memory
+    assert (images / "pages-7.img").is_symlink()  # the push reads it in aside
+    assert os.readlink(images / "pages-7.img") == str(aside / "pages-7.img")
+    assert (aside / "pages-7.img").read_bytes() == _as_criu_writes(memory)
+    assert not Path(task.path).exists()
+
+
+def test_compose_builds_the_file_anew_where_criu_dumped_other_pages_than_predicted(tmp_path):
+    images, aside, memory = _images(tmp_path, CRIU, True)
+    task = _task(aside, RUNS, [2 * PAGE, 3 * PAGE], memory)  # one page too many below
+    how = dump_ahead.compose(images, aside, task)
+    assert how.startswith("copied") and "[4096, 12288]" in how, how
+    assert _read_back(images) == memory
+
+
+def test_compose_refuses_a_page_criu_found_inside_a_run(tmp_path):
+    images, aside, memory = _images(tmp_path, CRIU + [(0x501000, 1)], True)
+    task = _task(aside, RUNS, [1 * PAGE, 3 * PAGE], memory)
+    before = (images / "pagemap-1.img").read_bytes()
+    with pytest.raises(dump_ahead.AheadError, match="touched memory"):
+        dump_ahead.compose(images, aside, task)
+    assert (images / "pagemap-1.img").read_bytes() == before  # nothing half done
+
+
+def test_minus_cuts_holes_out_of_ranges():
+    assert dump_ahead._minus([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
+    assert dump_ahead._minus([(0, 10), (30, 40)], [(5, 35)]) == [(0, 5), (35, 40)]
+    assert dump_ahead._minus([(0, 10)], [(0, 10)]) == []
+
+
+# -- real processes ---------------------------------------------------------------------
+
+CHILD = r"""
+import ctypes, mmap, os, sys, time
+n = int(sys.argv[1]) * 4096
+m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+for i in range(0, n, 4096):
+    m[i:i + 8] = (i // 4096).to_bytes(8, "little")
+addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+print(addr, flush=True)
+r = int(sys.argv[2])
+while True:
+    got = os.read(r, 64)  # blocks while the test works on this process
+    if not got or got == b"q":
+        break
+    if got == b"sum":
+        print(sum(m[i] for i in range(0, n, 4096)), [m[i] for i in range(0, n, 4096)][:3], flush=True)
+    if got == b"sleep":
+        t = time.monotonic(); time.sleep(0.3); print(round(time.monotonic() - t, 1), flush=True)
+"""
+
+
+class Child:
+    def __init__(self, pages: int = 64) -> None:
+        self.r, self.w = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(pages), str(self.r)],
+                                     stdout=subprocess.PIPE, text=True, pass_fds=(self.r,))
+        self.addr, self.pages = int(self.proc.stdout.readline()), pages
+        time.sleep(0.1)  # in its read(2) by now
+
+    def ask(self, what: bytes) -> str:
+        os.write(self.w, what)
+        return self.proc.stdout.readline().strip()
+
+    def present(self, page: int) -> bool:
+        with open(f"/proc/{self.proc.pid}/pagemap", "rb") as f:
+            f.seek((self.addr // PAGE + page) * 8)
+            return bool(int.from_bytes(f.read(8), "little") >> 63)
+
+    def close(self) -> None:
+        os.write(self.w, b"q")
+        self.proc.wait(5)
+        os.close(self.r)
+        os.close(self.w)
+
+
+@pytest.fixture
+def child():
+    c = Child()
+    yield c
+    if c.proc.poll() is None:
+        c.close()
+
+
+needs_ptrace = pytest.mark.skipif(not remote_syscall.supported(), reason="x86-64 only")
+
+
+@needs_ptrace
+def test_a_remote_madvise_drops_pages_and_the_blocked_call_goes_on(child):
+    assert child.present(10)
+    remote_syscall.madvise_dontneed(child.proc.pid, [(child.addr + 8 * PAGE, 16 * PAGE)])
+    assert not child.present(10) and child.present(7) and child.present(24)
+    # the read(2) it was blocked in was made again, not failed with EINTR: it answers
+    assert child.ask(b"sum").split()[0] == str(sum(range(64)) - sum(range(8, 24)))
+    assert child.ask(b"sleep") == "0.3"
+
+
+@needs_ptrace
+def test_a_refused_remote_call_says_why_and_leaves_the_process_running(child):
+    with pytest.raises(remote_syscall.RemoteSyscallError) as err:
+        remote_syscall.madvise_dontneed(child.proc.pid, [(child.addr + 1, PAGE)])  # unaligned
+    assert err.value.errno == errno.EINVAL
+    assert child.present(0) and child.ask(b"sleep") == "0.3"
+
+
+def test_pagescan_finds_what_criu_dumps_and_holds_still_across_vector_sizes(monkeypatch):
+    m = mmap.mmap(-1, 64 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    for page in (0, 1, 2, 10, 11, 40):
+        m[page * PAGE] = 1
+    _ = m[20 * PAGE]  # read only: the zero page, which CRIU does not dump
+    area = [(addr, addr + 64 * PAGE)]
+    want = [(addr, addr + 3 * PAGE), (addr + 10 * PAGE, addr + 12 * PAGE),
+            (addr + 40 * PAGE, addr + 41 * PAGE)]
+    assert pagescan.dumped(os.getpid(), area) == want
+    monkeypatch.setattr(pagescan, "REGIONS", 1)  # a full vector every call: resumed right
+    assert pagescan.dumped(os.getpid(), area) == want
+    # clipped to what was asked, even where a region began before it
+    assert pagescan.dumped(os.getpid(), [(addr + PAGE, addr + 11 * PAGE)]) == \
+        [(addr + PAGE, addr + 3 * PAGE), (addr + 10 * PAGE, addr + 11 * PAGE)]
+
+
+def test_take_reads_runs_to_their_offsets_and_the_guardian_writes_them_back(child, tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
+    pid, a = child.proc.pid, child.addr
+    runs = [(a + 4 * PAGE, a + 20 * PAGE), (a + 30 * PAGE, a + 34 * PAGE)]
+    gaps, offsets = dump_ahead.layout(pid, runs)
+    # CRIU's pages between the two runs: the 10 touched pages of the mapping there
+    assert gaps[1] == 10 * PAGE and offsets[1] == offsets[0] + gaps[1] + 16 * PAGE
+    task = dump_ahead.take(pid, 1, runs, tmp_path, threads=3)
+    data = Path(task.path).read_bytes()
+    for (address, length, offset), (start, end) in zip(task.runs, runs):
+        for k in range(length // PAGE):
+            page = (address - a) // PAGE + k
+            assert data[offset + k * PAGE:offset + k * PAGE + 8] == page.to_bytes(8, "little")
+    if not remote_syscall.supported():
+        return
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with ours, theirs:
+        dump_ahead.hand_over(ours, [task])
+        dump_ahead.drop(task)
+        assert not child.present(5) and not child.present(31)
+        Path(task.path).unlink()  # the push's folder gone: the guardian's descriptor holds it
+        (got, fd), = dump_ahead.received(theirs)
+        try:
+            dump_ahead.write_back(got, fd, threads=2)
+        finally:
+            os.close(fd)
+    assert child.ask(b"sum").split()[0] == str(sum(range(64)))
