@@ -40,22 +40,20 @@ import ctypes
 import json
 import os
 import socket
-import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpusnap.criu import pagemap, pagescan
-from gpusnap.criu.page_fill import PIECE, Run, default_threads, fill, pieces
+from gpusnap.criu.page_fill import (MAP_FAILED, MAP_SHARED, PIECE, PROT_READ, PROT_WRITE, IoVec,
+                                    Run, default_threads, fill, libc, pieces)
 
 MIN_RUN = 1 << 20  # smaller new mappings stay with CRIU (the driver's own bookkeeping)
 MIN_TOTAL = 256 << 20  # below this CRIU is about as quick as starting the threads
 PAGE = 4096
 PREFIX = ".ahead-"  # the runs' file in the push's folder, until it becomes a pages file
 READ_PIECE = 8 << 20  # mapped by one thread at a time: 16 threads hold at most 128 MiB
-PROT_RW, MAP_SHARED = 0x3, 0x01
-MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class AheadError(Exception):
@@ -140,22 +138,6 @@ def layout(pid: int, runs: list[tuple[int, int]]) -> tuple[list[int], list[int]]
     return gaps, offsets
 
 
-class _IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def _readv():
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.process_vm_readv.restype = ctypes.c_ssize_t
-    libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                                      ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc.process_vm_readv, libc
-
-
 def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int) -> None:
     """Each run (address, length, offset) of ``pid`` into ``path`` at its offset.
     Each thread maps one piece of the file at a time and has the kernel copy
@@ -164,10 +146,11 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, size)
-        readv, libc = _readv()
+        calls = libc()
 
         def one(piece: Run) -> int:
-            base = libc.mmap(None, piece.length, PROT_RW, MAP_SHARED, fd, piece.offset)
+            base = calls.mmap(None, piece.length, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                              piece.offset)
             if base in (None, MAP_FAILED):
                 err = ctypes.get_errno()
                 raise OSError(err, f"cannot map {path}: {os.strerror(err)}")
@@ -175,15 +158,15 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
                 done = 0
                 while done < piece.length:
                     n = piece.length - done
-                    got = readv(pid, ctypes.byref(_IoVec(base + done, n)), 1,
-                                ctypes.byref(_IoVec(piece.address + done, n)), 1, 0)
+                    got = calls.process_vm_readv(pid, ctypes.byref(IoVec(base + done, n)), 1,
+                                                 ctypes.byref(IoVec(piece.address + done, n)), 1, 0)
                     if got <= 0:
                         err = ctypes.get_errno()
                         raise OSError(err, f"process {pid}: cannot read {n} bytes at "
                                            f"{piece.address + done:#x}: {os.strerror(err)}")
                     done += got
             finally:
-                libc.munmap(base, piece.length)
+                calls.munmap(base, piece.length)
             return piece.length
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dump-ahead") as pool:

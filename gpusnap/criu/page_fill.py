@@ -37,19 +37,22 @@ class Run:
     offset: int
 
 
-class _IoVec(ctypes.Structure):
+class IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-PROT_READ, MAP_SHARED = 0x1, 0x01
+PROT_READ, PROT_WRITE, MAP_SHARED = 0x1, 0x2, 0x01
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _libc() -> ctypes.CDLL:
+def libc() -> ctypes.CDLL:
+    """libc with process_vm_writev/readv (this module's fill, dump_ahead's read)
+    and mmap/munmap declared for ctypes."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.process_vm_writev.restype = ctypes.c_ssize_t
-    libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                                       ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    for call in (libc.process_vm_writev, libc.process_vm_readv):
+        call.restype = ctypes.c_ssize_t
+        call.argtypes = [ctypes.c_int, ctypes.POINTER(IoVec), ctypes.c_ulong,
+                         ctypes.POINTER(IoVec), ctypes.c_ulong, ctypes.c_ulong]
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long]
@@ -110,7 +113,7 @@ def _write(libc: ctypes.CDLL, pid: int, files: _Files, run: Run) -> int:
     done, local = 0, files.address(run)
     while done < run.length:  # a partial write stops at the first page it could not write
         n = run.length - done
-        src, dst = _IoVec(local + done, n), _IoVec(run.address + done, n)
+        src, dst = IoVec(local + done, n), IoVec(run.address + done, n)
         got = libc.process_vm_writev(pid, ctypes.byref(src), 1, ctypes.byref(dst), 1, 0)
         if got <= 0:
             err = ctypes.get_errno()
@@ -124,11 +127,11 @@ def fill(pid: int, runs: Sequence[Run], threads: int, piece: int = PIECE) -> int
     """Write every run into process ``pid``; the bytes written. Raises OSError
     (the first failure) when any byte could not be written: the process must
     then not run (its memory is not what was dumped)."""
-    libc = _libc()
-    files = _Files(libc, runs)
+    calls = libc()
+    files = _Files(calls, runs)
     try:
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="page-fill") as pool:
-            return sum(pool.map(lambda r: _write(libc, pid, files, r), pieces(runs, piece)))
+            return sum(pool.map(lambda r: _write(calls, pid, files, r), pieces(runs, piece)))
     finally:
         files.close()
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import GPUSNAP, run
-from tests.gpu import harness
 from tests.integration.oci_registry import PASSWORD, make_registry
 
 JOURNAL = Path("/run/gpusnap/journal.jsonl")
