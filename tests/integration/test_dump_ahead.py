@@ -16,8 +16,10 @@ import uuid
 
 import pytest
 
+from gpusnap.criu.runtimes import runs_action_script
 from tests.conftest import DEMO_IMAGE, GPUSNAP, assert_one_line_error, run, wait_counter
 from tests.integration.oci_registry import PASSWORD
+from tests.integration.test_page_fill import _runtime
 from tests.integration.test_segments import (_BIG_MEMORY, _events_since, _journal_since,
                                              _journal_size, _md5_of_memory)
 
@@ -55,10 +57,13 @@ def test_memory_read_ahead_is_in_the_pushed_images_and_restores_whole(registry, 
     assert res.returncode == 0, (res.stdout, res.stderr)
     pushed = json.loads(res.stdout)
     events = _journal_since(mark)
-    taken = _event(events, "pages-read-ahead")
-    assert taken["bytes"] >= 256 << 20, taken
-    composed = _event(events, "pages-composed")
-    assert composed["how"] == ["in place"], composed  # CRIU dumped what was predicted around it
+    if runs_action_script(_runtime()):
+        taken = _event(events, "pages-read-ahead")
+        assert taken["bytes"] >= 256 << 20, taken
+        composed = _event(events, "pages-composed")
+        assert composed["how"] == ["in place"], composed  # CRIU dumped what was predicted around it
+    else:  # no action script (trixie's crun 1.21): CRIU dumps it all, as before
+        assert "pages-read-ahead" not in [e["event"] for e in events], events
     subprocess.run(["podman", "rm", name], check=True, capture_output=True)
     res = run([GPUSNAP, "restore", pushed["pinned"], *registry.flags(), "--json"],
               input=PASSWORD + "\n")
@@ -78,7 +83,9 @@ def test_a_container_that_runs_on_is_dumped_by_criu(registry, name):
     assert res.returncode == 0, (res.stdout, res.stderr)
     pushed = json.loads(res.stdout)
     events = _events_since(mark)
-    assert "pages-aside" in events and "pages-read-ahead" not in events, events
+    assert "pages-read-ahead" not in events, events
+    # the pages did go to the push's folder, where the runtime runs the action script
+    assert ("pages-aside" in events) == runs_action_script(_runtime()), events
     assert _md5_of_memory(name) == before  # the source, running on
     copy = f"{name}-copy"
     try:
@@ -99,6 +106,10 @@ def test_a_failure_after_the_memory_was_taken_leaves_the_container_as_it_was(
     mark = _journal_size()
     ref = registry.ref(f"ckpt/ahead-{uuid.uuid4().hex[:8]}:v1")
     res = run([GPUSNAP, "migrate", name, ref, *registry.flags()], input=PASSWORD + "\n")
+    if not runs_action_script(_runtime()):  # nothing read ahead (trixie's crun 1.21): nothing fails
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        assert "pages-read-ahead" not in _events_since(mark)
+        return
     assert_one_line_error(res, "still running")
     assert "pages-read-ahead" in _events_since(mark)
     assert _event(_journal_since(mark), "guardian-wrote-back")
