@@ -358,28 +358,6 @@ def _case_name(size: float, kind: str, pipeline: str) -> str:
     return f"{size:g}gib-{kind}-{pipeline}"
 
 
-def warm_memory(gib: int) -> None:
-    """Touch GIB GiB of RAM once before the first case. The machines here are
-    VMs whose RAM the host backs on first touch (~3 s per 8 GiB, KINDS.md): the
-    first case on a fresh machine paid that in whichever step first wrote
-    memory (the driver's checkpoint 21.5-25.9 s against 15.0-15.7 s in the
-    second case of the same machine, 2026-11-26), a real host never does."""
-    mnt = Path(tempfile.mkdtemp(prefix="gpusnap-bench-warm-"))
-    start = time.monotonic()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={gib + 1}g", "tmpfs", str(mnt)], check=True)
-    try:
-        fd = os.open(mnt / "fill", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            for k in range(gib):  # zero-filled tmpfs pages: every one touched
-                os.posix_fallocate(fd, k << 30, 1 << 30)
-        finally:
-            os.close(fd)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
-        mnt.rmdir()
-    print(f"warmed {gib} GiB of RAM in {time.monotonic() - start:.1f} s", flush=True)
-
-
 def run(args) -> int:
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
@@ -392,8 +370,6 @@ def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpusnap-scale-", dir=args.workdir))
     cache = Path(args.cache_dir) / work.name if args.cache_dir else work / "cache"
     os.environ["GPUSNAP_POLICY"] = str(permissive_policy(work))
-    if args.warm_gib:
-        warm_memory(args.warm_gib)
     registries = RAM if args.ram_gib else DISK_REGISTRIES
     registries.mkdir(parents=True, exist_ok=True)
     if args.ram_gib and not os.path.ismount(RAM):
@@ -514,8 +490,7 @@ def start(args) -> int:
     cmd = [sys.executable, __file__, "run", "--results", args.results, "--sizes", args.sizes,
            "--jobs", args.jobs, "--pipelines", args.pipelines, "--workdir", args.workdir,
            "--ram-gib", str(args.ram_gib), "--stage-gib", str(args.stage_gib),
-           "--cache-dir", args.cache_dir, "--warm-gib", str(args.warm_gib)] + \
-        (["--plain-train"] if args.plain_train else [])
+           "--cache-dir", args.cache_dir] + (["--plain-train"] if args.plain_train else [])
     log = open(results / "log.txt", "a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -647,8 +622,6 @@ def main() -> int:
                          "tmpfs would take the memory the pages in RAM need (runtime/memory.py)")
     ap.add_argument("--stage-gib", type=int, default=0,
                     help="a tmpfs of this size on --workdir for the scratch archives (0: the disk)")
-    ap.add_argument("--warm-gib", type=int, default=0,
-                    help="touch this much RAM once before the first case (warm_memory)")
     ap.add_argument("--seconds", type=float, default=540)
     ap.add_argument("--png")
     ap.add_argument("--timelines", action="store_true", help="report: what the machine did, per case")
