@@ -64,8 +64,12 @@ def test_push_and_pull_of_4_gib_stay_under_256_mib_rss(tmp_path, capsys):
         rc, pushed, err, push_rss = measured(["push", str(source), ref, *flags], tmp_path, env)
         assert rc == 0, err
         assert pushed["bytes"] == total
-        # Nothing compressed or deduplicated away: the whole 4 GiB went over the wire.
-        assert pushed["bytes_sent"] >= total and pushed["chunks_sent"] == pushed["chunks"]
+        # Nothing deduplicated away: every chunk went over the wire, and the bytes
+        # with it. Not ">= total": the checkpoint's small files (the inventory,
+        # JSON) compress, and now and then by more than the random pages' zstd
+        # frames add (CI: 556 KB under 4 GiB, all chunks sent).
+        assert pushed["chunks_sent"] == pushed["chunks"], pushed
+        assert pushed["bytes_sent"] >= total - (1 << 20), pushed
 
         output = tmp_path / "pulled.tar"
         rc, pulled, err, pull_rss = measured(["pull", ref, "-o", str(output), *flags],
