@@ -40,6 +40,17 @@ def _big(name: str) -> str:
     return _md5_of_memory(name)
 
 
+def _gs(registry, *args: str) -> dict:
+    """gpusnap VERB ... --json against the test registry; its JSON."""
+    res = run([GPUSNAP, *args, *registry.flags(), "--json"], input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    return json.loads(res.stdout)
+
+
+def _ref(registry) -> str:
+    return registry.ref(f"ckpt/ahead-{uuid.uuid4().hex[:8]}:v1")
+
+
 def _event(events: list[dict], kind: str) -> dict:
     found = [e for e in events if e["event"] == kind]
     assert found, [e["event"] for e in events]
@@ -52,10 +63,7 @@ def test_memory_read_ahead_is_in_the_pushed_images_and_restores_whole(registry, 
     shell's memory is what it was."""
     before = _big(name)
     mark = _journal_size()
-    ref = registry.ref(f"ckpt/ahead-{uuid.uuid4().hex[:8]}:v1")
-    res = run([GPUSNAP, "migrate", name, ref, *registry.flags(), "--json"], input=PASSWORD + "\n")
-    assert res.returncode == 0, (res.stdout, res.stderr)
-    pushed = json.loads(res.stdout)
+    pushed = _gs(registry, "migrate", name, _ref(registry))
     events = _journal_since(mark)
     if runs_action_script(_runtime()):
         taken = _event(events, "pages-read-ahead")
@@ -65,9 +73,7 @@ def test_memory_read_ahead_is_in_the_pushed_images_and_restores_whole(registry, 
     else:  # no action script (trixie's crun 1.21): CRIU dumps it all, as before
         assert "pages-read-ahead" not in [e["event"] for e in events], events
     subprocess.run(["podman", "rm", name], check=True, capture_output=True)
-    res = run([GPUSNAP, "restore", pushed["pinned"], *registry.flags(), "--json"],
-              input=PASSWORD + "\n")
-    assert res.returncode == 0, (res.stdout, res.stderr)
+    _gs(registry, "restore", pushed["pinned"])
     assert _md5_of_memory(name) == before
     wait_counter(name, 3, timeout=30)
 
@@ -78,10 +84,7 @@ def test_a_container_that_runs_on_is_dumped_by_criu(registry, name):
     copy and the source have the memory."""
     before = _big(name)
     mark = _journal_size()
-    ref = registry.ref(f"ckpt/ahead-{uuid.uuid4().hex[:8]}:v1")
-    res = run([GPUSNAP, "push", name, ref, *registry.flags(), "--json"], input=PASSWORD + "\n")
-    assert res.returncode == 0, (res.stdout, res.stderr)
-    pushed = json.loads(res.stdout)
+    pushed = _gs(registry, "push", name, _ref(registry))
     events = _events_since(mark)
     assert "pages-read-ahead" not in events, events
     # the pages did go to the push's folder, where the runtime runs the action script
@@ -89,9 +92,7 @@ def test_a_container_that_runs_on_is_dumped_by_criu(registry, name):
     assert _md5_of_memory(name) == before  # the source, running on
     copy = f"{name}-copy"
     try:
-        res = run([GPUSNAP, "restore", pushed["pinned"], "--name", copy, *registry.flags(),
-                   "--json"], input=PASSWORD + "\n")
-        assert res.returncode == 0, (res.stdout, res.stderr)
+        _gs(registry, "restore", pushed["pinned"], "--name", copy)
         assert _md5_of_memory(copy) == before
     finally:
         subprocess.run(["podman", "rm", "-f", "-t", "0", copy], capture_output=True)
@@ -104,8 +105,7 @@ def test_a_failure_after_the_memory_was_taken_leaves_the_container_as_it_was(
     before = _big(name)
     monkeypatch.setenv("GPUSNAP_DUMP_AHEAD_TEST_FAULT", "compose")
     mark = _journal_size()
-    ref = registry.ref(f"ckpt/ahead-{uuid.uuid4().hex[:8]}:v1")
-    res = run([GPUSNAP, "migrate", name, ref, *registry.flags()], input=PASSWORD + "\n")
+    res = run([GPUSNAP, "migrate", name, _ref(registry), *registry.flags()], input=PASSWORD + "\n")
     if not runs_action_script(_runtime()):  # nothing read ahead (trixie's crun 1.21): nothing fails
         assert res.returncode == 0, (res.stdout, res.stderr)
         assert "pages-read-ahead" not in _events_since(mark)
