@@ -122,6 +122,25 @@ def test_minus_cuts_holes_out_of_ranges():
     assert dump_ahead._minus([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
     assert dump_ahead._minus([(0, 10), (30, 40)], [(5, 35)]) == [(0, 5), (35, 40)]
     assert dump_ahead._minus([(0, 10)], [(0, 10)]) == []
+    # holes that overlap each other: the wider one starts first
+    assert dump_ahead._minus([(330, 371)], [(295, 364), (320, 341)]) == [(364, 371)]
+
+
+def test_minus_agrees_with_cutting_hole_by_hole():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        ranges = [(a, a + rng.randint(1, 50)) for a in rng.sample(range(0, 1000, 3), rng.randint(0, 8))]
+        holes = [(a, a + rng.randint(1, 80)) for a in rng.sample(range(0, 1000, 5), rng.randint(0, 8))]
+        want = []
+        for start, end in ranges:
+            pieces = [(start, end)]
+            for h0, h1 in holes:
+                pieces = [p for a, b in pieces for p in ((a, min(b, h0)), (max(a, h1), b))
+                          if p[0] < p[1]]
+            want += pieces
+        assert dump_ahead._minus(ranges, holes) == sorted(want)
 
 
 # -- real processes ---------------------------------------------------------------------
