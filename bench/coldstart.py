@@ -45,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from migrate import GPUSNAP, timed  # noqa: E402
+from migrate import GPUSNAP, journal_events, journal_size, timed  # noqa: E402
 
 from tests.faults.netreg import make_registry  # noqa: E402
 from tests.gpu import harness  # noqa: E402
@@ -175,14 +175,42 @@ def cold_start(image: str, name: str, network: str, gib: float, tcp: bool
     return srv, row
 
 
-def restore(ref: str, name: str, cache: Path, t0: float) -> dict:
+# what a timeline keeps of each journal event (the rest is paths and pids)
+EVENT_FIELDS = ("seconds", "bytes", "threads", "timing", "how", "files")
+
+
+def timeline(events: list[dict], t0: float) -> list[list]:
+    """The journal's events of one restore as [seconds since t0, event, what
+    it measured]: where its seconds went, between gpusnap's steps, CRIU's
+    action-script steps and the driver's restore."""
+    return [[round(e["at"] - t0, 3), e.get("event"),
+             {k: e[k] for k in EVENT_FIELDS if k in e}] for e in events if "at" in e]
+
+
+def keep_restore_log(name: str, logs: Path | None) -> None:
+    """CRIU's restore.log of replica ``name`` (Podman keeps it in the
+    container's userdata), into ``logs``: its timestamps show CRIU's own steps."""
+    if logs is None:
+        return
+    userdata = sh("podman", "inspect", name, "--format", "{{.StaticDir}}", check=False)
+    log = Path(userdata.stdout.strip() or "/nonexistent") / "restore.log"
+    if log.is_file():
+        logs.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, logs / f"{name}-restore.log")
+
+
+def restore(ref: str, name: str, cache: Path, t0: float, logs: Path | None = None) -> dict:
+    mark = journal_size()
     r = timed([GPUSNAP, "restore", ref, "--name", name, "--plain-http", "--json"],
               env={**os.environ, "GPUSNAP_CACHE_DIR": str(cache)})
     done = time.time()
     out = json.loads(r.stdout)
     _, first = Server(name).ask(["0"])
+    keep_restore_log(name, logs)
     pull = out.get("pull") or {}
     return {"first_answer_s": round(first - t0, 3), "restore_rss_mib": round(r.maxrss_kib / 1024),
+            # replicas restored together share the journal: theirs interleave
+            "timeline": timeline(journal_events(mark), t0),
             "bytes_fetched": pull.get("bytes_fetched"),
             "bytes_from_cache": pull.get("bytes_from_cache"),
             "pages_prepared": pull.get("pages_prepared"),
@@ -192,14 +220,15 @@ def restore(ref: str, name: str, cache: Path, t0: float) -> dict:
 
 
 def together(ref: str, tag: str, names: tuple[str, ...], case: str, cache: Path,
-             expected: list[str], tcp: bool, servers: list[Server]) -> list[dict]:
+             expected: list[str], tcp: bool, servers: list[Server],
+             logs: Path | None = None) -> list[dict]:
     """Replicas ``names`` restored at the same time (page cache dropped first),
     each checked and left running (added to ``servers``); their rows."""
     drop_caches()
     t0 = time.time()
     done: dict[str, dict] = {}
     threads = [threading.Thread(target=lambda n=n: done.__setitem__(
-        n, restore(ref, f"{tag}-{n}", cache, t0))) for n in names]
+        n, restore(ref, f"{tag}-{n}", cache, t0, logs))) for n in names]
     for t in threads:
         t.start()
     for t in threads:
@@ -259,7 +288,8 @@ def run(args) -> dict:
         target = cache / "target"
         for case, name in (("b restore, empty cache", "r1"), ("c restore, warm cache", "r2")):
             drop_caches()
-            row = {"case": case, **restore(pinned, f"{tag}-{name}", target, time.time())}
+            row = {"case": case, **restore(pinned, f"{tag}-{name}", target, time.time(),
+                                           args.logs)}
             srv = Server(f"{tag}-{name}")
             check(srv, expected, args.tcp)
             row["identity"] = srv.identity()
@@ -267,7 +297,7 @@ def run(args) -> dict:
             print(json.dumps(row), flush=True)
             srv.remove()  # one replica at a time until (d)
         rows += together(pinned, tag, ("r3", "r4"), "d 2 at once", target, expected, args.tcp,
-                         servers)
+                         servers, args.logs)
         # A host warmed ahead: `pull --prefetch` also writes the pages files out
         # (ops/prepared_pages.py); each replica then links them.
         warm = timed([GPUSNAP, "pull", "--prefetch", pinned, "--plain-http", "--json"],
@@ -275,9 +305,9 @@ def run(args) -> dict:
         prepared = json.loads(warm.stdout).get("prepared")
         print(f"prefetched (pages prepared: {prepared}) in {warm.seconds:.1f} s", flush=True)
         rows += together(pinned, tag, ("r5",), "e prepared host", target, expected, args.tcp,
-                         servers)
+                         servers, args.logs)
         rows += together(pinned, tag, ("r6", "r7"), "f 2 at once, prepared host", target,
-                         expected, args.tcp, servers)
+                         expected, args.tcp, servers, args.logs)
         check(src, expected, args.tcp)  # the source answered all along; still does
         ids = [s.identity() for s in servers]
         for key in ("name", "id") + (("ip", "mac") if network == "bridge" else ()):
@@ -324,6 +354,7 @@ def main() -> int:
                          "on Linux >= 6.16)")
     ap.add_argument("--ram-gib", type=int, default=40, help="tmpfs for the registry's storage")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--logs", type=Path, help="a folder for each replica's CRIU restore.log")
     args = ap.parse_args()
     result = run(args)
     Path(args.out).write_text(json.dumps(result, indent=2))

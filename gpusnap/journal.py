@@ -29,7 +29,10 @@ def record(event: str, **fields) -> None:
     """Append one event; never fails the caller (a full /run must not stop a restore)."""
     # Error texts come from elsewhere too (CRIU, Podman, a registry): no credential in them.
     fields = {k: redact(v) if isinstance(v, str) else v for k, v in fields.items()}
-    line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event": event, **fields},
+    # "at": the same moment to the millisecond, for timelines of one restore (bench/)
+    now = time.time()
+    line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+                       "at": round(now, 3), "event": event, **fields},
                       sort_keys=True, default=str)
     try:
         with open_private(state_dir() / "journal.jsonl", "a") as f:

@@ -6,6 +6,7 @@ import json
 import re
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,9 @@ def test_record_then_read_returns_the_events_in_order(state_dir):
     events = journal.read()
     assert [(e["event"], e["pids"]) for e in events] == [("quiesced", [11, 12]), ("resumed", [11])]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", events[0]["time"])
+    # the same moment in seconds to the millisecond, for timelines
+    assert abs(events[0]["at"] - time.time()) < 60 and events[0]["at"] <= events[1]["at"]
+    assert time.strftime("%Y-%m-%dT%H:%M", time.localtime(events[0]["at"])) in events[0]["time"]
 
 
 def test_each_event_is_one_json_line(state_dir):
