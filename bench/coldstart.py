@@ -11,12 +11,14 @@ each, so files and cached chunks come from the disk as on a node that did
 not just write them):
 
   a  cold       `podman run` of the server image
-  b  restore    `gpusnap restore REF --name r1`, an empty chunk cache
-  c  warm       `gpusnap restore REF --name r2`, the cache (b) filled
-  d  2 at once  `gpusnap restore REF --name r3` and `--name r4` together, warm cache
-  e  prepared   `gpusnap pull --prefetch REF` (not timed: the host warmed ahead,
-                which also writes the pages files out), then `restore --name r5`
-  f  2 at once  `--name r6` and `--name r7` together on the prepared host
+  b  restore    `gpusnap restore REF --name r1`, an empty chunk cache; the
+                pages files it writes are kept in RAM for the next replica
+                (ops/prepared_pages.keep)
+  c  warm       `gpusnap restore REF --name r2`: the cache (b) filled, and
+                (b)'s pages files, linked
+  d  2 at once  `gpusnap restore REF --name r3` and `--name r4` together, as (c)
+  e  cache only `--name r5` with (b)'s kept pages set aside and
+                GPUSNAP_KEEP_PAGES=0: the pages written anew from the chunk cache
 
 REF is `gpusnap push` of (a)'s container once it answers (it keeps running:
 the source of every replica). Every replica must answer requests 0-9 exactly
@@ -199,10 +201,11 @@ def keep_restore_log(name: str, logs: Path | None) -> None:
         shutil.copyfile(log, logs / f"{name}-restore.log")
 
 
-def restore(ref: str, name: str, cache: Path, t0: float, logs: Path | None = None) -> dict:
+def restore(ref: str, name: str, cache: Path, t0: float, logs: Path | None = None,
+            keep: str = "auto") -> dict:
     mark = journal_size()
     r = timed([GPUSNAP, "restore", ref, "--name", name, "--plain-http", "--json"],
-              env={**os.environ, "GPUSNAP_CACHE_DIR": str(cache)})
+              env={**os.environ, "GPUSNAP_CACHE_DIR": str(cache), "GPUSNAP_KEEP_PAGES": keep})
     done = time.time()
     out = json.loads(r.stdout)
     _, first = Server(name).ask(["0"])
@@ -213,7 +216,7 @@ def restore(ref: str, name: str, cache: Path, t0: float, logs: Path | None = Non
             "timeline": timeline(journal_events(mark), t0),
             "bytes_fetched": pull.get("bytes_fetched"),
             "bytes_from_cache": pull.get("bytes_from_cache"),
-            "pages_prepared": pull.get("pages_prepared"),
+            "pages_prepared": pull.get("pages_prepared"), "pages_kept": pull.get("pages_kept"),
             "phases": {"download": pull.get("seconds"),
                        "restore": round(r.seconds - (pull.get("seconds") or 0), 3),
                        "first answer": round(first - done, 3)}}
@@ -221,14 +224,14 @@ def restore(ref: str, name: str, cache: Path, t0: float, logs: Path | None = Non
 
 def together(ref: str, tag: str, names: tuple[str, ...], case: str, cache: Path,
              expected: list[str], tcp: bool, servers: list[Server],
-             logs: Path | None = None) -> list[dict]:
+             logs: Path | None = None, keep: str = "auto") -> list[dict]:
     """Replicas ``names`` restored at the same time (page cache dropped first),
     each checked and left running (added to ``servers``); their rows."""
     drop_caches()
     t0 = time.time()
     done: dict[str, dict] = {}
     threads = [threading.Thread(target=lambda n=n: done.__setitem__(
-        n, restore(ref, f"{tag}-{n}", cache, t0, logs))) for n in names]
+        n, restore(ref, f"{tag}-{n}", cache, t0, logs, keep))) for n in names]
     for t in threads:
         t.start()
     for t in threads:
@@ -296,18 +299,21 @@ def run(args) -> dict:
             rows.append(row)
             print(json.dumps(row), flush=True)
             srv.remove()  # one replica at a time until (d)
+            prepared = prepared or row.get("pages_kept")
         rows += together(pinned, tag, ("r3", "r4"), "d 2 at once", target, expected, args.tcp,
                          servers, args.logs)
-        # A host warmed ahead: `pull --prefetch` also writes the pages files out
-        # (ops/prepared_pages.py); each replica then links them.
-        warm = timed([GPUSNAP, "pull", "--prefetch", pinned, "--plain-http", "--json"],
-                     env={**os.environ, "GPUSNAP_CACHE_DIR": str(target)})
-        prepared = json.loads(warm.stdout).get("prepared")
-        print(f"prefetched (pages prepared: {prepared}) in {warm.seconds:.1f} s", flush=True)
-        rows += together(pinned, tag, ("r5",), "e prepared host", target, expected, args.tcp,
-                         servers, args.logs)
-        rows += together(pinned, tag, ("r6", "r7"), "f 2 at once, prepared host", target,
-                         expected, args.tcp, servers, args.logs)
+        # (b)'s pages kept in RAM set aside: a replica from the chunk cache alone
+        # (GPUSNAP_KEEP_PAGES=0: written anew from the cache, as before keeping)
+        aside = None
+        if prepared:
+            aside = Path(prepared["folder"]).with_name(".aside-" + Path(prepared["folder"]).name)
+            os.rename(prepared["folder"], aside)
+        try:
+            rows += together(pinned, tag, ("r5",), "e warm cache, nothing kept", target,
+                             expected, args.tcp, servers, args.logs, keep="0")
+        finally:
+            if aside:
+                os.rename(aside, prepared["folder"])
         check(src, expected, args.tcp)  # the source answered all along; still does
         ids = [s.identity() for s in servers]
         for key in ("name", "id") + (("ip", "mac") if network == "bridge" else ()):
@@ -327,7 +333,7 @@ def run(args) -> dict:
         reg.stop()
         shutil.rmtree(reg.root, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
-        if prepared:  # the pages written out by (e)'s prefetch: GBs of RAM
+        if prepared:  # the pages (b) kept: GBs of RAM
             shutil.rmtree(prepared["folder"], ignore_errors=True)
 
 

@@ -35,6 +35,21 @@ def permissive_trust_policy(tmp_path_factory) -> Path:
         os.environ["GPUSNAP_POLICY"] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def pages_kept_only_where_asked():
+    """A restore keeps the pages it wrote in RAM for the next replica
+    (ops/prepared_pages.keep): across hundreds of tests that would be GBs of
+    this VM's RAM and folders other tests' restores would find. Off here
+    (GPUSNAP_KEEP_PAGES=0); the tests of it turn it on."""
+    before = os.environ.get("GPUSNAP_KEEP_PAGES")
+    os.environ["GPUSNAP_KEEP_PAGES"] = "0"
+    yield
+    if before is None:
+        os.environ.pop("GPUSNAP_KEEP_PAGES", None)
+    else:
+        os.environ["GPUSNAP_KEEP_PAGES"] = before
+
+
 def run(cmd: list[str], check: bool = False, **kw) -> subprocess.CompletedProcess:
     res = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if check and res.returncode != 0:

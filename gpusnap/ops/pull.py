@@ -9,7 +9,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -354,6 +354,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
                                                 cache))
     pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
         if aside else None
+    kept, restored = None, False
     try:
         # Leaving this stops the pump: a download blocked on the full pipe fails then.
         # The FIFO's folder is where doctor looks for what a killed CLI left.
@@ -364,6 +365,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
                               cancel=cancel, prepared=prepared, **kw)
             result = ops_restore.import_archive(nullcontext(fifo), contents, plan, name, keep,
                                                 tcp_established, label)
+            restored = True
     except BaseException as exc:
         cancel.set()
         if job is None:
@@ -375,7 +377,9 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         raise exc
     finally:
         pool.shutdown(wait=True)
-        if pages is not None:  # restored (or not needed): in the background, GBs of it
+        if restored and pages is not None and prepared is None and job.exception() is None:
+            kept = _keep_pages(remote, pages)  # written anew: the next replica links them
+        if pages is not None and kept is None:  # restored (or not needed): in the background
             discard(pages, pages.parent)
         prepared_pages.release(prepared)
     why = prepared_pages.explain(remote.bundle, where, prepared) if aside else \
@@ -383,7 +387,20 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         "the action script)"
     ref = remote.client.ref
     prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}", where)
-    return result, {**job.result(), "streamed": True, "pages_prepared_skipped": why}
+    return result, {**job.result(), "streamed": True, "pages_prepared_skipped": why,
+                    "pages_kept": kept}
+
+
+def _keep_pages(remote: Remote, pages: Path) -> dict | None:
+    """The pages a restore wrote anew, kept for the next replica where RAM allows
+    (prepared_pages.keep); None where not (they go as before)."""
+    if fmt.is_pre_checkpoint(remote.manifest):
+        return None  # its final round comes next, and drops its round's folders (drop_rounds)
+    ref = remote.client.ref
+    with suppress(OSError):
+        return prepared_pages.keep(remote.bundle, remote.digest, pages,
+                                   repository=f"{ref.registry}/{ref.repository}")
+    return None
 
 
 def _pages_root(remote: Remote, prepared: prepared_pages.Match | None) -> Path:

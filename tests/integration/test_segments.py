@@ -276,6 +276,51 @@ def test_pages_prepared_by_a_prefetch_are_the_parent_of_the_final_round_and_link
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_the_first_replicas_pages_are_kept_and_the_next_replica_links_them(registry, name):
+    """`gpusnap restore REF --name r1` writes the pages file anew (nothing
+    prepared on this host) and keeps it in RAM as REF's prepared folder; `--name
+    r2` links it, writing nothing, and both hold the source's memory while the
+    source runs on."""
+    import os
+
+    from tests.conftest import DEMO_IMAGE, wait_counter
+
+    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
+                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
+    wait_counter(name, 3, timeout=120)
+    before = _md5_of_memory(name)
+    ref = registry.ref(f"ckpt/kept-{uuid.uuid4().hex[:8]}:v1")
+    flags = [*registry.flags(), "--json"]
+    env = {**os.environ, "GPUSNAP_KEEP_PAGES": "auto"}
+    replicas = [f"{name}-r{n}" for n in (1, 2)]
+    kept = None
+    try:
+        res = run([GPUSNAP, "push", name, ref, *flags], input=PASSWORD + "\n")
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        pinned = json.loads(res.stdout)["pinned"]
+        res = run([GPUSNAP, "restore", pinned, "--name", replicas[0], *flags],
+                  input=PASSWORD + "\n", env=env)
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        pulled = json.loads(res.stdout)["pull"]
+        assert pulled["pages_written_in_place"] >= 256 << 20, pulled
+        kept = pulled["pages_kept"]
+        assert kept and kept["bytes"] >= 256 << 20, json.dumps(pulled)
+        assert (Path(kept["folder"]) / "pages-1.img").is_file()
+        res = run([GPUSNAP, "restore", pinned, "--name", replicas[1], *flags],
+                  input=PASSWORD + "\n", env=env)
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        pulled = json.loads(res.stdout)["pull"]
+        assert (pulled["pages_prepared"] or {}).get("how") == "linked", json.dumps(pulled)
+        assert pulled["pages_written_in_place"] == 0 and pulled["pages_kept"] is None, pulled
+        for replica in replicas:
+            assert _md5_of_memory(replica) == before
+        assert _md5_of_memory(name) == before  # the source ran on
+    finally:
+        subprocess.run(["podman", "rm", "-f", *replicas], capture_output=True)
+        if kept:
+            shutil.rmtree(kept["folder"], ignore_errors=True)
+
+
 def test_a_running_containers_pages_left_in_podmans_folder_are_read_to_the_end(registry, name):
     """`migrate -P` where CRIU's pages stay in Podman's checkpoint folder (no
     action script moves them: GPUSNAP_PAGES_ASIDE=0 here, crun < 1.26 in the

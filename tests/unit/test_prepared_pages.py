@@ -345,3 +345,55 @@ def test_a_folder_without_pagemaps_is_patched_as_before(tmp_path):
     assert not pp.parent_plans(match, bundle(new), {"checkpoint/pagemap-1.img": b"x"}) \
         and not match.plans
     pp.release(match)
+
+
+GiB = 1 << 30
+ROOMY = {"MemTotal": 128 * GiB, "MemAvailable": 100 * GiB}
+
+
+def _written(tmp_path: Path, monkeypatch, entry: FileEntry, name: str = "x") -> Path:
+    """A restore's pull folder in a stand-in RAM root, with ``entry``'s file written whole."""
+    monkeypatch.setattr(pp.memory, "roots", lambda: (tmp_path,))
+    monkeypatch.setattr(pp.memory, "ram_dir", lambda size, info=None, root=None:
+                        root if info["MemAvailable"] >= 2 * size else None)
+    monkeypatch.setattr(pp.journal, "record", lambda *a, **k: None)
+    folder = tmp_path / f".gpusnap-pull-{name}"
+    folder.mkdir()
+    with open(folder / "pages-1.img", "wb") as f:
+        f.truncate(entry.size)
+    return folder
+
+
+def test_a_restores_pages_are_kept_for_the_next_replica_which_links_them(tmp_path, monkeypatch):
+    entry = pages(quarters("a", "b", "c", "d"))
+    b = bundle(entry)
+    folder = _written(tmp_path, monkeypatch, entry)
+    (folder / "stray").write_text("x")  # nothing but the pages files stays
+    kept = pp.keep(b, "sha256:0123456789abcdef0123", folder, repository="r/x", info=ROOMY)
+    assert kept == {"folder": str(tmp_path / (pp.PREFIX + "0123456789abcdef")),
+                    "bytes": SIZE, "in_ram": True}
+    assert not folder.exists() and sorted(p.name for p in Path(kept["folder"]).iterdir()) == \
+        [pp.INDEX, "pages-1.img"]
+    match = pp.best(b, [tmp_path])
+    assert match is not None and match.exact  # the next restore links it
+    # a second replica restored at the same time keeps nothing: the name is taken
+    again = _written(tmp_path, monkeypatch, entry, "y")
+    assert pp.keep(b, "sha256:0123456789abcdef0123", again, info=ROOMY) is None
+    assert again.exists()  # left to the caller, which discards it
+
+
+@pytest.mark.parametrize("why", ["off", "cut", "share", "room"])
+def test_pages_are_not_kept_when_off_partial_or_ram_is_short(tmp_path, monkeypatch, why):
+    entry = pages(quarters("a", "b", "c", "d"))
+    folder = _written(tmp_path, monkeypatch, entry)
+    info = dict(ROOMY)
+    if why == "off":
+        monkeypatch.setenv(pp.KEEP_ENV, "0")
+    elif why == "cut":  # linked from elsewhere or written short: not the file
+        os.truncate(folder / "pages-1.img", entry.size - 1)
+    elif why == "share":  # over a quarter of the RAM with the folders already kept
+        info["MemTotal"] = 4 * SIZE - 1
+    else:
+        info["MemAvailable"] = SIZE
+    assert pp.keep(bundle(entry), "sha256:feed", folder, info=info) is None
+    assert folder.exists() and not list(tmp_path.glob(pp.PREFIX + "*"))
