@@ -130,7 +130,7 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
     tasks = []
     try:
         for pid, found in runs.items():
-            task = dump_ahead.take(pid, _ns_pid(pid), found, aside)
+            task = dump_ahead.take(pid, _ns_pid(pid), found, aside, notes=True)
             if task is not None:
                 tasks.append(task)
         if tasks:

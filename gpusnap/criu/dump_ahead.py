@@ -41,7 +41,8 @@ import ctypes
 import json
 import os
 import socket
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +56,7 @@ MIN_TOTAL = 256 << 20  # below this CRIU is about as quick as starting the threa
 PAGE = 4096
 PREFIX = ".ahead-"  # the runs' file in the push's folder, until it becomes a pages file
 READ_PIECE = 8 << 20  # mapped by one thread at a time: 16 threads hold at most 128 MiB
+NOTE_EVERY = 1 << 30  # the push is told what is read every GiB: it hashes while the read goes on
 
 
 class AheadError(Exception):
@@ -155,17 +157,53 @@ def layout(pid: int, runs: list[tuple[int, int]]) -> tuple[list[int], list[int]]
     return gaps, offsets
 
 
-def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int) -> None:
+class _Prefix:
+    """The file ranges of the pieces read so far without a gap before them
+    (pieces finish out of order): what ``progress`` may be told is final."""
+
+    def __init__(self, pieces: list[Run], progress: Callable[[list[list[int]]], None],
+                 every: int = NOTE_EVERY) -> None:
+        self.pieces, self.progress, self.every = pieces, progress, every
+        self.done = [False] * len(pieces)
+        self.next = self.told = 0
+        self.lock = threading.Lock()
+
+    def finished(self, i: int) -> None:
+        with self.lock:
+            self.done[i] = True
+            while self.next < len(self.done) and self.done[self.next]:
+                self.next += 1
+            read = sum(p.length for p in self.pieces[self.told:self.next])
+            if self.next < len(self.done) and read < self.every:
+                return
+            self.told = self.next
+            ranges: list[list[int]] = []
+            for p in self.pieces[:self.next]:
+                if ranges and ranges[-1][1] == p.offset:
+                    ranges[-1][1] += p.length
+                else:
+                    ranges.append([p.offset, p.offset + p.length])
+            self.progress(ranges)
+
+
+def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int,
+         progress: Callable[[list[list[int]]], None] | None = None) -> None:
     """Each run (address, length, offset) of ``pid`` into ``path`` at its offset.
     Each thread maps one piece of the file at a time and has the kernel copy
     the process's bytes into it (one copy); unmapped after, so the pages stay
-    in the file, not in this process (its RSS stays at the pieces in flight)."""
+    in the file, not in this process (its RSS stays at the pieces in flight).
+    ``progress(ranges)``: the file ranges read so far, every NOTE_EVERY bytes
+    and at the end (the push hashes them meanwhile: note_ready)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, size)
         calls = libc()
 
-        def one(piece: Run) -> int:
+        todo = list(pieces([Run(a, n, path, o) for a, n, o in runs], READ_PIECE))
+        prefix = _Prefix(todo, progress) if progress is not None else None
+
+        def one(i: int) -> int:
+            piece = todo[i]
             base = calls.mmap(None, piece.length, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
                               piece.offset)
             if base in (None, MAP_FAILED):
@@ -184,18 +222,21 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
                     done += got
             finally:
                 calls.munmap(base, piece.length)
+            if prefix is not None:
+                prefix.finished(i)
             return piece.length
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dump-ahead") as pool:
-            list(pool.map(one, pieces([Run(a, n, path, o) for a, n, o in runs], READ_PIECE)))
+            list(pool.map(one, range(len(todo))))
     finally:
         os.close(fd)
 
 
 def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
-         threads: int | None = None) -> Task | None:
+         threads: int | None = None, notes: bool = False) -> Task | None:
     """Read ``runs`` of ``pid`` into a file in ``folder`` at the offsets CRIU's
-    pages file will have them; None where there is too little to gain."""
+    pages file will have them; None where there is too little to gain.
+    ``notes``: note_ready's note kept up to date while they are read."""
     runs = sorted(runs)
     if sum(end - start for start, end in runs) < MIN_TOTAL:
         return None
@@ -204,7 +245,8 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     path = str(folder / f"{PREFIX}{vpid}.img")
     size = offsets[-1] + runs[-1][1] - runs[-1][0]
     try:
-        read(pid, placed, path, size, threads or default_threads())
+        read(pid, placed, path, size, threads or default_threads(),
+             progress=(lambda ranges: _note(path, size, ranges)) if notes else None)
     except BaseException:
         Path(path).unlink(missing_ok=True)
         raise
@@ -214,11 +256,21 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
 def note_ready(task: Task) -> None:
     """Tell the push (early_pages.py) the runs are read: the segments wholly in
     them may be hashed now, while CRIU dumps the rest."""
-    size = os.stat(task.path).st_size
-    ready = Path(task.path + ".ready")
-    tmp = ready.with_name(f".{ready.name}.tmp")
-    tmp.write_text(json.dumps({"size": size, "final": [[o, o + n] for _, n, o in task.runs]}))
-    os.replace(tmp, ready)
+    _note(task.path, os.stat(task.path).st_size, [[o, o + n] for _, n, o in task.runs])
+
+
+def _note(path: str, size: int, final: list[list[int]]) -> None:
+    """``path``'s note: its size and the ranges read (final: the process is
+    locked, nothing but the driver ever wrote them), replaced whole each time.
+    The bytes read are final before the drop: where the drop fails, the file
+    goes and the push's inode check drops what was hashed of it."""
+    try:
+        ready = Path(path + ".ready")
+        tmp = ready.with_name(f".{ready.name}.tmp")
+        tmp.write_text(json.dumps({"size": size, "final": final}))
+        os.replace(tmp, ready)
+    except OSError:
+        pass  # only lets the push start early
 
 
 def drop(task: Task) -> None:

@@ -17,9 +17,10 @@ it uses a single early segment. Page images left from an earlier checkpoint
 are removed before the dump (``clear_stale``), so every file seen is this dump's.
 
 Memory pre-dump reads ahead of CRIU (criu/dump_ahead.py) lands in a file of
-the push's RAM folder at its final offsets, with a note once it is all read
-(``.ready``: the file's size and the ranges that are final): the segments that
-lie wholly in those ranges go to the workers then, while CRIU dumps the rest.
+the push's RAM folder at its final offsets, with a note that grows as the read
+goes on (``.ready``: the file's size and the ranges read, every GiB): the
+segments that lie wholly in those ranges go to the workers then, while the
+read and then CRIU go on.
 The file becomes a pages file at post-dump, the same inode: ``take`` finds
 them by it.
 """
@@ -74,8 +75,9 @@ class EarlyPages:
         self.aside = aside
         # read ahead: inode -> (chunk parameters, {segment offset: future})
         self._ahead: dict[int, tuple[chunker.ChunkParams, dict[int, Future]]] = {}
-        self._notes: set[str] = set()
+        self._notes: dict[str, tuple[int, int]] = {}  # note -> (inode, mtime) last read
         self._held_ahead: dict[int, Path] = {}
+        self._ahead_of: dict[str, int] = {}  # a file read ahead -> its inode
         self._pin = pin
         self._final_from, self._done = final_from, done
         self._files: dict[str, _Watched] = {}
@@ -134,11 +136,14 @@ class EarlyPages:
             self.early_bytes += seg
 
     def _read_ahead(self, note: Path) -> None:
-        """The segments of a file read ahead that lie wholly in its final ranges."""
-        if note.name in self._notes:
-            return
-        self._notes.add(note.name)
+        """The segments of a file read ahead that lie wholly in its final
+        ranges, and were not handed out before: the note grows while the read
+        goes on (dump_ahead._note), each version replacing the last."""
         try:
+            st = note.stat()
+            if self._notes.get(note.name) == (st.st_ino, st.st_mtime_ns):
+                return
+            self._notes[note.name] = (st.st_ino, st.st_mtime_ns)
             ready = json.loads(note.read_text())
             size, final = int(ready["size"]), [(int(a), int(b)) for a, b in ready["final"]]
         except (OSError, ValueError, KeyError, TypeError):
@@ -146,19 +151,24 @@ class EarlyPages:
         data = note.with_name(note.name.removesuffix(".ready"))
         if size < self._final_from:
             return
-        held = self._pin(data)
-        if held is None:
+        ino = self._ahead_of.get(data.name)
+        if ino is None:
+            held = self._pin(data)
+            if held is None:
+                return
+            ino = self._ahead_of[data.name] = os.stat(held).st_ino
+            self._ahead[ino] = (self._params_for(size), {})
+            self._held_ahead[ino] = held
+        if ino not in self._ahead:
+            return  # taken by the push already
+        params, submitted = self._ahead[ino]
+        if self._params_for(size) != params:
             return
-        params = self._params_for(size)
-        seg, submitted = params.segment, {}
+        seg, held = params.segment, self._held_ahead[ino]
         for at in range(0, size - seg, seg):  # not the last: the file grows past ``size``
-            if any(a <= at and at + seg <= b for a, b in final):
+            if at not in submitted and any(a <= at and at + seg <= b for a, b in final):
                 submitted[at] = self._submit(held, at, seg, params)
                 self.early_bytes += seg
-        if submitted:
-            ino = os.stat(held).st_ino
-            self._ahead[ino] = (params, submitted)
-            self._held_ahead[ino] = held
 
     def _complete(self, st: os.stat_result) -> None:
         """A file read ahead that post-dump made whole: its other whole segments."""
@@ -182,7 +192,7 @@ class EarlyPages:
             self._taken.add(path.name)
             ahead = self._ahead.pop(st.st_ino, None) if st is not None else None
         if ahead is not None:
-            if ahead[0] == params and max(ahead[1]) + params.segment <= size:
+            if ahead[0] == params and ahead[1] and max(ahead[1]) + params.segment <= size:
                 return ahead[1]
             for f in ahead[1].values():
                 f.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import mmap
 import os
 import socket
@@ -263,3 +264,33 @@ def test_take_reads_runs_to_their_offsets_and_the_guardian_writes_them_back(chil
         finally:
             os.close(fd)
     assert child.ask(b"sum").split()[0] == str(sum(range(64)))
+
+
+def test_progress_tells_only_the_pieces_read_without_a_gap_before_them():
+    """Pieces finish out of order on the threads: what the push is told is
+    final is the prefix read so far, merged into ranges, every ``every`` bytes
+    and at the end."""
+    pieces = [dump_ahead.Run(0, 4, "f", 0), dump_ahead.Run(4, 4, "f", 4),
+              dump_ahead.Run(100, 4, "f", 20), dump_ahead.Run(104, 4, "f", 24)]
+    told: list[list[list[int]]] = []
+    prefix = dump_ahead._Prefix(pieces, told.append, every=4)
+    prefix.finished(1)
+    assert told == []  # piece 0 not read: nothing is final yet
+    prefix.finished(0)
+    assert told == [[[0, 8]]]
+    prefix.finished(3)
+    assert told == [[[0, 8]]]
+    prefix.finished(2)
+    assert told[-1] == [[0, 8], [20, 28]]  # two runs of the file, a gap (CRIU's pages) between
+
+
+def test_take_with_notes_leaves_a_note_of_every_run_read(child, tmp_path, monkeypatch):
+    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
+    monkeypatch.setattr(dump_ahead, "READ_PIECE", PAGE)
+    monkeypatch.setattr(dump_ahead, "NOTE_EVERY", 2 * PAGE)
+    pid, a = child.proc.pid, child.addr
+    runs = [(a + 4 * PAGE, a + 20 * PAGE), (a + 30 * PAGE, a + 34 * PAGE)]
+    task = dump_ahead.take(pid, 1, runs, tmp_path, threads=3, notes=True)
+    note = json.loads(Path(task.path + ".ready").read_text())
+    assert note == {"size": Path(task.path).stat().st_size,
+                    "final": [[o, o + n] for _, n, o in task.runs]}

@@ -158,3 +158,30 @@ def test_clear_stale_removes_only_page_images(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     early_pages.clear_stale(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inventory.img", "pagemap-1.img"]
+
+
+def test_a_note_that_grows_while_the_read_goes_on_gives_each_new_segment_once(tmp_path):
+    """dump_ahead rewrites its note as the read goes on (every GiB): each
+    version hands out the segments newly inside the ranges read, none twice."""
+    rec, aside = Recorder(), tmp_path
+    (aside / ".ahead-9.img").write_bytes(os.urandom(8 * SEG))
+    note = aside / ".ahead-9.img.ready"
+
+    def tell(end: int) -> None:
+        tmp = aside / ".tmp"
+        tmp.write_text('{"size": %d, "final": [[0, %d]]}' % (8 * SEG, end))
+        os.replace(tmp, note)
+
+    w = early_pages.EarlyPages(tmp_path / "none", rec.submit, lambda size: PARAMS, SEG,
+                               lambda: False, aside=aside)
+    try:
+        tell(2 * SEG + 10)
+        _until(lambda: len(rec.calls) == 2)
+        tell(5 * SEG)
+        _until(lambda: len(rec.calls) == 5)
+        tell(8 * SEG)  # all read: 0..6 (7, the last, waits for the pages file)
+        _until(lambda: len(rec.calls) == 7)
+        time.sleep(4 * early_pages.POLL)
+        assert [c[1] for c in rec.calls] == [k * SEG for k in range(7)]
+    finally:
+        w.stop()

@@ -353,6 +353,7 @@ ROOMY = {"MemTotal": 128 * GiB, "MemAvailable": 100 * GiB}
 
 def _written(tmp_path: Path, monkeypatch, entry: FileEntry, name: str = "x") -> Path:
     """A restore's pull folder in a stand-in RAM root, with ``entry``'s file written whole."""
+    monkeypatch.setenv(pp.KEEP_ENV, "auto")  # the test session turns it off (tests/conftest.py)
     monkeypatch.setattr(pp.memory, "roots", lambda: (tmp_path,))
     monkeypatch.setattr(pp.memory, "ram_dir", lambda size, info=None, root=None:
                         root if info["MemAvailable"] >= 2 * size else None)
