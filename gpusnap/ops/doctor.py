@@ -167,12 +167,13 @@ def _pages_check() -> Check:
 
 
 def _prepared_check() -> Check:
-    """Pages files a prefetch wrote out (ops/prepared_pages.py): memory or disk
-    held on purpose, shown so that it is not a surprise."""
+    """Pages files a prefetch wrote out, or a restore kept for the next replica
+    (ops/prepared_pages.py): memory or disk held on purpose, shown so that it
+    is not a surprise."""
     found = prepared_pages.folders()
     if not found:
-        return Check("prepared pages", True, "none (`gpusnap pull --prefetch` writes them)",
-                     required=False)
+        return Check("prepared pages", True, "none (`gpusnap pull --prefetch` writes them; a "
+                     "restore keeps the pages it wrote, for the next replica)", required=False)
     return Check("prepared pages", True, "; ".join(
         f"{f} ({prepared_pages.size_of(f) / 1e9:.1f} GB)" for f in found) +
         ": a restore of their checkpoint links them; in RAM they give way to a push or "

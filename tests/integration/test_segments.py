@@ -174,6 +174,16 @@ def _md5_of_memory(name: str) -> str:
     raise AssertionError(f"{name} did not answer with the md5 of its memory")
 
 
+def _start_big_memory(name: str) -> str:
+    """A container running _BIG_MEMORY, counting; the md5 of its memory."""
+    from tests.conftest import DEMO_IMAGE, wait_counter
+
+    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
+                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
+    wait_counter(name, 3, timeout=120)
+    return _md5_of_memory(name)
+
+
 def test_big_process_memory_moves_beside_podmans_tars_and_comes_back_whole(registry, name):
     """migrate + restore REF of a container with ~300 MB of process memory: the
     pages file leaves the export as a symlink (post-dump), is fetched by the
@@ -181,12 +191,7 @@ def test_big_process_memory_moves_beside_podmans_tars_and_comes_back_whole(regis
     puts it in place; the process's memory is the same afterwards."""
     import time
 
-    from tests.conftest import DEMO_IMAGE, wait_counter
-
-    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
-                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
-    wait_counter(name, 3, timeout=120)
-    before = _md5_of_memory(name)
+    before = _start_big_memory(name)
     mark = _journal_size()
     ref = registry.ref(f"ckpt/big-memory-{uuid.uuid4().hex[:8]}:v1")
     res = run([GPUSNAP, "migrate", name, ref, *registry.flags(), "--json"], input=PASSWORD + "\n")
@@ -217,12 +222,7 @@ def test_pages_prepared_by_a_prefetch_are_the_parent_of_the_final_round_and_link
     the final round reads it as CRIU's parent, writing only the pages it lacks
     (ops/parent_pages.py), and the process's memory is as before. A prefetch of the final round prepares it
     again, and two replicas restored from it link that file: nothing written."""
-    from tests.conftest import DEMO_IMAGE, wait_counter
-
-    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
-                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
-    wait_counter(name, 3, timeout=120)
-    before = _md5_of_memory(name)
+    before = _start_big_memory(name)
     repo = registry.ref(f"ckpt/prepared-{uuid.uuid4().hex[:8]}")
     flags = [*registry.flags(), "--json"]
     replicas = [f"{name}-r{n}" for n in (1, 2)]
@@ -283,12 +283,7 @@ def test_the_first_replicas_pages_are_kept_and_the_next_replica_links_them(regis
     source runs on."""
     import os
 
-    from tests.conftest import DEMO_IMAGE, wait_counter
-
-    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
-                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
-    wait_counter(name, 3, timeout=120)
-    before = _md5_of_memory(name)
+    before = _start_big_memory(name)
     ref = registry.ref(f"ckpt/kept-{uuid.uuid4().hex[:8]}:v1")
     flags = [*registry.flags(), "--json"]
     env = {**os.environ, "GPUSNAP_KEEP_PAGES": "auto"}
@@ -330,12 +325,7 @@ def test_a_running_containers_pages_left_in_podmans_folder_are_read_to_the_end(r
     (Under trixie's crun 1.21 this ended in a worker's FileNotFoundError.)"""
     import os
 
-    from tests.conftest import DEMO_IMAGE, wait_counter
-
-    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
-                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
-    wait_counter(name, 3, timeout=120)
-    before = _md5_of_memory(name)
+    before = _start_big_memory(name)
     repo = registry.ref(f"ckpt/left-{uuid.uuid4().hex[:8]}")
     env = {**os.environ, "GPUSNAP_PAGES_ASIDE": "0"}
     res = run([GPUSNAP, "migrate", "-P", name, f"{repo}:pre", *registry.flags(), "--json"],
