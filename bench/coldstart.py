@@ -189,27 +189,13 @@ def timeline(events: list[dict], t0: float) -> list[list]:
              {k: e[k] for k in EVENT_FIELDS if k in e}] for e in events if "at" in e]
 
 
-def keep_restore_log(name: str, logs: Path | None) -> None:
-    """CRIU's restore.log of replica ``name`` (Podman keeps it in the
-    container's userdata), into ``logs``: its timestamps show CRIU's own steps."""
-    if logs is None:
-        return
-    userdata = sh("podman", "inspect", name, "--format", "{{.StaticDir}}", check=False)
-    log = Path(userdata.stdout.strip() or "/nonexistent") / "restore.log"
-    if log.is_file():
-        logs.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(log, logs / f"{name}-restore.log")
-
-
-def restore(ref: str, name: str, cache: Path, t0: float, logs: Path | None = None,
-            keep: str = "auto") -> dict:
+def restore(ref: str, name: str, cache: Path, t0: float, keep: str = "auto") -> dict:
     mark = journal_size()
     r = timed([GPUSNAP, "restore", ref, "--name", name, "--plain-http", "--json"],
               env={**os.environ, "GPUSNAP_CACHE_DIR": str(cache), "GPUSNAP_KEEP_PAGES": keep})
     done = time.time()
     out = json.loads(r.stdout)
     _, first = Server(name).ask(["0"])
-    keep_restore_log(name, logs)
     pull = out.get("pull") or {}
     return {"first_answer_s": round(first - t0, 3), "restore_rss_mib": round(r.maxrss_kib / 1024),
             # replicas restored together share the journal: theirs interleave
@@ -224,14 +210,14 @@ def restore(ref: str, name: str, cache: Path, t0: float, logs: Path | None = Non
 
 def together(ref: str, tag: str, names: tuple[str, ...], case: str, cache: Path,
              expected: list[str], tcp: bool, servers: list[Server],
-             logs: Path | None = None, keep: str = "auto") -> list[dict]:
+             keep: str = "auto") -> list[dict]:
     """Replicas ``names`` restored at the same time (page cache dropped first),
     each checked and left running (added to ``servers``); their rows."""
     drop_caches()
     t0 = time.time()
     done: dict[str, dict] = {}
     threads = [threading.Thread(target=lambda n=n: done.__setitem__(
-        n, restore(ref, f"{tag}-{n}", cache, t0, logs, keep))) for n in names]
+        n, restore(ref, f"{tag}-{n}", cache, t0, keep))) for n in names]
     for t in threads:
         t.start()
     for t in threads:
@@ -291,8 +277,7 @@ def run(args) -> dict:
         target = cache / "target"
         for case, name in (("b restore, empty cache", "r1"), ("c restore, warm cache", "r2")):
             drop_caches()
-            row = {"case": case, **restore(pinned, f"{tag}-{name}", target, time.time(),
-                                           args.logs)}
+            row = {"case": case, **restore(pinned, f"{tag}-{name}", target, time.time())}
             srv = Server(f"{tag}-{name}")
             check(srv, expected, args.tcp)
             row["identity"] = srv.identity()
@@ -301,7 +286,7 @@ def run(args) -> dict:
             srv.remove()  # one replica at a time until (d)
             prepared = prepared or row.get("pages_kept")
         rows += together(pinned, tag, ("r3", "r4"), "d 2 at once", target, expected, args.tcp,
-                         servers, args.logs)
+                         servers)
         # (b)'s pages kept in RAM set aside: a replica from the chunk cache alone
         # (GPUSNAP_KEEP_PAGES=0: written anew from the cache, as before keeping)
         aside = None
@@ -310,7 +295,7 @@ def run(args) -> dict:
             os.rename(prepared["folder"], aside)
         try:
             rows += together(pinned, tag, ("r5",), "e warm cache, nothing kept", target,
-                             expected, args.tcp, servers, args.logs, keep="0")
+                             expected, args.tcp, servers, keep="0")
         finally:
             if aside:
                 os.rename(aside, prepared["folder"])
@@ -360,7 +345,6 @@ def main() -> int:
                          "on Linux >= 6.16)")
     ap.add_argument("--ram-gib", type=int, default=40, help="tmpfs for the registry's storage")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--logs", type=Path, help="a folder for each replica's CRIU restore.log")
     args = ap.parse_args()
     result = run(args)
     Path(args.out).write_text(json.dumps(result, indent=2))
