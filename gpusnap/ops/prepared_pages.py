@@ -561,8 +561,8 @@ def keep(bundle: Bundle, digest: str, folder: Path, *, repository: str = "",
     if mode == "0" or not entries or not memory.in_ram(folder):
         return None
     paths = {f.path: pages_aside.path_in(folder, f) for f in entries}
-    if any(not p.is_file() or p.stat().st_size != f.size
-           for f in entries for p in [paths[f.path]]):
+    if any(not paths[f.path].is_file() or paths[f.path].stat().st_size != f.size
+           for f in entries):
         return None  # not whole: linked or patched from elsewhere, or cut short
     size = sum(f.size for f in entries)
     name = PREFIX + digest.partition(":")[2][:16]
@@ -573,8 +573,12 @@ def keep(bundle: Bundle, digest: str, folder: Path, *, repository: str = "",
     if memory.ram_dir(size, info=info, root=folder.parent) is None:
         return None
     for other in folder.iterdir():  # only the pages files a replica links
-        if other not in paths.values():
-            shutil.rmtree(other) if other.is_dir() and not other.is_symlink() else other.unlink()
+        if other in paths.values():
+            continue
+        if other.is_dir() and not other.is_symlink():
+            shutil.rmtree(other)
+        else:
+            other.unlink()
     (folder / INDEX).write_text(json.dumps({
         "digest": digest, "created": time.time(), "repository": repository,
         "pre_checkpoint": False, "kept_by_restore": True,
