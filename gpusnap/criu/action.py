@@ -143,10 +143,8 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
     read_s, taken = round(time.monotonic() - started, 3), []
     for task in tasks:
         try:
-            dump_ahead.drop(task)
+            dump_ahead.drop(task)  # the push hashed it meanwhile (the read's notes)
             taken.append(task)
-            with contextlib.suppress(OSError):  # only lets the push start early
-                dump_ahead.note_ready(task)
         except RemoteSyscallError as exc:  # its memory is back: CRIU dumps it
             Path(task.path).unlink(missing_ok=True)
             journal.record("pages-read-ahead-skipped", pid=task.pid, error=str(exc))

@@ -193,7 +193,7 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
     the process's bytes into it (one copy); unmapped after, so the pages stay
     in the file, not in this process (its RSS stays at the pieces in flight).
     ``progress(ranges)``: the file ranges read so far, every NOTE_EVERY bytes
-    and at the end (the push hashes them meanwhile: note_ready)."""
+    and at the end (the push hashes them meanwhile: _note)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -236,7 +236,8 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
          threads: int | None = None, notes: bool = False) -> Task | None:
     """Read ``runs`` of ``pid`` into a file in ``folder`` at the offsets CRIU's
     pages file will have them; None where there is too little to gain.
-    ``notes``: note_ready's note kept up to date while they are read."""
+    ``notes``: a note for the push (early_pages.py) of the ranges read,
+    kept up to date while they are read."""
     runs = sorted(runs)
     if sum(end - start for start, end in runs) < MIN_TOTAL:
         return None
@@ -253,17 +254,13 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     return Task(pid, vpid, path, placed, gaps)
 
 
-def note_ready(task: Task) -> None:
-    """Tell the push (early_pages.py) the runs are read: the segments wholly in
-    them may be hashed now, while CRIU dumps the rest."""
-    _note(task.path, os.stat(task.path).st_size, [[o, o + n] for _, n, o in task.runs])
-
-
 def _note(path: str, size: int, final: list[list[int]]) -> None:
-    """``path``'s note: its size and the ranges read (final: the process is
-    locked, nothing but the driver ever wrote them), replaced whole each time.
-    The bytes read are final before the drop: where the drop fails, the file
-    goes and the push's inode check drops what was hashed of it."""
+    """Tell the push (early_pages.py) which ranges of ``path`` are read: the
+    segments wholly in them may be hashed now. The note holds its size and
+    those ranges, replaced whole each time. The bytes read are final (the
+    process is locked, nothing but the driver ever wrote them), even before
+    the drop: where the drop fails, the file goes and the push's inode check
+    drops what was hashed of it."""
     try:
         ready = Path(path + ".ready")
         tmp = ready.with_name(f".{ready.name}.tmp")

@@ -40,7 +40,7 @@ from gpusnap.oci import chunker
 
 POLL = 0.05  # seconds between looks at the folder
 PATTERN = "pages-*.img"
-READY = ".ahead-*.img.ready"  # dump_ahead.note_ready
+READY = ".ahead-*.img.ready"  # dump_ahead._note
 
 
 def clear_stale(images: Path) -> None:

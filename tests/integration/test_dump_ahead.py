@@ -17,11 +17,11 @@ import uuid
 import pytest
 
 from gpusnap.criu.runtimes import runs_action_script
-from tests.conftest import DEMO_IMAGE, GPUSNAP, assert_one_line_error, run, wait_counter
+from tests.conftest import GPUSNAP, assert_one_line_error, run, wait_counter
 from tests.integration.oci_registry import PASSWORD
 from tests.integration.test_page_fill import _runtime
-from tests.integration.test_segments import (_BIG_MEMORY, _events_since, _journal_since,
-                                             _journal_size, _md5_of_memory)
+from tests.integration.test_segments import (_events_since, _journal_since, _journal_size,
+                                             _md5_of_memory, _start_big_memory)
 
 pytestmark = pytest.mark.usefixtures("cache_dir")
 
@@ -31,13 +31,6 @@ def ahead(monkeypatch):
     monkeypatch.setenv("GPUSNAP_PROCESSES", "2")
     monkeypatch.setenv("GPUSNAP_PAGES_RAM", "1")  # the read-ahead goes where pages go to RAM
     monkeypatch.setenv("GPUSNAP_DUMP_AHEAD_TEST_MIN", str(128 << 20))
-
-
-def _big(name: str) -> str:
-    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
-                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
-    wait_counter(name, 3, timeout=120)
-    return _md5_of_memory(name)
 
 
 def _gs(registry, *args: str) -> dict:
@@ -61,7 +54,7 @@ def test_memory_read_ahead_is_in_the_pushed_images_and_restores_whole(registry, 
     """migrate: pre-dump reads the ~280 MB and drops it from the shell, CRIU
     dumps the rest, post-dump composes the pages file in place; the restored
     shell's memory is what it was."""
-    before = _big(name)
+    before = _start_big_memory(name)
     mark = _journal_size()
     pushed = _gs(registry, "migrate", name, _ref(registry))
     events = _journal_since(mark)
@@ -82,7 +75,7 @@ def test_a_container_that_runs_on_is_dumped_by_criu(registry, name):
     """push (the container keeps running): nothing is read ahead, since the
     memory would have to go back before the process runs on; the restored
     copy and the source have the memory."""
-    before = _big(name)
+    before = _start_big_memory(name)
     mark = _journal_size()
     pushed = _gs(registry, "push", name, _ref(registry))
     events = _events_since(mark)
@@ -102,7 +95,7 @@ def test_a_failure_after_the_memory_was_taken_leaves_the_container_as_it_was(
         registry, name, monkeypatch):
     """post-dump fails to compose the images (injected): CRIU fails the dump and
     resumes the shell, the guardian puts its memory back; one line says so."""
-    before = _big(name)
+    before = _start_big_memory(name)
     monkeypatch.setenv("GPUSNAP_DUMP_AHEAD_TEST_FAULT", "compose")
     mark = _journal_size()
     res = run([GPUSNAP, "migrate", name, _ref(registry), *registry.flags()], input=PASSWORD + "\n")

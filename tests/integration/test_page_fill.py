@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from gpusnap.criu.runtimes import runs_action_script
-from tests.conftest import DEMO_IMAGE, wait_counter
-from tests.integration.test_segments import _BIG_MEMORY, _journal_since, _journal_size, _md5_of_memory
+from tests.integration.test_segments import (_journal_since, _journal_size, _md5_of_memory,
+                                             _start_big_memory)
 
 
 def _runtime() -> str:
@@ -23,10 +23,7 @@ def _runtime() -> str:
 
 
 def test_a_plain_podman_import_of_big_memory_is_filled_by_threads_and_whole(name, tmp_path):
-    subprocess.run(["podman", "run", "-d", "--name", name, "--network", "none", DEMO_IMAGE,
-                    "sh", "-c", _BIG_MEMORY], check=True, capture_output=True)
-    wait_counter(name, 3, timeout=120)
-    before = _md5_of_memory(name)
+    before = _start_big_memory(name)
     archive = tmp_path / "big.tar"
     subprocess.run(["podman", "container", "checkpoint", "--export", str(archive), name],
                    check=True, capture_output=True)
