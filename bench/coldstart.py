@@ -47,7 +47,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from migrate import GPUSNAP, journal_events, journal_size, timed  # noqa: E402
+from migrate import (GPUSNAP, journal_events, journal_size, need_gpusnap_python,  # noqa: E402
+                     timed)
 
 from tests.faults.netreg import make_registry  # noqa: E402
 from tests.gpu import harness  # noqa: E402
@@ -346,6 +347,7 @@ def main() -> int:
     ap.add_argument("--ram-gib", type=int, default=40, help="tmpfs for the registry's storage")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    need_gpusnap_python()
     result = run(args)
     Path(args.out).write_text(json.dumps(result, indent=2))
     report(result)

@@ -1,5 +1,7 @@
 """GPU migration at scale, built for 10-minute calls on one warm GPU machine.
 
+    /opt/gpusnap/venv/bin/python bench/gpu_scale.py start ...  # the venv of tests/gpu/prepare.sh
+
     bench/gpu_scale.py start  --results DIR [--sizes 8,16,32] [--jobs infer,train]
                               [--pipelines gpusnap,local,plain] [--ram-gib 70]
     bench/gpu_scale.py wait   --results DIR [--seconds 540]   # until done or the time is up
@@ -79,7 +81,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from migrate import (GPUSNAP, Beat, Migration, container_id, driver_floor,  # noqa: E402
-                     journal_events, journal_size, plain, restore_ref, timed)
+                     journal_events, journal_size, need_gpusnap_python, plain, restore_ref,
+                     timed)
 
 from timeline import Timeline, summary  # noqa: E402
 
@@ -628,6 +631,8 @@ def main() -> int:
     ap.add_argument("--step", type=float, default=5.0, help="report --timelines: seconds a line")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.verb in ("start", "run"):
+        need_gpusnap_python()
     return {"start": start, "run": run, "wait": wait, "report": report}[args.verb](args)
 
 

@@ -67,6 +67,25 @@ from tests.integration.oci_registry import permissive_policy  # noqa: E402
 
 IMAGE = "localhost/gpusnap-demo:latest"
 GPUSNAP = "/usr/local/bin/gpusnap"
+GPUSNAP_PYTHON = "/opt/gpusnap/venv/bin/python"  # the venv `make install` / tests/gpu/prepare.sh make
+
+
+def need_gpusnap_python() -> None:
+    """Stop at once, in one line, where this Python cannot import what gpusnap
+    imports mid-case (a GPU host's `python3` is its PyTorch venv: no
+    cryptography, so a 32 GiB case failed after five minutes of work)."""
+    missing = [m for m in ("cryptography", "zstandard") if not _importable(m)]
+    if missing:
+        sys.exit(f"this Python ({sys.executable}) lacks {', '.join(missing)}: "
+                 f"run the bench with {GPUSNAP_PYTHON}")
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
 MEDIA = "application/vnd.gpusnap.bench.archive.v1+zstd"
 JOURNAL = Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap")) / "journal.jsonl"
 CRIU_CONF = Path("/etc/criu/runc.conf")
