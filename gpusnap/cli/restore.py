@@ -86,7 +86,8 @@ def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool
                                               dry_run, trust, registry, as_json,
                                               containerd_address, log_uri), _human)
         return
-    if reference.try_parse(source) and not Path(source).exists() and not podman.exists(source):
+    if (reference.try_parse(source) and not Path(source).exists()
+            and not (podman.could_name_container(source) and podman.exists(source))):
         from gpusnap.ops import pull  # registry code: imported only when used
 
         with transfer_progress(as_json, f"Pulling {source}", verb="fetched") as bar:

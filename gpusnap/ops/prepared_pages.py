@@ -188,9 +188,10 @@ def _write(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def roots() -> list[Path]:
-    """Where prepared folders may lie: the RAM roots, and beside Podman's storage."""
-    root = storage_root()
+def roots(graph_root: Path | None = None) -> list[Path]:
+    """Where prepared folders may lie: the RAM roots, and beside Podman's
+    storage (``graph_root`` where the caller knows it, else Podman is asked)."""
+    root = graph_root or storage_root()
     return [r for r in (*memory.roots(), root.parent if root else None) if r and r.is_dir()]
 
 

@@ -262,7 +262,8 @@ def pull(ref_text: str, output: str | None, opts: RegistryOptions,
     return write_archive(remote, out, **kw)
 
 
-def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_run: bool):
+def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_run: bool,
+                    facts: Callable[[], podman.HostFacts] = podman.host_facts):
     """What restore would refuse, refused before gigabytes are downloaded; the GPU plan."""
     if remote.bundle.summary.get("engine", "podman") != "podman":  # containerd's: --to containerd://
         from gpusnap.ops.engines import refuse_engine
@@ -280,7 +281,7 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_r
     from gpusnap.ops.gpu_plan import plan_here
 
     manifest = remote.bundle.gpu_manifest
-    require_gpu_restore(remote.bundle.summary.get("runtime") or podman.default_runtime(), manifest,
+    require_gpu_restore(remote.bundle.summary.get("runtime") or facts().runtime, manifest,
                         str(remote.client.ref), "nothing was downloaded")
     return plan_here(Manifest.from_dict(manifest) if manifest else None, gpu_map,
                      refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
@@ -323,7 +324,7 @@ def fetch_small(remote: Remote, entries: list[fmt.FileEntry],
 
 def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan,
                        name: str | None, keep: bool, tcp_established: bool,
-                       **kw) -> tuple[dict, dict]:
+                       facts: podman.HostFacts, **kw) -> tuple[dict, dict]:
     """Podman imports through a FIFO fed by the download as it arrives: the
     restore overlaps the download, and nothing is staged on disk. Podman's
     first ``opens`` opens get a tar of ``files`` (config.dump, spec.dump)."""
@@ -341,8 +342,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     # CRIU's memory pages go to a folder of their own, not through Podman's
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
     # the pre-restore action renames them into place or links them (criu/pages_aside.py).
-    aside = pages_aside.enabled() and runs_action_script(_restoring_runtime(files))
-    where = prepared_pages.roots() if aside else []  # asks `podman info` once (~0.2 s)
+    aside = pages_aside.enabled() and runs_action_script(_restoring_runtime(files, facts.runtime))
+    where = prepared_pages.roots(facts.graph_root) if aside else []
     prepared = prepared_pages.best(remote.bundle, where) if aside else None
     if prepared is not None and not prepared_pages.claim(prepared):
         prepared = None  # another restore took it: written anew
@@ -412,14 +413,14 @@ def _pages_root(remote: Remote, prepared: prepared_pages.Match | None) -> Path:
     return pages_dir(remote.bundle.total_bytes, prepared_pages.evict_for)
 
 
-def _restoring_runtime(files: dict[str, bytes]) -> str:
+def _restoring_runtime(files: dict[str, bytes], default: str) -> str:
     """The OCI runtime Podman restores with: the one config.dump names (Podman
-    keeps the checkpointed container's), else Podman's default."""
+    keeps the checkpointed container's), else Podman's ``default``."""
     try:
         named = json.loads(files.get("config.dump") or b"{}").get("runtime")
     except (ValueError, AttributeError):
         named = None
-    return named or podman.default_runtime()
+    return named or default
 
 
 def _restore_staged(remote: Remote, name: str | None, keep: bool, tcp_established: bool,
@@ -451,19 +452,20 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     Podman is not known to read only the config first, a staged pull, then restore."""
     from gpusnap.ops import restore as ops_restore
 
+    facts = podman.ask_host_facts()  # answered while the registry is asked
     remote = open_remote(ref_text, opts, trust)
-    plan = _restore_checks(remote, name, gpu_map, dry_run)
+    plan = _restore_checks(remote, name, gpu_map, dry_run, facts)
     if dry_run:
         return ops_restore.plan_report(str(remote.client.ref), plan)
     if on_trusted:
         on_trusted(remote.trust)
     # Moved GPUs need the archive rewritten on its way: staged, as with a
     # Podman not known to read only the config on its first opens.
-    opens = 0 if plan.needs_remap else stream_module.config_only_opens(podman.version())
+    opens = 0 if plan.needs_remap else stream_module.config_only_opens(facts().version)
     files = _config_files(remote, **kw) if opens else None
     if files is not None:  # Podman imports while the chunks arrive
         result, pulled = _restore_streaming(remote, files, opens, plan, name, keep,
-                                            tcp_established, **kw)
+                                            tcp_established, facts(), **kw)
     else:
         result, pulled = _restore_staged(remote, name, keep, tcp_established, gpu_map, **kw)
     result["source"] = str(remote.client.ref)

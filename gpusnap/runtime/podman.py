@@ -8,10 +8,13 @@ The CLI rather than podman-py's REST client: checkpoint/restore with
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from gpusnap.errors import GpusnapError
 
@@ -98,6 +101,50 @@ def version() -> str:
     """The Podman client's version ("4.3.1"), "" when it cannot be told."""
     res = _run(["version", "--format", "{{.Client.Version}}"])
     return res.stdout.strip() if res.returncode == 0 else ""
+
+
+# Podman's rule for a container name (libpod's NameRegex, Docker's too); IDs
+# and their prefixes are hex, within it.
+_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
+
+
+def could_name_container(text: str) -> bool:
+    """Whether ``text`` could name (or be the ID of) a container: a registry
+    reference with a '/', ':' or '@' never can, so needs no `podman container
+    exists` (~50 ms) to tell which it is."""
+    return _NAME.fullmatch(text) is not None
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What a restore asks Podman about this host, in one `podman info`."""
+    version: str  # "4.3.1"; "" where Podman did not answer
+    runtime: str  # the default OCI runtime's name ("runc", "crun"); ""
+    graph_root: Path | None  # /var/lib/containers/storage for root
+
+
+def host_facts() -> HostFacts:
+    if shutil.which("podman") is None:
+        return HostFacts("", "", None)
+    try:
+        res = _run(["info", "--format",
+                    "{{.Version.Version}}\t{{.Host.OCIRuntime.Name}}\t{{.Store.GraphRoot}}"])
+    except OSError:  # removed or not executable since `which`: as if it had not answered
+        return HostFacts("", "", None)
+    fields = res.stdout.strip().split("\t") if res.returncode == 0 else []
+    if len(fields) != 3:
+        return HostFacts("", "", None)
+    return HostFacts(fields[0], fields[1], Path(fields[2]) if fields[2] else None)
+
+
+def ask_host_facts() -> Callable[[], HostFacts]:
+    """host_facts() started in a thread; the callable returned waits for it.
+    `podman info` takes ~0.25 s: a restore asks it before it opens the
+    registry, and has the answer by the time it needs it."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-podman-info")
+    future = pool.submit(host_facts)
+    pool.shutdown(wait=False)
+    return future.result
 
 
 def exists(name: str) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.runtime import podman as podman_rt
+from gpusnap.runtime.storage import storage_root
 from tests.conftest import (COUNTER, DEMO_IMAGE, assert_one_line_error, gpusnap, gpusnap_json,
                             podman, read_counter, run, wait_counter, with_gpu_manifest)
 
@@ -81,3 +82,13 @@ def test_gpu_checkpoint_is_refused_where_nothing_would_bring_the_gpu_back(tmp_pa
     finally:
         for other in (name, *restored):
             run(["podman", "rm", "-f", "-t", "0", other])
+
+
+def test_one_podman_info_answers_what_a_restore_asked_in_three_commands():
+    """Version, default runtime and graph root from the one `podman info` a
+    restore starts in a thread (this root's Podman): the answers the
+    separate commands give."""
+    facts = podman_rt.ask_host_facts()()
+    assert facts.version and facts.version == podman_rt.version()
+    assert facts.runtime and facts.runtime == podman_rt.default_runtime()
+    assert facts.graph_root is not None and facts.graph_root == storage_root()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpusnap.criu import runtimes
 from gpusnap.ops import pull
+from gpusnap.runtime import podman
 
 
 def test_runc_does_other_runtimes_do_not(monkeypatch):
@@ -43,11 +44,11 @@ def test_the_libcriu_probe_reads_this_hosts_library():
     assert runtimes.libcriu_sets_config_file() is False
 
 
-def test_a_restore_uses_the_runtime_config_dump_names(monkeypatch):
-    monkeypatch.setattr(pull.podman, "default_runtime", lambda: "crun")
-    assert pull._restoring_runtime({"config.dump": b'{"runtime": "runc"}'}) == "runc"
-    assert pull._restoring_runtime({"config.dump": b'{"name": "x"}'}) == "crun"
-    assert pull._restoring_runtime({"config.dump": b"not json"}) == "crun"
+def test_a_restore_uses_the_runtime_config_dump_names():
+    assert pull._restoring_runtime({"config.dump": b'{"runtime": "runc"}'}, "crun") == "runc"
+    assert pull._restoring_runtime({"config.dump": b'{"name": "x"}'}, "crun") == "crun"
+    assert pull._restoring_runtime({"config.dump": b"not json"}, "crun") == "crun"
+
 
 
 def test_a_cuda_container_under_crun_is_refused_before_anything(monkeypatch, tmp_path):
@@ -177,3 +178,12 @@ def test_doctor_judges_the_runtime_podman_uses(monkeypatch, tmp_path):
     monkeypatch.setattr(podman, "default_runtime", lambda: "runc")  # runc, not installed
     missing = doctor._runtime_check()
     assert missing.level == "error" and missing.detail == "runc: not found"
+
+
+def test_a_registry_reference_is_never_taken_for_a_container_name():
+    """restore SOURCE asks Podman whether SOURCE is a container only where it could be one."""
+    for name in ("web", "web-1", "my_ctr.v2", "0123abcd", "a"):
+        assert podman.could_name_container(name), name
+    for ref in ("127.0.0.1:5000/ckpt/web:v1", "registry.example/web@sha256:" + "0" * 64,
+                "web:v1", "ckpt/web", "-web", ".web", "", "wéb"):
+        assert not podman.could_name_container(ref), ref
