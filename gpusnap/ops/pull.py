@@ -170,18 +170,21 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
         total(b.total_bytes)
     start = time.monotonic()
     downloader = Downloader(remote.client, cache, workers, progress, cipher=remote.cipher)
+    pages = getattr(writer, "pages", None)
     # Big files (CRIU's pages of a GPU process) are fetched by worker processes
     # (segments.py); sealed chunks stay here, with the keys that open them.
-    big = {id(f) for f in b.files if f.type == "file" and segments.worth_fetching(f.size)
-           and remote.cipher is None and processes >= 2}
+    # Pages files a prepared folder holds go that way on any host: linked, they
+    # start no worker; on a host too small for workers one fetches what a patch lacks.
+    held = {*prepared.sources, *prepared.plans} if prepared is not None and pages else set()
+    big = {id(f) for f in b.files if f.type == "file" and remote.cipher is None and (
+        (segments.worth_fetching(f.size) and processes >= 2) or f.path in held)}
     stream = downloader.fetch(c for f in b.files if id(f) not in big for c in f.chunks)
     if cancel is not None:
         stream = _until(stream, cancel)
     fetch = segments.FetchPool(str(remote.client.ref), remote.client.opts,
-                               cache.root if cache else None, processes,
+                               cache.root if cache else None, max(processes, 1),
                                downloader.count_elsewhere) if big else None
     beside = 0  # pages written by the workers beside the import
-    pages = getattr(writer, "pages", None)
     try:
         for entry in b.files:
             image = prepared_pages.rewritten(prepared, entry.path) if pages else None
@@ -378,18 +381,26 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         raise exc
     finally:
         pool.shutdown(wait=True)
+        # why nothing prepared was taken: asked before this restore's own pages lie beside
+        why = _unprepared(remote, where, prepared, aside) if restored else None
         if restored and pages is not None and prepared is None and job.exception() is None:
             kept = _keep_pages(remote, pages)  # written anew: the next replica links them
         if pages is not None and kept is None:  # restored (or not needed): in the background
             discard(pages, pages.parent)
         prepared_pages.release(prepared)
-    why = prepared_pages.explain(remote.bundle, where, prepared) if aside else \
-        "pages go through Podman's import (GPUSNAP_PAGES_ASIDE=0, or a runtime without " \
-        "the action script)"
     ref = remote.client.ref
     prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}", where)
     return result, {**job.result(), "streamed": True, "pages_prepared_skipped": why,
                     "pages_kept": kept}
+
+
+def _unprepared(remote: Remote, where: list[Path], prepared: prepared_pages.Match | None,
+                aside: bool) -> str | None:
+    """Why a restore took nothing from a prepared folder (--json); None where it did."""
+    if not aside:
+        return ("pages go through Podman's import (GPUSNAP_PAGES_ASIDE=0, or a runtime "
+                "without the action script)")
+    return prepared_pages.explain(remote.bundle, where, prepared)
 
 
 def _keep_pages(remote: Remote, pages: Path) -> dict | None:

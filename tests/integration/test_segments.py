@@ -276,13 +276,17 @@ def test_pages_prepared_by_a_prefetch_are_the_parent_of_the_final_round_and_link
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_the_first_replicas_pages_are_kept_and_the_next_replica_links_them(registry, name):
+@pytest.mark.parametrize("workers", ["2", "0"])
+def test_the_first_replicas_pages_are_kept_and_the_next_replica_links_them(registry, name,
+                                                                            workers, monkeypatch):
     """`gpusnap restore REF --name r1` writes the pages file anew (nothing
     prepared on this host) and keeps it in RAM as REF's prepared folder; `--name
     r2` links it, writing nothing, and both hold the source's memory while the
-    source runs on."""
+    source runs on. Also with no worker processes (hosts under 8 cores), where
+    the pages file went through the pipe and r2 wrote it anew, linking nothing."""
     import os
 
+    monkeypatch.setenv("GPUSNAP_PROCESSES", workers)
     before = _start_big_memory(name)
     ref = registry.ref(f"ckpt/kept-{uuid.uuid4().hex[:8]}:v1")
     flags = [*registry.flags(), "--json"]
@@ -297,7 +301,10 @@ def test_the_first_replicas_pages_are_kept_and_the_next_replica_links_them(regis
                   input=PASSWORD + "\n", env=env)
         assert res.returncode == 0, (res.stdout, res.stderr)
         pulled = json.loads(res.stdout)["pull"]
-        assert pulled["pages_written_in_place"] >= 256 << 20, pulled
+        if workers != "0":
+            assert pulled["pages_written_in_place"] >= 256 << 20, pulled
+        # nothing was prepared before r1: its own kept folder is not taken for one
+        assert "100%" not in (pulled["pages_prepared_skipped"] or ""), pulled
         kept = pulled["pages_kept"]
         assert kept and kept["bytes"] >= 256 << 20, json.dumps(pulled)
         assert (Path(kept["folder"]) / "pages-1.img").is_file()
