@@ -219,10 +219,10 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
         if fetch is not None:
             fetch.close()
         downloader.close()
-    if cache:
+    s = downloader.stats
+    if cache and s.network_bytes:  # nothing fetched: the cache did not grow (a replica)
         cache.prune()
     seconds = time.monotonic() - start
-    s = downloader.stats
     return {"reference": str(remote.client.ref), "digest": remote.digest,
             "output": str(output), "bytes": b.total_bytes, "files": len(b.files),
             "chunks": s.chunks, "bytes_fetched": s.network_bytes,
