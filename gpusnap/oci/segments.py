@@ -283,10 +283,15 @@ class FetchPool:
         self.workers, self._count = workers, count
         self.window = workers + 2  # segments fetched or waiting to be copied: RAM bound
         self.dir = Path(tempfile.mkdtemp(prefix="gpusnap-fetch-", dir=_scratch(self.window)))
-        self._pool = ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_fetch,
-            initargs=(ref, opts, str(cache_root) if cache_root else None))
+        self._initargs = (ref, opts, str(cache_root) if cache_root else None)
+        # Made at the first segment: a restore that only links prepared files
+        # starts no process (not even multiprocessing's resource tracker).
+        self._pool: ProcessPoolExecutor | None = None
         self._n = 0
+
+    @property
+    def started(self) -> bool:
+        return self._pool is not None
 
     def pieces(self, chunks: list[Chunk], buffer: int = 4 << 20) -> Iterator[memoryview]:
         runs = deque(fetch_segments(chunks))
@@ -309,6 +314,10 @@ class FetchPool:
                 f.cancel()
 
     def _submit(self, segment: FetchSegment) -> Future:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_fetch, initargs=self._initargs)
         try:
             return self._pool.submit(_fetch, segment)
         except BrokenProcessPool:  # a worker died before this segment was handed out
@@ -358,7 +367,8 @@ class FetchPool:
         return written
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -229,7 +229,7 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             "bytes_from_cache": s.cached_bytes, "bytes_repeated": s.repeated_bytes,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
-            "processes": fetch.workers if fetch else 0, "pages_written_in_place": beside,
+            "processes": fetch.workers if fetch and fetch.started else 0, "pages_written_in_place": beside,
             "pages_prepared": prepared_pages.report(prepared), "trust": remote.trust}
 
 
@@ -472,7 +472,8 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
         on_trusted(remote.trust)
     # Moved GPUs need the archive rewritten on its way: staged, as with a
     # Podman not known to read only the config on its first opens.
-    opens = 0 if plan.needs_remap else stream_module.config_only_opens(facts().version)
+    opens = 0 if plan.needs_remap else \
+        stream_module.config_only_opens(facts().version or podman.version())
     files = _config_files(remote, **kw) if opens else None
     if files is not None:  # Podman imports while the chunks arrive
         result, pulled = _restore_streaming(remote, files, opens, plan, name, keep,

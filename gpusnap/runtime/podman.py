@@ -11,7 +11,7 @@ import json
 import re
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -124,27 +124,42 @@ class HostFacts:
 
 
 def host_facts() -> HostFacts:
-    if shutil.which("podman") is None:
-        return HostFacts("", "", None)
+    """Blank where Podman does not answer; GpusnapError where it is not installed."""
     try:
         res = _run(["info", "--format",
                     "{{.Version.Version}}\t{{.Host.OCIRuntime.Name}}\t{{.Store.GraphRoot}}"])
-    except OSError:  # removed or not executable since `which`: as if it had not answered
+    except OSError:  # found, but it could not be run: as if it had not answered
         return HostFacts("", "", None)
-    fields = res.stdout.strip().split("\t") if res.returncode == 0 else []
+    fields = res.stdout.rstrip("\n").split("\t") if res.returncode == 0 else []
     if len(fields) != 3:
         return HostFacts("", "", None)
-    return HostFacts(fields[0], fields[1], Path(fields[2]) if fields[2] else None)
+    return HostFacts(fields[0].strip(), fields[1].strip(),
+                     Path(fields[2].strip()) if fields[2].strip() else None)
 
 
 def ask_host_facts() -> Callable[[], HostFacts]:
-    """host_facts() started in a thread; the callable returned waits for it.
-    `podman info` takes ~0.25 s: a restore asks it before it opens the
-    registry, and has the answer by the time it needs it."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-podman-info")
-    future = pool.submit(host_facts)
-    pool.shutdown(wait=False)
-    return future.result
+    """host_facts() started in a thread; the callable returned waits for it
+    (and raises what it raised). `podman info` takes ~0.25 s: a restore asks
+    it before it opens the registry, and has the answer by the time it needs
+    it. A daemon thread: a restore refused before it needs the answer exits
+    without waiting for Podman."""
+    box: list[HostFacts | BaseException] = []
+
+    def ask() -> None:
+        try:
+            box.append(host_facts())
+        except BaseException as exc:  # handed to the caller, in its thread
+            box.append(exc)
+
+    thread = threading.Thread(target=ask, name="gpusnap-podman-info", daemon=True)
+    thread.start()
+
+    def answer() -> HostFacts:
+        thread.join()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+    return answer
 
 
 def exists(name: str) -> bool:

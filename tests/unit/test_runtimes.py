@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from gpusnap.criu import runtimes
 from gpusnap.ops import pull
 from gpusnap.runtime import podman
@@ -187,3 +189,27 @@ def test_a_registry_reference_is_never_taken_for_a_container_name():
     for ref in ("127.0.0.1:5000/ckpt/web:v1", "registry.example/web@sha256:" + "0" * 64,
                 "web:v1", "ckpt/web", "-web", ".web", "", "wéb"):
         assert not podman.could_name_container(ref), ref
+
+
+def test_podman_info_read_field_by_field(monkeypatch):
+    """One blank field leaves the other two; a Podman that fails answers blanks;
+    none installed is said where the answer is wanted, in one line."""
+    import subprocess
+
+    import pytest
+
+    from gpusnap.errors import GpusnapError
+
+    def info(out: str, rc: int = 0):
+        return lambda args, timeout=None: subprocess.CompletedProcess(args, rc, out, "")
+    monkeypatch.setattr(podman, "_run", info("4.3.1\tcrun\t\n"))
+    assert podman.ask_host_facts()() == podman.HostFacts("4.3.1", "crun", None)
+    monkeypatch.setattr(podman, "_run", info("\trunc\t/var/lib/containers/storage\n"))
+    assert podman.host_facts() == podman.HostFacts("", "runc",
+                                                   Path("/var/lib/containers/storage"))
+    monkeypatch.setattr(podman, "_run", info("", rc=125))
+    assert podman.host_facts() == podman.HostFacts("", "", None)
+    monkeypatch.undo()
+    monkeypatch.setattr(podman.shutil, "which", lambda name: None)
+    with pytest.raises(GpusnapError, match="podman is not installed"):
+        podman.ask_host_facts()()
