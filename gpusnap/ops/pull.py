@@ -464,8 +464,13 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     from gpusnap.ops import restore as ops_restore
 
     facts = podman.ask_host_facts()  # answered while the registry is asked
+    start = time.monotonic()
     remote = open_remote(ref_text, opts, trust)
+    opened = time.monotonic()
     plan = _restore_checks(remote, name, gpu_map, dry_run, facts)
+    # what a restore spends before Podman starts, in its timeline (bench/coldstart.py)
+    journal.record("restore-checked", timing={"registry": round(opened - start, 3),
+                                              "checks": round(time.monotonic() - opened, 3)})
     if dry_run:
         return ops_restore.plan_report(str(remote.client.ref), plan)
     if on_trusted:

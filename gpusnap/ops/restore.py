@@ -122,6 +122,7 @@ def import_archive(opener: ContextManager[Path], contents: archive.CheckpointCon
     that streams the archive); a failure removes what Podman half-created."""
     target = name or (contents.json_file("config.dump") or {}).get("name")
     start = time.monotonic()
+    journal.record("import-started", container=target)
     try:
         with opener as src:
             podman.restore(str(src), archive=True, name=name, keep=keep,
