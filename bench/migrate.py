@@ -67,7 +67,7 @@ from tests.integration.oci_registry import permissive_policy  # noqa: E402
 
 IMAGE = "localhost/gpusnap-demo:latest"
 GPUSNAP = "/usr/local/bin/gpusnap"
-GPUSNAP_PYTHON = "/opt/gpusnap/venv/bin/python"  # the venv `make install` / tests/gpu/prepare.sh make
+GPUSNAP_PYTHON = "/opt/gpusnap/venv/bin/python"  # made by `make install`, tests/gpu/prepare.sh
 MEDIA = "application/vnd.gpusnap.bench.archive.v1+zstd"
 JOURNAL = Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap")) / "journal.jsonl"
 CRIU_CONF = Path("/etc/criu/runc.conf")

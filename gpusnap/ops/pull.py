@@ -229,7 +229,8 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             "bytes_from_cache": s.cached_bytes, "bytes_repeated": s.repeated_bytes,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
-            "processes": fetch.workers if fetch and fetch.started else 0, "pages_written_in_place": beside,
+            "processes": fetch.workers if fetch and fetch.started else 0,
+            "pages_written_in_place": beside,
             "pages_prepared": prepared_pages.report(prepared), "trust": remote.trust}
 
 
@@ -266,7 +267,7 @@ def pull(ref_text: str, output: str | None, opts: RegistryOptions,
 
 
 def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_run: bool,
-                    facts: Callable[[], podman.HostFacts] = podman.host_facts):
+                    facts: Callable[[], podman.HostFacts]):
     """What restore would refuse, refused before gigabytes are downloaded; the GPU plan."""
     if remote.bundle.summary.get("engine", "podman") != "podman":  # containerd's: --to containerd://
         from gpusnap.ops.engines import refuse_engine
@@ -468,11 +469,11 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     remote = open_remote(ref_text, opts, trust)
     opened = time.monotonic()
     plan = _restore_checks(remote, name, gpu_map, dry_run, facts)
+    if dry_run:
+        return ops_restore.plan_report(str(remote.client.ref), plan)
     # what a restore spends before Podman starts, in its timeline (bench/coldstart.py)
     journal.record("restore-checked", timing={"registry": round(opened - start, 3),
                                               "checks": round(time.monotonic() - opened, 3)})
-    if dry_run:
-        return ops_restore.plan_report(str(remote.client.ref), plan)
     if on_trusted:
         on_trusted(remote.trust)
     # Moved GPUs need the archive rewritten on its way: staged, as with a
