@@ -48,6 +48,7 @@ which the .gpu-bundle does not carry yet. On it, after tests/gpu/prepare.sh:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -77,18 +78,10 @@ def need_gpusnap_python() -> None:
     """Stop at once, in one line, where this Python cannot import what gpusnap
     imports mid-case (a GPU host's `python3` is its PyTorch venv: no
     cryptography, so a 32 GiB case failed after five minutes of work)."""
-    missing = [m for m in ("cryptography", "zstandard") if not _importable(m)]
+    missing = [m for m in ("cryptography", "zstandard") if importlib.util.find_spec(m) is None]
     if missing:
         sys.exit(f"this Python ({sys.executable}) lacks {', '.join(missing)}: "
                  f"run the bench with {GPUSNAP_PYTHON}")
-
-
-def _importable(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
 
 
 @dataclass

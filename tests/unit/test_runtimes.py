@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
+import pytest
+
 from gpusnap.criu import runtimes
+from gpusnap.errors import GpusnapError
 from gpusnap.ops import pull
 from gpusnap.runtime import podman
 
@@ -194,12 +198,6 @@ def test_a_registry_reference_is_never_taken_for_a_container_name():
 def test_podman_info_read_field_by_field(monkeypatch):
     """One blank field leaves the other two; a Podman that fails answers blanks;
     none installed is said where the answer is wanted, in one line."""
-    import subprocess
-
-    import pytest
-
-    from gpusnap.errors import GpusnapError
-
     def info(out: str, rc: int = 0):
         return lambda args, timeout=None: subprocess.CompletedProcess(args, rc, out, "")
     monkeypatch.setattr(podman, "_run", info("4.3.1\tcrun\t\n"))
