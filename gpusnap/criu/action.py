@@ -260,6 +260,7 @@ def _plan_fill(folder: Path, criu_pid: int) -> None:
 
     state = _fill_state(criu_pid)
     state.unlink(missing_ok=True)  # never another restore's plan (a CRIU pid reused)
+    started = time.monotonic()
     try:
         if not fill_plan.settings().enabled:
             return
@@ -270,7 +271,8 @@ def _plan_fill(folder: Path, criu_pid: int) -> None:
         journal.record("pages-fill-skipped", error=str(exc))
         return
     if planned is not None:
-        journal.record("pages-fill-planned", bytes=planned.bytes, tasks=len(planned.tasks))
+        journal.record("pages-fill-planned", bytes=planned.bytes, tasks=len(planned.tasks),
+                       seconds=round(time.monotonic() - started, 3))
 
 
 def undo_leftover_fill(image_dir: str) -> None:
