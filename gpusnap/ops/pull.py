@@ -267,8 +267,11 @@ def pull(ref_text: str, output: str | None, opts: RegistryOptions,
 
 
 def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_run: bool,
-                    facts: Callable[[], podman.HostFacts]):
-    """What restore would refuse, refused before gigabytes are downloaded; the GPU plan."""
+                    facts: Callable[[], podman.HostFacts],
+                    name_taken: Callable[[], bool] | None = None):
+    """What restore would refuse, refused before gigabytes are downloaded; the GPU
+    plan. ``name_taken`` answers whether --name's container exists (asked while
+    the registry was)."""
     if remote.bundle.summary.get("engine", "podman") != "podman":  # containerd's: --to containerd://
         from gpusnap.ops.engines import refuse_engine
         refuse_engine(remote.bundle.summary, str(remote.client.ref), "podman")
@@ -278,7 +281,8 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_r
                            "restore the final round `gpusnap migrate` pushes, or pass --name NEW "
                            "to start a copy of this one; nothing was downloaded")
     target = name or (remote.bundle.summary.get("container") or {}).get("name")
-    if target and podman.exists(target) and not dry_run:
+    taken = name_taken or (lambda: podman.exists(target))  # name_taken: asked for --name
+    if target and not dry_run and taken():
         raise GpusnapError(f"a container named {target} already exists",
                            f"remove it (`podman rm {target}`) or restore with --name NEW")
     from gpusnap.gpu.manifest import Manifest
@@ -465,10 +469,11 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     from gpusnap.ops import restore as ops_restore
 
     facts = podman.ask_host_facts()  # answered while the registry is asked
+    name_taken = podman.in_background(podman.exists, name) if name and not dry_run else None
     start = time.monotonic()
     remote = open_remote(ref_text, opts, trust)
     opened = time.monotonic()
-    plan = _restore_checks(remote, name, gpu_map, dry_run, facts)
+    plan = _restore_checks(remote, name, gpu_map, dry_run, facts, name_taken)
     if dry_run:
         return ops_restore.plan_report(str(remote.client.ref), plan)
     # what a restore spends before Podman starts, in its timeline (bench/coldstart.py)

@@ -14,9 +14,11 @@ import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from gpusnap.errors import GpusnapError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -137,29 +139,33 @@ def host_facts() -> HostFacts:
                      Path(fields[2].strip()) if fields[2].strip() else None)
 
 
-def ask_host_facts() -> Callable[[], HostFacts]:
-    """host_facts() started in a thread; the callable returned waits for it
-    (and raises what it raised). `podman info` takes ~0.25 s: a restore asks
-    it before it opens the registry, and has the answer by the time it needs
-    it. A daemon thread: a restore refused before it needs the answer exits
-    without waiting for Podman."""
-    box: list[HostFacts | BaseException] = []
+def in_background(ask: Callable[..., T], *args) -> Callable[[], T]:
+    """``ask(*args)`` started in a thread; the callable returned waits for it
+    (and raises what it raised). A daemon thread: a restore refused before it
+    needs the answer exits without waiting for Podman."""
+    box: list = []
 
-    def ask() -> None:
+    def run() -> None:
         try:
-            box.append(host_facts())
+            box.append(ask(*args))
         except BaseException as exc:  # handed to the caller, in its thread
             box.append(exc)
 
-    thread = threading.Thread(target=ask, name="gpusnap-podman-info", daemon=True)
+    thread = threading.Thread(target=run, name=f"gpusnap-{ask.__name__}", daemon=True)
     thread.start()
 
-    def answer() -> HostFacts:
+    def answer() -> T:
         thread.join()
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[0]
     return answer
+
+
+def ask_host_facts() -> Callable[[], HostFacts]:
+    """host_facts() in the background: `podman info` takes ~0.25 s, and a
+    restore asks it before it opens the registry."""
+    return in_background(host_facts)
 
 
 def exists(name: str) -> bool:
