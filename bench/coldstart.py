@@ -190,9 +190,10 @@ def timeline(events: list[dict], t0: float) -> list[list]:
              {k: e[k] for k in EVENT_FIELDS if k in e}] for e in events if "at" in e]
 
 
-def restore(ref: str, name: str, cache: Path, t0: float, keep: str = "auto") -> dict:
+def restore(ref: str, name: str, cache: Path, t0: float, keep: str = "auto",
+            extra: tuple[str, ...] = ()) -> dict:
     mark = journal_size()
-    r = timed([GPUSNAP, "restore", ref, "--name", name, "--plain-http", "--json"],
+    r = timed([GPUSNAP, "restore", ref, "--name", name, "--plain-http", "--json", *extra],
               env={**os.environ, "GPUSNAP_CACHE_DIR": str(cache), "GPUSNAP_KEEP_PAGES": keep})
     done = time.time()
     out = json.loads(r.stdout)
@@ -300,6 +301,8 @@ def run(args) -> dict:
         finally:
             if aside:
                 os.rename(aside, prepared["folder"])
+        logged = criu_log(pinned, f"{tag}-r6", target, Path(args.criu_log), servers) \
+            if args.criu_log else None
         check(src, expected, args.tcp)  # the source answered all along; still does
         ids = [s.identity() for s in servers]
         for key in ("name", "id") + (("ip", "mac") if network == "bridge" else ()):
@@ -310,7 +313,7 @@ def run(args) -> dict:
                 "reference": pinned,
                 "push_seconds": round(push.seconds, 3), "checkpoint_bytes": pushed["bytes"],
                 "gpu_bytes_3_running": harness.gpu_memory_used(0),
-                "running_together": ids, "rows": rows,
+                "running_together": ids, "rows": rows, "criu_log_row": logged,
                 "speedup_vs_cold": {r["case"]: round(cold / r["first_answer_s"], 2)
                                     for r in rows[1:]}}
     finally:
@@ -321,6 +324,21 @@ def run(args) -> dict:
         shutil.rmtree(cache, ignore_errors=True)
         if prepared:  # the pages (b) kept: GBs of RAM
             shutil.rmtree(prepared["folder"], ignore_errors=True)
+
+
+def criu_log(ref: str, name: str, cache: Path, out: Path, servers: list[Server]) -> dict:
+    """One more replica like (c), restored with --keep so that Podman leaves
+    CRIU's restore.log (its own timestamps: where CRIU's part of the restore
+    goes), copied into ``out``; its row, not counted among the cases."""
+    drop_caches()
+    row = {"case": "f like c, CRIU's log kept (--keep)",
+           **restore(ref, name, cache, time.time(), extra=("--keep",))}
+    servers.append(Server(name))
+    userdata = sh("podman", "inspect", "-f", "{{.StaticDir}}", name).stdout.strip()
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(userdata) / "restore.log", out / "restore.log")
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def report(result: dict) -> None:
@@ -346,6 +364,8 @@ def main() -> int:
                          "on Linux >= 6.16)")
     ap.add_argument("--ram-gib", type=int, default=40, help="tmpfs for the registry's storage")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--criu-log", metavar="DIR",
+                    help="restore one more replica with --keep and copy CRIU's restore.log here")
     args = ap.parse_args()
     need_gpusnap_python()
     result = run(args)
