@@ -113,8 +113,8 @@ def run(state: dict, stage: str | None = None) -> int:
         return 0
     from gpusnap.gpu.inventory import read_inventory
 
-    # NVML once: the restore's checks and the record read the same GPUs (each
-    # start of NVML is tens of ms, inside CRIU's restore, while the tasks wait)
+    # NVML once: the restore's checks and the record read the same GPUs (this
+    # runs inside CRIU's restore while the tasks wait; a second read cost ~12 ms)
     inv = read_inventory()
     if restoring:
         problems, plan = plan_restore_here(manifest_path, spec, inv)

@@ -320,8 +320,8 @@ def test_restore_with_a_plan_whose_target_is_gone_is_refused(tmp_path, state_dir
 
 
 def test_a_restore_with_gpu_devices_asks_nvml_once(tmp_path, state_dir, monkeypatch):
-    """The restore's checks and the record of its GPUs read one inventory: each
-    start of NVML costs tens of ms inside CRIU's restore, while the tasks wait."""
+    """The restore's checks and the record of its GPUs read one inventory (the
+    hook runs inside CRIU's restore, while the tasks wait)."""
     inv = inventory(gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1))
     asked = []
     monkeypatch.setattr(inventory_module, "read_inventory", lambda: asked.append(1) or inv)

@@ -24,8 +24,9 @@ def _entry(fields: list[tuple[int, int]]) -> bytes:
 def _generic(data: bytes) -> pagemap.Pagemap:
     """What the image says, read by the generic reader (the old parse)."""
     found = [{n: v for n, _, v in fields_of(m)} for m in messages(data)]
+    old = pagemap.PE_PARENT, pagemap.PE_PRESENT
     runs = tuple(pagemap.Run(f.get(1, 0), f.get(5, f.get(2, 0)),
-                             f[4] if 4 in f else (pagemap.PE_PARENT if f.get(3) else pagemap.PE_PRESENT))
+                             f[4] if 4 in f else old[0] if f.get(3) else old[1])
                  for f in found[1:])
     return pagemap.Pagemap(found[0].get(1, 0), runs)
 
@@ -34,7 +35,8 @@ def _random_entry(rng: random.Random) -> list[tuple[int, int]]:
     vaddr = rng.choice([0, 1, 0x7F0000000000 + rng.randrange(1 << 30) * 4096])
     kind = rng.randrange(4)
     if kind == 0:  # CRIU 4: compat 0, flags, nr_pages
-        fields = [(1, vaddr), (2, 0), (4, rng.choice([1, 2, 4, 5, 6, 300])), (5, rng.randrange(1, 1 << 20))]
+        fields = [(1, vaddr), (2, 0), (4, rng.choice([1, 2, 4, 5, 6, 300])),
+                  (5, rng.randrange(1, 1 << 20))]
     elif kind == 1:  # old: compat_nr_pages, in_parent
         fields = [(1, vaddr), (2, rng.randrange(1, 500)), (3, rng.randrange(2))]
     elif kind == 2:  # old: compat_nr_pages only (present)
