@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import platform
+import re
 import tarfile
 import tempfile
 import uuid
@@ -36,6 +37,7 @@ from typing import Any
 import grpc
 from google.protobuf import any_pb2
 
+from gpusnap.criu.log import first_error
 from gpusnap.private import restrict_tree
 from gpusnap.proto import load
 from gpusnap.proto.rpc import bidi_stub, stream_stub, unary_stub
@@ -49,6 +51,17 @@ _CHUNK = 1 << 20
 
 class ContainerdError(RuntimeError):
     """A containerd call failed; the message is one line."""
+
+
+_CRIU_LOG = re.compile(r"\(CRIU log: ([^)\s]+)\)")
+
+
+def with_criu_error(details: str) -> str:
+    """runc's shim answers a failed checkpoint or restore with "criu failed:
+    type DUMP errno 0 (CRIU log: PATH)": CRIU's first error in that log says why."""
+    m = _CRIU_LOG.search(details)
+    why = first_error(Path(m.group(1))) if m else None
+    return f"{details}; CRIU: {why}" if why else details
 
 
 def runc_checkpoint_options(exit_after: bool) -> any_pb2.Any:
@@ -102,7 +115,8 @@ class Client:
         try:
             return unary_stub(self.channel, svc, method)(msg, metadata=self._metadata(), timeout=timeout)
         except grpc.RpcError as e:
-            raise ContainerdError(f"{service}.{method}: {e.details() or e.code().name}") from None
+            raise ContainerdError(f"{service}.{method}: "
+                                  f"{with_criu_error(e.details() or e.code().name)}") from None
 
     # --- leases ------------------------------------------------------------------
 
