@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError
-from gpusnap.proto.wire import varint
+from gpusnap.proto.wire import WireError, read_varint, varint
 
 PAGEMAP_MAGIC = 0x56084025
 PAGE = 4096
@@ -48,22 +48,6 @@ class Pagemap:
         return sum(r.pages for r in self.runs if r.present) * PAGE
 
 
-def _read(data: bytes, pos: int, end: int) -> tuple[int, int]:
-    """The varint at ``pos`` of a message ending at ``end``, and the position after it."""
-    value = shift = 0
-    while True:
-        if pos >= end:
-            raise ImageError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise ImageError("varint too long")
-
-
 def parse(data: bytes) -> Pagemap:
     """One pass over the image, each entry's fields kept in locals: the generic
     reader (images.messages + fields_of, a dict an entry) took ~12 us a run, and
@@ -72,46 +56,49 @@ def parse(data: bytes) -> Pagemap:
         raise ImageError("not a CRIU pagemap image")
     n, pos, unpack = len(data), 8, struct.unpack_from
     head, runs = None, []
-    while pos < n:
-        if pos + 4 > n:
-            raise ImageError("truncated entry size")
-        end = pos + 4 + unpack("<I", data, pos)[0]
-        pos += 4
-        if end > n:
-            raise ImageError("truncated entry")
-        vaddr = compat = in_parent = 0
-        pages = flags = None
-        while pos < end:
-            key = data[pos]  # a one-byte tag (fields 1-15), else read as a varint
-            if key < 0x80:
-                pos += 1
-            else:
-                key, pos = _read(data, pos, end)
-            if key & 7:
-                raise ImageError(f"unexpected wire type {key & 7} in a pagemap entry")
-            if pos < end and data[pos] < 0x80:
-                value = data[pos]
-                pos += 1
-            else:
-                value, pos = _read(data, pos, end)
-            field = key >> 3
-            if field == 1:
-                vaddr = value
-            elif field == 5:
-                pages = value
-            elif field == 4:
-                flags = value
-            elif field == 2:
-                compat = value
-            elif field == 3:
-                in_parent = value
-        if head is None:
-            head = vaddr  # pagemap_head: field 1 is pages_id
-            continue
-        # as criu/page-read.c reads old images: in_parent, or no flags at all (present)
-        if flags is None:
-            flags = PE_PARENT if in_parent else PE_PRESENT
-        runs.append(Run(vaddr, compat if pages is None else pages, flags))
+    try:  # the varints' own errors (wire.read_varint) are an image's
+        while pos < n:
+            if pos + 4 > n:
+                raise ImageError("truncated entry size")
+            end = pos + 4 + unpack("<I", data, pos)[0]
+            pos += 4
+            if end > n:
+                raise ImageError("truncated entry")
+            vaddr = compat = in_parent = 0
+            pages = flags = None
+            while pos < end:
+                key = data[pos]  # a one-byte tag (fields 1-15), else read as a varint
+                if key < 0x80:
+                    pos += 1
+                else:
+                    key, pos = read_varint(data, pos, end)
+                if key & 7:
+                    raise ImageError(f"unexpected wire type {key & 7} in a pagemap entry")
+                if pos < end and data[pos] < 0x80:
+                    value = data[pos]
+                    pos += 1
+                else:
+                    value, pos = read_varint(data, pos, end)
+                field = key >> 3
+                if field == 1:
+                    vaddr = value
+                elif field == 5:
+                    pages = value
+                elif field == 4:
+                    flags = value
+                elif field == 2:
+                    compat = value
+                elif field == 3:
+                    in_parent = value
+            if head is None:
+                head = vaddr  # pagemap_head: field 1 is pages_id
+                continue
+            # as criu/page-read.c reads old images: in_parent, or no flags at all (present)
+            if flags is None:
+                flags = PE_PARENT if in_parent else PE_PRESENT
+            runs.append(Run(vaddr, compat if pages is None else pages, flags))
+    except WireError as exc:
+        raise ImageError(str(exc)) from None
     if head is None:
         raise ImageError("a pagemap image without its head")
     return Pagemap(head, tuple(runs))

@@ -8,11 +8,12 @@ class WireError(ValueError):
     pass
 
 
-def read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    """The varint at ``pos``, and the position after it."""
+def read_varint(data: bytes, pos: int, end: int | None = None) -> tuple[int, int]:
+    """The varint at ``pos`` (of a message ending at ``end``), and the position after it."""
+    end = len(data) if end is None else end
     value = shift = 0
     while True:
-        if pos >= len(data):
+        if pos >= end:
             raise WireError("truncated varint")
         byte = data[pos]
         pos += 1
