@@ -22,7 +22,6 @@ from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 from gpusnap.private import write_private
 
 if TYPE_CHECKING:
-    from gpusnap.gpu.inventory import Inventory
     from gpusnap.gpu.plan import Plan
 
 STAGES = ("prestart", "poststop")
@@ -36,11 +35,10 @@ def gpu_devices(spec: dict) -> list[dict]:
     return [d for d in devices if _GPU_NODE.match(d.get("path", ""))]
 
 
-def record_assignment(container_id: str, devices: list[dict],
-                      inv: "Inventory | None" = None) -> Path:
+def record_assignment(container_id: str, devices: list[dict]) -> Path:
     from gpusnap.gpu.inventory import read_inventory
 
-    inv = read_inventory() if inv is None else inv
+    inv = read_inventory()
     gpus = []
     for dev in devices:
         gpu = inv.by_minor(int(dev.get("minor", -1)))
@@ -50,9 +48,8 @@ def record_assignment(container_id: str, devices: list[dict],
     return write_private(path, json.dumps({"id": container_id, "gpus": gpus}, indent=2))
 
 
-def plan_restore_here(manifest_path: Path, spec: dict,
-                      inv: "Inventory | None" = None) -> tuple[list[str], "Plan | None"]:
-    """(problems, plan) for restoring here (``inv``: this host's GPUs, read if not given).
+def plan_restore_here(manifest_path: Path, spec: dict) -> tuple[list[str], "Plan | None"]:
+    """(problems, plan) for restoring here.
 
     With a plan beside the manifest (`gpusnap restore` rewrote the spec for it),
     its targets are re-checked. Without one (a plain `podman container restore`),
@@ -66,17 +63,16 @@ def plan_restore_here(manifest_path: Path, spec: dict,
     from gpusnap.ops.gpu_plan import pinned_map
 
     manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
-    inv = read_inventory() if inv is None else inv
     plan_path = manifest_path.with_name(PLAN_NAME)
     if plan_path.exists():
         pinned = Plan.from_dict(json.loads(plan_path.read_text()))
-        result = plan_restore(manifest, inv, gpu_map=pinned_map(pinned),
+        result = plan_restore(manifest, read_inventory(), gpu_map=pinned_map(pinned),
                               skip=frozenset(p.check for p in pinned.overridden))
         return ([p.line for p in result], None) if isinstance(result, list) else ([], None)
     annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
     from gpusnap.gpu.gpumap import parse_gpu_map
 
-    result = plan_restore(manifest, inv,
+    result = plan_restore(manifest, read_inventory(),
                           gpu_map=parse_gpu_map(annotation) if annotation else None)
     if isinstance(result, list):
         return [p.line for p in result], None
@@ -108,16 +104,8 @@ def run(state: dict, stage: str | None = None) -> int:
         return 0
     spec = json.loads((bundle / "config.json").read_text())
     manifest_path = bundle / "checkpoint" / MANIFEST_NAME
-    restoring, devices = manifest_path.exists(), gpu_devices(spec)
-    if not restoring and not devices:
-        return 0
-    from gpusnap.gpu.inventory import read_inventory
-
-    # NVML once: the restore's checks and the record read the same GPUs (this
-    # runs inside CRIU's restore while the tasks wait; a second read cost ~12 ms)
-    inv = read_inventory()
-    if restoring:
-        problems, plan = plan_restore_here(manifest_path, spec, inv)
+    if manifest_path.exists():
+        problems, plan = plan_restore_here(manifest_path, spec)
         if problems:
             journal.record("hook-refused-restore", container=container_id, problems=problems)
             print("gpusnap: cannot restore here: " + "; ".join(problems), file=sys.stderr)
@@ -125,8 +113,9 @@ def run(state: dict, stage: str | None = None) -> int:
         if plan is not None and plan.needs_remap:
             stash_live_remap(int(state["pid"]), plan, spec)
             journal.record("restore-remap-planned", container=container_id, moves=plan.describe())
+    devices = gpu_devices(spec)
     if devices:
-        record_assignment(container_id, devices, inv)
+        record_assignment(container_id, devices)
     return 0
 
 

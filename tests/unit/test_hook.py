@@ -317,15 +317,3 @@ def test_restore_with_a_plan_whose_target_is_gone_is_refused(tmp_path, state_dir
     (b / "checkpoint" / PLAN_NAME).write_text(json.dumps(plan))
     assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
     assert UUID1 in capsys.readouterr().err
-
-
-def test_a_restore_with_gpu_devices_asks_nvml_once(tmp_path, state_dir, monkeypatch):
-    """The restore's checks and the record of its GPUs read one inventory (the
-    hook runs inside CRIU's restore, while the tasks wait)."""
-    inv = inventory(gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1))
-    asked = []
-    monkeypatch.setattr(inventory_module, "read_inventory", lambda: asked.append(1) or inv)
-    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0))
-    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 0
-    assert json.loads(record_file(state_dir).read_text())["gpus"][0]["uuid"] == UUID0
-    assert len(asked) == 1
