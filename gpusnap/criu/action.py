@@ -262,9 +262,11 @@ def _plan_fill(folder: Path, criu_pid: int) -> None:
     state.unlink(missing_ok=True)  # never another restore's plan (a CRIU pid reused)
     started = time.monotonic()
     try:
-        if not fill_plan.settings().enabled:
+        wanted = fill_plan.settings()
+        if not wanted.enabled:
             return
-        planned = fill_plan.prepare(folder, lambda p: write_private(state, p.to_json()))
+        planned = fill_plan.prepare(folder, lambda p: write_private(state, p.to_json()),
+                                    huge_pages=wanted.huge_pages and fill_plan.thp_available())
     except (OSError, ValueError) as exc:
         state.unlink(missing_ok=True)
         undo_leftover_fill(str(folder))  # where prepare could not put it back itself
@@ -272,7 +274,7 @@ def _plan_fill(folder: Path, criu_pid: int) -> None:
         return
     if planned is not None:
         journal.record("pages-fill-planned", bytes=planned.bytes, tasks=len(planned.tasks),
-                       seconds=round(time.monotonic() - started, 3))
+                       huge_bytes=planned.huge_bytes, seconds=round(time.monotonic() - started, 3))
 
 
 def undo_leftover_fill(image_dir: str) -> None:
@@ -314,10 +316,12 @@ def post_restore(init_pid: int, criu_pid: int) -> None:
         folder = Path(planned.folder)
         threads = fill_plan.settings().threads or page_fill.default_threads()
         pids = {_ns_pid(pid): pid for pid in process_tree(init_pid)}
+        filling = time.monotonic()
         for vpid, runs in planned.tasks.items():
             if vpid not in pids:
                 raise OSError(f"no restored task has pid {vpid} in the container")
             page_fill.fill(pids[vpid], runs, threads)
+        fill_s = time.monotonic() - filling
     except Exception as exc:
         raise GpusnapError(f"could not write the restored memory ({exc}); CRIU stops the "
                            "restore", "the checkpoint is unchanged: restore it again") from None
@@ -327,7 +331,8 @@ def post_restore(init_pid: int, criu_pid: int) -> None:
                 fill_plan.undo(folder)
         state.unlink(missing_ok=True)
     journal.record("pages-filled", init_pid=init_pid, bytes=planned.bytes, threads=threads,
-                   tasks=len(planned.tasks), seconds=round(time.monotonic() - started, 3))
+                   tasks=len(planned.tasks), runs=sum(len(r) for r in planned.tasks.values()),
+                   fill_s=round(fill_s, 3), seconds=round(time.monotonic() - started, 3))
 
 
 def _ns_pid(pid: int) -> int:

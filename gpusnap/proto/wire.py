@@ -37,8 +37,16 @@ def varint(n: int) -> bytes:
 def fields(data: bytes):
     """Each (field number, wire type, value) of a message: an int for varints,
     bytes for length-delimited fields, None for fixed 32/64-bit ones (unused here)."""
+    for number, wire, value, _, _ in spans(data):
+        yield number, wire, value
+
+
+def spans(data: bytes):
+    """As ``fields``, with where each field's bytes begin and end in ``data``: an
+    editor copies the fields it does not change byte for byte (fixed ones too)."""
     pos = 0
     while pos < len(data):
+        start = pos
         tag, pos = read_varint(data, pos)
         number, wire = tag >> 3, tag & 7
         if wire == 0:
@@ -50,6 +58,8 @@ def fields(data: bytes):
             value, pos = data[pos:pos + size], pos + size
         elif wire in (1, 5):
             value, pos = None, pos + (8 if wire == 1 else 4)
+            if pos > len(data):
+                raise WireError("truncated field")
         else:
             raise WireError(f"unsupported protobuf wire type {wire}")
-        yield number, wire, value
+        yield number, wire, value, start, pos

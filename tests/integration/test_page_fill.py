@@ -2,8 +2,9 @@
 through plain Podman: `podman container checkpoint --export` and `restore
 --import` of a container holding ~290 MB in one shell variable. gpusnap's
 CRIU action script leaves that memory out of CRIU's restore and writes it at
-post-restore; the md5 of the variable must be the same afterwards. In the
-version matrix too: every runtime that runs the action script fills, the
+post-restore; the md5 of the variable must be the same afterwards, and the
+area that holds it has huge pages (fill_plan's MADV_HUGEPAGE) where the host
+gives them. In the version matrix too: every runtime that runs the action script fills, the
 others (trixie's crun 1.21) restore through CRIU alone, the same memory."""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from gpusnap.criu.fill_plan import thp_available
 from gpusnap.criu.runtimes import runs_action_script
+from gpusnap.procs import process_tree
 from tests.integration.test_segments import (_journal_since, _journal_size, _md5_of_memory,
                                              _start_big_memory)
 
@@ -34,8 +37,12 @@ def test_a_plain_podman_import_of_big_memory_is_filled_by_threads_and_whole(name
     assert res.returncode == 0, res.stderr
     events = _journal_since(mark)
     filled = [e for e in events if e["event"] == "pages-filled"]
+    planned = [e for e in events if e["event"] == "pages-fill-planned"]
     if runs_action_script(_runtime()):
         assert filled and filled[0]["bytes"] >= 256 << 20, events
+        if thp_available():
+            assert planned[0]["huge_bytes"] >= 256 << 20, planned
+            assert _huge_areas(name), "no area of the restored container has huge pages"
     else:
         assert not filled, events
     time.sleep(0.2)
@@ -43,3 +50,21 @@ def test_a_plain_podman_import_of_big_memory_is_filled_by_threads_and_whole(name
     # the images folder was put back: Podman's checkpoint folder holds no rewrite
     left = list(Path("/var/lib/containers/storage").glob("overlay-containers/*/userdata/checkpoint/gpusnap-fill"))
     assert not left, left
+
+
+def _huge_areas(name: str) -> list[tuple[str, int]]:
+    """(area, AnonHugePages kB) of each area of the container's processes that
+    was advised MADV_HUGEPAGE ("hg") and holds huge pages."""
+    pid = int(subprocess.run(["podman", "inspect", "--format", "{{.State.Pid}}", name],
+                             capture_output=True, text=True, check=True).stdout)
+    found = []
+    for p in process_tree(pid):
+        area, huge = "", 0
+        for line in Path(f"/proc/{p}/smaps").read_text().splitlines():
+            if "-" in line.split(" ", 1)[0]:
+                area, huge = line.split(" ", 1)[0], 0
+            elif line.startswith("AnonHugePages:"):
+                huge = int(line.split()[1])
+            elif line.startswith("VmFlags:") and " hg" in line and huge:
+                found.append((area, huge))
+    return found

@@ -35,6 +35,7 @@ READ_ONLY = (mm.VMA_AREA_REGULAR | mm.VMA_ANON_PRIVATE, 0x1, mm.MAP_PRIVATE | mm
 def small(monkeypatch):
     monkeypatch.setattr(fill_plan, "MIN_RUN", 2 * PAGE)
     monkeypatch.setattr(fill_plan, "MIN_TOTAL", 8 * PAGE)
+    monkeypatch.setattr(fill_plan, "HUGE_MIN", 8 * PAGE)
 
 
 def _msg(fields: list[tuple[int, int | bytes]]) -> bytes:
@@ -45,10 +46,13 @@ def _msg(fields: list[tuple[int, int | bytes]]) -> bytes:
     return out
 
 
-def _mm_image(vmas: list[tuple[int, int, tuple[int, int, int]]]) -> bytes:
+def _mm_image(vmas: list[tuple[int, int, tuple[int, int, int]]], madv: dict[int, int] | None = None) -> bytes:
+    """``madv``: an area's madvise bits by its start (field 9, which CRIU leaves out at 0)."""
+    madv = madv or {}
     body = _msg([(1, 0x400000), (2, 0x401000)] + [
         (14, _msg([(1, start), (2, end), (3, 0), (4, 0), (5, prot), (6, flags), (7, status),
-                   (8, 1)])) for start, end, (status, prot, flags) in vmas])
+                   (8, 1)] + ([(9, madv[start])] if start in madv else [])))
+        for start, end, (status, prot, flags) in vmas])
     return struct.pack("<III", IMG_COMMON_MAGIC, mm.MM_MAGIC, len(body)) + body
 
 
@@ -199,25 +203,89 @@ def test_a_rewrite_cut_short_is_put_back_and_a_leftover_one_undone_first(tmp_pat
 
 def test_settings_file(tmp_path):
     path = tmp_path / "page-fill.json"
-    assert fill_plan.settings(path) == fill_plan.Settings(True, 0)
-    path.write_text('{"enabled": false, "threads": 4}')
-    assert fill_plan.settings(path) == fill_plan.Settings(False, 4)
-    path.write_text('{"threads": "many"}')
-    with pytest.raises(ValueError, match="page-fill.json"):
-        fill_plan.settings(path)
+    assert fill_plan.settings(path) == fill_plan.Settings(True, 0, True)
+    path.write_text('{"enabled": false, "threads": 4, "huge_pages": false}')
+    assert fill_plan.settings(path) == fill_plan.Settings(False, 4, False)
+    for bad in ('{"threads": "many"}', '{"huge_pages": 1}'):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="page-fill.json"):
+            fill_plan.settings(path)
 
 
 def test_a_plan_survives_its_json():
-    p = fill_plan.Plan("/x", {1: [page_fill.Run(C, 4 * PAGE, "/x/pages-1.img", 8192)]})
+    p = fill_plan.Plan("/x", {1: [page_fill.Run(C, 4 * PAGE, "/x/pages-1.img", 8192)]},
+                       {1: [(C, C + 4 * PAGE)]})
     assert fill_plan.Plan.from_json(p.to_json()) == p
+
+
+E, F = 0x40000000, 0x50000000
+DONTFORK = 1 << 10
+
+
+def _dense_task(folder: Path, rnd: random.Random) -> dict[int, bytes]:
+    """C filled to 50 of 64 pages; E whole (and MADV_DONTFORK already); F whole but
+    the application said MADV_NOHUGEPAGE; A too small for a huge page."""
+    vmas = [(A, A + 4 * PAGE, PLAIN), (C, C + 64 * PAGE, PLAIN), (E, E + 32 * PAGE, PLAIN),
+            (F, F + 16 * PAGE, PLAIN)]
+    runs = [(A, 4, pm.PE_PRESENT), (C, 50, pm.PE_PRESENT), (E, 32, pm.PE_PRESENT),
+            (F, 16, pm.PE_PRESENT)]
+    memory = _task(folder, 1, 1, vmas, runs, rnd)
+    (folder / "mm-1.img").write_bytes(
+        _mm_image(vmas, {E: DONTFORK, F: 1 << mm.MADV_NOHUGEPAGE}))
+    return memory
+
+
+def test_areas_the_fill_writes_almost_whole_get_huge_pages_and_undo_puts_the_mm_image_back(tmp_path):
+    folder = tmp_path / "images"
+    memory = _dense_task(folder, random.Random(15))
+    before = _snapshot(folder)
+    p = fill_plan.prepare(folder, lambda p: None, huge_pages=True)
+    assert p is not None and p.huge == {1: [(E, E + 32 * PAGE)]} and p.huge_bytes == 32 * PAGE
+    by_start = {v.start: v for v in mm.parse((folder / "mm-1.img").read_bytes())}
+    assert by_start[E].madv == DONTFORK | 1 << mm.MADV_HUGEPAGE
+    assert by_start[F].madv == 1 << mm.MADV_NOHUGEPAGE
+    assert by_start[A].madv == by_start[C].madv == 0
+    assert _restored(folder, 1, p) == memory  # which pages the fill writes does not change
+    fill_plan.undo(folder)
+    assert _snapshot(folder) == before
+
+
+def test_without_huge_pages_the_mm_images_are_left_alone(tmp_path):
+    folder = tmp_path / "images"
+    _dense_task(folder, random.Random(16))
+    mm_before = (folder / "mm-1.img").read_bytes()
+    p = fill_plan.prepare(folder, lambda p: None, huge_pages=False)
+    assert p is not None and p.huge == {} and (folder / "mm-1.img").read_bytes() == mm_before
+
+
+def test_an_mm_image_gets_one_bit_and_keeps_every_other_byte():
+    image = _mm_image([(A, A + 4 * PAGE, PLAIN), (E, E + 32 * PAGE, PLAIN)], {E: DONTFORK})
+    once = mm.with_advice(image, [(E, E + 32 * PAGE)], mm.MADV_HUGEPAGE)
+    assert mm.with_advice(once, [(E, E + 32 * PAGE)], mm.MADV_HUGEPAGE) == once
+    assert [v.madv for v in mm.parse(once)] == [0, DONTFORK | 1 << mm.MADV_HUGEPAGE]
+    assert mm.with_advice(image, [], mm.MADV_HUGEPAGE) == image
+    with pytest.raises(ValueError, match="no area"):
+        mm.with_advice(image, [(F, F + PAGE)], mm.MADV_HUGEPAGE)
+
+
+def test_huge_pages_only_where_the_host_has_them(tmp_path):
+    path = tmp_path / "enabled"
+    assert not fill_plan.thp_available(path)  # no such file: a kernel without THP
+    for text, ok in (("always [madvise] never", True), ("[always] madvise never", True),
+                     ("always madvise [never]", False)):
+        path.write_text(text + "\n")
+        assert fill_plan.thp_available(path) is ok
 
 
 # -- the fill, into real processes ----------------------------------------------------------
 
 CHILD = r"""
 import ctypes, mmap, sys, time
-m = mmap.mmap(-1, int(sys.argv[1]), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-print(ctypes.addressof(ctypes.c_char.from_buffer(m)), flush=True)
+n = int(sys.argv[1])
+m = mmap.mmap(-1, n + (4 << 12), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+ctypes.CDLL(None).munmap(ctypes.c_void_p(base + n), 4 << 12)  # a hole after it, for sure
+print(base, flush=True)
 time.sleep(600)
 """
 
@@ -258,6 +326,47 @@ def test_fill_into_memory_the_process_lacks_is_an_error(tmp_path, child):
         page_fill.fill(proc.pid, [page_fill.Run(base, 2 * size, str(src), 0)], threads=2)
     with pytest.raises(OSError, match="ends before"):
         page_fill.fill(proc.pid, [page_fill.Run(base, size, str(src), 2 * size - PAGE)], threads=2)
+
+
+def test_runs_that_continue_one_another_are_one_call_and_the_rest_are_batched():
+    r = page_fill.Run
+    runs = [r(0x10000, PAGE, "/a", 0), r(0x11000, PAGE, "/a", PAGE),  # one stretch
+            r(0x12000, PAGE, "/a", 5 * PAGE),  # next in memory, not in its file
+            r(0x20000, PAGE, "/a", 6 * PAGE),  # next in its file, not in memory
+            r(0x21000, PAGE, "/b", 7 * PAGE)]  # another file
+    assert page_fill.merged(runs) == [r(0x10000, 2 * PAGE, "/a", 0)] + runs[2:]
+    assert list(page_fill.batches(runs)) == [page_fill.merged(runs)]
+    groups = list(page_fill.batches(runs, piece=2 * PAGE, most=2))
+    assert groups == [[r(0x10000, 2 * PAGE, "/a", 0)], runs[2:4], runs[4:]]
+    big = [r(0x100000, 5 * PAGE, "/a", 0)]  # longer than a piece: cut
+    assert [[(p.address, p.length) for p in g] for g in page_fill.batches(big, piece=2 * PAGE)] \
+        == [[(0x100000, 2 * PAGE)], [(0x102000, 2 * PAGE)], [(0x104000, PAGE)]]
+
+
+def test_a_batch_of_many_runs_lands_each_at_its_address(tmp_path, child):
+    proc, base, size = child
+    data = random.Random(17).randbytes(size)
+    src = tmp_path / "pages.img"
+    src.write_bytes(data)
+    # every other page from the file's start, the pages between from its end backwards
+    n = size // PAGE
+    runs = [page_fill.Run(base + i * PAGE, PAGE, str(src), (i // 2 if i % 2 == 0 else n - 1 - i // 2) * PAGE)
+            for i in range(n)]
+    assert page_fill.fill(proc.pid, runs, threads=2, piece=64 * PAGE) == size
+    got = _memory_of(proc.pid, base, size)
+    assert all(got[i * PAGE:(i + 1) * PAGE] == data[runs[i].offset:runs[i].offset + PAGE]
+               for i in range(n))
+
+
+def test_a_batch_that_stops_short_names_the_page_it_could_not_write(tmp_path, child):
+    proc, base, size = child
+    src = tmp_path / "pages.img"
+    src.write_bytes(b"y" * (size + 2 * PAGE))
+    runs = [page_fill.Run(base + size - PAGE, PAGE, str(src), 0),  # the mapping's last page
+            page_fill.Run(base + size + PAGE, PAGE, str(src), PAGE)]  # beyond it
+    with pytest.raises(OSError, match=f"cannot write {PAGE} bytes at {base + size + PAGE:#x}"):
+        page_fill.fill(proc.pid, runs, threads=1)
+    assert _memory_of(proc.pid, base + size - PAGE, PAGE) == b"y" * PAGE
 
 
 @pytest.fixture
