@@ -39,7 +39,7 @@ def target_options(fn: Callable) -> Callable:
 
 def restore_into(source: str, to: str, name: str | None, keep: bool, tcp_established: bool,
                  gpu_map: str | None, dry_run: bool, trust, registry, as_json: bool,
-                 address: str | None, log_uri: str | None) -> dict:
+                 address: str | None, log_uri: str | None, pull_policy: str = "missing") -> dict:
     """`gpusnap restore SOURCE --to containerd://...`: a registry reference or a checkpoint directory."""
     from gpusnap.ops import containerd_registry as ops
 
@@ -58,5 +58,5 @@ def restore_into(source: str, to: str, name: str | None, keep: bool, tcp_establi
     with transfer_progress(as_json, f"Pulling {source}", verb="fetched") as bar:
         return ops.restore_remote(source, to, name, registry(), address=address, gpu_map=gpu_map,
                                   dry_run=dry_run, log_uri=log_uri, trust=trust,
-                                  on_trusted=warn_skipped,
+                                  on_trusted=warn_skipped, pull_policy=pull_policy,
                                   progress=bar.advance, total=bar.total)

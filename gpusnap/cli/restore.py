@@ -57,13 +57,19 @@ def _human(r: dict) -> None:
                    f"also ${GPU_MAP_ENV}). Default: its own GPUs where they fit, else the "
                    "least loaded suitable ones.")
 @click.option("--dry-run", is_flag=True, help="Check and print the GPU plan; change nothing.")
+@click.option("--pull", "pull_policy", type=click.Choice(["missing", "always"]), default="missing",
+              show_default=True,
+              help="For a reference pinned by digest (@sha256:...) that this host restored or "
+                   "prefetched before: missing opens it from the host's cache without asking "
+                   "the registry; always asks the registry first. A tag is always asked.")
 @containerd.target_options
 @trust_options("pull")
 @registry_options
 @json_option
 @handle_errors
 def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool,
-                gpu_map: str | None, dry_run: bool, to: str | None, log_uri: str | None,
+                gpu_map: str | None, dry_run: bool, pull_policy: str, to: str | None,
+                log_uri: str | None,
                 containerd_address: str | None, trust: TrustOptions, registry,
                 as_json: bool) -> None:
     """Restore a container from SOURCE: an exported archive, a checkpointed container,
@@ -84,7 +90,7 @@ def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool
     if to:
         emit(as_json, containerd.restore_into(source, to, name, keep, tcp_established, gpu_map,
                                               dry_run, trust, registry, as_json,
-                                              containerd_address, log_uri), _human)
+                                              containerd_address, log_uri, pull_policy), _human)
         return
     if (reference.try_parse(source) and not Path(source).exists()
             and not (podman.could_name_container(source) and podman.exists(source))):
@@ -93,7 +99,7 @@ def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool
         with transfer_progress(as_json, f"Pulling {source}", verb="fetched") as bar:
             result = pull.restore(source, name, keep, tcp_established, registry(),
                                   gpu_map=gpu_map, dry_run=dry_run, trust=trust,
-                                  on_trusted=warn_skipped,
+                                  on_trusted=warn_skipped, pull=pull_policy,
                                   progress=bar.advance, total=bar.total)
         emit(as_json, result, _human)
         return

@@ -96,32 +96,47 @@ class RegistryClient:
     """One repository on one registry; methods are thread-safe."""
 
     def __init__(self, ref: Reference, opts: RegistryOptions, push: bool = False) -> None:
-        requests = need("requests")
-        self._exc = requests.exceptions
         self.ref = ref
         self.opts = opts
         self.scope = f"repository:{ref.repository}:{'pull,push' if push else 'pull'}"
         self.base = f"{'http' if opts.plain_http else 'https'}://{ref.endpoint}"
         self.verify = False if opts.plain_http else _tls_verify(ref.registry, opts)
-        if self.verify is False and not opts.plain_http:
-            need("urllib3").disable_warnings(need("urllib3.exceptions").InsecureRequestWarning)
-        self.session = requests.Session()
-        # One pooled connection per worker thread, plus the main thread's.
-        adapter = requests.adapters.HTTPAdapter(pool_connections=2, pool_maxsize=32)
-        self.session.mount("https://", adapter)
-        self.session.mount("http://", adapter)
-        self.session.headers["User-Agent"] = "gpusnap"
-        # Our Authorization header is set per request; without a session auth,
-        # requests looks for ~/.netrc on every request (a tenth of a push's
-        # CPU over hundreds of chunks). Proxies from the environment still apply.
-        self.session.auth = _leave_as_is
-        self.creds: Credentials | None = None
         if opts.username is not None:
-            self.creds = Credentials(opts.username, opts.password or "", "--username")
+            self.creds: Credentials | None = Credentials(opts.username, opts.password or "",
+                                                         "--username")
         else:
             self.creds = find_credentials(ref.registry, ref.repository, opts.authfile)
         self._auth: str | None = None
         self._lock = threading.Lock()
+        self._session = None
+        self._session_lock = threading.Lock()
+
+    @property
+    def session(self):
+        """requests' session, made on the first request: a restore that finds all
+        it needs in the host's cache never imports requests (a fifth of a second)."""
+        with self._session_lock:
+            if self._session is None:
+                requests = need("requests")
+                if self.verify is False and not self.opts.plain_http:
+                    need("urllib3").disable_warnings(
+                        need("urllib3.exceptions").InsecureRequestWarning)
+                session = requests.Session()
+                # One pooled connection per worker thread, plus the main thread's.
+                adapter = requests.adapters.HTTPAdapter(pool_connections=2, pool_maxsize=32)
+                session.mount("https://", adapter)
+                session.mount("http://", adapter)
+                session.headers["User-Agent"] = "gpusnap"
+                # Our Authorization header is set per request; without a session auth,
+                # requests looks for ~/.netrc on every request (a tenth of a push's
+                # CPU over hundreds of chunks). Proxies from the environment still apply.
+                session.auth = _leave_as_is
+                self._session = session
+            return self._session
+
+    @property
+    def _exc(self):
+        return need("requests").exceptions
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -129,7 +144,8 @@ class RegistryClient:
         return f"{self.base}/v2/{self.ref.repository}/{path}"
 
     def close(self) -> None:
-        self.session.close()
+        if self._session is not None:
+            self._session.close()
 
     def _tls_misconfigured(self, exc: Exception) -> bool:
         """A TLS error that another try cannot fix (certificate, plain HTTP), as

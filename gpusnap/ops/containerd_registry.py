@@ -382,13 +382,17 @@ def write_directory(remote: "Remote", dest: Path, *, use_cache: bool = True,
 def restore_remote(ref_text: str, to: str, name: str | None, opts: "RegistryOptions", *,
                    address: str | None = None, gpu_map: str | None = None, dry_run: bool = False,
                    log_uri: str | None = None, trust: "TrustOptions | None" = None,
-                   on_trusted: Callable[[dict], None] | None = None, **kw) -> dict:
-    """`gpusnap restore REF --to containerd://NS/ID`: checks, pull into a staged directory, import_dir."""
+                   on_trusted: Callable[[dict], None] | None = None, pull_policy: str = "missing",
+                   **kw) -> dict:
+    """`gpusnap restore REF --to containerd://NS/ID`: checks, pull into a staged directory,
+    import_dir. ``pull_policy``: pull.open_remote's."""
     from gpusnap.gpu.manifest import Manifest
+    from gpusnap.oci.cache import ChunkCache
     from gpusnap.ops import pull
     from gpusnap.ops import restore as ops_restore
 
-    remote = pull.open_remote(ref_text, opts, trust)
+    cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
+    remote = pull.open_remote(ref_text, opts, trust, cache, pull_policy)
     where = str(remote.client.ref)
     manifest = remote.bundle.gpu_manifest
     plan = plan_restore(remote.bundle.summary, Manifest.from_dict(manifest) if manifest else None,

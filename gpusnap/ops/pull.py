@@ -43,6 +43,12 @@ class Remote:
     bundle: fmt.Bundle
     trust: dict = field(default_factory=dict)  # the policy's decision (verify.check), for --json
     cipher: Any = None  # encrypt.ChunkCipher of an encrypted checkpoint: pass it to Downloader
+    asked: bool = True  # False: manifest and config came from this host's cache (PULL_MISSING)
+
+
+# --pull: ask the registry for a REF pinned by digest only when this host lacks it
+# (Podman's default for images), or every time. A tag is always asked: tags move.
+PULL_MISSING, PULL_ALWAYS = "missing", "always"
 
 
 def _read_manifest(ref_text: str, opts: RegistryOptions) -> tuple[RegistryClient, bytes, str, str]:
@@ -63,20 +69,65 @@ def _bundle(raw: bytes, manifest: dict, where: str) -> fmt.Bundle:
     return b
 
 
-def open_remote(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = None) -> Remote:
+def open_remote(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = None,
+                cache: ChunkCache | None = None, pull: str = PULL_ALWAYS) -> Remote:
     """Manifest and config only: what the pre-download checks read. The manifest
     is checked against the trust policy (docs/trust.md) before the config or any
-    chunk is read; an encrypted config is opened with a --decrypt-key."""
+    chunk is read; an encrypted config is opened with a --decrypt-key.
+
+    With a ``cache``, both are kept in it (blobs by digest); with PULL_MISSING, a
+    REF pinned by digest whose manifest and config the cache holds is opened
+    from it without a word to the registry (which is then asked only for a
+    chunk the cache lacks), unless the policy wants a signature (its `.sig`
+    tag is the registry's to say)."""
     trust = trust or TrustOptions()
     # keys before the network: a wrong passphrase fails first
     private = trust_remote.load_private_keys(trust.decrypt_keys, trust.passphrase_file)
+    if cache is not None and pull == PULL_MISSING:
+        remote = _cached_remote(ref_text, opts, trust, private, cache)
+        if remote is not None:
+            return remote
     client, body, media, digest = _read_manifest(ref_text, opts)
     where = str(client.ref)
     manifest = fmt.parse_manifest(body, media, where)
     decision = trust_remote.check(client, digest, trust)
-    raw, cipher = trust_remote.open_config(client, manifest, private, where)
+    blob = _config_blob(client, manifest)
+    raw, cipher = trust_remote.open_config(manifest, blob, private, where)
     decision["encrypted"] = cipher is not None
+    if cache is not None and digest.startswith("sha256:"):
+        cache.put_blob(digest, body)
+        cache.put_blob(manifest["config"]["digest"], blob)
     return Remote(client, digest, manifest, _bundle(raw, manifest, where), decision, cipher)
+
+
+def _config_blob(client: RegistryClient, manifest: dict) -> bytes:
+    desc = manifest["config"]
+    return bytes(client.get_blob(desc["digest"], int(desc["size"])))
+
+
+def _cached_remote(ref_text: str, opts: RegistryOptions, trust: TrustOptions, private: list,
+                   cache: ChunkCache) -> Remote | None:
+    """The Remote of a pinned REF from the cache alone (each blob checked against
+    its digest), or None where the registry must be asked."""
+    ref = reference.parse(ref_text)
+    if not ref.digest or not ref.digest.startswith("sha256:") \
+            or trust_remote.needs_registry(ref, trust):
+        return None
+    body = cache.get_blob(ref.digest)
+    if body is None:
+        return None
+    where = str(ref)
+    manifest = fmt.parse_manifest(body, fmt.OCI_MANIFEST, where)
+    desc = manifest["config"]
+    blob = cache.get_blob(desc["digest"])
+    if blob is None:
+        return None
+    client = RegistryClient(ref, opts)  # no request yet: only for a chunk the cache lacks
+    decision = trust_remote.check(client, ref.digest, trust)
+    raw, cipher = trust_remote.open_config(manifest, blob, private, where)
+    decision["encrypted"] = cipher is not None
+    return Remote(client, ref.digest, manifest, _bundle(raw, manifest, where), decision, cipher,
+                  asked=False)
 
 
 def _registry_facts(client: RegistryClient, digest: str, manifest: dict) -> dict:
@@ -120,7 +171,7 @@ def inspect(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = N
     facts = trust_remote.describe(client, digest, manifest)
     if facts["encrypted"] and not private:
         return _sealed_summary(client, digest, manifest, facts)
-    raw, _ = trust_remote.open_config(client, manifest, private, where)
+    raw, _ = trust_remote.open_config(manifest, _config_blob(client, manifest), private, where)
     b = _bundle(raw, manifest, where)
     summary = dict(b.summary)
     summary["source"] = where
@@ -462,16 +513,18 @@ def _restore_staged(remote: Remote, name: str | None, keep: bool, tcp_establishe
 def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
             opts: RegistryOptions, gpu_map: str | None = None, dry_run: bool = False,
             trust: TrustOptions | None = None, on_trusted: OnTrusted | None = None,
-            **kw) -> dict:
+            pull: str = PULL_MISSING, **kw) -> dict:
     """Podman imports the plain tar as the chunks arrive (no compression round
     trip, nothing staged); where the archive must be rewritten (moved GPUs) or
-    Podman is not known to read only the config first, a staged pull, then restore."""
+    Podman is not known to read only the config first, a staged pull, then restore.
+    ``pull``: PULL_MISSING or PULL_ALWAYS (open_remote)."""
     from gpusnap.ops import restore as ops_restore
 
     facts = podman.ask_host_facts()  # answered while the registry is asked
     name_taken = podman.in_background(podman.exists, name) if name and not dry_run else None
     start = time.monotonic()
-    remote = open_remote(ref_text, opts, trust)
+    cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
+    remote = open_remote(ref_text, opts, trust, cache, pull)
     opened = time.monotonic()
     plan = _restore_checks(remote, name, gpu_map, dry_run, facts, name_taken)
     if dry_run:
@@ -492,6 +545,6 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     else:
         result, pulled = _restore_staged(remote, name, keep, tcp_established, gpu_map, **kw)
     result["source"] = str(remote.client.ref)
-    result["pull"] = pulled
+    result["pull"] = {**pulled, "registry_asked": remote.asked}
     result["trust"] = remote.trust
     return result

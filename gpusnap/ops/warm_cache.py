@@ -55,10 +55,10 @@ def prefetch(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = 
              total: Callable[[int], None] | None = None) -> dict:
     """Every chunk of REF that the cache lacks, fetched and stored there. The
     trust policy is checked first, as for a restore (nothing unsigned lands)."""
-    remote = open_remote(ref_text, opts, trust)
+    cache = _cache(cache_root)
+    remote = open_remote(ref_text, opts, trust, cache)  # keeps manifest and config there too
     if on_trusted:
         on_trusted(remote.trust)
-    cache = _cache(cache_root)
     blobs = {c.blob: c.blob_size for f in remote.bundle.files for c in f.chunks}
     missing = {d: n for d, n in blobs.items() if not cache.has_blob(d)}
     stored, need = sum(blobs.values()), sum(missing.values())

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from gpusnap.errors import GpusnapError
+from gpusnap.oci.reference import Reference
 from gpusnap.oci.registry import OCI_MANIFEST, RegistryClient
 from gpusnap.trust import encrypt, jwe, keys, ocicrypt_layer, policy, signature, verify
 from gpusnap.trust.options import TrustOptions
@@ -134,6 +135,12 @@ class PushTrust:
 # -- pull ---------------------------------------------------------------------------
 
 
+def needs_registry(ref: Reference, opts: TrustOptions | None) -> bool:
+    """Whether the policy's decision on ``ref`` reads the registry (a signature)."""
+    opts = opts or TrustOptions()
+    return not opts.skip_verify and policy.load().for_reference(ref).type == "signedBy"
+
+
 def check(client: RegistryClient, digest: str, opts: TrustOptions | None) -> dict:
     """The policy's decision on manifest ``digest`` (just read from ``client.ref``);
     a refusal is one GpusnapError. Call before the config or any chunk is read:
@@ -179,15 +186,14 @@ def unwrap(notes: Mapping[str, str], private: Sequence[keys.PrivateKey], where: 
                        "recipients")
 
 
-def open_config(client: RegistryClient, manifest: dict, private: Sequence[keys.PrivateKey],
+def open_config(manifest: dict, blob: bytes, private: Sequence[keys.PrivateKey],
                 where: str) -> tuple[bytes, encrypt.ChunkCipher | None]:
-    """The config's plain bytes and, for an encrypted checkpoint, the cipher that
-    opens its chunks. The data key is unwrapped before the config is fetched."""
+    """The config's plain bytes (``blob``: as the manifest's config descriptor
+    names it) and, for an encrypted checkpoint, the cipher that opens its chunks."""
     desc = manifest["config"]
     cipher = None
     if encrypt.is_encrypted_manifest(manifest):
         cipher = encrypt.ChunkCipher(unwrap(desc.get("annotations") or {}, private, where))
-    blob = client.get_blob(desc["digest"], int(desc["size"]))
     return (cipher.open_config(blob, where) if cipher else bytes(blob)), cipher
 
 

@@ -119,3 +119,34 @@ def test_a_copy_gets_its_own_hostname_unless_the_user_chose_one(tmp_path):
             assert wait_counter(copy, before) > before
     finally:
         _replicas(derived, chosen, *copies)
+
+
+def test_a_pinned_ref_this_host_holds_restores_with_the_registry_down(counter, cache_dir, tmp_path):
+    """--pull missing (the default), as Podman's for images: a REF pinned by
+    digest that this host restored before is opened from its cache (manifest,
+    config and chunks, each checked against its digest), the registry not
+    asked; --pull always asks it, and a tag is always asked (tags move)."""
+    from tests.faults.netreg import make_registry
+
+    before = read_counter(counter)
+    reg = make_registry(tmp_path / "registry")
+    names = [f"{counter}-p1", f"{counter}-p2", f"{counter}-p3"]
+    try:
+        tagged = reg.ref(f"ckpt/pinned-{uuid.uuid4().hex[:8]}:v1")
+        pinned = gs_json("push", counter, tagged, *reg.flags())["pinned"]
+        first = gs_json("restore", pinned, "--name", names[0], *reg.flags())["pull"]
+        assert first["registry_asked"] is True and first["bytes_fetched"] > 0, first
+    finally:
+        reg.stop()
+    try:
+        second = gs_json("restore", pinned, "--name", names[1], *reg.flags())["pull"]
+        assert second["registry_asked"] is False and second["bytes_fetched"] == 0, second
+        assert wait_counter(names[1], before) > before
+        for ref, extra in ((pinned, ["--pull", "always"]), (tagged, [])):
+            res = run([GPUSNAP, "restore", ref, "--name", names[2], *reg.flags(), *extra])
+            assert res.returncode != 0, res.stdout
+            assert "cannot reach registry" in res.stderr and "Traceback" not in res.stderr, \
+                res.stderr
+            assert podman("container", "exists", names[2], check=False).returncode == 1
+    finally:
+        _replicas(*names)

@@ -231,8 +231,9 @@ def test_registry_packages_missing_is_one_clear_error(monkeypatch):
     from gpusnap.oci.registry import RegistryClient, RegistryOptions
 
     monkeypatch.setitem(__import__("sys").modules, "requests", None)
+    client = RegistryClient(reference.parse("reg.io/a:b"), RegistryOptions())  # no request yet
     with pytest.raises(GpusnapError, match="needs? the Python package 'requests'"):
-        RegistryClient(reference.parse("reg.io/a:b"), RegistryOptions())
+        client.ping()
 
 
 def test_byte_budget_bounds_bytes_and_lets_a_big_chunk_through_alone():
