@@ -105,12 +105,17 @@ def network_mode(image: str, wanted: str) -> str:
 class Server:
     """A serve container, reached through /proc/PID/root/tmp/serve.sock."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, pid: int | None = None) -> None:
         self.name = name
+        self._pid = pid
 
     @property
     def pid(self) -> int:
-        return int(sh("podman", "inspect", self.name, "--format", "{{.State.Pid}}").stdout)
+        """``pid`` as given (a restore's --json names it: no `podman inspect`
+        between the restore and its first answer, which a cold start does not
+        wait for either), else Podman's."""
+        return self._pid or int(sh("podman", "inspect", self.name, "--format",
+                                   "{{.State.Pid}}").stdout)
 
     def identity(self) -> dict:
         out = sh("podman", "inspect", self.name, "--format",
@@ -179,7 +184,7 @@ def cold_start(image: str, name: str, network: str, gib: float, tcp: bool
 
 
 # what a timeline keeps of each journal event (the rest is paths and pids)
-EVENT_FIELDS = ("seconds", "bytes", "threads", "timing", "how", "files")
+EVENT_FIELDS = ("seconds", "bytes", "huge_bytes", "fill_s", "runs", "threads", "timing", "how", "files")
 
 
 def timeline(events: list[dict], t0: float) -> list[list]:
@@ -197,7 +202,7 @@ def restore(ref: str, name: str, cache: Path, t0: float, keep: str = "auto",
               env={**os.environ, "GPUSNAP_CACHE_DIR": str(cache), "GPUSNAP_KEEP_PAGES": keep})
     done = time.time()
     out = json.loads(r.stdout)
-    _, first = Server(name).ask(["0"])
+    _, first = Server(name, out["container"].get("pid")).ask(["0"])
     pull = out.get("pull") or {}
     return {"first_answer_s": round(first - t0, 3), "restore_rss_mib": round(r.maxrss_kib / 1024),
             # replicas restored together share the journal: theirs interleave
@@ -287,6 +292,8 @@ def run(args) -> dict:
             print(json.dumps(row), flush=True)
             srv.remove()  # one replica at a time until (d)
             prepared = prepared or row.get("pages_kept")
+        if args.compare_huge_pages:
+            rows.append(without_huge_pages(pinned, f"{tag}-r2n", target, expected, args.tcp))
         rows += together(pinned, tag, ("r3", "r4"), "d 2 at once", target, expected, args.tcp,
                          servers)
         # (b)'s pages kept in RAM set aside: a replica from the chunk cache alone
@@ -324,6 +331,30 @@ def run(args) -> dict:
         shutil.rmtree(cache, ignore_errors=True)
         if prepared:  # the pages (b) kept: GBs of RAM
             shutil.rmtree(prepared["folder"], ignore_errors=True)
+
+
+def without_huge_pages(ref: str, name: str, cache: Path, expected: list[str], tcp: bool) -> dict:
+    """(c) again with page-fill.json's {"huge_pages": false}: the fill's areas keep
+    4 KiB pages (as before fill_plan's MADV_HUGEPAGE); the row beside (c)'s."""
+    from gpusnap.criu import fill_plan
+
+    saved = fill_plan.SETTINGS.read_text() if fill_plan.SETTINGS.exists() else None
+    fill_plan.SETTINGS.parent.mkdir(parents=True, exist_ok=True)
+    fill_plan.SETTINGS.write_text(json.dumps({"huge_pages": False}))
+    try:
+        drop_caches()
+        row = {"case": "c' warm cache, no huge pages", **restore(ref, name, cache, time.time())}
+    finally:
+        if saved is None:
+            fill_plan.SETTINGS.unlink()
+        else:
+            fill_plan.SETTINGS.write_text(saved)
+    srv = Server(name)
+    check(srv, expected, tcp)
+    row["identity"] = srv.identity()
+    srv.remove()
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def criu_log(ref: str, name: str, cache: Path, out: Path, servers: list[Server]) -> dict:
@@ -364,6 +395,8 @@ def main() -> int:
                          "on Linux >= 6.16)")
     ap.add_argument("--ram-gib", type=int, default=40, help="tmpfs for the registry's storage")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--compare-huge-pages", action="store_true",
+                    help="(c) once more with the fill's huge pages turned off")
     ap.add_argument("--criu-log", metavar="DIR",
                     help="restore one more replica with --keep and copy CRIU's restore.log here")
     args = ap.parse_args()

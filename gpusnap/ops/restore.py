@@ -149,7 +149,7 @@ def restored(target: str, source: str, seconds: float, plan: Plan,
     gpu = _gpu_report(ctr.pid)
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),
                    moves=plan.describe() if plan.needs_remap else None)
-    result = {"container": {"id": ctr.id, "name": ctr.name, "status": ctr.status},
+    result = {"container": {"id": ctr.id, "name": ctr.name, "status": ctr.status, "pid": ctr.pid},
               "source": source, "seconds": round(seconds, 3), "gpu_processes": gpu}
     if hostname:
         result["container"]["hostname"] = hostname
