@@ -282,7 +282,9 @@ def run(args) -> dict:
         print(f"pushed {pushed['bytes'] / 1e9:.2f} GB in {push.seconds:.1f} s", flush=True)
         pinned = pushed["pinned"]
         target = cache / "target"
-        for case, name in (("b restore, empty cache", "r1"), ("c restore, warm cache", "r2")):
+        warm = [("c restore, warm cache", "r2")] + [
+            (f"c again ({k})", f"r2-{k}") for k in range(1, args.repeat_warm + 1)]
+        for case, name in [("b restore, empty cache", "r1")] + warm:
             drop_caches()
             row = {"case": case, **restore(pinned, f"{tag}-{name}", target, time.time())}
             srv = Server(f"{tag}-{name}")
@@ -395,6 +397,8 @@ def main() -> int:
                          "on Linux >= 6.16)")
     ap.add_argument("--ram-gib", type=int, default=40, help="tmpfs for the registry's storage")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--repeat-warm", type=int, default=0, metavar="N",
+                    help="(c) N more times, one after the other (its spread)")
     ap.add_argument("--compare-huge-pages", action="store_true",
                     help="(c) once more with the fill's huge pages turned off")
     ap.add_argument("--criu-log", metavar="DIR",
