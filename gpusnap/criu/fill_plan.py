@@ -59,7 +59,7 @@ from pathlib import Path
 
 from gpusnap.criu import mm, pagemap
 from gpusnap.criu.images import ImageError
-from gpusnap.criu.page_fill import Run
+from gpusnap.criu.page_fill import Run, merged
 from gpusnap.criu.pages_aside import relative_link
 
 FOLDER = "gpusnap-fill"
@@ -79,6 +79,8 @@ class Plan:
     folder: str
     tasks: dict[int, list[Run]] = field(default_factory=dict)
     huge: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # the pagemaps plan() read, for rewrite(): not in the JSON, each read once
+    pagemaps: dict[int, pagemap.Pagemap] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def bytes(self) -> int:
@@ -103,10 +105,11 @@ class Plan:
                     for v, areas in data.get("huge", {}).items()})
 
 
-def locate(folder: Path, vpid: int, depth: int = 0) -> list[Run]:
+def locate(folder: Path, vpid: int, depth: int = 0, pm: pagemap.Pagemap | None = None) -> list[Run]:
     """Where each run of the task's pages lies: its address and length, the pages
-    file and offset CRIU reads it from (through parent folders for PE_PARENT runs)."""
-    pm = pagemap.parse((folder / f"pagemap-{vpid}.img").read_bytes())
+    file and offset CRIU reads it from (through parent folders for PE_PARENT runs).
+    ``pm``: the folder's pagemap of the task, where the caller read it already."""
+    pm = pm or pagemap.parse((folder / f"pagemap-{vpid}.img").read_bytes())
     pages = os.path.realpath(folder / pm.pages_file)
     parent: list[Run] | None = None
     starts: list[int] = []
@@ -234,7 +237,10 @@ def plan(folder: Path, huge_pages: bool = False) -> Plan | None:
             continue
         own = sorted((v for v in areas if v.plain_private_memory and seen[(v.start, v.end)] == 1),
                      key=lambda v: v.start)
-        runs = _clip(locate(real, vpid), [(v.start, v.end) for v in own]) if own else []
+        if not own:
+            continue
+        out.pagemaps[vpid] = pm = pagemap.parse((real / f"pagemap-{vpid}.img").read_bytes())
+        runs = merged(_clip(locate(real, vpid, pm=pm), [(v.start, v.end) for v in own]))
         if runs:
             out.tasks[vpid] = runs
             mm_image = real / f"mm-{vpid}.img"
@@ -282,7 +288,7 @@ def rewrite(p: Plan) -> None:
     (folder / f"pages-{new_id}.img").touch()
     for vpid in vpids:
         path = folder / f"pagemap-{vpid}.img"
-        old = pagemap.parse(path.read_bytes())
+        old = p.pagemaps.get(vpid) or pagemap.parse(path.read_bytes())
         if str(vpid) in links:
             os.symlink(relative_link(path, aside), aside / path.name)
         else:

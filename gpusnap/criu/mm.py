@@ -70,8 +70,11 @@ def with_advice(data: bytes, areas: Collection[tuple[int, int]], advice: int) ->
     """The mm image with bit ``advice`` added to the madvise bits of the areas
     (start, end) named; every other byte as it was. ValueError names an area
     the image lacks."""
-    parse(data)  # the magics, and one entry
+    if len(data) < 12 or struct.unpack_from("<II", data) != (IMG_COMMON_MAGIC, MM_MAGIC):
+        raise ImageError("not a CRIU mm image")
     (size,) = struct.unpack_from("<I", data, 8)
+    if 12 + size != len(data):
+        raise ImageError("an mm image holds one entry, this one does not")
     entry, out, left = data[12:12 + size], [], set(areas)
     try:
         for number, wire, value, start, end in spans(entry):
