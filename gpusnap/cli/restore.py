@@ -94,12 +94,16 @@ def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool
         return
     if (reference.try_parse(source) and not Path(source).exists()
             and not (podman.could_name_container(source) and podman.exists(source))):
+        # Podman's answers (~0.1-0.25 s each) while the registry code is imported
+        facts = podman.ask_host_facts()
+        name_taken = podman.in_background(podman.exists, name) if name and not dry_run else None
         from gpusnap.ops import pull  # registry code: imported only when used
 
         with transfer_progress(as_json, f"Pulling {source}", verb="fetched") as bar:
             result = pull.restore(source, name, keep, tcp_established, registry(),
                                   gpu_map=gpu_map, dry_run=dry_run, trust=trust,
-                                  on_trusted=warn_skipped, pull=pull_policy,
+                                  on_trusted=warn_skipped, pull=pull_policy, facts=facts,
+                                  name_taken=name_taken,
                                   progress=bar.advance, total=bar.total)
         emit(as_json, result, _human)
         return

@@ -513,15 +513,19 @@ def _restore_staged(remote: Remote, name: str | None, keep: bool, tcp_establishe
 def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
             opts: RegistryOptions, gpu_map: str | None = None, dry_run: bool = False,
             trust: TrustOptions | None = None, on_trusted: OnTrusted | None = None,
-            pull: str = PULL_MISSING, **kw) -> dict:
+            pull: str = PULL_MISSING, facts: Callable[[], podman.HostFacts] | None = None,
+            name_taken: Callable[[], bool] | None = None, **kw) -> dict:
     """Podman imports the plain tar as the chunks arrive (no compression round
     trip, nothing staged); where the archive must be rewritten (moved GPUs) or
     Podman is not known to read only the config first, a staged pull, then restore.
-    ``pull``: PULL_MISSING or PULL_ALWAYS (open_remote)."""
+    ``pull``: PULL_MISSING or PULL_ALWAYS (open_remote). ``facts`` and
+    ``name_taken``: Podman's answers, asked in the background by the caller
+    (else here, while the registry is asked)."""
     from gpusnap.ops import restore as ops_restore
 
-    facts = podman.ask_host_facts()  # answered while the registry is asked
-    name_taken = podman.in_background(podman.exists, name) if name and not dry_run else None
+    facts = facts or podman.ask_host_facts()
+    if name_taken is None and name and not dry_run:
+        name_taken = podman.in_background(podman.exists, name)
     start = time.monotonic()
     cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
     remote = open_remote(ref_text, opts, trust, cache, pull)
