@@ -9,13 +9,34 @@ import sys
 from typing import Callable, Iterator
 
 import click
-from rich.console import Console
 
 from gpusnap.errors import GpusnapError
 from gpusnap.redact import redact
 
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-console = Console(highlight=False, soft_wrap=True)
+
+class LazyConsole:
+    """A rich Console made on first use: importing rich costs a command ~40 ms,
+    and one with --json prints nothing through it (a replica's restore answers
+    sooner). ``real`` is the Console itself, for rich's own classes."""
+
+    def __init__(self, **options) -> None:
+        self._options = options
+        self._console = None
+
+    @property
+    def real(self):
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(**self._options)
+        return self._console
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+err_console = LazyConsole(stderr=True, highlight=False, soft_wrap=True)
+console = LazyConsole(highlight=False, soft_wrap=True)
 
 
 def json_option(fn: Callable) -> Callable:

@@ -140,7 +140,7 @@ def transfer_progress(as_json: bool, text: str, verb: str = "sent") -> Iterator[
 
     columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), _Network(), TimeRemainingColumn()]
-    with Progress(*columns, console=err_console, transient=True) as bar:
+    with Progress(*columns, console=err_console.real, transient=True) as bar:
         progress = TransferProgress(bar)
         progress.describe(text)
         yield progress
