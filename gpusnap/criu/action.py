@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -298,7 +299,7 @@ def _fill_state(criu_pid: int) -> Path:
     return _marker_dir() / f"{criu_pid}-fill.json"
 
 
-def post_restore(init_pid: int, criu_pid: int) -> None:
+def post_restore(init_pid: int, criu_pid: int, by: str = "script") -> None:
     """Write the runs pre-restore left out into the restored tasks, which wait in
     CRIU's restorer with their memory in place (before CRIU's late device hooks,
     rseq fix-ups and the tasks' resume). Any failure (GpusnapError here, or this
@@ -332,7 +333,7 @@ def post_restore(init_pid: int, criu_pid: int) -> None:
         state.unlink(missing_ok=True)
     journal.record("pages-filled", init_pid=init_pid, bytes=planned.bytes, threads=threads,
                    tasks=len(planned.tasks), runs=sum(len(r) for r in planned.tasks.values()),
-                   fill_s=round(fill_s, 3), seconds=round(time.monotonic() - started, 3))
+                   fill_s=round(fill_s, 3), seconds=round(time.monotonic() - started, 3), by=by)
 
 
 def _ns_pid(pid: int) -> int:
@@ -382,7 +383,9 @@ def _restore_state(criu_pid: int) -> Path:
     return _marker_dir() / f"{criu_pid}-restore.json"
 
 
-def post_resume(init_pid: int, criu_pid: int) -> None:
+def post_resume(init_pid: int, criu_pid: int, driver=None) -> None:
+    """The restored CUDA processes' GPU state back, then unlocked; ``driver``:
+    one the agent loaded ahead (else loaded here)."""
     procs = cuda_processes(init_pid)
     state = _restore_state(criu_pid)
     kept = json.loads(state.read_text()) if state.exists() else {}
@@ -398,7 +401,8 @@ def post_resume(init_pid: int, criu_pid: int) -> None:
     try:
         if live:
             live[0].apply()
-        label, changed, refused = resume_onto(_driver(), [p.pid for p in procs], choices, timing)
+        label, changed, refused = resume_onto(driver or _driver(), [p.pid for p in procs],
+                                              choices, timing)
     except BaseException:
         if live:
             live[0].undo()
@@ -443,7 +447,8 @@ def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]
                            f"({exc})") from None
 
 
-def _run(action: str) -> int:
+def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=None) -> int:
+    criu_pid = criu_pid or os.getppid()  # the script's parent is CRIU
     if action == "post-dump":
         # An optimisation: never the reason a dump fails (the pages then stay
         # where CRIU wrote them, and the push reads them from the export)...
@@ -451,7 +456,7 @@ def _run(action: str) -> int:
 
         init_pid = os.environ.get("CRTOOLS_INIT_PID", "0")
         try:
-            post_dump(int(init_pid), os.environ.get("CRTOOLS_IMAGE_DIR", ""), os.getppid())
+            post_dump(int(init_pid), os.environ.get("CRTOOLS_IMAGE_DIR", ""), criu_pid)
         except AheadError as exc:  # ...unless the images lack memory read ahead: CRIU resumes the tree
             journal.record("failed", action=action, init_pid=init_pid, error=str(exc))
             print(f"Error (gpusnap): {exc}", file=sys.stderr)
@@ -463,9 +468,14 @@ def _run(action: str) -> int:
         image_dir = os.environ.get("CRTOOLS_IMAGE_DIR", "")
         try:
             undo_leftover_fill(image_dir)
-            check_without_hook(image_dir, os.getppid())
+            check_without_hook(image_dir, criu_pid)
             try:  # only keeps files for later and speeds the restore: never why it fails...
-                pre_restore(image_dir, os.getppid())
+                gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
+                if gpu:  # its imports and the driver load while CRIU works
+                    _start_agent(criu_pid, driver=True)
+                pre_restore(image_dir, criu_pid)
+                if not gpu and _fill_state(criu_pid).exists():
+                    _start_agent(criu_pid, driver=False)
             except (OSError, ValueError) as exc:
                 journal.record("failed", action=action, error=str(exc))
         except GpusnapError as exc:  # ...unless it must: CRIU stops before any task is restored
@@ -478,11 +488,11 @@ def _run(action: str) -> int:
         init_pid = int(os.environ["CRTOOLS_INIT_PID"])
         image_dir = os.environ["CRTOOLS_IMAGE_DIR"]
         if action == "pre-dump":
-            pre_dump(init_pid, image_dir, os.getppid())
+            pre_dump(init_pid, image_dir, criu_pid)
         elif action == "post-restore":
-            post_restore(init_pid, os.getppid())
+            post_restore(init_pid, criu_pid, by)
         else:
-            post_resume(init_pid, os.getppid())
+            post_resume(init_pid, criu_pid, driver)
     except (GpusnapError, QuiesceError) as exc:
         journal.record("failed", action=action, init_pid=os.environ.get("CRTOOLS_INIT_PID"),
                        error=str(exc))
@@ -498,27 +508,45 @@ def _marker_dir():
     return journal.state_subdir("actions")
 
 
-def main() -> int:
-    """Run each action once per CRIU process.
+def _start_agent(criu_pid: int, driver: bool) -> None:
+    """The agent that takes post-restore and post-resume (agent.py); a restore
+    goes on without it where it cannot start."""
+    from gpusnap.criu import agent
+
+    try:
+        agent.start(criu_pid, driver)
+    except OSError as exc:
+        journal.record("agent-not-started", error=str(exc))
+
+
+def run_step(action: str, criu_pid: int, by: str = "script", driver=None) -> int:
+    """Run each action once per CRIU process; its exit code.
 
     runc hands CRIU /etc/criu/runc.conf and CRIU reads it again itself, so
-    every action script is called twice in a row; the second call repeats
+    an action script may be called twice in a row; the second call repeats
     the first one's answer (a failed lock must not be retried with defaults).
+    ``by``, ``driver``: the agent's (agent.py), which runs steps for CRIU.
     """
-    action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
-    if action not in ACTIONS:
-        return 0
-    criu_pid = os.getppid()
     folder = _marker_dir()
     marker = folder / f"{criu_pid}-{action}"
     if marker.exists():
         return int(marker.read_text() or 0)
     for stale in folder.iterdir():  # markers of CRIU runs that have ended (and their .tmp files)
         if not os.path.exists(f"/proc/{stale.name.lstrip('.').split('-', 1)[0]}"):
-            stale.unlink(missing_ok=True)
-    code = _run(action)
+            if stale.is_dir():  # an agent's, where it could not remove it itself
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+    code = _run(action, criu_pid, by, driver)
     write_private(marker, str(code))
     return code
+
+
+def main() -> int:
+    action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
+    if action not in ACTIONS:
+        return 0
+    return run_step(action, os.getppid())
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 through plain Podman: `podman container checkpoint --export` and `restore
 --import` of a container holding ~290 MB in one shell variable. gpusnap's
 CRIU action script leaves that memory out of CRIU's restore and writes it at
-post-restore; the md5 of the variable must be the same afterwards, and the
+post-restore (its agent does: criu/agent.py); the md5 of the variable must be
+the same afterwards, and the
 area that holds it has huge pages (fill_plan's MADV_HUGEPAGE) where the host
 gives them. In the version matrix too: every runtime that runs the action script fills, the
 others (trixie's crun 1.21) restore through CRIU alone, the same memory."""
@@ -40,6 +41,8 @@ def test_a_plain_podman_import_of_big_memory_is_filled_by_threads_and_whole(name
     planned = [e for e in events if e["event"] == "pages-fill-planned"]
     if runs_action_script(_runtime()):
         assert filled and filled[0]["bytes"] >= 256 << 20, events
+        # by the agent pre-restore started (criu/agent.py), not a second Python start
+        assert filled[0]["by"] == "agent", filled
         if thp_available():
             assert planned[0]["huge_bytes"] >= 256 << 20, planned
             assert _huge_areas(name), "no area of the restored container has huge pages"

@@ -1,0 +1,161 @@
+"""criu/agent.py with packaging/bin/criu-action: post-restore handed to the agent
+that pre-restore starts, run by the real script (this test process plays CRIU:
+the script's parent), the fill written into a real child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpusnap.criu import action, agent, fill_plan
+from tests.unit.test_fill_plan import _memory_of, _planned, child  # noqa: F401 -- a fixture
+
+SCRIPT = Path(__file__).resolve().parents[2] / "packaging" / "bin" / "criu-action"
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(fill_plan, "SETTINGS", tmp_path / "page-fill.json")
+    monkeypatch.setattr(fill_plan, "MIN_TOTAL", 8 * 4096)  # the child's 3 MiB is worth filling
+    return tmp_path / "state"
+
+
+def _script(step: str, init_pid: int, state: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CRTOOLS_SCRIPT_ACTION": step, "CRTOOLS_INIT_PID": str(init_pid),
+           "CRTOOLS_IMAGE_DIR": "", "GPUSNAP_STATE_DIR": str(state)}
+    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def _ready(criu_pid: int, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    pid_file = agent.folder(criu_pid) / "pid"
+    while time.monotonic() < deadline:
+        if pid_file.exists() and pid_file.read_text():
+            return int(pid_file.read_text())
+        time.sleep(0.02)
+    raise AssertionError("the agent did not start")
+
+
+def _gone(path: Path, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and path.exists():
+        time.sleep(0.05)
+    return not path.exists()
+
+
+def test_post_restore_goes_to_the_agent_which_fills_and_answers(tmp_path, state, child):
+    proc, base, size = child
+    me = os.getpid()  # CRIU, as the script sees it: its parent
+    folder, data = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
+    agent.start(me, driver=False)
+    _ready(me)
+    res = _script("post-restore", proc.pid, state)
+    assert res.returncode == 0, res.stderr
+    assert _memory_of(proc.pid, base, size) == data, (state / "journal.jsonl").read_text()
+    assert not (folder / fill_plan.FOLDER).exists()  # the folder put back
+    events = [json.loads(line) for line in (state / "journal.jsonl").read_text().splitlines()]
+    filled = [e for e in events if e["event"] == "pages-filled"]
+    assert filled and filled[-1]["by"] == "agent" and filled[-1]["bytes"] == size
+    assert (state / "actions" / f"{me}-post-restore").read_text() == "0"  # the marker, as the script's
+    # post-resume (nothing on a GPU here) is its last step: it leaves, its folder with it
+    assert _script("post-resume", proc.pid, state).returncode == 0
+    assert _gone(agent.folder(me))
+
+
+def test_a_step_the_agent_fails_fails_with_its_words(tmp_path, state, child):
+    proc, base, size = child
+    me = os.getpid()
+    folder, _ = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
+    os.truncate(folder / "pages-1.img", 4096)  # the pages went missing under the restore
+    agent.start(me, driver=False)
+    _ready(me)
+    res = _script("post-restore", proc.pid, state)
+    assert res.returncode == 1
+    assert "could not write the restored memory" in res.stderr, res.stderr
+    assert not (folder / fill_plan.FOLDER).exists()
+    _script("post-resume", proc.pid, state)  # let it leave
+
+
+def test_an_agent_that_stops_with_the_step_in_its_hands_fails_the_step(state):
+    """Never the step again in Python: it may be half done."""
+    me = os.getpid()
+    here = agent.folder(me)
+    here.mkdir(parents=True)
+    os.mkfifo(here / "requests", 0o600)
+    # takes the request, never answers, goes; left unreaped as a zombie, as a
+    # subreaper (conmon) may leave an agent that died: the script must see it gone
+    fake = subprocess.Popen(["sleep", "1"])
+    (here / "pid").write_text(str(fake.pid))
+    (state / "actions" / f"{me}-fill.json").write_text("{}")  # post-restore has work
+    started = time.monotonic()
+    res = _script("post-restore", 1, state)
+    fake.wait()
+    assert res.returncode == 1 and "agent" in res.stderr and "stopped" in res.stderr, res.stderr
+    assert time.monotonic() - started < 10
+    assert not list(here.glob("reply.*"))
+
+
+def test_the_agent_leaves_when_criu_does(state):
+    criu = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        agent.start(criu.pid, driver=False)
+        _ready(criu.pid)
+    finally:
+        criu.kill()
+        criu.wait()
+    assert _gone(agent.folder(criu.pid))
+
+
+def test_pre_restore_starts_the_agent_only_where_a_later_step_has_work(tmp_path, state, monkeypatch):
+    started = []
+    monkeypatch.setattr(action, "_start_agent", lambda pid, driver: started.append(driver))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(empty))
+    assert action._run("pre-restore", 4321) == 0
+    assert started == []  # no GPU, nothing to fill
+    (empty / action.MANIFEST_NAME).write_text("{}")
+    assert action._run("pre-restore", 4322) == 0
+    assert started == [True]  # a GPU checkpoint: started first, with the driver
+
+
+INVENTORY = {"driver_version": "580.159.04", "cuda_driver_version": "13.0",
+             "gpus": [{"index": 0, "uuid": "GPU-aaaa", "name": "NVIDIA H200", "minor": 0,
+                       "pci_bus_id": "0000:01:00.0", "memory_total": 150 << 30,
+                       "memory_used": 1 << 30, "compute_capability": "9.0",
+                       "mig_enabled": False}],
+             "process_memory": {"77": {"GPU-aaaa": 1 << 30}}, "error": None}
+
+HOOK_READS = ("from gpusnap.hook.main import inventory_for_restore as f; "
+              "inv = f(wait_s=0.3); print(inv.to_dict() if inv else None)")
+
+
+def test_the_hook_takes_the_gpus_the_agent_of_its_sibling_criu_read(state):
+    """runc starts CRIU and the hook: the agent's CRIU is the hook's sibling."""
+    from gpusnap.gpu.inventory import Inventory
+
+    assert Inventory.from_dict(INVENTORY).to_dict() == INVENTORY
+    criu = subprocess.Popen(["sleep", "30"])  # a sibling of the hook below: ours both
+    stranger = 1  # init's agent: no sibling of anyone here
+    try:
+        for pid in (criu.pid, stranger):
+            agent.folder(pid).mkdir(parents=True)
+            (agent.folder(pid) / agent.INVENTORY).write_text(json.dumps(INVENTORY))
+        res = subprocess.run([sys.executable, "-c", HOOK_READS], capture_output=True, text=True,
+                             env={**os.environ, "GPUSNAP_STATE_DIR": str(state)}, check=True)
+        assert "GPU-aaaa" in res.stdout and "77" in res.stdout
+        (agent.folder(criu.pid) / agent.INVENTORY).unlink()  # not read yet: the hook reads NVML
+        res = subprocess.run([sys.executable, "-c", HOOK_READS], capture_output=True, text=True,
+                             env={**os.environ, "GPUSNAP_STATE_DIR": str(state)}, check=True)
+        assert res.stdout.strip() == "None"
+    finally:
+        criu.kill()
+        criu.wait()
