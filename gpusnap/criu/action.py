@@ -470,10 +470,11 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
             undo_leftover_fill(image_dir)
             check_without_hook(image_dir, criu_pid)
             try:  # only keeps files for later and speeds the restore: never why it fails...
-                gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
-                if gpu:  # its imports and the driver load while CRIU works
-                    _start_agent(criu_pid, driver=True)
                 pre_restore(image_dir, criu_pid)
+                # The agent takes post-restore's fill (and post-resume) from here. Not yet
+                # for GPU checkpoints: there it would also load the driver and NVML ahead
+                # (agent.py --driver), which no GPU run has measured yet (docs/benchmarks.md).
+                gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
                 if not gpu and _fill_state(criu_pid).exists():
                     _start_agent(criu_pid, driver=False)
             except (OSError, ValueError) as exc:

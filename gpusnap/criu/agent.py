@@ -15,7 +15,9 @@ meanwhile, and packaging/bin/criu-action hands it post-restore and post-resume:
       reply.<n>       the script's FIFO: what the step printed, then its exit code
 
 Each step runs the same code as in the script (action.run_step, markers
-included). Where the agent is not there, the script runs Python as before;
+included). pre-restore starts it where it plans a fill and the checkpoint has
+no GPU; for GPU checkpoints (``--driver``: libcuda and NVML loaded ahead, and
+gpusnap-hook taking the agent's NVML read) it waits for a GPU run to measure it. Where the agent is not there, the script runs Python as before;
 where it stops while a step is in its hands, the script fails the step (CRIU
 then stops the restore: the checkpoint is unchanged), since that step may be
 half done. The agent leaves when CRIU does, after post-resume, or after an hour.

@@ -114,17 +114,27 @@ def test_the_agent_leaves_when_criu_does(state):
     assert _gone(agent.folder(criu.pid))
 
 
-def test_pre_restore_starts_the_agent_only_where_a_later_step_has_work(tmp_path, state, monkeypatch):
+def test_pre_restore_starts_the_agent_where_there_is_a_fill_and_no_gpu(tmp_path, state, monkeypatch,
+                                                                        child):
+    proc, base, size = child
     started = []
-    monkeypatch.setattr(action, "_start_agent", lambda pid, driver: started.append(driver))
+    monkeypatch.setattr(action, "_start_agent", lambda pid, driver: started.append((pid, driver)))
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(empty))
     assert action._run("pre-restore", 4321) == 0
-    assert started == []  # no GPU, nothing to fill
-    (empty / action.MANIFEST_NAME).write_text("{}")
+    assert started == []  # nothing to fill
+    (tmp_path / "big").mkdir()
+    folder, _ = _planned(tmp_path / "big", proc.pid, base, size, criu_pid=99)
+    fill_plan.undo(folder)  # as CRIU left it: pre-restore plans it again
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(folder))
     assert action._run("pre-restore", 4322) == 0
-    assert started == [True]  # a GPU checkpoint: started first, with the driver
+    assert started == [(4322, False)]
+    fill_plan.undo(folder)
+    (folder / action.MANIFEST_NAME).write_text("{}")  # a GPU checkpoint: not yet (see action.py)
+    assert action._run("pre-restore", 4323) == 0
+    assert started == [(4322, False)]
+    fill_plan.undo(folder)
 
 
 INVENTORY = {"driver_version": "580.159.04", "cuda_driver_version": "13.0",
