@@ -129,6 +129,10 @@ def _answer(request: str, criu_pid: int, driver: _Driver | None) -> bool:
 
 
 def serve(criu_pid: int, driver: _Driver | None) -> None:
+    try:
+        criu = os.pidfd_open(criu_pid)
+    except OSError:
+        return  # CRIU is gone already
     here = folder(criu_pid)
     here.mkdir(mode=0o700, exist_ok=True)
     requests = here / "requests"
@@ -136,10 +140,6 @@ def serve(criu_pid: int, driver: _Driver | None) -> None:
         requests.unlink()
     os.mkfifo(requests, 0o600)
     fd = os.open(requests, os.O_RDWR)  # never EOF, never blocks a writer
-    try:
-        criu = os.pidfd_open(criu_pid)
-    except OSError:
-        return
     write_private(here / "pid", str(os.getpid()))
     deadline, pending = time.monotonic() + LIFETIME_S, b""
     try:
