@@ -383,9 +383,7 @@ def _restore_state(criu_pid: int) -> Path:
     return _marker_dir() / f"{criu_pid}-restore.json"
 
 
-def post_resume(init_pid: int, criu_pid: int, driver=None) -> None:
-    """The restored CUDA processes' GPU state back, then unlocked; ``driver``:
-    one the agent loaded ahead (else loaded here)."""
+def post_resume(init_pid: int, criu_pid: int) -> None:
     procs = cuda_processes(init_pid)
     state = _restore_state(criu_pid)
     kept = json.loads(state.read_text()) if state.exists() else {}
@@ -401,8 +399,7 @@ def post_resume(init_pid: int, criu_pid: int, driver=None) -> None:
     try:
         if live:
             live[0].apply()
-        label, changed, refused = resume_onto(driver or _driver(), [p.pid for p in procs],
-                                              choices, timing)
+        label, changed, refused = resume_onto(_driver(), [p.pid for p in procs], choices, timing)
     except BaseException:
         if live:
             live[0].undo()
@@ -447,7 +444,7 @@ def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]
                            f"({exc})") from None
 
 
-def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=None) -> int:
+def _run(action: str, criu_pid: int | None = None, by: str = "script") -> int:
     criu_pid = criu_pid or os.getppid()  # the script's parent is CRIU
     if action == "post-dump":
         # An optimisation: never the reason a dump fails (the pages then stay
@@ -472,11 +469,10 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
             try:  # only keeps files for later and speeds the restore: never why it fails...
                 pre_restore(image_dir, criu_pid)
                 # The agent takes post-restore's fill (and post-resume) from here. Not yet
-                # for GPU checkpoints: there it would also load the driver and NVML ahead
-                # (agent.py --driver), which no GPU run has measured yet (docs/benchmarks.md).
+                # for GPU checkpoints, which no GPU run has measured it with (agent.py).
                 gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
                 if not gpu and _fill_state(criu_pid).exists():
-                    _start_agent(criu_pid, driver=False)
+                    _start_agent(criu_pid)
             except (OSError, ValueError) as exc:
                 journal.record("failed", action=action, error=str(exc))
         except GpusnapError as exc:  # ...unless it must: CRIU stops before any task is restored
@@ -493,7 +489,7 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
         elif action == "post-restore":
             post_restore(init_pid, criu_pid, by)
         else:
-            post_resume(init_pid, criu_pid, driver)
+            post_resume(init_pid, criu_pid)
     except (GpusnapError, QuiesceError) as exc:
         journal.record("failed", action=action, init_pid=os.environ.get("CRTOOLS_INIT_PID"),
                        error=str(exc))
@@ -509,24 +505,24 @@ def _marker_dir():
     return journal.state_subdir("actions")
 
 
-def _start_agent(criu_pid: int, driver: bool) -> None:
+def _start_agent(criu_pid: int) -> None:
     """The agent that takes post-restore and post-resume (agent.py); a restore
     goes on without it where it cannot start."""
     from gpusnap.criu import agent
 
     try:
-        agent.start(criu_pid, driver)
+        agent.start(criu_pid)
     except OSError as exc:
         journal.record("agent-not-started", error=str(exc))
 
 
-def run_step(action: str, criu_pid: int, by: str = "script", driver=None) -> int:
+def run_step(action: str, criu_pid: int, by: str = "script") -> int:
     """Run each action once per CRIU process; its exit code.
 
     runc hands CRIU /etc/criu/runc.conf and CRIU reads it again itself, so
     an action script may be called twice in a row; the second call repeats
     the first one's answer (a failed lock must not be retried with defaults).
-    ``by``, ``driver``: the agent's (agent.py), which runs steps for CRIU.
+    ``by``: "agent" where agent.py runs the step for CRIU.
     """
     folder = _marker_dir()
     marker = folder / f"{criu_pid}-{action}"
@@ -538,7 +534,7 @@ def run_step(action: str, criu_pid: int, by: str = "script", driver=None) -> int
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
-    code = _run(action, criu_pid, by, driver)
+    code = _run(action, criu_pid, by)
     write_private(marker, str(code))
     return code
 
