@@ -9,6 +9,7 @@ need meanwhile, and packaging/bin/criu-action hands it post-restore and
 post-resume:
 
     <state>/actions/<criu pid>-agent/
+      started         the agent's pid, written as it starts
       requests        a FIFO: "ACTION INIT_PID REPLY IMAGE_DIR" a line
       pid             the agent's pid, written once it reads requests
       reply.<n>       the script's FIFO: what the step printed, then its exit code
@@ -47,12 +48,18 @@ def folder(criu_pid: int) -> Path:
 
 
 def start(criu_pid: int) -> None:
-    """The agent of this CRIU, in a session of its own (never a child CRIU waits for)."""
-    if (folder(criu_pid) / "pid").exists():
+    """The agent of this CRIU, in a session of its own (never a child CRIU waits
+    for). Its pid goes to ``started`` at once: a step that comes before the agent
+    reads requests (crun runs no hook in between) waits for it while it lives,
+    which is never longer than starting Python for the step would take."""
+    here = folder(criu_pid)
+    if (here / "started").exists():
         return  # runc reads runc.conf, then CRIU again: the step may run twice
-    subprocess.Popen([sys.executable, "-m", "gpusnap.criu.agent", str(criu_pid)],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    proc = subprocess.Popen([sys.executable, "-m", "gpusnap.criu.agent", str(criu_pid)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    here.mkdir(mode=0o700, exist_ok=True)
+    write_private(here / "started", str(proc.pid))
 
 
 def _answer(request: str, criu_pid: int) -> bool:

@@ -70,6 +70,39 @@ def test_post_restore_goes_to_the_agent_which_fills_and_answers(tmp_path, state,
     assert _gone(agent.folder(me))
 
 
+def _filled_by(state: Path) -> str:
+    events = [json.loads(line) for line in (state / "journal.jsonl").read_text().splitlines()]
+    return [e for e in events if e["event"] == "pages-filled"][-1]["by"]
+
+
+def test_a_step_that_comes_before_the_agent_is_ready_waits_for_it(tmp_path, state, child):
+    """crun runs no hook between pre-restore and post-restore: the step may come
+    while the agent still imports."""
+    proc, base, size = child
+    me = os.getpid()
+    _, data = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
+    agent.start(me)  # no wait: the script comes at once
+    assert _script("post-restore", proc.pid, state).returncode == 0
+    assert _memory_of(proc.pid, base, size) == data and _filled_by(state) == "agent"
+    _script("post-resume", proc.pid, state)
+
+
+@pytest.mark.skipif(not Path("/opt/gpusnap/venv/bin/gpusnap-criu-action").exists(),
+                    reason="the script's Python is gpusnap's install (make install)")
+def test_an_agent_that_died_starting_leaves_the_step_to_python(tmp_path, state, child):
+    proc, base, size = child
+    me = os.getpid()
+    _, data = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    agent.folder(me).mkdir(parents=True)
+    (agent.folder(me) / "started").write_text(str(dead.pid))
+    started = time.monotonic()
+    assert _script("post-restore", proc.pid, state).returncode == 0
+    assert time.monotonic() - started < 10
+    assert _memory_of(proc.pid, base, size) == data and _filled_by(state) == "script"
+
+
 def test_a_step_the_agent_fails_fails_with_its_words(tmp_path, state, child):
     proc, base, size = child
     me = os.getpid()
