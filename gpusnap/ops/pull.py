@@ -92,12 +92,20 @@ def open_remote(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None
     manifest = fmt.parse_manifest(body, media, where)
     decision = trust_remote.check(client, digest, trust)
     blob = _config_blob(client, manifest)
-    raw, cipher = trust_remote.open_config(manifest, blob, private, where)
-    decision["encrypted"] = cipher is not None
+    remote = _opened(client, digest, manifest, blob, private, decision)
     if cache is not None and digest.startswith("sha256:"):
         cache.put_blob(digest, body)
         cache.put_blob(manifest["config"]["digest"], blob)
-    return Remote(client, digest, manifest, _bundle(raw, manifest, where), decision, cipher)
+    return remote
+
+
+def _opened(client: RegistryClient, digest: str, manifest: dict, blob: bytes, private: list,
+            decision: dict, asked: bool = True) -> Remote:
+    """The Remote once the policy decided: its config opened (decrypted where sealed)."""
+    where = str(client.ref)
+    raw, cipher = trust_remote.open_config(manifest, blob, private, where)
+    decision["encrypted"] = cipher is not None
+    return Remote(client, digest, manifest, _bundle(raw, manifest, where), decision, cipher, asked)
 
 
 def _config_blob(client: RegistryClient, manifest: dict) -> bytes:
@@ -116,18 +124,13 @@ def _cached_remote(ref_text: str, opts: RegistryOptions, trust: TrustOptions, pr
     body = cache.get_blob(ref.digest)
     if body is None:
         return None
-    where = str(ref)
-    manifest = fmt.parse_manifest(body, fmt.OCI_MANIFEST, where)
-    desc = manifest["config"]
-    blob = cache.get_blob(desc["digest"])
+    manifest = fmt.parse_manifest(body, fmt.OCI_MANIFEST, str(ref))
+    blob = cache.get_blob(manifest["config"]["digest"])
     if blob is None:
         return None
     client = RegistryClient(ref, opts)  # no request yet: only for a chunk the cache lacks
-    decision = trust_remote.check(client, ref.digest, trust)
-    raw, cipher = trust_remote.open_config(manifest, blob, private, where)
-    decision["encrypted"] = cipher is not None
-    return Remote(client, ref.digest, manifest, _bundle(raw, manifest, where), decision, cipher,
-                  asked=False)
+    return _opened(client, ref.digest, manifest, blob, private,
+                   trust_remote.check(client, ref.digest, trust), asked=False)
 
 
 def _registry_facts(client: RegistryClient, digest: str, manifest: dict) -> dict:
