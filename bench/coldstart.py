@@ -184,7 +184,8 @@ def cold_start(image: str, name: str, network: str, gib: float, tcp: bool
 
 
 # what a timeline keeps of each journal event (the rest is paths and pids)
-EVENT_FIELDS = ("seconds", "bytes", "huge_bytes", "fill_s", "runs", "threads", "timing", "how", "files")
+EVENT_FIELDS = ("seconds", "bytes", "huge_bytes", "fill_s", "runs", "threads", "timing", "how", "files",
+                "by", "driver_ahead")
 
 
 def timeline(events: list[dict], t0: float) -> list[list]:
@@ -295,7 +296,11 @@ def run(args) -> dict:
             srv.remove()  # one replica at a time until (d)
             prepared = prepared or row.get("pages_kept")
         if args.compare_huge_pages:
-            rows.append(without_huge_pages(pinned, f"{tag}-r2n", target, expected, args.tcp))
+            rows.append(with_settings(pinned, f"{tag}-r2n", target, expected, args.tcp,
+                                      "c' warm cache, no huge pages", {"huge_pages": False}))
+        for k in range(1, args.compare_agent + 1):
+            rows.append(with_settings(pinned, f"{tag}-r2a{k}", target, expected, args.tcp,
+                                      f"c'' warm cache, no agent ({k})", {"agent": False}))
         rows += together(pinned, tag, ("r3", "r4"), "d 2 at once", target, expected, args.tcp,
                          servers)
         # (b)'s pages kept in RAM set aside: a replica from the chunk cache alone
@@ -335,17 +340,19 @@ def run(args) -> dict:
             shutil.rmtree(prepared["folder"], ignore_errors=True)
 
 
-def without_huge_pages(ref: str, name: str, cache: Path, expected: list[str], tcp: bool) -> dict:
-    """(c) again with page-fill.json's {"huge_pages": false}: the fill's areas keep
-    4 KiB pages (as before fill_plan's MADV_HUGEPAGE); the row beside (c)'s."""
+def with_settings(ref: str, name: str, cache: Path, expected: list[str], tcp: bool,
+                  case: str, wanted: dict) -> dict:
+    """(c) again with page-fill.json saying ``wanted`` (e.g. {"huge_pages": false}:
+    the fill's areas keep 4 KiB pages; {"agent": false}: each CRIU step in a Python
+    of its own); the row beside (c)'s."""
     from gpusnap.criu import fill_plan
 
     saved = fill_plan.SETTINGS.read_text() if fill_plan.SETTINGS.exists() else None
     fill_plan.SETTINGS.parent.mkdir(parents=True, exist_ok=True)
-    fill_plan.SETTINGS.write_text(json.dumps({"huge_pages": False}))
+    fill_plan.SETTINGS.write_text(json.dumps(wanted))
     try:
         drop_caches()
-        row = {"case": "c' warm cache, no huge pages", **restore(ref, name, cache, time.time())}
+        row = {"case": case, **restore(ref, name, cache, time.time())}
     finally:
         if saved is None:
             fill_plan.SETTINGS.unlink()
@@ -401,6 +408,8 @@ def main() -> int:
                     help="(c) N more times, one after the other (its spread)")
     ap.add_argument("--compare-huge-pages", action="store_true",
                     help="(c) once more with the fill's huge pages turned off")
+    ap.add_argument("--compare-agent", type=int, default=0, metavar="N",
+                    help="(c) N more times with the CRIU-step agent turned off")
     ap.add_argument("--criu-log", metavar="DIR",
                     help="restore one more replica with --keep and copy CRIU's restore.log here")
     args = ap.parse_args()

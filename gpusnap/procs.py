@@ -114,6 +114,15 @@ def rss_bytes(pids: list[int], proc: Path = PROC) -> int:
     return total
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent's pid (/proc/PID/stat field 4); None when the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22):
     with the pid, it names one process, not whichever reuses the number later."""

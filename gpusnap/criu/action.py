@@ -383,7 +383,9 @@ def _restore_state(criu_pid: int) -> Path:
     return _marker_dir() / f"{criu_pid}-restore.json"
 
 
-def post_resume(init_pid: int, criu_pid: int) -> None:
+def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -> None:
+    """The restored CUDA processes' GPU state back, then unlocked; ``driver``:
+    one the agent loaded ahead (else loaded here)."""
     procs = cuda_processes(init_pid)
     state = _restore_state(criu_pid)
     kept = json.loads(state.read_text()) if state.exists() else {}
@@ -399,7 +401,8 @@ def post_resume(init_pid: int, criu_pid: int) -> None:
     try:
         if live:
             live[0].apply()
-        label, changed, refused = resume_onto(_driver(), [p.pid for p in procs], choices, timing)
+        label, changed, refused = resume_onto(driver or _driver(), [p.pid for p in procs],
+                                              choices, timing)
     except BaseException:
         if live:
             live[0].undo()
@@ -410,7 +413,8 @@ def post_resume(init_pid: int, criu_pid: int) -> None:
     if changed:
         journal.record("resumed", init_pid=init_pid, pids=changed, timing=timing.phases,
                        gpu_pairs=label, failed_first=refused,
-                       moved_live=live[1].describe() if live else None)
+                       moved_live=live[1].describe() if live else None,
+                       by=by, driver_ahead=driver is not None)
 
 
 def _live_remap(init_pid: int):
@@ -444,7 +448,7 @@ def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]
                            f"({exc})") from None
 
 
-def _run(action: str, criu_pid: int | None = None, by: str = "script") -> int:
+def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=None) -> int:
     criu_pid = criu_pid or os.getppid()  # the script's parent is CRIU
     if action == "post-dump":
         # An optimisation: never the reason a dump fails (the pages then stay
@@ -468,11 +472,13 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script") -> int:
             check_without_hook(image_dir, criu_pid)
             try:  # only keeps files for later and speeds the restore: never why it fails...
                 pre_restore(image_dir, criu_pid)
-                # The agent takes post-restore's fill (and post-resume) from here. Not yet
-                # for GPU checkpoints, which no GPU run has measured it with (agent.py).
-                gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
-                if not gpu and _fill_state(criu_pid).exists():
-                    _start_agent(criu_pid)
+                # The agent takes post-restore's fill and post-resume from here; for a
+                # GPU checkpoint it loads the driver and reads NVML ahead too (agent.py).
+                from gpusnap.criu import fill_plan
+
+                if _fill_state(criu_pid).exists() and fill_plan.settings().agent:
+                    gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
+                    _start_agent(criu_pid, driver=gpu)
             except (OSError, ValueError) as exc:
                 journal.record("failed", action=action, error=str(exc))
         except GpusnapError as exc:  # ...unless it must: CRIU stops before any task is restored
@@ -489,7 +495,7 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script") -> int:
         elif action == "post-restore":
             post_restore(init_pid, criu_pid, by)
         else:
-            post_resume(init_pid, criu_pid)
+            post_resume(init_pid, criu_pid, driver, by)
     except (GpusnapError, QuiesceError) as exc:
         journal.record("failed", action=action, init_pid=os.environ.get("CRTOOLS_INIT_PID"),
                        error=str(exc))
@@ -505,24 +511,24 @@ def _marker_dir():
     return journal.state_subdir("actions")
 
 
-def _start_agent(criu_pid: int) -> None:
+def _start_agent(criu_pid: int, driver: bool) -> None:
     """The agent that takes post-restore and post-resume (agent.py); a restore
     goes on without it where it cannot start."""
     from gpusnap.criu import agent
 
     try:
-        agent.start(criu_pid)
+        agent.start(criu_pid, driver)
     except OSError as exc:
         journal.record("agent-not-started", error=str(exc))
 
 
-def run_step(action: str, criu_pid: int, by: str = "script") -> int:
+def run_step(action: str, criu_pid: int, by: str = "script", driver=None) -> int:
     """Run each action once per CRIU process; its exit code.
 
     runc hands CRIU /etc/criu/runc.conf and CRIU reads it again itself, so
     an action script may be called twice in a row; the second call repeats
     the first one's answer (a failed lock must not be retried with defaults).
-    ``by``: "agent" where agent.py runs the step for CRIU.
+    ``by``, ``driver``: the agent's (agent.py), which runs steps for CRIU.
     """
     folder = _marker_dir()
     marker = folder / f"{criu_pid}-{action}"
@@ -534,7 +540,7 @@ def run_step(action: str, criu_pid: int, by: str = "script") -> int:
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
-    code = _run(action, criu_pid, by)
+    code = _run(action, criu_pid, by, driver)
     write_private(marker, str(code))
     return code
 

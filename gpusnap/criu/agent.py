@@ -2,38 +2,43 @@
 
 CRIU starts the action script afresh at every step, and each start of Python
 with gpusnap's imports cost an 8 GiB replica ~0.1-0.16 s at post-restore and
-again at post-resume, inside the stop (docs/benchmarks.md). Where it plans a
-fill, the pre-restore step starts this agent instead, while CRIU still has
-namespaces, mounts and files to restore; the agent imports what those steps
-need meanwhile, and packaging/bin/criu-action hands it post-restore and
-post-resume:
+again at post-resume (plus libcuda and cuInit there), inside the stop
+(docs/benchmarks.md). The pre-restore step starts this agent instead, while
+CRIU still has namespaces, mounts and files to restore; the agent imports
+what those steps need, loads the driver and reads NVML for the OCI hook
+meanwhile, and packaging/bin/criu-action hands it post-restore and post-resume:
 
     <state>/actions/<criu pid>-agent/
       started         the agent's pid, written as it starts
       requests        a FIFO: "ACTION INIT_PID REPLY IMAGE_DIR" a line
       pid             the agent's pid, written once it reads requests
+      inventory.json  NVML's GPUs, read ahead for runc's prestart hook (a GPU checkpoint)
       reply.<n>       the script's FIFO: what the step printed, then its exit code
 
 Each step runs the same code as in the script (action.run_step, markers
-included). Where the agent is not there, the script runs Python as before;
-where it stops while a step is in its hands, the script fails the step (CRIU
-then stops the restore: the checkpoint is unchanged), since that step may be
-half done. The agent leaves when CRIU does, after post-resume, or after an
-hour. Not yet for GPU checkpoints: there it should also load libcuda and read
-NVML for the OCI hook ahead, and a GPU run has to measure that first.
+included). pre-restore starts it where it plans a fill, unless page-fill.json
+says {"agent": false}; for a GPU checkpoint with ``--driver``: libcuda loaded
+and cuInit called on a thread, and NVML read for gpusnap-hook, which takes it
+instead of its own read. Where the agent is not there, the script runs Python
+as before; where it stops while a step is in its hands, the script fails the
+step (CRIU then stops the restore: the checkpoint is unchanged), since that
+step may be half done. The agent leaves when CRIU does, after post-resume, or
+after an hour.
 
-Usage: python -m gpusnap.criu.agent CRIU_PID
+Usage: python -m gpusnap.criu.agent CRIU_PID [--driver]
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import select
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,28 +46,69 @@ from gpusnap import journal
 from gpusnap.private import write_private
 
 LIFETIME_S = 3600.0
+INVENTORY = "inventory.json"
 
 
 def folder(criu_pid: int) -> Path:
     return journal.state_subdir("actions") / f"{criu_pid}-agent"
 
 
-def start(criu_pid: int) -> None:
+def start(criu_pid: int, driver: bool) -> None:
     """The agent of this CRIU, in a session of its own (never a child CRIU waits
-    for). Its pid goes to ``started`` at once: a step that comes before the agent
-    reads requests (crun runs no hook in between) waits for it while it lives,
-    which is never longer than starting Python for the step would take."""
+    for); ``driver``: load libcuda and read NVML ahead (a GPU checkpoint). Its
+    pid goes to ``started`` at once: a step that comes before the agent reads
+    requests (crun runs no hook in between) waits for it while it lives, which
+    is never longer than starting Python for the step would take."""
     here = folder(criu_pid)
     if (here / "started").exists():
         return  # runc reads runc.conf, then CRIU again: the step may run twice
-    proc = subprocess.Popen([sys.executable, "-m", "gpusnap.criu.agent", str(criu_pid)],
+    proc = subprocess.Popen([sys.executable, "-m", "gpusnap.criu.agent", str(criu_pid),
+                             *(["--driver"] if driver else [])],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     here.mkdir(mode=0o700, exist_ok=True)
     write_private(here / "started", str(proc.pid))
 
 
-def _answer(request: str, criu_pid: int) -> bool:
+def _read_inventory(criu_pid: int) -> None:
+    """NVML's view of the GPUs for runc's prestart hook, which runs next
+    (gpusnap-hook reads it from here, hook/main.py inventory_for_restore):
+    the hook's own first NVML read cost it ~0.1 s of the stop."""
+    from gpusnap.gpu.inventory import read_inventory
+
+    inventory = read_inventory()
+    if inventory.error is None:
+        here = folder(criu_pid)
+        here.mkdir(mode=0o700, exist_ok=True)
+        write_private(here / INVENTORY, json.dumps(inventory.to_dict()))
+
+
+class _Driver:
+    """The CUDA driver, loaded and initialised on a thread while CRIU works."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._driver = None
+        threading.Thread(target=self._load, name="gpusnap-agent-cuda", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            from gpusnap.gpu.cuda import CudaDriver
+
+            driver = CudaDriver()
+            driver.init()
+            self._driver = driver
+        except Exception:  # noqa: BLE001 -- post-resume loads it itself and says why
+            pass
+        finally:
+            self._ready.set()
+
+    def get(self):
+        self._ready.wait()
+        return self._driver
+
+
+def _answer(request: str, criu_pid: int, driver: _Driver | None) -> bool:
     """Run one step; False once the agent has nothing more to do."""
     from gpusnap.criu import action
 
@@ -74,7 +120,8 @@ def _answer(request: str, criu_pid: int) -> bool:
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed):
         try:
-            code = action.run_step(step, criu_pid, by="agent")
+            code = action.run_step(step, criu_pid, by="agent",
+                                   driver=driver.get() if driver and step == "post-resume" else None)
         except Exception as exc:  # noqa: BLE001 -- the script's own crash would fail the step too
             print(f"gpusnap: {step}: {type(exc).__name__}: {exc}", file=sys.stderr)
             code = 1
@@ -90,7 +137,7 @@ def _answer(request: str, criu_pid: int) -> bool:
     return step != "post-resume"
 
 
-def serve(criu_pid: int) -> None:
+def serve(criu_pid: int, driver: _Driver | None) -> None:
     try:
         criu = os.pidfd_open(criu_pid)
     except OSError:
@@ -114,7 +161,7 @@ def serve(criu_pid: int) -> None:
             pending += os.read(fd, 65536)
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                if not _answer(line.decode(errors="replace").strip(), criu_pid):
+                if not _answer(line.decode(errors="replace").strip(), criu_pid, driver):
                     return
     finally:
         os.close(criu)
@@ -129,8 +176,13 @@ def main() -> int:
         return 2
     from gpusnap.criu import action, fill_plan, page_fill  # noqa: F401 -- loaded before they are asked
 
+    driver = None
+    if "--driver" in sys.argv[2:]:
+        threading.Thread(target=_read_inventory, args=(criu_pid,), name="gpusnap-agent-nvml",
+                         daemon=True).start()
+        driver = _Driver()
     try:
-        serve(criu_pid)
+        serve(criu_pid, driver)
     except OSError as exc:
         journal.record("agent-failed", criu_pid=criu_pid, error=str(exc))
     return 0

@@ -379,11 +379,14 @@ def prepare(folder: Path, keep: Callable[[Plan], None], huge_pages: bool = False
 class Settings:
     """/etc/gpusnap/page-fill.json: {"enabled": false} leaves every page to CRIU
     (benchmarks compare); "threads" overrides page_fill.default_threads();
-    {"huge_pages": false} leaves every area's madvise as the application had it."""
+    {"huge_pages": false} leaves every area's madvise as the application had it;
+    {"agent": false} runs each later CRIU step in a Python of its own, as before
+    criu/agent.py (benchmarks compare)."""
 
     enabled: bool = True
     threads: int = 0
     huge_pages: bool = True
+    agent: bool = True
 
 
 SETTINGS = Path("/etc/gpusnap/page-fill.json")
@@ -399,7 +402,9 @@ def settings(path: Path | None = None) -> Settings:
         raise ValueError(f"{path}: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("enabled", True), bool) \
             or not isinstance(data.get("threads", 0), int) or data.get("threads", 0) < 0 \
-            or not isinstance(data.get("huge_pages", True), bool):
+            or not isinstance(data.get("huge_pages", True), bool) \
+            or not isinstance(data.get("agent", True), bool):
         raise ValueError(f'{path}: expected {{"enabled": true|false, "threads": N, '
-                         f'"huge_pages": true|false}}')
-    return Settings(data.get("enabled", True), data.get("threads", 0), data.get("huge_pages", True))
+                         f'"huge_pages": true|false, "agent": true|false}}')
+    return Settings(data.get("enabled", True), data.get("threads", 0),
+                    data.get("huge_pages", True), data.get("agent", True))

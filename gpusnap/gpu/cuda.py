@@ -105,6 +105,10 @@ class CudaDriver:
         self._init_lock = threading.Lock()
         self._initialised = False
 
+    def init(self) -> None:
+        """cuInit now (else at the first call): an agent loads it ahead."""
+        self._init()
+
     def _init(self) -> None:
         with self._init_lock:
             if not self._initialised:

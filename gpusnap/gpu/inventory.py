@@ -46,6 +46,14 @@ class Inventory:
         d["process_memory"] = {str(k): v for k, v in self.process_memory.items()}
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Inventory:
+        return cls(driver_version=d.get("driver_version"),
+                   cuda_driver_version=d.get("cuda_driver_version"),
+                   gpus=[GpuInfo(**g) for g in d.get("gpus") or []],
+                   process_memory={int(k): v for k, v in (d.get("process_memory") or {}).items()},
+                   error=d.get("error"))
+
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)

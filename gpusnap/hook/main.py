@@ -12,6 +12,7 @@ journal; only a restore onto GPUs that cannot take the checkpoint fails.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 from gpusnap.private import write_private
 
 if TYPE_CHECKING:
+    from gpusnap.gpu.inventory import Inventory
     from gpusnap.gpu.plan import Plan
 
 STAGES = ("prestart", "poststop")
@@ -35,20 +37,50 @@ def gpu_devices(spec: dict) -> list[dict]:
     return [d for d in devices if _GPU_NODE.match(d.get("path", ""))]
 
 
-def record_assignment(container_id: str, devices: list[dict]) -> Path:
+def record_assignment(container_id: str, devices: list[dict], inv: "Inventory | None" = None) -> Path:
     from gpusnap.gpu.inventory import read_inventory
 
-    inv = read_inventory()
+    read_by = "agent" if inv else "hook"  # whose NVML read (criu/agent.py): benchmarks tell
+    inv = inv or read_inventory()
     gpus = []
     for dev in devices:
         gpu = inv.by_minor(int(dev.get("minor", -1)))
         gpus.append({"path": dev["path"], "minor": dev.get("minor"),
                      "uuid": gpu.uuid if gpu else None, "name": gpu.name if gpu else None})
     path = journal.state_subdir("containers") / f"{container_id}.json"
-    return write_private(path, json.dumps({"id": container_id, "gpus": gpus}, indent=2))
+    return write_private(path, json.dumps({"id": container_id, "gpus": gpus,
+                                           "inventory_read_by": read_by}, indent=2))
 
 
-def plan_restore_here(manifest_path: Path, spec: dict) -> tuple[list[str], "Plan | None"]:
+def inventory_for_restore(wait_s: float = 0.5) -> "Inventory | None":
+    """NVML's GPUs as the agent of the CRIU this runc runs read them a moment ago
+    (criu/agent.py): runc starts CRIU and this hook alike, so the agent's CRIU
+    is this hook's sibling. None where there is no such agent, or it has not
+    read them within ``wait_s``: the hook then reads NVML itself."""
+    import time
+
+    from gpusnap.criu import agent
+    from gpusnap.gpu.inventory import Inventory
+    from gpusnap.procs import parent_of
+
+    runc = os.getppid()
+    for here in journal.state_subdir("actions").glob("*-agent"):
+        criu = here.name.split("-", 1)[0]
+        if not criu.isdigit() or parent_of(int(criu)) != runc:
+            continue
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return Inventory.from_dict(json.loads((here / agent.INVENTORY).read_text()))
+            except (OSError, ValueError, TypeError, KeyError):
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.01)
+    return None
+
+
+def plan_restore_here(manifest_path: Path, spec: dict,
+                      inventory: "Inventory | None" = None) -> tuple[list[str], "Plan | None"]:
     """(problems, plan) for restoring here.
 
     With a plan beside the manifest (`gpusnap restore` rewrote the spec for it),
@@ -63,16 +95,17 @@ def plan_restore_here(manifest_path: Path, spec: dict) -> tuple[list[str], "Plan
     from gpusnap.ops.gpu_plan import pinned_map
 
     manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
+    inventory = inventory or read_inventory()
     plan_path = manifest_path.with_name(PLAN_NAME)
     if plan_path.exists():
         pinned = Plan.from_dict(json.loads(plan_path.read_text()))
-        result = plan_restore(manifest, read_inventory(), gpu_map=pinned_map(pinned),
+        result = plan_restore(manifest, inventory, gpu_map=pinned_map(pinned),
                               skip=frozenset(p.check for p in pinned.overridden))
         return ([p.line for p in result], None) if isinstance(result, list) else ([], None)
     annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
     from gpusnap.gpu.gpumap import parse_gpu_map
 
-    result = plan_restore(manifest, read_inventory(),
+    result = plan_restore(manifest, inventory,
                           gpu_map=parse_gpu_map(annotation) if annotation else None)
     if isinstance(result, list):
         return [p.line for p in result], None
@@ -104,8 +137,10 @@ def run(state: dict, stage: str | None = None) -> int:
         return 0
     spec = json.loads((bundle / "config.json").read_text())
     manifest_path = bundle / "checkpoint" / MANIFEST_NAME
+    inventory = None
     if manifest_path.exists():
-        problems, plan = plan_restore_here(manifest_path, spec)
+        inventory = inventory_for_restore()
+        problems, plan = plan_restore_here(manifest_path, spec, inventory)
         if problems:
             journal.record("hook-refused-restore", container=container_id, problems=problems)
             print("gpusnap: cannot restore here: " + "; ".join(problems), file=sys.stderr)
@@ -115,7 +150,7 @@ def run(state: dict, stage: str | None = None) -> int:
             journal.record("restore-remap-planned", container=container_id, moves=plan.describe())
     devices = gpu_devices(spec)
     if devices:
-        record_assignment(container_id, devices)
+        record_assignment(container_id, devices, inventory)
     return 0
 
 

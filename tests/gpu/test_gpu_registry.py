@@ -71,7 +71,19 @@ def test_migrate_reads_gpu_memory_ahead_and_the_restored_copy_has_it(cuda_ctr, r
     its = cuda_ctr.iterations()
     subprocess.run(["podman", "rm", "-f", "-t", "0", cuda_ctr.name], check=True,
                    capture_output=True)
+    mark = _mark()
     res = run([GPUSNAP, "restore", pinned, *registry.flags(), "--json"], input=PASSWORD + "\n")
     assert res.returncode == 0, (res.stdout, res.stderr)
     cuda_ctr.wait_running(above=its)
     cuda_ctr.verify()  # every element of the restored copy compared
+    # The later CRIU steps ran in the agent (gpusnap/criu/agent.py), the driver
+    # loaded ahead, and the OCI hook took the agent's NVML read.
+    events = _events(mark)
+    assert _last(events, "pages-filled")["by"] == "agent"
+    resumed = _last(events, "resumed")
+    assert (resumed["by"], resumed["driver_ahead"]) == ("agent", True), resumed
+    cid = subprocess.run(["podman", "inspect", "--format", "{{.Id}}", cuda_ctr.name],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assignment = json.loads((JOURNAL.parent / "containers" / f"{cid}.json").read_text())
+    assert assignment["inventory_read_by"] == "agent", assignment
+    assert assignment["gpus"][0]["uuid"], assignment

@@ -55,7 +55,7 @@ def test_post_restore_goes_to_the_agent_which_fills_and_answers(tmp_path, state,
     proc, base, size = child
     me = os.getpid()  # CRIU, as the script sees it: its parent
     folder, data = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
-    agent.start(me)
+    agent.start(me, driver=False)
     _ready(me)
     res = _script("post-restore", proc.pid, state)
     assert res.returncode == 0, res.stderr
@@ -81,7 +81,7 @@ def test_a_step_that_comes_before_the_agent_is_ready_waits_for_it(tmp_path, stat
     proc, base, size = child
     me = os.getpid()
     _, data = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
-    agent.start(me)  # no wait: the script comes at once
+    agent.start(me, driver=False)  # no wait: the script comes at once
     assert _script("post-restore", proc.pid, state).returncode == 0
     assert _memory_of(proc.pid, base, size) == data and _filled_by(state) == "agent"
     _script("post-resume", proc.pid, state)
@@ -108,7 +108,7 @@ def test_a_step_the_agent_fails_fails_with_its_words(tmp_path, state, child):
     me = os.getpid()
     folder, _ = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
     os.truncate(folder / "pages-1.img", 4096)  # the pages went missing under the restore
-    agent.start(me)
+    agent.start(me, driver=False)
     _ready(me)
     res = _script("post-restore", proc.pid, state)
     assert res.returncode == 1
@@ -139,7 +139,7 @@ def test_an_agent_that_stops_with_the_step_in_its_hands_fails_the_step(state):
 def test_the_agent_leaves_when_criu_does(state):
     criu = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        agent.start(criu.pid)
+        agent.start(criu.pid, driver=False)
         _ready(criu.pid)
     finally:
         criu.kill()
@@ -147,11 +147,10 @@ def test_the_agent_leaves_when_criu_does(state):
     assert _gone(agent.folder(criu.pid))
 
 
-def test_pre_restore_starts_the_agent_where_there_is_a_fill_and_no_gpu(tmp_path, state, monkeypatch,
-                                                                        child):
+def test_pre_restore_starts_the_agent_where_there_is_a_fill(tmp_path, state, monkeypatch, child):
     proc, base, size = child
     started = []
-    monkeypatch.setattr(action, "_start_agent", started.append)
+    monkeypatch.setattr(action, "_start_agent", lambda pid, driver: started.append((pid, driver)))
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(empty))
@@ -162,10 +161,49 @@ def test_pre_restore_starts_the_agent_where_there_is_a_fill_and_no_gpu(tmp_path,
     fill_plan.undo(folder)  # as CRIU left it: pre-restore plans it again
     monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(folder))
     assert action._run("pre-restore", 4322) == 0
-    assert started == [4322]
+    assert started == [(4322, False)]
     fill_plan.undo(folder)
-    (folder / action.MANIFEST_NAME).write_text("{}")  # a GPU checkpoint: not yet (see action.py)
+    (folder / action.MANIFEST_NAME).write_text("{}")  # a GPU checkpoint: the driver loaded ahead
     assert action._run("pre-restore", 4323) == 0
-    assert started == [4322]
+    assert started == [(4322, False), (4323, True)]
+    fill_plan.undo(folder)
+    monkeypatch.setattr(fill_plan, "SETTINGS", tmp_path / "page-fill.json")
+    fill_plan.SETTINGS.write_text('{"agent": false}')  # each step in a Python of its own
+    assert action._run("pre-restore", 4324) == 0
+    assert started == [(4322, False), (4323, True)]
+    assert (action._fill_state(4324)).exists()  # the fill itself still planned
     fill_plan.undo(folder)
 
+
+INVENTORY = {"driver_version": "580.159.04", "cuda_driver_version": "13.0",
+             "gpus": [{"index": 0, "uuid": "GPU-aaaa", "name": "NVIDIA H200", "minor": 0,
+                       "pci_bus_id": "0000:01:00.0", "memory_total": 150 << 30,
+                       "memory_used": 1 << 30, "compute_capability": "9.0",
+                       "mig_enabled": False}],
+             "process_memory": {"77": {"GPU-aaaa": 1 << 30}}, "error": None}
+
+HOOK_READS = ("from gpusnap.hook.main import inventory_for_restore as f; "
+              "inv = f(wait_s=0.3); print(inv.to_dict() if inv else None)")
+
+
+def test_the_hook_takes_the_gpus_the_agent_of_its_sibling_criu_read(state):
+    """runc starts CRIU and the hook: the agent's CRIU is the hook's sibling."""
+    from gpusnap.gpu.inventory import Inventory
+
+    assert Inventory.from_dict(INVENTORY).to_dict() == INVENTORY
+    criu = subprocess.Popen(["sleep", "30"])  # a sibling of the hook below: ours both
+    stranger = 1  # init's agent: no sibling of anyone here
+    try:
+        for pid in (criu.pid, stranger):
+            agent.folder(pid).mkdir(parents=True)
+            (agent.folder(pid) / agent.INVENTORY).write_text(json.dumps(INVENTORY))
+        res = subprocess.run([sys.executable, "-c", HOOK_READS], capture_output=True, text=True,
+                             env={**os.environ, "GPUSNAP_STATE_DIR": str(state)}, check=True)
+        assert "GPU-aaaa" in res.stdout and "77" in res.stdout
+        (agent.folder(criu.pid) / agent.INVENTORY).unlink()  # not read yet: the hook reads NVML
+        res = subprocess.run([sys.executable, "-c", HOOK_READS], capture_output=True, text=True,
+                             env={**os.environ, "GPUSNAP_STATE_DIR": str(state)}, check=True)
+        assert res.stdout.strip() == "None"
+    finally:
+        criu.kill()
+        criu.wait()

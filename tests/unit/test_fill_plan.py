@@ -203,10 +203,10 @@ def test_a_rewrite_cut_short_is_put_back_and_a_leftover_one_undone_first(tmp_pat
 
 def test_settings_file(tmp_path):
     path = tmp_path / "page-fill.json"
-    assert fill_plan.settings(path) == fill_plan.Settings(True, 0, True)
-    path.write_text('{"enabled": false, "threads": 4, "huge_pages": false}')
-    assert fill_plan.settings(path) == fill_plan.Settings(False, 4, False)
-    for bad in ('{"threads": "many"}', '{"huge_pages": 1}'):
+    assert fill_plan.settings(path) == fill_plan.Settings(True, 0, True, True)
+    path.write_text('{"enabled": false, "threads": 4, "huge_pages": false, "agent": false}')
+    assert fill_plan.settings(path) == fill_plan.Settings(False, 4, False, False)
+    for bad in ('{"threads": "many"}', '{"huge_pages": 1}', '{"agent": "no"}'):
         path.write_text(bad)
         with pytest.raises(ValueError, match="page-fill.json"):
             fill_plan.settings(path)

@@ -89,7 +89,8 @@ def test_prestart_records_the_gpus_the_container_was_given(tmp_path, state_dir, 
     record = json.loads(record_file(state_dir).read_text())
     # host GPU 1 appears as /dev/nvidia0 in the container: the minor decides
     assert record == {"id": CTR, "gpus": [{"path": "/dev/nvidia0", "minor": 1, "uuid": UUID1,
-                                           "name": "NVIDIA H100 80GB HBM3"}]}
+                                           "name": "NVIDIA H100 80GB HBM3"}],
+                      "inventory_read_by": "hook"}  # no agent: a plain start
     assert stat.S_IMODE(record_file(state_dir).stat().st_mode) == 0o600
 
 
