@@ -185,7 +185,7 @@ def cold_start(image: str, name: str, network: str, gib: float, tcp: bool
 
 # what a timeline keeps of each journal event (the rest is paths and pids)
 EVENT_FIELDS = ("seconds", "bytes", "huge_bytes", "fill_s", "runs", "threads", "timing", "how", "files",
-                "by", "driver_ahead")
+                "by", "driver_ahead", "skipped")
 
 
 def timeline(events: list[dict], t0: float) -> list[list]:
@@ -301,6 +301,10 @@ def run(args) -> dict:
         for k in range(1, args.compare_agent + 1):
             rows.append(with_settings(pinned, f"{tag}-r2a{k}", target, expected, args.tcp,
                                       f"c'' warm cache, no agent ({k})", {"agent": False}))
+        for k in range(1, args.compare_read_ahead + 1):
+            rows.append(with_settings(pinned, f"{tag}-r2f{k}", target, expected, args.tcp,
+                                      f"c3 warm cache, no file read-ahead ({k})",
+                                      {"read_ahead": False}))
         rows += together(pinned, tag, ("r3", "r4"), "d 2 at once", target, expected, args.tcp,
                          servers)
         # (b)'s pages kept in RAM set aside: a replica from the chunk cache alone
@@ -410,6 +414,9 @@ def main() -> int:
                     help="(c) once more with the fill's huge pages turned off")
     ap.add_argument("--compare-agent", type=int, default=0, metavar="N",
                     help="(c) N more times with the CRIU-step agent turned off")
+    ap.add_argument("--compare-read-ahead", type=int, default=0, metavar="N",
+                    help="(c) N more times without reading ahead the file pages CRIU "
+                         "copies on write")
     ap.add_argument("--criu-log", metavar="DIR",
                     help="restore one more replica with --keep and copy CRIU's restore.log here")
     args = ap.parse_args()

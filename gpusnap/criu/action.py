@@ -250,24 +250,52 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
             if (folder / name).exists()}
     if kept:
         write_private(_restore_state(criu_pid), json.dumps(kept))
-    _plan_fill(folder, criu_pid)
+    from gpusnap.criu import fill_plan
+
+    _fill_state(criu_pid).unlink(missing_ok=True)  # never another restore's plan (a CRIU pid reused)
+    try:
+        wanted = fill_plan.settings()
+    except ValueError as exc:
+        journal.record("pages-fill-skipped", error=str(exc))
+        return
+    pagemaps: dict = {}  # parsed once, for both
+    if wanted.read_ahead:
+        _read_file_pages_ahead(folder, pagemaps)
+    if wanted.enabled:
+        _plan_fill(folder, criu_pid, wanted, pagemaps)
 
 
-def _plan_fill(folder: Path, criu_pid: int) -> None:
+def _read_file_pages_ahead(folder: Path, pagemaps: dict) -> None:
+    """The file pages CRIU copies on write, asked of the disk now (file_pages.py);
+    only ever a hint: CRIU faults in what this did not."""
+    from gpusnap.criu import file_pages
+
+    started = time.monotonic()
+    try:
+        root = file_pages.container_root(folder)
+        if root is None:
+            return
+        done = file_pages.read_ahead(folder, root, pagemaps)
+    except (OSError, ValueError) as exc:
+        journal.record("file-pages-not-read-ahead", error=str(exc))
+        return
+    if done.files or done.skipped:
+        journal.record("file-pages-read-ahead", files=done.files, bytes=done.bytes,
+                       skipped=done.skipped, seconds=round(time.monotonic() - started, 3))
+
+
+def _plan_fill(folder: Path, criu_pid: int, wanted, pagemaps: dict) -> None:
     """Leave the big runs of pages to post-restore's threads (fill_plan.py).
     CRIU then restores every page itself where this fails, unless a rewrite
     cannot be put back (undo_leftover_fill's GpusnapError: the restore stops)."""
     from gpusnap.criu import fill_plan
 
     state = _fill_state(criu_pid)
-    state.unlink(missing_ok=True)  # never another restore's plan (a CRIU pid reused)
     started = time.monotonic()
     try:
-        wanted = fill_plan.settings()
-        if not wanted.enabled:
-            return
         planned = fill_plan.prepare(folder, lambda p: write_private(state, p.to_json()),
-                                    huge_pages=wanted.huge_pages and fill_plan.thp_available())
+                                    huge_pages=wanted.huge_pages and fill_plan.thp_available(),
+                                    pagemaps=pagemaps)
     except (OSError, ValueError) as exc:
         state.unlink(missing_ok=True)
         undo_leftover_fill(str(folder))  # where prepare could not put it back itself

@@ -216,9 +216,11 @@ def _dense(areas: list[mm.Vma], runs: list[Run]) -> list[tuple[int, int]]:
             and filled[(v.start, v.end)] >= HUGE_SHARE * (v.end - v.start)]
 
 
-def plan(folder: Path, huge_pages: bool = False) -> Plan | None:
+def plan(folder: Path, huge_pages: bool = False,
+         pagemaps: dict[int, pagemap.Pagemap] | None = None) -> Plan | None:
     """The runs worth filling in this images folder, or None (CRIU restores all);
-    with ``huge_pages``, the areas they fill almost whole get huge pages."""
+    with ``huge_pages``, the areas they fill almost whole get huge pages.
+    ``pagemaps``: the folder's pagemaps a caller parsed already (file_pages)."""
     real = Path(os.path.realpath(folder))
     parent = real / "parent"
     if parent.exists() and not parent.is_symlink():
@@ -239,7 +241,8 @@ def plan(folder: Path, huge_pages: bool = False) -> Plan | None:
                      key=lambda v: v.start)
         if not own:
             continue
-        out.pagemaps[vpid] = pm = pagemap.parse((real / f"pagemap-{vpid}.img").read_bytes())
+        pm = (pagemaps or {}).get(vpid) or pagemap.parse((real / f"pagemap-{vpid}.img").read_bytes())
+        out.pagemaps[vpid] = pm
         runs = merged(_clip(locate(real, vpid, pm=pm), [(v.start, v.end) for v in own]))
         if runs:
             out.tasks[vpid] = runs
@@ -357,13 +360,15 @@ def undo(folder: Path) -> bool:
     return True
 
 
-def prepare(folder: Path, keep: Callable[[Plan], None], huge_pages: bool = False) -> Plan | None:
+def prepare(folder: Path, keep: Callable[[Plan], None], huge_pages: bool = False,
+            pagemaps: dict[int, pagemap.Pagemap] | None = None) -> Plan | None:
     """Undo a leftover rewrite, plan, and rewrite where there is something to fill.
     ``keep`` stores the plan for post-restore before the folder changes (a rewrite
     whose plan is lost would restore zeros); any failure puts the folder back
     and leaves the restore to CRIU alone."""
-    undo(folder)
-    p = plan(folder, huge_pages)
+    if undo(folder):
+        pagemaps = None  # read from the rewritten folder
+    p = plan(folder, huge_pages, pagemaps)
     if p is None:
         return None
     keep(p)
@@ -381,12 +386,14 @@ class Settings:
     (benchmarks compare); "threads" overrides page_fill.default_threads();
     {"huge_pages": false} leaves every area's madvise as the application had it;
     {"agent": false} runs each later CRIU step in a Python of its own, as before
-    criu/agent.py (benchmarks compare)."""
+    criu/agent.py; {"read_ahead": false} leaves the file pages CRIU copies on
+    write to its faults (file_pages.py). Benchmarks compare."""
 
     enabled: bool = True
     threads: int = 0
     huge_pages: bool = True
     agent: bool = True
+    read_ahead: bool = True
 
 
 SETTINGS = Path("/etc/gpusnap/page-fill.json")
@@ -403,8 +410,10 @@ def settings(path: Path | None = None) -> Settings:
     if not isinstance(data, dict) or not isinstance(data.get("enabled", True), bool) \
             or not isinstance(data.get("threads", 0), int) or data.get("threads", 0) < 0 \
             or not isinstance(data.get("huge_pages", True), bool) \
-            or not isinstance(data.get("agent", True), bool):
+            or not all(isinstance(data.get(k, True), bool) for k in ("agent", "read_ahead")):
         raise ValueError(f'{path}: expected {{"enabled": true|false, "threads": N, '
-                         f'"huge_pages": true|false, "agent": true|false}}')
+                         f'"huge_pages": true|false, "agent": true|false, '
+                         f'"read_ahead": true|false}}')
     return Settings(data.get("enabled", True), data.get("threads", 0),
-                    data.get("huge_pages", True), data.get("agent", True))
+                    data.get("huge_pages", True), data.get("agent", True),
+                    data.get("read_ahead", True))

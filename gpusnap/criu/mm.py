@@ -20,7 +20,7 @@ MM_MAGIC = 0x57492820
 PROT_WRITE = 0x2
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_GROWSDOWN, MAP_HUGETLB = 0x02, 0x20, 0x0100, 0x40000
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
-VMA_AREA_REGULAR, VMA_ANON_PRIVATE, VMA_EXT_PLUGIN = 1 << 0, 1 << 9, 1 << 27
+VMA_AREA_REGULAR, VMA_FILE_PRIVATE, VMA_ANON_PRIVATE, VMA_EXT_PLUGIN = 1 << 0, 1 << 6, 1 << 9, 1 << 27
 # Kinds of memory CRIU restores its own way (stacks, vdso, AIO rings, SysV
 # shm, memfd, shadow stacks, guard pages, uprobes, plugins' areas, unsupported).
 VMA_SPECIAL = ((1 << 1) | (1 << 2) | (1 << 3) | (1 << 10) | (1 << 11) | (1 << 12) | (1 << 13)
@@ -35,6 +35,15 @@ class Vma:
     flags: int
     status: int
     madv: int = 0  # bit N: CRIU's restorer calls madvise(start, length, N)
+    pgoff: int = 0  # a file mapping's offset in its file
+    shmid: int = 0  # a file mapping's file: its id in CRIU's files image
+
+    @property
+    def private_file(self) -> bool:
+        """A private mapping of a regular file: CRIU maps the file and writes the
+        task's changed pages over it, each write reading the file's page first."""
+        return bool(self.status & VMA_AREA_REGULAR and self.status & VMA_FILE_PRIVATE
+                    and not self.status & VMA_SPECIAL)
 
     @property
     def plain_private_memory(self) -> bool:
@@ -62,7 +71,7 @@ def parse(data: bytes) -> list[Vma]:
         if number == 14 and wire == 2:
             f = {n: v for n, w, v in fields_of(value) if w == 0}
             vmas.append(Vma(f.get(1, 0), f.get(2, 0), f.get(5, 0), f.get(6, 0), f.get(7, 0),
-                            f.get(9, 0)))
+                            f.get(9, 0), f.get(3, 0), f.get(4, 0)))
     return vmas
 
 

@@ -111,8 +111,9 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
     start = time.monotonic()
     podman.restore(source, archive=False, name=name, keep=keep,
                    tcp_established=tcp_established)
-    return restored(name or (contents.json_file("config.dump") or {}).get("name") or source,
-                    source, time.monotonic() - start, plan)
+    seconds = time.monotonic() - start
+    return restored(podman.inspect(name or (contents.json_file("config.dump") or {}).get("name")
+                                   or source), source, seconds, plan)
 
 
 def import_archive(opener: ContextManager[Path], contents: archive.CheckpointContents,
@@ -136,16 +137,16 @@ def import_archive(opener: ContextManager[Path], contents: archive.CheckpointCon
         raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged",
                            exc.hint) from None
     seconds = time.monotonic() - start
+    ctr = podman.inspect(target or source)
     hostname = None
     if name:  # a copy under a new name: its own hostname, not the checkpoint's
-        hostname = identity.follow_new_id(name, (contents.json_file("config.dump") or {}).get("id", ""))
-    return restored(target or source, source, seconds, plan, hostname=hostname)
+        hostname = identity.follow_new_id(ctr, (contents.json_file("config.dump") or {}).get("id", ""))
+    return restored(ctr, source, seconds, plan, hostname=hostname)
 
 
-def restored(target: str, source: str, seconds: float, plan: Plan,
+def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
              hostname: str | None = None) -> dict:
     """The restored container's report (and journal record), its GPU processes checked."""
-    ctr = podman.inspect(target)
     gpu = _gpu_report(ctr.pid)
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),
                    moves=plan.describe() if plan.needs_remap else None)

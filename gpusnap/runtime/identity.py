@@ -13,51 +13,49 @@ the checkpoint keeps what it read: only later reads see the new one.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
 
 from gpusnap import journal
-from gpusnap.runtime.podman import podman_binary
+from gpusnap.runtime.podman import Container
 
 SHORT = 12  # Podman's hostname: the container ID's first 12 characters
 
 
-def follow_new_id(name: str, old_id: str) -> str | None:
-    """Give ``name`` (just restored from a checkpoint of container ``old_id``) the
-    hostname Podman derives from its own ID, where it had the old one derived.
-    Returns the new hostname; None where it stays (chosen by the user, the same
-    container, or it could not be changed: then the journal says why)."""
-    res = subprocess.run([podman_binary(), "container", "inspect", name],
-                         capture_output=True, text=True)
-    if res.returncode != 0 or not old_id:
-        return None
-    data = json.loads(res.stdout)[0]
-    old, new = old_id[:SHORT], data["Id"][:SHORT]
-    pid = int((data.get("State") or {}).get("Pid") or 0)
-    if old == new or pid <= 0:
+def follow_new_id(ctr: Container, old_id: str) -> str | None:
+    """Give ``ctr`` (just restored from a checkpoint of container ``old_id``, as
+    Podman inspects it now) the hostname Podman derives from its own ID, where it
+    had the old one derived. Returns the new hostname; None where it stays (chosen
+    by the user, the same container, or it could not be changed: then the journal
+    says why)."""
+    old, new = old_id[:SHORT], ctr.id[:SHORT]
+    if not old_id or old == new or ctr.pid <= 0:
         return None
     try:
-        if _uts(pid) != old:
+        if not _swap_uts(ctr.pid, old, new):
             return None  # chosen by the user, or changed since: not Podman's derived one
-        _uts(pid, new)
-        _rewrite(data.get("HostnamePath"), old, new)
-        _rewrite(data.get("HostsPath"), old, new)
+        _rewrite(ctr.hostname_path, old, new)
+        _rewrite(ctr.hosts_path, old, new)
     except (OSError, subprocess.SubprocessError) as exc:
-        journal.record("hostname-kept", container=data["Id"], hostname=old, error=str(exc))
+        journal.record("hostname-kept", container=ctr.id, hostname=old, error=str(exc))
         return None
     return new
 
 
-def _uts(pid: int, set_to: str | None = None) -> str:
-    """The hostname in ``pid``'s UTS namespace (/proc/sys/kernel/hostname is per
-    namespace of the reader); with ``set_to``, set it first."""
-    script = 'printf %s "$1" > /proc/sys/kernel/hostname; ' if set_to is not None else ""
-    out = subprocess.run(["nsenter", "--target", str(pid), "--uts", "--", "sh", "-c",
-                          script + "cat /proc/sys/kernel/hostname", "sh", set_to or ""],
-                         capture_output=True, text=True, timeout=10, check=True)
-    return out.stdout.strip()
+def _swap_uts(pid: int, old: str, new: str) -> bool:
+    """The hostname in ``pid``'s UTS namespace set to ``new`` where it is ``old``
+    (/proc/sys/kernel/hostname is per namespace of the reader): one nsenter, as
+    it runs between the restore and the first request a replica answers."""
+    script = ('[ "$(cat /proc/sys/kernel/hostname)" = "$1" ] || exit 3; '
+              'printf %s "$2" > /proc/sys/kernel/hostname')
+    res = subprocess.run(["nsenter", "--target", str(pid), "--uts", "--", "sh", "-c", script,
+                          "sh", old, new], capture_output=True, text=True, timeout=10)
+    if res.returncode == 3:
+        return False
+    if res.returncode != 0:
+        raise subprocess.SubprocessError(f"nsenter: {res.stderr.strip() or res.returncode}")
+    return True
 
 
 def _rewrite(path: str | None, old: str, new: str) -> None:

@@ -32,6 +32,8 @@ class Container:
     userdata: Path  # the bundle dir; CRIU writes into userdata/checkpoint
     devices: list[str]
     runtime: str = ""  # its OCI runtime (runc, crun): which CRIU configuration it hands on
+    hostname_path: str = ""  # Podman's /etc/hostname and /etc/hosts for it, on the host
+    hosts_path: str = ""
 
     @property
     def running(self) -> bool:
@@ -90,6 +92,7 @@ def find(name: str) -> Container | None:
         userdata=Path(bundle),
         devices=[d.get("PathInContainer", "") for d in data.get("HostConfig", {}).get("Devices") or []],
         runtime=data.get("OCIRuntime") or "",
+        hostname_path=data.get("HostnamePath") or "", hosts_path=data.get("HostsPath") or "",
     )
 
 

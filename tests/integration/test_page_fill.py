@@ -5,7 +5,8 @@ CRIU action script leaves that memory out of CRIU's restore and writes it at
 post-restore (its agent does: criu/agent.py); the md5 of the variable must be
 the same afterwards, and the
 area that holds it has huge pages (fill_plan's MADV_HUGEPAGE) where the host
-gives them. In the version matrix too: every runtime that runs the action script fills, the
+gives them; the file pages CRIU copies on write are read ahead first. In the
+version matrix too: every runtime that runs the action script fills, the
 others (trixie's crun 1.21) restore through CRIU alone, the same memory."""
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def test_a_plain_podman_import_of_big_memory_is_filled_by_threads_and_whole(name
         assert filled and filled[0]["bytes"] >= 256 << 20, events
         # by the agent pre-restore started (criu/agent.py), not a second Python start
         assert filled[0]["by"] == "agent", filled
+        # the shell's changed file pages (its data) asked of the disk ahead of
+        # CRIU's copy-on-write faults, from the root Podman mounted (file_pages.py)
+        ahead = [e for e in events if e["event"] == "file-pages-read-ahead"]
+        assert ahead and ahead[0]["files"] >= 1 and ahead[0]["skipped"] == 0, events
         if thp_available():
             assert planned[0]["huge_bytes"] >= 256 << 20, planned
             assert _huge_areas(name), "no area of the restored container has huge pages"

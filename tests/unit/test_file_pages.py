@@ -1,0 +1,131 @@
+"""criu/file_pages.py: which file pages CRIU will copy on write, found in CRIU's
+images (mm, pagemap, files, mountpoints) as CRIU writes them, and read ahead
+from the container's root; the real thing runs in tests/gpu (coldstart) and
+through Podman in tests/integration/test_page_fill.py."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from gpusnap import journal
+from gpusnap.criu import action, file_pages, fill_plan, mm
+from gpusnap.criu import pagemap as pm
+from gpusnap.criu.images import IMG_COMMON_MAGIC, MNTS_MAGIC, ImageError
+from gpusnap.proto.wire import varint
+
+PAGE = pm.PAGE
+FILE = mm.VMA_AREA_REGULAR | mm.VMA_FILE_PRIVATE
+ANON = mm.VMA_AREA_REGULAR | mm.VMA_ANON_PRIVATE
+ROOT_MNT, OTHER_MNT = 201, 305
+
+
+def _msg(fields: list[tuple[int, int | bytes]]) -> bytes:
+    out = b""
+    for n, v in fields:
+        out += varint(n << 3 | 2) + varint(len(v)) + v if isinstance(v, bytes) \
+            else varint(n << 3) + varint(v)
+    return out
+
+
+def _image(magic: int, entries: list[bytes]) -> bytes:
+    return struct.pack("<II", IMG_COMMON_MAGIC, magic) + b"".join(
+        struct.pack("<I", len(e)) + e for e in entries)
+
+
+def _zigzag(n: int) -> int:
+    return n << 1 if n >= 0 else (-n << 1) - 1
+
+
+def _reg(fid: int, name: str, mnt: int, size: int) -> bytes:
+    return _msg([(1, fid), (2, 0), (3, 0), (5, b""), (6, name.encode()), (7, _zigzag(mnt)), (8, size)])
+
+
+def _write(folder: Path, vmas: list[tuple[int, int, int, int, int]], runs: list[tuple[int, int]],
+           files: list[bytes], vpid: int = 1) -> None:
+    """vmas: (start, end, status, pgoff, shmid); runs: (vaddr, pages) as CRIU's pagemap."""
+    folder.mkdir(exist_ok=True)
+    body = _msg([(1, 0x400000)] + [(14, _msg([(1, s), (2, e), (3, off), (4, fid), (5, 3), (6, 2),
+                                              (7, status), (8, -1 & 0xFFFFFFFF)]))
+                                   for s, e, status, off, fid in vmas])
+    (folder / f"mm-{vpid}.img").write_bytes(_image(mm.MM_MAGIC, [body]))
+    (folder / f"pagemap-{vpid}.img").write_bytes(
+        pm.serialize(pm.Pagemap(1, tuple(pm.Run(v, n, pm.PE_PRESENT) for v, n in runs))))
+    (folder / "files.img").write_bytes(_image(file_pages.FILES_MAGIC, [
+        _msg([(1, file_pages.FD_REG), (2, _fid(f)), (3, f)]) for f in files]))
+    (folder / "mountpoints-13.img").write_bytes(_image(MNTS_MAGIC, [
+        _msg([(1, 1), (2, ROOT_MNT), (3, 1), (4, 1), (7, b"/")]),
+        _msg([(1, 5), (2, OTHER_MNT), (3, 2), (4, ROOT_MNT), (7, b"/data")])]))
+
+
+def _fid(reg: bytes) -> int:
+    return next(v for n, _, v in file_pages.fields_of(reg) if n == 1)
+
+
+@pytest.fixture
+def layout(tmp_path):
+    """A bundle as Podman lays it out: config.json, its root, checkpoint/ beside."""
+    root = tmp_path / "merged"
+    (root / "usr/lib").mkdir(parents=True)
+    (root / "usr/lib/libbig.so").write_bytes(b"\0" * (64 * PAGE))
+    (root / "usr/lib/libchanged.so").write_bytes(b"\0" * PAGE)
+    (tmp_path / "config.json").write_text(json.dumps({"root": {"path": str(root)}}))
+    folder = tmp_path / "checkpoint"
+    _write(folder,
+           [(0x10000, 0x30000, FILE, 0x3000, 7),   # libbig.so's data, from offset 0x3000
+            (0x30000, 0x40000, ANON, 0, 0),          # anonymous: CRIU writes no file page
+            (0x40000, 0x42000, FILE, 0, 8),          # a file on another mount
+            (0x50000, 0x52000, FILE, 0, 9),          # not in the root (removed since)
+            (0x60000, 0x62000, FILE, 0, 10)],        # changed since: not the size CRIU saw
+           [(0x11000, 2), (0x14000, 1), (0x2f000, 3), (0x41000, 1), (0x50000, 1), (0x60000, 1)],
+           [_reg(7, "/usr/lib/libbig.so", ROOT_MNT, 64 * PAGE),
+            _reg(8, "/data/x.so", OTHER_MNT, PAGE),
+            _reg(9, "/usr/lib/gone.so", ROOT_MNT, PAGE),
+            _reg(10, "/usr/lib/libchanged.so", ROOT_MNT, 2 * PAGE)])
+    return folder, root
+
+
+def test_the_pages_criu_writes_over_are_found_as_file_ranges(layout):
+    folder, _ = layout
+    parsed: dict = {}
+    ranges = file_pages.wanted(folder, parsed)
+    # 0x11000 + 2 pages and 0x14000 (within GAP) merged; 0x2f000 runs past the area's end
+    assert ranges[7] == [(0x3000 + 0x1000, 4 * PAGE), (0x3000 + 0x1f000, PAGE)]
+    assert set(ranges) == {7, 8, 9, 10}  # the anonymous area's page is no file's
+    assert 1 in parsed  # the pagemap parsed once, for fill planning too
+
+
+def test_read_ahead_asks_only_for_the_root_files_criu_saw(layout):
+    folder, root = layout
+    assert file_pages.container_root(folder) == root
+    done = file_pages.read_ahead(folder, root)
+    assert (done.files, done.bytes, done.skipped) == (1, 5 * PAGE, 3)
+
+
+def test_a_folder_without_a_bundle_or_files_image_reads_nothing(tmp_path, layout):
+    folder, root = layout
+    assert file_pages.container_root(tmp_path / "elsewhere" / "checkpoint") is None
+    (folder / "files.img").unlink()
+    assert file_pages.read_ahead(folder, root).files == 0
+
+
+def test_a_damaged_files_image_is_an_image_error(layout):
+    folder, root = layout
+    (folder / "files.img").write_bytes(struct.pack("<II", IMG_COMMON_MAGIC, 0x1234))
+    with pytest.raises(ImageError, match="files image"):
+        file_pages.read_ahead(folder, root)
+
+
+def test_pre_restore_reads_ahead_and_says_so_unless_turned_off(layout, tmp_path, monkeypatch):
+    folder, _ = layout
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(fill_plan, "SETTINGS", tmp_path / "page-fill.json")
+    action.pre_restore(str(folder), 4301)
+    said = [e for e in journal.read() if e["event"] == "file-pages-read-ahead"]
+    assert [(e["files"], e["bytes"], e["skipped"]) for e in said] == [(1, 5 * PAGE, 3)]
+    fill_plan.SETTINGS.write_text('{"read_ahead": false}')
+    action.pre_restore(str(folder), 4302)
+    assert len([e for e in journal.read() if e["event"] == "file-pages-read-ahead"]) == 1
