@@ -272,10 +272,10 @@ def _read_file_pages_ahead(folder: Path, pagemaps: dict) -> None:
 
     started = time.monotonic()
     try:
-        root = file_pages.container_root(folder)
-        if root is None:
+        dirs = file_pages.host_dirs(folder)
+        if dirs is None:
             return
-        done = file_pages.read_ahead(folder, root, pagemaps)
+        done = file_pages.read_ahead(folder, dirs, pagemaps)
     except (OSError, ValueError) as exc:
         journal.record("file-pages-not-read-ahead", error=str(exc))
         return

@@ -10,12 +10,14 @@ such writes cost 10-30 ms each, ~0.35 s of the stop (docs/benchmarks.md).
 
 Pre-restore knows those pages before CRIU reaches them: the mm images say which
 areas map which file at which offset, the pagemaps which pages of them the
-images hold, and CRIU's files image which file each id is. ``read_ahead`` asks
-the kernel for all of them at once (POSIX_FADV_WILLNEED: the reads are queued
-and run side by side; nothing waits for them), from the container's root
-filesystem as the runtime mounted it. Only files of the container's root mount
-are read (another mount's file is not where its path says under that root); a
-file that is not there, or not that size, is left to CRIU's faults as before.
+images hold, and CRIU's files image which file each id is, on which mount.
+``read_ahead`` asks the kernel for all of them at once (POSIX_FADV_WILLNEED:
+the reads are queued and run side by side; nothing waits for them) from where
+the runtime's bundle says that mount comes from: the root filesystem it
+mounted, or the host path of a bind mount (a volume, or the driver's libraries
+a CDI spec or hook mounts in). A file on any other mount, not there, or not of
+the size CRIU saw is left to CRIU's faults as before. It is only ever a hint:
+the page cache reads what CRIU would have read.
 """
 
 from __future__ import annotations
@@ -121,25 +123,47 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def root_mount_id(folder: Path) -> int | None:
-    """The mount id of the container's root ("/") in the checkpoint."""
-    roots = [m.mnt_id for m in read_mounts(folder) if m.mountpoint == "/"]
-    return roots[0] if len(roots) == 1 else None
+def mount_points(folder: Path) -> dict[int, str]:
+    """Each mount id of the checkpoint's mount namespace -> where it is mounted."""
+    return {m.mnt_id: m.mountpoint for m in read_mounts(folder)}
 
 
-def container_root(folder: Path) -> Path | None:
-    """The root filesystem the runtime mounted for the task being restored: the
-    bundle's config.json beside the images folder (Podman's userdata/checkpoint),
-    its root.path; None where there is no such bundle (another layout)."""
+def host_dirs(folder: Path) -> dict[str, Path] | None:
+    """Where the runtime took each of the container's mount points from, as the
+    bundle's config.json beside the images folder (Podman's userdata/checkpoint)
+    says: "/" -> root.path, a bind mount's destination -> its source. None where
+    there is no such bundle (another layout)."""
     import json
 
-    spec = Path(os.path.realpath(folder)).parent / "config.json"
+    spec_path = Path(os.path.realpath(folder)).parent / "config.json"
     try:
-        root = json.loads(spec.read_text())["root"]["path"]
+        spec = json.loads(spec_path.read_text())
+        root = spec["root"]["path"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    path = Path(root) if os.path.isabs(root) else spec.parent / root
-    return path if path.is_dir() else None
+    out = {"/": Path(root) if os.path.isabs(root) else spec_path.parent / root}
+    for m in spec.get("mounts") or []:
+        if not isinstance(m, dict):
+            continue
+        binds = m.get("type") == "bind" or {"bind", "rbind"} & set(m.get("options") or [])
+        src, dst = m.get("source"), m.get("destination")
+        if binds and isinstance(src, str) and isinstance(dst, str) and os.path.isabs(src):
+            out[os.path.normpath(dst)] = Path(src)
+    return out
+
+
+def host_path(reg: RegFile, points: dict[int, str], dirs: dict[str, Path]) -> Path | None:
+    """The host path of a file CRIU saw at ``reg.name`` on mount ``reg.mnt_id``."""
+    point = points.get(reg.mnt_id)
+    source = dirs.get(os.path.normpath(point)) if point else None
+    if source is None or not reg.name.startswith("/"):
+        return None
+    rel = os.path.relpath(reg.name, point)
+    if rel == ".":
+        return source  # a file bind-mounted on its own
+    if rel.startswith(".."):
+        return None
+    return source / rel
 
 
 @dataclass(frozen=True)
@@ -149,28 +173,31 @@ class ReadAhead:
     skipped: int  # files not found under the root, or not of the size CRIU saw
 
 
-def read_ahead(folder: Path, root: Path,
+def read_ahead(folder: Path, dirs: dict[str, Path],
                pagemaps: dict[int, pagemap.Pagemap] | None = None) -> ReadAhead:
-    """Ask the kernel to read every file page CRIU will write over (WILLNEED)."""
+    """Ask the kernel to read every file page CRIU will write over (WILLNEED);
+    ``dirs``: host_dirs of the bundle."""
     ranges = wanted(folder, pagemaps)
     if not ranges:
         return ReadAhead(0, 0, 0)
     files = regular_files(folder)
-    root_id = root_mount_id(folder)
+    points = mount_points(folder)
     done = asked = skipped = 0
     for fid, spans in sorted(ranges.items()):
         reg = files.get(fid)
-        if reg is None or root_id is None or reg.mnt_id != root_id or not reg.name.startswith("/"):
-            skipped += 1
-            continue
+        path = host_path(reg, points, dirs) if reg is not None else None
         try:
-            fd = os.open(root / reg.name.lstrip("/"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # Paths come from the images (CRIU's resolved names); a symlink on the way
+            # could only point the hint at another file: nothing is read out or written.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if path else None
         except OSError:
+            fd = None
+        if fd is None:
             skipped += 1
             continue
         try:
             if reg.size is not None and os.fstat(fd).st_size != reg.size:
-                skipped += 1  # not the file CRIU saw (the container's copy changed)
+                skipped += 1  # not the file CRIU saw (changed since)
                 continue
             for off, length in spans:
                 os.posix_fadvise(fd, off, length, os.POSIX_FADV_WILLNEED)

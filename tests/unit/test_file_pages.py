@@ -1,6 +1,6 @@
 """criu/file_pages.py: which file pages CRIU will copy on write, found in CRIU's
 images (mm, pagemap, files, mountpoints) as CRIU writes them, and read ahead
-from the container's root; the real thing runs in tests/gpu (coldstart) and
+from the container's root and bind mounts; the real thing runs in tests/gpu (coldstart) and
 through Podman in tests/integration/test_page_fill.py."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from gpusnap.proto.wire import varint
 PAGE = pm.PAGE
 FILE = mm.VMA_AREA_REGULAR | mm.VMA_FILE_PRIVATE
 ANON = mm.VMA_AREA_REGULAR | mm.VMA_ANON_PRIVATE
-ROOT_MNT, OTHER_MNT = 201, 305
+ROOT_MNT, BIND_MNT, OTHER_MNT = 201, 305, 411
 
 
 def _msg(fields: list[tuple[int, int | bytes]]) -> bytes:
@@ -58,7 +58,8 @@ def _write(folder: Path, vmas: list[tuple[int, int, int, int, int]], runs: list[
         _msg([(1, file_pages.FD_REG), (2, _fid(f)), (3, f)]) for f in files]))
     (folder / "mountpoints-13.img").write_bytes(_image(MNTS_MAGIC, [
         _msg([(1, 1), (2, ROOT_MNT), (3, 1), (4, 1), (7, b"/")]),
-        _msg([(1, 5), (2, OTHER_MNT), (3, 2), (4, ROOT_MNT), (7, b"/data")])]))
+        _msg([(1, 5), (2, BIND_MNT), (3, 2), (4, ROOT_MNT), (7, b"/data")]),
+        _msg([(1, 6), (2, OTHER_MNT), (3, 3), (4, ROOT_MNT), (7, b"/scratch")])]))
 
 
 def _fid(reg: bytes) -> int:
@@ -67,65 +68,87 @@ def _fid(reg: bytes) -> int:
 
 @pytest.fixture
 def layout(tmp_path):
-    """A bundle as Podman lays it out: config.json, its root, checkpoint/ beside."""
-    root = tmp_path / "merged"
+    """A bundle as Podman lays it out: config.json (its root, a bind mount of a
+    host folder on /data), the root, checkpoint/ beside."""
+    root, host = tmp_path / "merged", tmp_path / "host-data"
     (root / "usr/lib").mkdir(parents=True)
+    host.mkdir()
     (root / "usr/lib/libbig.so").write_bytes(b"\0" * (64 * PAGE))
     (root / "usr/lib/libchanged.so").write_bytes(b"\0" * PAGE)
-    (tmp_path / "config.json").write_text(json.dumps({"root": {"path": str(root)}}))
+    (host / "x.so").write_bytes(b"\0" * (2 * PAGE))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "root": {"path": str(root)},
+        "mounts": [{"destination": "/data", "type": "bind", "source": str(host),
+                    "options": ["rbind", "ro"]},
+                   {"destination": "/scratch", "type": "tmpfs", "source": "tmpfs"}]}))
     folder = tmp_path / "checkpoint"
     _write(folder,
            [(0x10000, 0x30000, FILE, 0x3000, 7),   # libbig.so's data, from offset 0x3000
             (0x30000, 0x40000, ANON, 0, 0),          # anonymous: CRIU writes no file page
-            (0x40000, 0x42000, FILE, 0, 8),          # a file on another mount
+            (0x40000, 0x42000, FILE, PAGE, 8),       # a file of the bind mount
             (0x50000, 0x52000, FILE, 0, 9),          # not in the root (removed since)
-            (0x60000, 0x62000, FILE, 0, 10)],        # changed since: not the size CRIU saw
-           [(0x11000, 2), (0x14000, 1), (0x2f000, 3), (0x41000, 1), (0x50000, 1), (0x60000, 1)],
+            (0x60000, 0x62000, FILE, 0, 10),         # changed since: not the size CRIU saw
+            (0x70000, 0x72000, FILE, 0, 11)],        # on a mount the bundle does not bind
+           [(0x11000, 2), (0x14000, 1), (0x2f000, 3), (0x41000, 1), (0x50000, 1), (0x60000, 1),
+            (0x70000, 1)],
            [_reg(7, "/usr/lib/libbig.so", ROOT_MNT, 64 * PAGE),
-            _reg(8, "/data/x.so", OTHER_MNT, PAGE),
+            _reg(8, "/data/x.so", BIND_MNT, 2 * PAGE),
             _reg(9, "/usr/lib/gone.so", ROOT_MNT, PAGE),
-            _reg(10, "/usr/lib/libchanged.so", ROOT_MNT, 2 * PAGE)])
-    return folder, root
+            _reg(10, "/usr/lib/libchanged.so", ROOT_MNT, 2 * PAGE),
+            _reg(11, "/scratch/y.so", OTHER_MNT, PAGE)])
+    return folder, root, host
 
 
 def test_the_pages_criu_writes_over_are_found_as_file_ranges(layout):
-    folder, _ = layout
+    folder, _, _ = layout
     parsed: dict = {}
     ranges = file_pages.wanted(folder, parsed)
     # 0x11000 + 2 pages and 0x14000 (within GAP) merged; 0x2f000 runs past the area's end
     assert ranges[7] == [(0x3000 + 0x1000, 4 * PAGE), (0x3000 + 0x1f000, PAGE)]
-    assert set(ranges) == {7, 8, 9, 10}  # the anonymous area's page is no file's
+    assert ranges[8] == [(2 * PAGE, PAGE)]  # the area maps x.so from its second page
+    assert set(ranges) == {7, 8, 9, 10, 11}  # the anonymous area's page is no file's
     assert 1 in parsed  # the pagemap parsed once, for fill planning too
 
 
-def test_read_ahead_asks_only_for_the_root_files_criu_saw(layout):
-    folder, root = layout
-    assert file_pages.container_root(folder) == root
-    done = file_pages.read_ahead(folder, root)
-    assert (done.files, done.bytes, done.skipped) == (1, 5 * PAGE, 3)
+def test_read_ahead_asks_for_the_files_criu_saw_where_the_bundle_mounts_them(layout):
+    folder, root, host = layout
+    dirs = file_pages.host_dirs(folder)
+    assert dirs == {"/": root, "/data": host}  # the tmpfs is no host folder
+    done = file_pages.read_ahead(folder, dirs)
+    assert (done.files, done.bytes, done.skipped) == (2, 6 * PAGE, 3)
+
+
+def test_a_file_bind_mounted_on_its_own_and_paths_outside_a_mount():
+    reg = file_pages.RegFile("/etc/ld.so.cache", 9, 100)
+    dirs = {"/": Path("/r"), "/etc/ld.so.cache": Path("/host/ld.so.cache")}
+    assert file_pages.host_path(reg, {9: "/etc/ld.so.cache"}, dirs) == Path("/host/ld.so.cache")
+    assert file_pages.host_path(file_pages.RegFile("/etc/x", 9, 1), {9: "/etc/ld.so.cache"},
+                                dirs) is None
+    assert file_pages.host_path(file_pages.RegFile("/a/b", 1, 1), {1: "/"}, dirs) == Path("/r/a/b")
+    assert file_pages.host_path(file_pages.RegFile("/a/b", 2, 1), {1: "/"}, dirs) is None
 
 
 def test_a_folder_without_a_bundle_or_files_image_reads_nothing(tmp_path, layout):
-    folder, root = layout
-    assert file_pages.container_root(tmp_path / "elsewhere" / "checkpoint") is None
+    folder, _, _ = layout
+    assert file_pages.host_dirs(tmp_path / "elsewhere" / "checkpoint") is None
     (folder / "files.img").unlink()
-    assert file_pages.read_ahead(folder, root).files == 0
+    assert file_pages.read_ahead(folder, file_pages.host_dirs(folder)).files == 0
 
 
 def test_a_damaged_files_image_is_an_image_error(layout):
-    folder, root = layout
+    folder, _, _ = layout
     (folder / "files.img").write_bytes(struct.pack("<II", IMG_COMMON_MAGIC, 0x1234))
     with pytest.raises(ImageError, match="files image"):
-        file_pages.read_ahead(folder, root)
+        file_pages.read_ahead(folder, file_pages.host_dirs(folder))
 
 
 def test_pre_restore_reads_ahead_and_says_so_unless_turned_off(layout, tmp_path, monkeypatch):
-    folder, _ = layout
+    folder, _, _ = layout
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setattr(fill_plan, "SETTINGS", tmp_path / "page-fill.json")
     action.pre_restore(str(folder), 4301)
     said = [e for e in journal.read() if e["event"] == "file-pages-read-ahead"]
-    assert [(e["files"], e["bytes"], e["skipped"]) for e in said] == [(1, 5 * PAGE, 3)]
+    assert [(e["files"], e["bytes"], e["skipped"]) for e in said] == [(2, 6 * PAGE, 3)]
     fill_plan.SETTINGS.write_text('{"read_ahead": false}')
     action.pre_restore(str(folder), 4302)
     assert len([e for e in journal.read() if e["event"] == "file-pages-read-ahead"]) == 1
