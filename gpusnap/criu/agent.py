@@ -128,13 +128,26 @@ def _answer(request: str, criu_pid: int, driver: _Driver | None) -> bool:
     # what the step printed, "|" a line, then "=CODE": the script prints the
     # lines (CRIU logs them, Podman quotes them) and exits with the code
     answer = "".join(f"|{line}\n" for line in printed.getvalue().splitlines()) + f"={code}\n"
-    with contextlib.suppress(OSError):
-        fd = os.open(reply, os.O_WRONLY | os.O_NONBLOCK)  # the script holds it open
-        try:
-            os.write(fd, answer.encode())
-        finally:
-            os.close(fd)
+    _send(reply, answer.encode())
     return step != "post-resume"
+
+
+def _send(reply: str, answer: bytes) -> None:
+    """The whole answer into the script's FIFO. Opened without waiting (the script
+    holds it open for reading; where it is gone there is nobody to tell), then
+    written blocking: an answer longer than the pipe holds is read as it comes."""
+    try:
+        fd = os.open(reply, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        os.set_blocking(fd, True)
+        while answer:
+            answer = answer[os.write(fd, answer):]
+    except OSError:
+        pass  # the script stopped reading: it fails the step itself
+    finally:
+        os.close(fd)
 
 
 def serve(criu_pid: int, driver: _Driver | None) -> None:

@@ -207,3 +207,54 @@ def test_the_hook_takes_the_gpus_the_agent_of_its_sibling_criu_read(state):
     finally:
         criu.kill()
         criu.wait()
+
+
+def test_an_answer_longer_than_a_pipe_holds_arrives_whole(tmp_path, state, monkeypatch):
+    """A step that prints a lot (a failing fill's report): the answer is written
+    blocking, as the script reads it, never cut at the pipe's 64 KiB."""
+    import threading
+
+    lines = [f"line {i} " + "x" * 100 for i in range(2000)]  # ~220 KB
+    monkeypatch.setattr(action, "run_step", lambda *a, **k: print("\n".join(lines), file=sys.stderr) or 3)
+    reply = tmp_path / "reply"
+    os.mkfifo(reply, 0o600)
+    fd = os.open(reply, os.O_RDWR)  # as the script: held open for reading
+    got = bytearray()
+
+    def read() -> None:
+        while not got.endswith(b"=3\n"):
+            got.extend(os.read(fd, 65536))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert agent._answer(f"post-restore 1 {reply} ", os.getpid(), None)
+    reader.join(10)
+    os.close(fd)
+    text = got.decode().splitlines()
+    assert text[-1] == "=3" and [t[1:] for t in text[:-1]] == lines
+
+
+def test_the_script_takes_the_steps_marker_where_the_answer_never_comes(tmp_path, state):
+    """An agent that ran the step (its marker says the code) but whose answer was
+    lost: the script does not wait for it forever; CRIU gets the step's code."""
+    import threading
+
+    me = os.getpid()  # CRIU, as the script sees it; and the "agent", alive
+    here = agent.folder(me)
+    here.mkdir(parents=True)
+    os.mkfifo(here / "requests", 0o600)
+    fd = os.open(here / "requests", os.O_RDWR)
+    (here / "pid").write_text(str(me))
+    (state / "actions" / f"{me}-fill.json").write_text("{}")  # post-restore has work
+
+    def run_but_never_answer() -> None:
+        os.read(fd, 4096)
+        (state / "actions" / f"{me}-post-restore").write_text("0")
+
+    threading.Thread(target=run_but_never_answer, daemon=True).start()
+    started = time.monotonic()
+    res = _script("post-restore", 1, state)
+    os.close(fd)
+    assert res.returncode == 0, res.stderr
+    assert "answer did not come" in res.stderr
+    assert time.monotonic() - started < 5
