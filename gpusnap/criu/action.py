@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -258,14 +259,53 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
     except ValueError as exc:
         journal.record("pages-fill-skipped", error=str(exc))
         return
-    pagemaps: dict = {}  # parsed once, for both
-    if wanted.read_ahead:
-        _read_file_pages_ahead(folder, pagemaps)
-    if wanted.enabled:
-        _plan_fill(folder, criu_pid, wanted, pagemaps)
+    reader = _read_file_pages_ahead_beside(folder) if wanted.read_ahead else None
+    try:
+        if wanted.enabled:
+            _plan_fill(folder, criu_pid, wanted)
+    finally:
+        if reader is not None:
+            _reap(reader)
 
 
-def _read_file_pages_ahead(folder: Path, pagemaps: dict) -> None:
+READ_AHEAD_WAIT_S = 5.0
+
+
+def _read_file_pages_ahead_beside(folder: Path) -> int | None:
+    """_read_file_pages_ahead in a child process, beside fill planning (each parses
+    CRIU's images, ~0.1 s for an 8 GiB replica, on a core of its own); its pid,
+    for _reap before the step ends: a child left behind would be CRIU's to reap."""
+    try:
+        pid = os.fork()
+    except OSError:
+        _read_file_pages_ahead(folder)
+        return None
+    if pid == 0:  # the child: never back into the caller's code
+        code = 1
+        try:
+            _read_file_pages_ahead(folder)
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _reap(pid: int) -> None:
+    """Wait for the read-ahead child; one that hangs (a mount that does not answer)
+    is killed after READ_AHEAD_WAIT_S: it only ever gave hints."""
+    deadline = time.monotonic() + READ_AHEAD_WAIT_S
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                journal.record("file-pages-not-read-ahead", error="stopped after "
+                               f"{READ_AHEAD_WAIT_S:g} s")
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.005)
+
+
+def _read_file_pages_ahead(folder: Path) -> None:
     """The file pages CRIU copies on write, asked of the disk now (file_pages.py);
     only ever a hint: CRIU faults in what this did not."""
     from gpusnap.criu import file_pages
@@ -275,7 +315,7 @@ def _read_file_pages_ahead(folder: Path, pagemaps: dict) -> None:
         dirs = file_pages.host_dirs(folder)
         if dirs is None:
             return
-        done = file_pages.read_ahead(folder, dirs, pagemaps)
+        done = file_pages.read_ahead(folder, dirs)
     except (OSError, ValueError) as exc:
         journal.record("file-pages-not-read-ahead", error=str(exc))
         return
@@ -284,7 +324,7 @@ def _read_file_pages_ahead(folder: Path, pagemaps: dict) -> None:
                        skipped=done.skipped, seconds=round(time.monotonic() - started, 3))
 
 
-def _plan_fill(folder: Path, criu_pid: int, wanted, pagemaps: dict) -> None:
+def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:
     """Leave the big runs of pages to post-restore's threads (fill_plan.py).
     CRIU then restores every page itself where this fails, unless a rewrite
     cannot be put back (undo_leftover_fill's GpusnapError: the restore stops)."""
@@ -294,8 +334,7 @@ def _plan_fill(folder: Path, criu_pid: int, wanted, pagemaps: dict) -> None:
     started = time.monotonic()
     try:
         planned = fill_plan.prepare(folder, lambda p: write_private(state, p.to_json()),
-                                    huge_pages=wanted.huge_pages and fill_plan.thp_available(),
-                                    pagemaps=pagemaps)
+                                    huge_pages=wanted.huge_pages and fill_plan.thp_available())
     except (OSError, ValueError) as exc:
         state.unlink(missing_ok=True)
         undo_leftover_fill(str(folder))  # where prepare could not put it back itself

@@ -80,11 +80,9 @@ def regular_files(folder: Path) -> dict[int, RegFile]:
     return out
 
 
-def wanted(folder: Path, pagemaps: dict[int, pagemap.Pagemap] | None = None
-           ) -> dict[int, list[tuple[int, int]]]:
+def wanted(folder: Path) -> dict[int, list[tuple[int, int]]]:
     """File id -> the (offset, length) ranges of it that CRIU writes over, merged
-    (GAP apart or closer), from every task's mm image and pagemap; ``pagemaps``:
-    those the caller read already (parsed ones are added to it)."""
+    (GAP apart or closer), from every task's mm image and pagemap."""
     out: dict[int, list[tuple[int, int]]] = {}
     for mm_image in folder.glob("mm-*.img"):
         vpid = mm_image.name[3:-4]
@@ -94,11 +92,7 @@ def wanted(folder: Path, pagemaps: dict[int, pagemap.Pagemap] | None = None
                        key=lambda v: v.start)
         if not areas:
             continue
-        pm = pagemaps.get(int(vpid)) if pagemaps is not None else None
-        if pm is None:
-            pm = pagemap.parse((folder / f"pagemap-{vpid}.img").read_bytes())
-            if pagemaps is not None:
-                pagemaps[int(vpid)] = pm
+        pm = pagemap.parse((folder / f"pagemap-{vpid}.img").read_bytes())
         starts = [v.start for v in areas]
         for run in pm.runs:
             lo, hi = run.vaddr, run.vaddr + run.pages * pagemap.PAGE
@@ -173,11 +167,10 @@ class ReadAhead:
     skipped: int  # files not found under the root, or not of the size CRIU saw
 
 
-def read_ahead(folder: Path, dirs: dict[str, Path],
-               pagemaps: dict[int, pagemap.Pagemap] | None = None) -> ReadAhead:
+def read_ahead(folder: Path, dirs: dict[str, Path]) -> ReadAhead:
     """Ask the kernel to read every file page CRIU will write over (WILLNEED);
     ``dirs``: host_dirs of the bundle."""
-    ranges = wanted(folder, pagemaps)
+    ranges = wanted(folder)
     if not ranges:
         return ReadAhead(0, 0, 0)
     files = regular_files(folder)

@@ -216,11 +216,9 @@ def _dense(areas: list[mm.Vma], runs: list[Run]) -> list[tuple[int, int]]:
             and filled[(v.start, v.end)] >= HUGE_SHARE * (v.end - v.start)]
 
 
-def plan(folder: Path, huge_pages: bool = False,
-         pagemaps: dict[int, pagemap.Pagemap] | None = None) -> Plan | None:
+def plan(folder: Path, huge_pages: bool = False) -> Plan | None:
     """The runs worth filling in this images folder, or None (CRIU restores all);
-    with ``huge_pages``, the areas they fill almost whole get huge pages.
-    ``pagemaps``: the folder's pagemaps a caller parsed already (file_pages)."""
+    with ``huge_pages``, the areas they fill almost whole get huge pages."""
     real = Path(os.path.realpath(folder))
     parent = real / "parent"
     if parent.exists() and not parent.is_symlink():
@@ -241,8 +239,7 @@ def plan(folder: Path, huge_pages: bool = False,
                      key=lambda v: v.start)
         if not own:
             continue
-        pm = (pagemaps or {}).get(vpid) or pagemap.parse((real / f"pagemap-{vpid}.img").read_bytes())
-        out.pagemaps[vpid] = pm
+        out.pagemaps[vpid] = pm = pagemap.parse((real / f"pagemap-{vpid}.img").read_bytes())
         runs = merged(_clip(locate(real, vpid, pm=pm), [(v.start, v.end) for v in own]))
         if runs:
             out.tasks[vpid] = runs
@@ -360,15 +357,13 @@ def undo(folder: Path) -> bool:
     return True
 
 
-def prepare(folder: Path, keep: Callable[[Plan], None], huge_pages: bool = False,
-            pagemaps: dict[int, pagemap.Pagemap] | None = None) -> Plan | None:
+def prepare(folder: Path, keep: Callable[[Plan], None], huge_pages: bool = False) -> Plan | None:
     """Undo a leftover rewrite, plan, and rewrite where there is something to fill.
     ``keep`` stores the plan for post-restore before the folder changes (a rewrite
     whose plan is lost would restore zeros); any failure puts the folder back
     and leaves the restore to CRIU alone."""
-    if undo(folder):
-        pagemaps = None  # read from the rewritten folder
-    p = plan(folder, huge_pages, pagemaps)
+    undo(folder)
+    p = plan(folder, huge_pages)
     if p is None:
         return None
     keep(p)

@@ -6,7 +6,9 @@ through Podman in tests/integration/test_page_fill.py."""
 from __future__ import annotations
 
 import json
+import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -101,13 +103,11 @@ def layout(tmp_path):
 
 def test_the_pages_criu_writes_over_are_found_as_file_ranges(layout):
     folder, _, _ = layout
-    parsed: dict = {}
-    ranges = file_pages.wanted(folder, parsed)
+    ranges = file_pages.wanted(folder)
     # 0x11000 + 2 pages and 0x14000 (within GAP) merged; 0x2f000 runs past the area's end
     assert ranges[7] == [(0x3000 + 0x1000, 4 * PAGE), (0x3000 + 0x1f000, PAGE)]
     assert ranges[8] == [(2 * PAGE, PAGE)]  # the area maps x.so from its second page
     assert set(ranges) == {7, 8, 9, 10, 11}  # the anonymous area's page is no file's
-    assert 1 in parsed  # the pagemap parsed once, for fill planning too
 
 
 def test_read_ahead_asks_for_the_files_criu_saw_where_the_bundle_mounts_them(layout):
@@ -152,3 +152,19 @@ def test_pre_restore_reads_ahead_and_says_so_unless_turned_off(layout, tmp_path,
     fill_plan.SETTINGS.write_text('{"read_ahead": false}')
     action.pre_restore(str(folder), 4302)
     assert len([e for e in journal.read() if e["event"] == "file-pages-read-ahead"]) == 1
+
+
+def test_a_read_ahead_that_hangs_is_stopped_and_the_restore_goes_on(tmp_path, monkeypatch):
+    """The child that reads ahead (beside fill planning) is always reaped before
+    pre-restore ends; one stuck on a mount that does not answer is killed."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(action, "READ_AHEAD_WAIT_S", 0.3)
+    monkeypatch.setattr(action, "_read_file_pages_ahead", lambda folder: time.sleep(60))
+    started = time.monotonic()
+    pid = action._read_file_pages_ahead_beside(tmp_path)
+    action._reap(pid)
+    assert time.monotonic() - started < 5
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reaped: nothing left for CRIU
+    assert [e["error"] for e in journal.read() if e["event"] == "file-pages-not-read-ahead"] \
+        == ["stopped after 0.3 s"]
