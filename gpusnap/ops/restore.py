@@ -129,11 +129,13 @@ def import_archive(opener: ContextManager[Path], contents: archive.CheckpointCon
             podman.restore(str(src), archive=True, name=name, keep=keep,
                            tcp_established=tcp_established)
     except GpusnapError as exc:
-        log = _drop_half_restored(target)
+        log, left = _drop_half_restored(target)
         why = exc.message
         if log is not None:  # Podman's "see restore.log" names a file removed with the container
             criu = criu_error(log)
             why += f" ({criu + '; ' if criu else ''}CRIU's log is kept in {log})"
+        if left:  # the cause above stays the message; the leftover is what to clean up
+            why += f"; the half-restored container {target} is left ({left}): `podman rm -f {target}`"
         raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged",
                            exc.hint) from None
     seconds = time.monotonic() - start
@@ -160,15 +162,17 @@ def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
     return result
 
 
-def _drop_half_restored(name: str | None) -> Path | None:
+def _drop_half_restored(name: str | None) -> tuple[Path | None, str | None]:
     """An import that failed (a damaged archive) may leave a created container
     behind; the name was free before, so it is ours to remove. Its CRIU
-    restore.log goes with it: a copy is kept first (returned)."""
-    if not (name and podman.exists(name)):
-        return None
-    ctr = podman.inspect(name)
-    if ctr.running:
-        return None
+    restore.log goes with it: a copy is kept first. (the copy, why the container
+    could not be removed): a failed removal never hides why the import failed."""
+    try:
+        ctr = podman.find(name) if name else None
+        if ctr is None or ctr.running:
+            return None, None
+    except GpusnapError as exc:
+        return None, exc.message
     kept = None
     log = ctr.userdata / "restore.log"
     if log.is_file():
@@ -177,8 +181,12 @@ def _drop_half_restored(name: str | None) -> Path | None:
             shutil.copyfile(log, kept)
         except OSError:
             kept = None
-    podman.remove(name)
-    return kept
+    try:
+        podman.remove(name)
+    except GpusnapError as exc:
+        journal.record("half-restored-left", container=ctr.id, error=exc.message)
+        return kept, exc.message
+    return kept, None
 
 
 def _gpu_report(pid: int) -> list[dict]:

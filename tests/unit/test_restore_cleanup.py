@@ -1,0 +1,44 @@
+"""ops/restore.py: an import Podman failed, whose half-created container cannot
+be removed either, still says why the import failed first (a coldstart run on an
+H200 reported only "podman rm ...: unlinkat ... io.pressure"), then what is left."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.plan import Plan
+from gpusnap.ops import restore
+from gpusnap.runtime import podman
+
+
+def _container(tmp_path: Path) -> podman.Container:
+    (tmp_path / "userdata").mkdir()
+    (tmp_path / "userdata" / "restore.log").write_text("(00.1) Error (criu/cr-restore.c:1): boom\n")
+    return podman.Container(id="c0ffee", name="r2-1", status="created", pid=0, image="img",
+                            checkpointed=False, userdata=tmp_path / "userdata", devices=[])
+
+
+def test_the_import_error_comes_first_and_the_leftover_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+
+    def failed_restore(*a, **k):
+        raise GpusnapError("podman container restore failed: CRIU restore failed")
+
+    def stuck(name):
+        raise GpusnapError(f"podman rm {name}: unlinkat .../io.pressure: operation not permitted")
+
+    monkeypatch.setattr(podman, "restore", failed_restore)
+    monkeypatch.setattr(podman, "find", lambda name: _container(tmp_path))
+    monkeypatch.setattr(podman, "remove", stuck)
+    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
+    with pytest.raises(GpusnapError) as err:
+        restore.import_archive(contextlib.nullcontext(tmp_path / "fifo"), contents, Plan([], [], False),
+                               "r2-1", False, False, "REF")
+    msg = err.value.message
+    assert msg.startswith("podman container restore failed: CRIU restore failed"), msg
+    assert "CRIU's log is kept in" in msg and "boom" in msg
+    assert "the half-restored container r2-1 is left" in msg and "podman rm -f r2-1" in msg
