@@ -17,20 +17,12 @@ from gpusnap import journal
 from gpusnap.criu import action, file_pages, fill_plan, mm
 from gpusnap.criu import pagemap as pm
 from gpusnap.criu.images import IMG_COMMON_MAGIC, MNTS_MAGIC, ImageError
-from gpusnap.proto.wire import varint
+from tests.unit.test_fill_plan import _msg
 
 PAGE = pm.PAGE
 FILE = mm.VMA_AREA_REGULAR | mm.VMA_FILE_PRIVATE
 ANON = mm.VMA_AREA_REGULAR | mm.VMA_ANON_PRIVATE
 ROOT_MNT, BIND_MNT, OTHER_MNT = 201, 305, 411
-
-
-def _msg(fields: list[tuple[int, int | bytes]]) -> bytes:
-    out = b""
-    for n, v in fields:
-        out += varint(n << 3 | 2) + varint(len(v)) + v if isinstance(v, bytes) \
-            else varint(n << 3) + varint(v)
-    return out
 
 
 def _image(magic: int, entries: list[bytes]) -> bytes:
