@@ -277,14 +277,16 @@ def _read_file_pages_ahead_beside(folder: Path) -> int | None:
     for _reap before the step ends: a child left behind would be CRIU's to reap."""
     try:
         pid = os.fork()
-    except OSError:
-        _read_file_pages_ahead(folder)
+    except OSError as exc:  # only ever a hint: never in the step's own way
+        journal.record("file-pages-not-read-ahead", error=f"fork: {exc}")
         return None
     if pid == 0:  # the child: never back into the caller's code
         code = 1
         try:
             _read_file_pages_ahead(folder)
             code = 0
+        except BaseException:  # noqa: BLE001 -- a hint that failed: the step goes on
+            pass
         finally:
             os._exit(code)
     return pid
@@ -292,17 +294,25 @@ def _read_file_pages_ahead_beside(folder: Path) -> int | None:
 
 def _reap(pid: int) -> None:
     """Wait for the read-ahead child; one that hangs (a mount that does not answer)
-    is killed after READ_AHEAD_WAIT_S: it only ever gave hints."""
-    deadline = time.monotonic() + READ_AHEAD_WAIT_S
+    is killed after READ_AHEAD_WAIT_S: it only ever gave hints. One that not even
+    SIGKILL ends at once (uninterruptible I/O) is left after a second more."""
     with contextlib.suppress(ChildProcessError):
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                journal.record("file-pages-not-read-ahead", error="stopped after "
-                               f"{READ_AHEAD_WAIT_S:g} s")
-                os.waitpid(pid, 0)
-                return
-            time.sleep(0.005)
+        if _waited(pid, READ_AHEAD_WAIT_S):
+            return
+        os.kill(pid, signal.SIGKILL)
+        ended = _waited(pid, 1.0)
+        journal.record("file-pages-not-read-ahead", error=f"stopped after {READ_AHEAD_WAIT_S:g} s"
+                       + ("" if ended else f" (pid {pid} left in uninterruptible I/O)"))
+
+
+def _waited(pid: int, seconds: float) -> bool:
+    """Whether child ``pid`` ended (and was reaped) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def _read_file_pages_ahead(folder: Path) -> None:

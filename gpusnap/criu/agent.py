@@ -13,6 +13,7 @@ meanwhile, and packaging/bin/criu-action hands it post-restore and post-resume:
       requests        a FIFO: "ACTION INIT_PID REPLY IMAGE_DIR" a line
       pid             the agent's pid, written once it reads requests
       inventory.json  NVML's GPUs, read ahead for runc's prestart hook (a GPU checkpoint)
+      inventory.failed  instead, where NVML could not be read (the hook reads it itself)
       reply.<n>       the script's FIFO: what the step printed, then its exit code
 
 Each step runs the same code as in the script (action.run_step, markers
@@ -47,6 +48,7 @@ from gpusnap.private import write_private
 
 LIFETIME_S = 3600.0
 INVENTORY = "inventory.json"
+NO_INVENTORY = "inventory.failed"
 
 
 def folder(criu_pid: int) -> Path:
@@ -77,10 +79,12 @@ def _read_inventory(criu_pid: int) -> None:
     from gpusnap.gpu.inventory import read_inventory
 
     inventory = read_inventory()
+    here = folder(criu_pid)
+    here.mkdir(mode=0o700, exist_ok=True)
     if inventory.error is None:
-        here = folder(criu_pid)
-        here.mkdir(mode=0o700, exist_ok=True)
         write_private(here / INVENTORY, json.dumps(inventory.to_dict()))
+    else:  # the hook stops waiting for it and reads NVML itself
+        write_private(here / NO_INVENTORY, inventory.error)
 
 
 class _Driver:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,19 @@ def host_path(reg: RegFile, points: dict[int, str], dirs: dict[str, Path]) -> Pa
     return source / rel
 
 
+def _regular_file_in(path: Path, source: Path) -> str | None:
+    """``path`` resolved, where it stays inside ``source`` (the names come from the
+    images and the links on the way from the container's files: never a host file
+    elsewhere) and is a regular file (never a device or FIFO, whose open acts)."""
+    real, base = os.path.realpath(path), os.path.realpath(source)
+    if real != base and not real.startswith(base.rstrip("/") + "/"):
+        return None
+    try:
+        return real if stat.S_ISREG(os.lstat(real).st_mode) else None
+    except OSError:
+        return None
+
+
 @dataclass(frozen=True)
 class ReadAhead:
     files: int
@@ -179,10 +193,10 @@ def read_ahead(folder: Path, dirs: dict[str, Path]) -> ReadAhead:
     for fid, spans in sorted(ranges.items()):
         reg = files.get(fid)
         path = host_path(reg, points, dirs) if reg is not None else None
+        real = _regular_file_in(path, dirs[os.path.normpath(points[reg.mnt_id])]) if path else None
         try:
-            # Paths come from the images (CRIU's resolved names); a symlink on the way
-            # could only point the hint at another file: nothing is read out or written.
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if path else None
+            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+                         | os.O_CLOEXEC) if real else None
         except OSError:
             fd = None
         if fd is None:

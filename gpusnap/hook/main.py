@@ -73,7 +73,7 @@ def inventory_for_restore(wait_s: float = 0.5) -> "Inventory | None":
             try:
                 return Inventory.from_dict(json.loads((here / agent.INVENTORY).read_text()))
             except (OSError, ValueError, TypeError, KeyError):
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or (here / agent.NO_INVENTORY).exists():
                     return None
                 time.sleep(0.01)
     return None

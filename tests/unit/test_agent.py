@@ -204,6 +204,13 @@ def test_the_hook_takes_the_gpus_the_agent_of_its_sibling_criu_read(state):
         res = subprocess.run([sys.executable, "-c", HOOK_READS], capture_output=True, text=True,
                              env={**os.environ, "GPUSNAP_STATE_DIR": str(state)}, check=True)
         assert res.stdout.strip() == "None"
+        # the agent could not read NVML: the hook does not wait out wait_s for it
+        (agent.folder(criu.pid) / agent.NO_INVENTORY).write_text("NVML: not found")
+        started = time.monotonic()
+        res = subprocess.run([sys.executable, "-c", HOOK_READS.replace("0.3", "20")],
+                             capture_output=True, text=True,
+                             env={**os.environ, "GPUSNAP_STATE_DIR": str(state)}, check=True)
+        assert res.stdout.strip() == "None" and time.monotonic() - started < 10
     finally:
         criu.kill()
         criu.wait()
@@ -258,3 +265,30 @@ def test_the_script_takes_the_steps_marker_where_the_answer_never_comes(tmp_path
     assert res.returncode == 0, res.stderr
     assert "answer did not come" in res.stderr
     assert time.monotonic() - started < 5
+
+
+def test_an_agent_gone_after_its_step_was_done_is_no_failure(tmp_path, state):
+    """The agent wrote the step's marker and stopped before its answer: CRIU gets
+    the marker's code, not "the agent stopped before it finished"."""
+    import threading
+
+    me = os.getpid()
+    here = agent.folder(me)
+    here.mkdir(parents=True)
+    os.mkfifo(here / "requests", 0o600)
+    fd = os.open(here / "requests", os.O_RDWR)
+    stand_in = subprocess.Popen(["sleep", "30"])  # the agent's pid while it lives
+    (here / "pid").write_text(str(stand_in.pid))
+    (state / "actions" / f"{me}-fill.json").write_text("{}")
+
+    def run_then_die() -> None:
+        os.read(fd, 4096)
+        (state / "actions" / f"{me}-post-restore").write_text("0")
+        stand_in.kill()
+        stand_in.wait()
+
+    threading.Thread(target=run_then_die, daemon=True).start()
+    res = _script("post-restore", 1, state)
+    os.close(fd)
+    assert res.returncode == 0, res.stderr
+    assert "stopped before it finished" not in res.stderr

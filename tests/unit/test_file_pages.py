@@ -160,3 +160,35 @@ def test_a_read_ahead_that_hangs_is_stopped_and_the_restore_goes_on(tmp_path, mo
         os.waitpid(pid, os.WNOHANG)  # reaped: nothing left for CRIU
     assert [e["error"] for e in journal.read() if e["event"] == "file-pages-not-read-ahead"] \
         == ["stopped after 0.3 s"]
+
+
+def test_no_host_file_outside_the_mount_and_no_fifo_or_device_is_opened(layout):
+    """Names come from the images, links from the container's files: a link out of
+    the root, a FIFO (whose open would wait) or a device (whose open may act) is
+    skipped, never opened."""
+    folder, root, _ = layout
+    outside = root.parent / "host-secret.so"
+    outside.write_bytes(b"\0" * (64 * PAGE))
+    (root / "usr/lib/libbig.so").unlink()
+    (root / "usr/lib/libbig.so").symlink_to(outside)  # same size: only the link gives it away
+    dirs = file_pages.host_dirs(folder)
+    assert file_pages.read_ahead(folder, dirs).files == 1  # x.so of the bind mount only
+    (root / "usr/lib/libbig.so").unlink()
+    os.mkfifo(root / "usr/lib/libbig.so")
+    started = time.monotonic()
+    assert file_pages.read_ahead(folder, dirs).files == 1
+    assert time.monotonic() - started < 5
+
+
+def test_a_fork_that_fails_skips_the_read_ahead(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+
+    def no_fork():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    monkeypatch.setattr(action, "_read_file_pages_ahead",
+                        lambda folder: pytest.fail("read inline, without its time limit"))
+    assert action._read_file_pages_ahead_beside(tmp_path) is None
+    assert any(e["event"] == "file-pages-not-read-ahead" and "fork" in e["error"]
+               for e in journal.read())
