@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal, requests
 from gpusnap.criu.version import criu_version, cuda_plugin_path
@@ -45,6 +46,9 @@ from gpusnap.gpu.inventory import mps_active, read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume_onto
 from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, process_tree, start_time
+
+if TYPE_CHECKING:
+    from gpusnap.criu.fill_plan import Settings
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
 # The steps with work to do; packaging/bin/criu-action lets only these start Python.
@@ -235,11 +239,12 @@ def _start_guardian(criu_pid: int, pids: list[int], force: bool = False) -> sock
     return ours
 
 
-def pre_restore(image_dir: str, criu_pid: int) -> None:
+def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
     """Keep the manifest and the GPU plan for post-resume: by then CRIU has
-    closed its image directory (CRTOOLS_IMAGE_DIR names a /proc fd of it)."""
+    closed its image directory (CRTOOLS_IMAGE_DIR names a /proc fd of it).
+    Returns page-fill.json's settings, where it read them (for the agent)."""
     if not image_dir:
-        return
+        return None
     folder = Path(image_dir)
     from gpusnap.criu import pages_aside
 
@@ -258,7 +263,7 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
         wanted = fill_plan.settings()
     except ValueError as exc:
         journal.record("pages-fill-skipped", error=str(exc))
-        return
+        return None
     reader = _read_file_pages_ahead_beside(folder) if wanted.read_ahead else None
     try:
         if wanted.enabled:
@@ -266,6 +271,7 @@ def pre_restore(image_dir: str, criu_pid: int) -> None:
     finally:
         if reader is not None:
             _reap(reader)
+    return wanted
 
 
 READ_AHEAD_WAIT_S = 5.0
@@ -548,12 +554,10 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
             undo_leftover_fill(image_dir)
             check_without_hook(image_dir, criu_pid)
             try:  # only keeps files for later and speeds the restore: never why it fails...
-                pre_restore(image_dir, criu_pid)
+                wanted = pre_restore(image_dir, criu_pid)
                 # The agent takes post-restore's fill and post-resume from here; for a
                 # GPU checkpoint it loads the driver and reads NVML ahead too (agent.py).
-                from gpusnap.criu import fill_plan
-
-                if _fill_state(criu_pid).exists() and fill_plan.settings().agent:
+                if wanted is not None and wanted.agent and _fill_state(criu_pid).exists():
                     gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
                     _start_agent(criu_pid, driver=gpu)
             except (OSError, ValueError) as exc:

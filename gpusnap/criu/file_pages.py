@@ -147,12 +147,18 @@ def host_dirs(folder: Path) -> dict[str, Path] | None:
     return out
 
 
+def _source(reg: RegFile, points: dict[int, str], dirs: dict[str, Path]) -> Path | None:
+    """Where the bundle took the mount of ``reg`` from."""
+    point = points.get(reg.mnt_id)
+    return dirs.get(os.path.normpath(point)) if point else None
+
+
 def host_path(reg: RegFile, points: dict[int, str], dirs: dict[str, Path]) -> Path | None:
     """The host path of a file CRIU saw at ``reg.name`` on mount ``reg.mnt_id``."""
-    point = points.get(reg.mnt_id)
-    source = dirs.get(os.path.normpath(point)) if point else None
+    source = _source(reg, points, dirs)
     if source is None or not reg.name.startswith("/"):
         return None
+    point = points[reg.mnt_id]
     rel = os.path.relpath(reg.name, point)
     if rel == ".":
         return source  # a file bind-mounted on its own
@@ -193,7 +199,7 @@ def read_ahead(folder: Path, dirs: dict[str, Path]) -> ReadAhead:
     for fid, spans in sorted(ranges.items()):
         reg = files.get(fid)
         path = host_path(reg, points, dirs) if reg is not None else None
-        real = _regular_file_in(path, dirs[os.path.normpath(points[reg.mnt_id])]) if path else None
+        real = _regular_file_in(path, _source(reg, points, dirs)) if path else None
         try:
             fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
                          | os.O_CLOEXEC) if real else None
