@@ -21,7 +21,7 @@ from gpusnap.gpu.assign import assign
 from gpusnap.gpu.checks import (MIN_CHECKPOINT_DRIVER, MIN_REMAP_DRIVER, HostFacts, Problem,
                                 driver_major, split_skipped, version_key)
 from gpusnap.gpu.drm import DrmNodes, drm_changes, sysfs_bdf
-from gpusnap.gpu.gpumap import GpuMap, resolve_gpu_map
+from gpusnap.gpu.gpumap import GpuMap, parse_gpu_map, resolve_gpu_map
 from gpusnap.gpu.inventory import GpuInfo, Inventory
 from gpusnap.gpu.manifest import Manifest
 from gpusnap.gpu.nodes import NVIDIA_MAJOR, ContainerPaths, DeviceRemap, NodeChange, PathChange
@@ -465,3 +465,15 @@ def plan_restore(manifest: Manifest | None, inventory: Inventory, *,
     pairs = complete_pairs({m.source.uuid: m.target.uuid for m in moves},
                            [g.uuid for g in inventory.gpus])
     return Plan(tuple(moves), tuple(pairs), _remap(moves, container_paths), tuple(overridden))
+
+
+def recheck(plan: Plan, manifest: Manifest, inventory: Inventory) -> list[Problem]:
+    """What stops ``plan`` (made by `gpusnap restore` before Podman ran, and
+    carried in the checkpoint) on this host now: its targets are held to, not
+    chosen again, and the checks the plan's user skipped stay skipped."""
+    pins = None
+    if plan.moves:
+        pins = parse_gpu_map(",".join(f"{m.source.uuid}={m.target.uuid}" for m in plan.moves))
+    result = plan_restore(manifest, inventory, gpu_map=pins,
+                          skip=frozenset(p.check for p in plan.overridden))
+    return result if isinstance(result, list) else []

@@ -91,17 +91,14 @@ def plan_restore_here(manifest_path: Path, spec: dict,
     """
     from gpusnap.gpu.inventory import read_inventory
     from gpusnap.gpu.manifest import Manifest
-    from gpusnap.gpu.plan import Plan, plan_restore
-    from gpusnap.ops.gpu_plan import pinned_map
+    from gpusnap.gpu.plan import Plan, plan_restore, recheck
 
     manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
     inventory = inventory or read_inventory()
     plan_path = manifest_path.with_name(PLAN_NAME)
-    if plan_path.exists():
+    if plan_path.exists():  # the plan `gpusnap restore` made: checked, not made again
         pinned = Plan.from_dict(json.loads(plan_path.read_text()))
-        result = plan_restore(manifest, inventory, gpu_map=pinned_map(pinned),
-                              skip=frozenset(p.check for p in pinned.overridden))
-        return ([p.line for p in result], None) if isinstance(result, list) else ([], None)
+        return [p.line for p in recheck(pinned, manifest, inventory)], None
     annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
     from gpusnap.gpu.gpumap import parse_gpu_map
 

@@ -19,6 +19,7 @@ from typing import Iterable
 from urllib.parse import urlencode, urljoin, urlsplit, urlunsplit
 
 from gpusnap.errors import GpusnapError
+from gpusnap.waits import Bound
 from gpusnap.oci.auth import Credentials, find_credentials, parse_challenge
 from gpusnap.oci.lazy import need
 from gpusnap.oci.reference import Reference
@@ -168,7 +169,7 @@ class RegistryClient:
         if "refused" in text.lower():
             why = "connection refused"
         elif isinstance(exc, self._exc.Timeout):
-            why = "timed out"
+            why = f"it sent nothing for {self._timeout[1]:.0f} s"
         elif "Name or service not known" in text or "resolve" in text.lower():
             why = "unknown host"
         else:
@@ -176,6 +177,13 @@ class RegistryClient:
         return TransientError(f"cannot reach registry {self.ref.registry}: {why} "
                               f"(after {self.opts.retries} tries)",
                               "check that the registry is up and the address is right")
+
+    @property
+    def _timeout(self) -> tuple[float, float]:
+        """(connect, read): a registry that takes the connection and then sends
+        nothing is given up on after the read bound, each try."""
+        read = Bound.of("REGISTRY").seconds
+        return (min(10.0, read), read)
 
     def request(self, method: str, url: str, *, retry: bool = True, stream: bool = False,
                 headers: dict | None = None, data=None, ok: tuple[int, ...] = ()):
@@ -194,7 +202,7 @@ class RegistryClient:
             try:
                 resp = self.session.request(method, url, headers=hdrs, data=data,
                                             stream=stream, verify=self.verify,
-                                            timeout=(10, 120), allow_redirects=True)
+                                            timeout=self._timeout, allow_redirects=True)
             except (self._exc.ConnectionError, self._exc.Timeout,
                     self._exc.ChunkedEncodingError) as exc:
                 if self._tls_misconfigured(exc):
@@ -275,7 +283,8 @@ class RegistryClient:
         url = f"{realm}?{urlencode(query)}"
         shown = _shown_url(realm)  # the registry chose it: it may carry anything
         try:
-            resp = self.session.get(url, headers=headers, verify=self.verify, timeout=(10, 60))
+            resp = self.session.get(url, headers=headers, verify=self.verify,
+                                    timeout=self._timeout)
         except (self._exc.ConnectionError, self._exc.Timeout) as exc:
             raise self._unreachable(exc) from None
         except self._exc.RequestException as exc:

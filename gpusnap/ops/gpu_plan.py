@@ -53,9 +53,3 @@ def plan_here(manifest: Manifest | None, gpu_map: str | GpuMap | None = None, *,
                            "nothing was changed")
     return result
 
-
-def pinned_map(plan: Plan) -> GpuMap | None:
-    """A --gpu-map that pins every GPU of ``plan`` where it went (for re-checking it later)."""
-    if not plan.moves:
-        return None
-    return parse_gpu_map(",".join(f"{m.source.uuid}={m.target.uuid}" for m in plan.moves))

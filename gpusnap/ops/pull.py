@@ -423,11 +423,12 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         # The FIFO's folder is where doctor looks for what a killed CLI left.
         with tempfile.TemporaryDirectory(prefix=PULL_PREFIX, dir=fifo_dir()) as near, \
                 stream_module.import_piped(Path(near), stream_module.config_tar(files), opens,
-                                           target) as (fifo, sink):
+                                           target) as (stream, sink):
             job = pool.submit(write_files, remote, PipeWriter(sink, pages), Path(label),
                               cancel=cancel, prepared=prepared, **kw)
-            result = ops_restore.import_archive(nullcontext(fifo), contents, plan, name, keep,
-                                                tcp_established, label)
+            result = ops_restore.import_archive(nullcontext(stream), contents, plan, name, keep,
+                                                tcp_established, label,
+                                                size=remote.bundle.total_bytes)
             restored = True
     except BaseException as exc:
         cancel.set()
@@ -493,22 +494,26 @@ def _restoring_runtime(files: dict[str, bytes], default: str) -> str:
     return named or default
 
 
-def _restore_staged(remote: Remote, name: str | None, keep: bool, tcp_established: bool,
-                    gpu_map: str | None, **kw) -> tuple[dict, dict]:
-    """Pull into a staged plain tar, then restore it as `gpusnap restore FILE` does."""
+def _restore_staged(remote: Remote, plan, name: str | None, keep: bool, tcp_established: bool,
+                    **kw) -> tuple[dict, dict]:
+    """Pull into a staged plain tar, then import it under ``plan`` (made before
+    the download, not again) as `gpusnap restore FILE` does."""
+    from gpusnap import archive as archive_files
+    from gpusnap.criu.version import require_supported
     from gpusnap.ops import restore as ops_restore
 
+    require_supported("restore")
     work = Path(tempfile.mkdtemp(prefix=PULL_PREFIX,
                                  dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
     archive = work / "checkpoint.tar"
+    label = str(remote.client.ref)
     try:
         pulled = _staged_pull(remote, archive, work, **kw)
-        try:
-            return ops_restore.run(str(archive), name, keep, tcp_established,
-                                   gpu_map=gpu_map), pulled
-        except GpusnapError as exc:
-            raise GpusnapError(exc.message.replace(str(archive), str(remote.client.ref)),
-                               exc.hint) from None
+        contents = archive_files.read(str(archive), head_only=True)
+        return ops_restore.import_file(archive, contents, plan, name, keep, tcp_established,
+                                       label), pulled
+    except GpusnapError as exc:
+        raise GpusnapError(exc.message.replace(str(archive), label), exc.hint) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -550,7 +555,7 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
         result, pulled = _restore_streaming(remote, files, opens, plan, name, keep,
                                             tcp_established, facts(), **kw)
     else:
-        result, pulled = _restore_staged(remote, name, keep, tcp_established, gpu_map, **kw)
+        result, pulled = _restore_staged(remote, plan, name, keep, tcp_established, **kw)
     result["source"] = str(remote.client.ref)
     result["pull"] = {**pulled, "registry_asked": remote.asked}
     result["trust"] = remote.trust

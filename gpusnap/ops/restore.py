@@ -20,7 +20,8 @@ from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.procs import cuda_processes
 from gpusnap.runtime import identity, podman
-from gpusnap.runtime.stream import config_only_opens, config_tar, import_fifo
+from gpusnap.runtime.stream import (ImportStream, config_only_opens, config_tar,
+                                    import_fifo, is_zstd)
 
 
 _NOT_HERE = ("restore on a host with GPUs like the checkpoint's (`gpusnap inspect` lists them, "
@@ -60,7 +61,6 @@ def plan_report(source: str, plan: Plan) -> dict:
 def run(source: str, name: str | None, keep: bool, tcp_established: bool,
         gpu_map: str | None = None, dry_run: bool = False) -> dict:
     path = Path(source)
-    retarget = None
     if path.exists():
         contents = archive.read(str(path), head_only=True)
         if contents.is_containerd_checkpoint:  # restored with --to containerd://
@@ -73,7 +73,7 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
                                f"remove it (`podman rm {target}`) or restore with --name NEW")
         plan = _plan(contents, gpu_map, remap=True)
         if not dry_run:
-            retarget = _retarget(contents, plan)
+            _retarget(contents, plan)  # a spec that cannot be moved: refused before Podman
         archive_mode = True
     elif podman.exists(source):
         ctr = podman.inspect(source)
@@ -103,11 +103,7 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
     if dry_run:
         return plan_report(source, plan)
     if archive_mode:
-        head = config_tar(contents.files)
-        opens = config_only_opens(podman.version()) if head else 0
-        return import_archive(import_fifo(path.absolute(), retarget=retarget, head=head,
-                                          head_opens=opens),
-                              contents, plan, name, keep, tcp_established, source)
+        return import_file(path, contents, plan, name, keep, tcp_established, source)
     start = time.monotonic()
     podman.restore(source, archive=False, name=name, keep=keep,
                    tcp_established=tcp_established)
@@ -116,19 +112,42 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
                                    or source), source, seconds, plan)
 
 
-def import_archive(opener: ContextManager[Path], contents: archive.CheckpointContents,
+def import_file(path: Path, contents: archive.CheckpointContents, plan: Plan,
+                name: str | None, keep: bool, tcp_established: bool, source: str) -> dict:
+    """Import the archive at ``path`` under ``plan``, made once by the caller
+    (this restore, or a pull that staged the file): rewritten on its way to
+    Podman where the plan moves GPUs."""
+    retarget = _retarget(contents, plan)
+    head = config_tar(contents.files) if retarget is None else None
+    opens = config_only_opens(podman.version()) if head else 0
+    return import_archive(import_fifo(path.absolute(), retarget=retarget, head=head,
+                                      head_opens=opens),
+                          contents, plan, name, keep, tcp_established, source,
+                          size=_unpacked_size(path))
+
+
+def _unpacked_size(path: Path) -> int:
+    """What Podman reads of the archive, for its restore's bound (a zstd
+    checkpoint of GPU memory packs to about a half; a quarter is assumed)."""
+    size = path.stat().st_size
+    return size * 4 if is_zstd(path) else size
+
+
+def import_archive(opener: ContextManager[ImportStream], contents: archive.CheckpointContents,
                    plan: Plan, name: str | None, keep: bool, tcp_established: bool,
-                   source: str) -> dict:
-    """`podman container restore --import` of the path ``opener`` yields (a FIFO
-    that streams the archive); a failure removes what Podman half-created."""
+                   source: str, size: int = 0) -> dict:
+    """`podman container restore --import` of the stream ``opener`` yields (a FIFO
+    that streams the archive, watched while Podman reads it); a failure
+    removes what Podman half-created."""
     target = name or (contents.json_file("config.dump") or {}).get("name")
     start = time.monotonic()
     journal.record("import-started", container=target)
     try:
-        with opener as src:
-            podman.restore(str(src), archive=True, name=name, keep=keep,
-                           tcp_established=tcp_established)
+        with opener as stream:
+            podman.restore(str(stream.path), archive=True, name=name, keep=keep,
+                           tcp_established=tcp_established, size=size, watch=stream.check)
     except GpusnapError as exc:
+        journal.record("import-failed", container=target, error=exc.message)
         log, left = _drop_half_restored(target)
         why = exc.message
         if log is not None:  # Podman's "see restore.log" names a file removed with the container

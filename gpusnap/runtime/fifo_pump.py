@@ -5,31 +5,38 @@ in open(2) on a FIFO until someone opens the other end: were the CLI killed
 mid-checkpoint, Podman would hang for ever. This process outlives the CLI and
 ends when no process refers to the FIFO any more.
 
-    python -m gpusnap.runtime.fifo_pump export FIFO PARTIAL LEVEL [HEAD]
-    python -m gpusnap.runtime.fifo_pump import FIFO ARCHIVE [RETARGET|- [HEAD HEAD_OPENS]]
+    python -m gpusnap.runtime.fifo_pump export FIFO PARTIAL LEVEL [--head HEAD]
+    python -m gpusnap.runtime.fifo_pump import FIFO ARCHIVE [--retarget R | --head H --head-opens N]
+    python -m gpusnap.runtime.fifo_pump pipe FIFO --fd FD --done DONE --head H --head-opens N [--name NAME]
 
 export: FIFO -> (HEAD as a tar member, if the file exists then) -> zstd -T0
         -> PARTIAL. The exit status is zstd's. Renaming PARTIAL is the
         CLI's job, once Podman has succeeded: an orphaned pump leaves it.
         (A plain export needs no pump: Podman writes it, stream.export_plain.)
-    python -m gpusnap.runtime.fifo_pump pipe FIFO FD DONE HEAD HEAD_OPENS [NAME]
+import: every open of FIFO gets a fresh `zstd -dc ARCHIVE` stream (a plain
+        ARCHIVE as it is), or with --retarget R (JSON: remap and plan) the
+        archive rewritten for other GPUs; a rewrite that fails leaves its
+        reason beside R, in retarget.error. With --head, the first N opens get
+        HEAD instead (config.dump and spec.dump: all Podman 4.3 reads on them).
+        Every open is served whatever its number, so no count of Podman's
+        opens can leave a reader waiting.
+pipe:   a restore streamed from a registry: the first N opens get HEAD, the
+        next one what the CLI writes into the pipe FD (the pump's copy of its
+        read end), spliced on as it comes. The CLI creates DONE once the whole
+        tar is in the pipe; a pipe that ends without it (a failed download, a
+        CLI gone) is never handed on as an archive: the reader is killed
+        before its stream ends, and once Podman is done, the container NAME it
+        half-made is removed. A pipe can be read once: an open after it gets
+        bytes that are no tar, so the reader fails at once instead of waiting.
 
-pipe:   a restore streamed from a registry: the first HEAD_OPENS opens get the
-        small tar HEAD, the next one what the CLI writes into the pipe FD (the
-        pump's copy of its read end), spliced on as it comes. The CLI creates
-        DONE once the whole tar is in the pipe; a pipe that ends without it (a
-        failed download, a CLI gone) is never handed on as an archive: the
-        reader is killed before its stream ends, and once Podman is done, the
-        container NAME it half-made is removed.
-import: the first HEAD_OPENS opens get HEAD (config.dump and spec.dump: all
-        Podman 4 reads on them); every other open of FIFO gets a fresh
-        `zstd -dc ARCHIVE` stream (a plain ARCHIVE as it is), or with
-        RETARGET (JSON: remap and plan) the archive rewritten for other GPUs;
-        a rewrite that fails leaves its reason in RETARGET's folder, retarget.error.
+The pump never ends on its own while the CLI lives: the CLI stops it, and
+watches it (stream.ImportStream.check): a pump that exits early is reported
+and its reader unblocked, never left in open(2).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -42,7 +49,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpusnap.private import open_private
-from gpusnap.runtime.stream import PIPE_SIZE, PUMP_PARENT_ENV, is_zstd, tar_member
+from gpusnap.runtime.stream import OPENED, PIPE_SIZE, PUMP_PARENT_ENV, is_zstd, tar_member
 from gpusnap.runtime.stream import widen as _widen
 
 _SPLICE = PIPE_SIZE
@@ -148,13 +155,16 @@ def _serve_retargeted(fd: int, archive: str, retarget: str) -> None:
     from gpusnap.gpu.nodes import DeviceRemap
     from gpusnap.runtime.retarget import rewrite_archive
 
-    spec = json.loads(Path(retarget).read_text())
     try:
+        spec = json.loads(Path(retarget).read_text())
         rewrite_archive(Path(archive), fd, DeviceRemap.from_dict(spec["remap"]), spec.get("plan"))
     except OSError:
         pass  # the reader had what it wanted and closed its end
     except GpusnapError as exc:
         Path(retarget).with_name("retarget.error").write_text(exc.message)
+    except Exception as exc:  # noqa: BLE001 -- said to the CLI; the stream already ends broken
+        Path(retarget).with_name("retarget.error").write_text(
+            f"rewriting the archive failed: {type(exc).__name__}: {exc}")
     finally:
         os.close(fd)
 
@@ -174,6 +184,8 @@ def serve(fifo: str, whole: Callable[[int], None], head: str | None = None,
         fresh = f"{fifo}.next"
         os.mkfifo(fresh, 0o600)
         os.replace(fresh, fifo)
+        if not served:  # the CLI's watch: Podman has opened the stream
+            Path(fifo).with_name(OPENED).touch()
         served += 1
         if head and served <= head_opens:
             threading.Thread(target=_serve_bytes, args=(fd, Path(head).read_bytes()),
@@ -253,30 +265,57 @@ def _serve_bytes(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    # Named options, not positions: an optional positional argument once shifted
+    # the others, and a --retarget import died parsing its own command line
+    # while Podman waited in open(2) for a writer that never came.
+    parser = argparse.ArgumentParser(prog="gpusnap.runtime.fifo_pump")
+    modes = parser.add_subparsers(dest="mode", required=True)
+    export_mode = modes.add_parser("export")
+    export_mode.add_argument("fifo")
+    export_mode.add_argument("partial")
+    export_mode.add_argument("level")
+    export_mode.add_argument("--head")
+    import_mode = modes.add_parser("import")
+    import_mode.add_argument("fifo")
+    import_mode.add_argument("archive")
+    import_mode.add_argument("--retarget")
+    import_mode.add_argument("--head")
+    import_mode.add_argument("--head-opens", type=int, default=0)
+    pipe_mode = modes.add_parser("pipe")
+    pipe_mode.add_argument("fifo")
+    pipe_mode.add_argument("--fd", type=int, required=True)
+    pipe_mode.add_argument("--done", required=True)
+    pipe_mode.add_argument("--head", required=True)
+    pipe_mode.add_argument("--head-opens", type=int, required=True)
+    pipe_mode.add_argument("--name")
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str]) -> int:
-    mode, fifo = argv[0], argv[1]
+    args = _arguments(argv)
+    fifo = args.fifo
     # The CLI names itself: by the time we get here it may already be dead and
     # our parent init, which would then never look gone.
     parent = int(os.environ.get(PUMP_PARENT_ENV) or os.getppid())
-    if mode == "pipe":
+    if args.mode == "pipe":
         # A stream cut because the CLI died leaves Podman's half-made container:
         # removed once Podman is done with the FIFO, as the CLI would have.
-        src, done, head, opens = int(argv[2]), argv[3], argv[4], int(argv[5])
-        cut, name = threading.Event(), argv[6] if len(argv) > 6 else None
+        cut, name = threading.Event(), args.name
         threading.Thread(target=_watchdog, daemon=True,
                          args=(fifo, parent, lambda: cut.is_set() and name and
                                _remove_unfinished(name))).start()
-        once = iter([functools.partial(_serve_pipe, src=src, done=done, fifo=fifo,
+        once = iter([functools.partial(_serve_pipe, src=args.fd, done=args.done, fifo=fifo,
                                        parent=parent, cut=cut)])
-        return serve(fifo, lambda fd: next(once, _serve_spent)(fd), head, opens)
+        return serve(fifo, lambda fd: next(once, _serve_spent)(fd), args.head, args.head_opens)
     threading.Thread(target=_watchdog, args=(fifo, parent), daemon=True).start()
-    if mode == "export":
-        return export(fifo, argv[2], argv[3], argv[4] if len(argv) > 4 else None)
-    archive = argv[2]
-    retarget, head, opens = ([None if a == "-" else a for a in argv[3:]] + [None, None, "0"])[:3]
-    whole = (functools.partial(_serve_retargeted, archive=archive, retarget=retarget)
-             if retarget else functools.partial(_serve_one, archive=archive))
-    return serve(fifo, whole, head, int(opens))
+    if args.mode == "export":
+        return export(fifo, args.partial, args.level, args.head)
+    if args.retarget:
+        whole = functools.partial(_serve_retargeted, archive=args.archive, retarget=args.retarget)
+    else:
+        whole = functools.partial(_serve_one, archive=args.archive)
+    return serve(fifo, whole, args.head, args.head_opens)
 
 
 if __name__ == "__main__":

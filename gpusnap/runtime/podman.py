@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from gpusnap import waits
 from gpusnap.errors import GpusnapError
+from gpusnap.waits import Bound
 
 T = TypeVar("T")
 
@@ -56,8 +58,11 @@ def podman_binary() -> str:
     return path
 
 
-def _run(args: list[str], timeout: float | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([podman_binary(), *args], capture_output=True, text=True, timeout=timeout)
+def _run(args: list[str], bound: Bound | None = None,
+         watch: Callable[[], None] | None = None) -> subprocess.CompletedProcess:
+    """Podman, ended by ``bound`` (a query's when None): never an endless wait."""
+    return waits.run([podman_binary(), *args], f"podman {' '.join(args[:2])}",
+                     bound or Bound.of("PODMAN"), watch)
 
 
 def _last_error(stderr: str) -> str:
@@ -176,7 +181,8 @@ def exists(name: str) -> bool:
 
 
 def checkpoint(name: str, export: Path | None, leave_running: bool, tcp_established: bool,
-               keep: bool = False, compress: str | None = None) -> None:
+               keep: bool = False, compress: str | None = None,
+               watch: Callable[[], None] | None = None) -> None:
     args = ["container", "checkpoint"]
     if export is not None:
         args += ["--export", str(export)]
@@ -188,7 +194,7 @@ def checkpoint(name: str, export: Path | None, leave_running: bool, tcp_establis
         args.append("--tcp-established")
     if keep:
         args.append("--keep")
-    res = _run(args + [name])
+    res = _run(args + [name], Bound.of("PODMAN_CHECKPOINT"), watch)
     if res.returncode != 0:
         raise GpusnapError(f"podman container checkpoint {name}: {_last_error(res.stderr)}",
                            _checkpoint_hint(res.stderr))
@@ -203,8 +209,12 @@ def _checkpoint_hint(stderr: str) -> str:
 
 
 def restore(source: str, *, archive: bool, name: str | None, keep: bool,
-            tcp_established: bool) -> str:
-    """Restore a checkpointed container or an exported archive; returns the container id."""
+            tcp_established: bool, size: int = 0,
+            watch: Callable[[], None] | None = None) -> str:
+    """Restore a checkpointed container or an exported archive; returns the container id.
+
+    Bounded by the bytes it restores (``size``); ``watch`` is called while it
+    runs and may raise (the stream Podman reads has died): Podman is stopped."""
     args = ["container", "restore"]
     if archive:
         args += ["--import", source]
@@ -216,7 +226,7 @@ def restore(source: str, *, archive: bool, name: str | None, keep: bool,
         args.append("--tcp-established")
     if not archive:
         args.append(source)
-    res = _run(args)
+    res = _run(args, Bound.for_bytes("PODMAN_RESTORE", size), watch)
     if res.returncode != 0:
         err = _last_error(res.stderr)
         hint = "`gpusnap inspect` shows what the checkpoint needs"

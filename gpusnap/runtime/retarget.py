@@ -197,7 +197,7 @@ def rewrite_archive(src_path: Path, out: int, remap: DeviceRemap, plan: dict | N
     """
     try:
         _rewrite(src_path, out, remap, plan)
-    except GpusnapError:
+    except (GpusnapError, ValueError, KeyError, TypeError):
         # A stream cut at a member boundary reads as a whole archive to a tar
         # reader: end it with a header whose checksum is wrong (Go's tar, as in
         # Podman, and GNU tar fail on it; Python's tarfile alone shrugs).

@@ -10,7 +10,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from gpusnap import waits
 from gpusnap.errors import GpusnapError
+from gpusnap.waits import Bound
 
 
 # Staging folders' name prefixes: doctor finds what a killed CLI left by them (leftovers.py).
@@ -42,7 +44,7 @@ def discard(path: Path, near: Path) -> None:
 
 
 def _podman(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["podman", *args], capture_output=True, text=True)
+    return waits.run(["podman", *args], f"podman {' '.join(args[:2])}", Bound.of("PODMAN"))
 
 
 def storage_root() -> Path | None:

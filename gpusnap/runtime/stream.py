@@ -31,6 +31,7 @@ from typing import Iterator
 
 from gpusnap.errors import GpusnapError
 from gpusnap.private import open_private, write_private
+from gpusnap.waits import Bound
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 PUMP_PARENT_ENV = "GPUSNAP_PUMP_PARENT"  # the CLI's pid, for the pump's watchdog
@@ -85,12 +86,21 @@ def _pump(*args: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
 
 
 def _stop(proc: subprocess.Popen) -> str:
-    """Kill the pump and its zstd (its session), so no late write lands anywhere."""
+    """Kill the pump and its zstd (its session), so no late write lands anywhere.
+    Its stderr, once: a second call (the watch stopped it first) returns ""."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    return proc.communicate()[1].decode(errors="replace").strip()
+    if proc.stderr is None or proc.stderr.closed:
+        proc.wait()
+        return ""
+    try:  # a pump's own child (zstd) that kept stderr open: not waited for ever
+        err = proc.communicate(timeout=Bound.of("STOP").seconds)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        err = b""
+    return (err or b"").decode(errors="replace").strip()
 
 
 DISK_FULL = "No space left on device"
@@ -144,14 +154,19 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
                            "install zstd (`make deps`)")
     work, fifo = _fifo_dir(dest.parent)
     partial = partial_path(dest)
-    pump = _pump("export", str(fifo), str(partial), str(level), *([str(head)] if head else []))
+    pump = _pump("export", str(fifo), str(partial), str(level),
+                 *(["--head", str(head)] if head else []))
     ok = False
     try:
         yield fifo
         ok = True
     finally:
         if ok:
-            rc, err = pump.wait(), pump.communicate()[1].decode(errors="replace").strip()
+            try:  # Podman is done writing: the pump ends with its zstd
+                rc = pump.wait(timeout=Bound.of("STOP").seconds + 60)
+                err = pump.communicate()[1].decode(errors="replace").strip()
+            except subprocess.TimeoutExpired:  # Podman never opened it, say
+                rc, err = None, (_stop(pump) or "the export stream never ended")
         else:
             rc, err = None, _stop(pump)
         shutil.rmtree(work, ignore_errors=True)
@@ -169,22 +184,76 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
                                "free space there or export elsewhere")
 
 
+class ImportStream:
+    """The path Podman `restore --import`s, and the CLI's watch over the pump
+    that serves it (``check``, called while Podman runs: podman.restore's watch)."""
+
+    def __init__(self, path: Path, pump: subprocess.Popen | None = None,
+                 work: Path | None = None) -> None:
+        self.path = path
+        self._pump = pump
+        self._work = work
+        self._since = time.monotonic()
+        self._open_bound = Bound.of("IMPORT_OPEN")
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def pump_pid(self) -> int | None:
+        return self._pump.pid if self._pump is not None else None
+
+    def check(self) -> None:
+        """Raise where Podman would otherwise wait for ever: the pump is gone
+        (a reader in open(2) then has no writer), or Podman never opened the
+        stream within its bound."""
+        if self._pump is None:
+            return
+        rc = self._pump.poll()
+        if rc is not None:
+            err = _stop(self._pump)
+            unblock_reader(self.path)
+            why = err.splitlines()[-1] if err else f"exit status {rc}"
+            raise GpusnapError(f"the import stream of {self.path.name} stopped before Podman "
+                               f"had read it ({why})",
+                               "nothing was restored and the checkpoint is unchanged; "
+                               "run the restore again, and report the line above if it repeats")
+        if time.monotonic() - self._since > self._open_bound.seconds and not self.opened():
+            raise self._open_bound.expired("Podman opening the checkpoint stream")
+
+    def opened(self) -> bool:
+        return self._work is None or (self._work / OPENED).exists()
+
+
+OPENED = "opened"  # made by the pump at a reader's first open (ImportStream.check)
+
+
+def unblock_reader(fifo: Path) -> None:
+    """A reader blocked in open(2) on ``fifo`` gets its writer, and at once EOF."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: no reader there
+    except OSError:
+        return
+    os.close(fd)
+
+
 @contextmanager
 def import_fifo(src: Path, near: Path | None = None, retarget: dict | None = None,
-                head: bytes | None = None, head_opens: int = 0) -> Iterator[Path]:
-    """Yield a path Podman can `restore --import`: a FIFO, or src itself.
+                head: bytes | None = None, head_opens: int = 0) -> Iterator[ImportStream]:
+    """Yield what Podman can `restore --import`: a FIFO, or src itself.
 
     ``retarget`` ({"remap": DeviceRemap dict, "plan": Plan dict}) always goes
     through the FIFO: every reader gets the archive rewritten for other GPUs
     (runtime/retarget.py). A rewrite that failed leaves its reason in
     GpusnapError raised on leaving, when Podman has failed too. ``head`` (a tar
     of config.dump and spec.dump, see config_only_opens) serves the first
-    ``head_opens`` opens instead of the whole archive.
+    ``head_opens`` opens instead of the whole archive: not with ``retarget``,
+    whose config must be rewritten too.
     """
     short = head is not None and head_opens > 0 and retarget is None
     zstd = is_zstd(src)
     if retarget is None and not short and (not zstd or shutil.which("zstd") is None):
-        yield src  # Podman reads it itself, slower
+        yield ImportStream(src)  # Podman reads it itself, slower
         return
     if zstd and shutil.which("zstd") is None:
         raise GpusnapError("zstd is not installed; it decompresses checkpoint archives",
@@ -193,13 +262,13 @@ def import_fifo(src: Path, near: Path | None = None, retarget: dict | None = Non
     args = ["import", str(fifo), str(src.absolute())]
     if retarget is not None:
         write_private(work / "retarget.json", json.dumps(retarget))
-        args.append(str(work / "retarget.json"))
+        args += ["--retarget", str(work / "retarget.json")]
     elif short:
         write_private(work / "head.tar", head)
-        args += ["-", str(work / "head.tar"), str(head_opens)]
+        args += ["--head", str(work / "head.tar"), "--head-opens", str(head_opens)]
     server = _pump(*args)
     try:
-        yield fifo
+        yield ImportStream(fifo, server, work)
     except GpusnapError as exc:
         failed = (work / "retarget.error").read_text().strip() \
             if (work / "retarget.error").exists() else ""
@@ -245,7 +314,7 @@ class PipeSink:
 
 @contextmanager
 def import_piped(near: Path, head: bytes, head_opens: int,
-                 name: str | None = None) -> Iterator[tuple[Path, PipeSink]]:
+                 name: str | None = None) -> Iterator[tuple[ImportStream, PipeSink]]:
     """Yield a FIFO Podman can `restore --import` and the sink its archive is
     written into as it is downloaded: no staged copy on disk. ``head`` (a tar
     of config.dump and spec.dump) serves the first ``head_opens`` opens, so
@@ -259,8 +328,9 @@ def import_piped(near: Path, head: bytes, head_opens: int,
     read, write = os.pipe()
     try:
         widen(write)
-        server = _pump("pipe", str(fifo), str(read), str(work / "done"), str(work / "head.tar"),
-                       str(head_opens), *([name] if name else []), pass_fds=(read,))
+        server = _pump("pipe", str(fifo), "--fd", str(read), "--done", str(work / "done"),
+                       "--head", str(work / "head.tar"), "--head-opens", str(head_opens),
+                       *(["--name", name] if name else []), pass_fds=(read,))
     except BaseException:
         os.close(write)
         raise
@@ -268,7 +338,7 @@ def import_piped(near: Path, head: bytes, head_opens: int,
         os.close(read)  # the pump has its own
     sink = PipeSink(write, work / "done")
     try:
-        yield fifo, sink
+        yield ImportStream(fifo, server, work), sink
     finally:
         _stop(server)  # first: a write blocked on the full pipe fails, the read end gone
         sink.close()

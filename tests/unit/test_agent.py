@@ -27,9 +27,9 @@ def state(tmp_path, monkeypatch):
     return tmp_path / "state"
 
 
-def _script(step: str, init_pid: int, state: Path) -> subprocess.CompletedProcess:
+def _script(step: str, init_pid: int, state: Path, **extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "CRTOOLS_SCRIPT_ACTION": step, "CRTOOLS_INIT_PID": str(init_pid),
-           "CRTOOLS_IMAGE_DIR": "", "GPUSNAP_STATE_DIR": str(state)}
+           "CRTOOLS_IMAGE_DIR": "", "GPUSNAP_STATE_DIR": str(state), **extra}
     return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True,
                           timeout=60)
 
@@ -265,6 +265,29 @@ def test_the_script_takes_the_steps_marker_where_the_answer_never_comes(tmp_path
     assert res.returncode == 0, res.stderr
     assert "answer did not come" in res.stderr
     assert time.monotonic() - started < 5
+
+
+def test_a_step_whose_agent_never_answers(tmp_path, state):
+    """An agent that lives on, takes the request and never answers nor marks the
+    step (a driver call that never returns): the step fails within its bound, in
+    one line, so CRIU ends the restore instead of waiting with it."""
+    import threading
+
+    me = os.getpid()
+    here = agent.folder(me)
+    here.mkdir(parents=True)
+    os.mkfifo(here / "requests", 0o600)
+    fd = os.open(here / "requests", os.O_RDWR)
+    (here / "pid").write_text(str(me))
+    (state / "actions" / f"{me}-fill.json").write_text("{}")
+    threading.Thread(target=os.read, args=(fd, 4096), daemon=True).start()  # taken, unanswered
+    started = time.monotonic()
+    res = _script("post-restore", 1, state, GPUSNAP_WAIT_AGENT="2")
+    os.close(fd)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "did not answer within 2 s" in lines[0], res.stderr
+    assert time.monotonic() - started < 10
 
 
 def test_an_agent_gone_after_its_step_was_done_is_no_failure(tmp_path, state):

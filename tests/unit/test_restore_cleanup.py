@@ -12,6 +12,7 @@ import pytest
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.plan import Plan
 from gpusnap.ops import restore
+from gpusnap.runtime.stream import ImportStream
 from gpusnap.runtime import podman
 
 
@@ -36,7 +37,7 @@ def test_the_import_error_comes_first_and_the_leftover_is_named(tmp_path, monkey
     monkeypatch.setattr(podman, "remove", stuck)
     contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
     with pytest.raises(GpusnapError) as err:
-        restore.import_archive(contextlib.nullcontext(tmp_path / "fifo"), contents, Plan([], [], False),
+        restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents, Plan([], [], False),
                                "r2-1", False, False, "REF")
     msg = err.value.message
     assert msg.startswith("podman container restore failed: CRIU restore failed"), msg

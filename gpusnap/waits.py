@@ -1,0 +1,106 @@
+"""Every wait gpusnap makes on another program has a bound, named here.
+
+A wait that runs out raises WaitExpired: one line that says what was waited
+for and for how long. Each bound can be widened (or, in tests, shortened) with
+``GPUSNAP_WAIT_<NAME>=SECONDS``; the defaults are far above what a healthy
+host takes, so they only ever end a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from gpusnap.errors import GpusnapError
+
+# name -> default seconds. A restore's and a checkpoint's bound grow with the
+# bytes they move (Bound.for_bytes); the others are fixed.
+DEFAULTS: dict[str, float] = {
+    "PODMAN": 120.0,          # a Podman query: inspect, info, version, exists, rm
+    "PODMAN_RESTORE": 600.0,  # podman container restore, plus RATE for its bytes
+    "PODMAN_CHECKPOINT": 600.0,
+    "IMPORT_OPEN": 300.0,     # Podman's first open of the import stream
+    "STOP": 15.0,             # a program asked to stop, before it is killed
+    "REGISTRY": 120.0,        # a registry's answer, each try (oci/registry.py)
+}
+# Bytes a second below which a big restore or checkpoint counts as hung: a
+# twentieth of the slowest disk the benches saw, so only a stall reaches it.
+RATE = 20 << 20
+
+
+class WaitExpired(GpusnapError):
+    """A bound ran out; ``message`` names what was waited for and how long."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    name: str
+    seconds: float
+
+    @classmethod
+    def of(cls, name: str, extra: float = 0.0) -> "Bound":
+        raw = os.environ.get(f"GPUSNAP_WAIT_{name}")
+        try:
+            seconds = float(raw) if raw else DEFAULTS[name] + extra
+        except ValueError:
+            seconds = DEFAULTS[name] + extra
+        return cls(name, max(seconds, 0.1))
+
+    @classmethod
+    def for_bytes(cls, name: str, size: int) -> "Bound":
+        return cls.of(name, extra=size / RATE)
+
+    def expired(self, what: str, hint: str | None = None) -> WaitExpired:
+        return WaitExpired(f"{what}: no answer within {self.seconds:.0f} s",
+                           hint or f"nothing was changed by the wait; if the host is just slow, "
+                                   f"raise the bound (GPUSNAP_WAIT_{self.name}=SECONDS)")
+
+
+def stop(proc: subprocess.Popen, grace: float | None = None) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds: Podman cleans up on the first."""
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=Bound.of("STOP").seconds if grace is None else grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def run(argv: Sequence[str], what: str, bound: Bound,
+        watch: Callable[[], None] | None = None, tick: float = 0.25,
+        hint: str | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True)`` that ends within
+    ``bound``. ``watch`` is called every ``tick`` seconds while it runs and may
+    raise (the stream it reads has died, say): the program is stopped first,
+    then the error goes on. Output is read all along, so a chatty program never
+    blocks on a full pipe."""
+    proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + bound.seconds
+    try:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=tick)
+                return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            except subprocess.TimeoutExpired:
+                pass
+            if watch is not None:
+                watch()
+            if time.monotonic() > deadline:
+                raise bound.expired(what, hint)
+    except BaseException:
+        stop(proc)
+        # what is left in the pipes, so no reader of them hangs
+        try:
+            proc.communicate(timeout=Bound.of("STOP").seconds)
+        except (subprocess.TimeoutExpired, ValueError, OSError):
+            pass
+        raise
