@@ -12,6 +12,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if HERE in Path(item.fspath).parents:
             item.add_marker(pytest.mark.gpu)
+            if item.get_closest_marker("timeout") is None:
+                # a GPU test that hangs fails with a stack, not with a lost device call
+                item.add_marker(pytest.mark.timeout(300))
 
 
 @pytest.fixture

@@ -63,6 +63,18 @@ class CudaContainer:
     def iterations(self) -> list[int]:
         return [self.worker(i)[0] for i in range(self.nproc)]
 
+    def born(self) -> list[str]:
+        """Each worker's start token (workload.py): unchanged across a restore."""
+        return [(self.status / f"w{i}.born").read_text() for i in range(self.nproc)]
+
+    def assert_restored(self, born: list[str], its: list[int], timeout: float = 120) -> None:
+        """Restored, not restarted: the same workers (their start tokens), counting
+        on from where they were, with every element of their GPU data compared."""
+        assert self.born() == born, "the workers started afresh: not a restore"
+        now = self.wait_running(above=[max(i - 1, 0) for i in its], timeout=timeout)
+        assert all(n >= i for n, i in zip(now, its)), (now, its)
+        self.verify(timeout=timeout)
+
     def wait_running(self, above: list[int] | None = None, timeout: float = 120) -> list[int]:
         """Wait until every worker's iteration passes ``above`` (default 0)."""
         above = above or [0] * self.nproc

@@ -58,6 +58,11 @@ VENV_PIP=${GPUSNAP_VENV:-/opt/gpusnap/venv}/bin/pip
 versions=$("$VENV_PIP" list --format=freeze 2>/dev/null | grep -iE '^(grpcio|grpcio-tools|protobuf)==')
 pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$DIR/wheels" $versions
+# pytest-timeout for the GPU tests (every test bounded), in a folder of its own
+# that travels with the first part.
+mkdir -p "$DIR/pytest"
+pytest_timeout=$("$VENV_PIP" list --format=freeze 2>/dev/null | grep -iE '^pytest-timeout==')
+pip download -q --only-binary=:all: --no-deps -d "$DIR/pytest" ${pytest_timeout:-pytest-timeout}
 bench_versions=$("$VENV_PIP" list --format=freeze 2>/dev/null | grep -iE '^(zstandard|cryptography|cffi|bcrypt|pyroute2)==')
 pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \

@@ -112,7 +112,7 @@ for tools in "$BUNDLE/bin/tools.tar.zst" "$BUNDLE/bench/tools.tar.zst"; do
   [ -f "$tools" ] && zstd -dcq --long=27 "$tools" | tar -C /usr/local/bin -xf -
 done
 mkdir -p /opt/gpusnap/pylib
-for whl in "$BUNDLE"/wheels/*.whl "$BUNDLE"/bench/wheels/*.whl; do
+for whl in "$BUNDLE"/wheels/*.whl "$BUNDLE"/bench/wheels/*.whl "$BUNDLE"/pytest/*.whl; do
   [ -f "$whl" ] && "$TORCH_PY" -m zipfile -e "$whl" /opt/gpusnap/pylib
 done
 export GPUSNAP_PYLIB=/opt/gpusnap/pylib

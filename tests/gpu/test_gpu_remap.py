@@ -8,14 +8,19 @@ the driver given the GPU UUID pairs.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_one_line_error, gpusnap, gpusnap_json, podman
+from tests.conftest import GPUSNAP, assert_one_line_error, gpusnap, gpusnap_json, podman, run
 from tests.gpu import harness
+from tests.integration.oci_registry import PASSWORD, make_registry
 
 GIB = 1 << 30
 
@@ -63,6 +68,7 @@ def _dev_nodes(name: str) -> set[str]:
 def on_gpu0(tmp_path):
     """A CUDA container on GPU 0 (2 GiB), checkpointed, exported and removed."""
     ctr = harness.start(nproc=1, gib=2.0, gpus=[0])
+    ctr.born_at_start = ctr.born()
     archive = tmp_path / "gpu0.tar.zst"
     gpusnap_json("checkpoint", ctr.name, "--export", str(archive))  # Podman's export, faster
     its = ctr.iterations()
@@ -80,9 +86,8 @@ def _evidence(label: str) -> None:
         (Path(logs) / f"nvidia-smi-{label}.txt").write_text(out)
 
 
-def _restored_on_gpu1(ctr, its, used1_before: int) -> None:
-    ctr.wait_running(above=its)
-    ctr.verify()
+def _restored_on_gpu1(ctr, its, used1_before: int, born: list[str] | None = None) -> None:
+    ctr.assert_restored(born or ctr.born_at_start, its)
     _evidence(ctr.name)
     assert harness.gpu_memory_used(1) - used1_before >= 2 * GIB
     # The container's node follows the host's numbering: libcuda opens /dev/nvidia<minor>.
@@ -143,12 +148,116 @@ def test_move_live_onto_gpu1_keeps_the_pids():
         assert_one_line_error(gpusnap("move", ctr.name, "--gpu", "0"), "already")
         plan = gpusnap_json("move", ctr.name, "--gpu", "1", "--dry-run")
         assert plan["dry_run"] and "-> GPU 1 (" in plan["moves"][0]
-        its = ctr.iterations()
+        its, born = ctr.iterations(), ctr.born()
         used1 = harness.gpu_memory_used(1)
         moved = gpusnap_json("move", ctr.name, "--gpu", "1")
         assert moved["pids"] == pids
-        _restored_on_gpu1(ctr, its, used1)
+        _restored_on_gpu1(ctr, its, used1, born)
         assert harness.host_pids(ctr.name) == pids  # the same processes, now on GPU 1
         assert harness.gpu_memory_used(0) < GIB
     finally:
         ctr.remove()
+
+
+# --- through a registry: a REF restored onto the other GPU, and two migrations at once ---
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """A loopback registry (docker-registry from the bundle's bench/ part)."""
+    reg = make_registry(tmp_path_factory.mktemp("registry"))
+    yield reg
+    reg.stop()
+
+
+def _figure(**fields) -> None:
+    """A measured time, kept with the run's logs for docs/benchmarks.md."""
+    logs = os.environ.get("GPUSNAP_TEST_LOGS")
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        with open(Path(logs) / "figures.jsonl", "a") as f:
+            f.write(json.dumps(fields) + "\n")
+
+
+def _gpusnap(registry, *args: str) -> dict:
+    res = run([GPUSNAP, *args, *registry.flags(), "--json"], input=PASSWORD + "\n", timeout=900)
+    assert res.returncode == 0, (args, res.stdout[-2000:], res.stderr[-2000:])
+    return json.loads(res.stdout)
+
+
+def _migrate(registry, ctr, tag: str) -> tuple[str, list[int], float]:
+    """`gpusnap migrate` to a new tag: (the pinned REF, the iterations at the stop, seconds)."""
+    ref = registry.ref(f"gpu/{tag}-{uuid.uuid4().hex[:8]}:v1")
+    started = time.monotonic()
+    pinned = _gpusnap(registry, "migrate", ctr.name, ref)["pinned"]
+    seconds = time.monotonic() - started
+    its = ctr.iterations()
+    podman("rm", "-f", "-t", "0", ctr.name)
+    return pinned, its, seconds
+
+
+def _restore(registry, ref: str, *args: str) -> tuple[dict, float]:
+    started = time.monotonic()
+    result = _gpusnap(registry, "restore", ref, *args)
+    return result, time.monotonic() - started
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("gib", [1, 16])
+def test_restore_ref_onto_gpu1_with_every_tensor_compared(registry, gib):
+    """`gpusnap restore REF --gpu-map 0=1` (the path that hung: staged pull, the
+    archive rewritten in the import stream), beside the same REF restored with no
+    map; each restore continues the same workers with every element compared."""
+    ctr = harness.start(nproc=1, gib=gib, gpus=[0])
+    try:
+        born = ctr.born()
+        pinned, its, migrate_s = _migrate(registry, ctr, f"remap{gib}")
+        _, plain_s = _restore(registry, pinned)
+        ctr.assert_restored(born, its)
+        assert _dev_nodes(ctr.name) == {"nvidia0"}
+        podman("rm", "-f", "-t", "0", ctr.name)  # the REF is still there to restore
+
+        used1 = harness.gpu_memory_used(1)
+        moved, remap_s = _restore(registry, pinned, "--gpu-map", "0=1")
+        assert moved["gpus"][0]["to"]["index"] == 1, moved
+        assert moved["gpu_processes"][0]["state"] == "RUNNING"
+        ctr.assert_restored(born, its)  # the REF's state again, from the same workers
+        assert _dev_nodes(ctr.name) == {"nvidia1"}
+        assert harness.gpu_memory_used(1) - used1 >= gib * GIB
+        assert harness.gpu_memory_used(0) < GIB
+        _evidence(f"{ctr.name}-remap{gib}")
+        _figure(what="restore REF onto GPU 1", gib=gib, migrate_s=round(migrate_s, 2),
+                restore_no_map_s=round(plain_s, 2), restore_gpu_map_s=round(remap_s, 2),
+                ratio=round(remap_s / plain_s, 2))
+    finally:
+        ctr.remove()
+
+
+@pytest.mark.timeout(600)
+def test_two_containers_one_per_gpu_migrate_at_once(registry):
+    """Two 8 GiB containers, one on each GPU, migrated through the registry and
+    restored at the same time, against the same two one after the other."""
+    ctrs = [harness.start(nproc=1, gib=8.0, gpus=[i], name=f"gpusnap-two{i}-{uuid.uuid4().hex[:6]}")
+            for i in (0, 1)]
+    try:
+        born = [c.born() for c in ctrs]
+        started = time.monotonic()
+        for c, b in zip(ctrs, born):  # one after the other
+            pinned, its, _ = _migrate(registry, c, "one")
+            _restore(registry, pinned)
+            c.assert_restored(b, its)
+        sequential_s = time.monotonic() - started
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            migrated = list(pool.map(lambda c: _migrate(registry, c, "both"), ctrs))
+            list(pool.map(lambda m: _restore(registry, m[0]), migrated))
+        together_s = time.monotonic() - started
+        for c, b, (_, its, _) in zip(ctrs, born, migrated):
+            c.assert_restored(b, its)
+        assert [_dev_nodes(c.name) for c in ctrs] == [{"nvidia0"}, {"nvidia1"}]
+        _figure(what="two 8 GiB containers, one per GPU, migrate + restore REF",
+                sequential_s=round(sequential_s, 2), together_s=round(together_s, 2),
+                ratio=round(together_s / sequential_s, 2))
+    finally:
+        for c in ctrs:
+            c.remove()

@@ -115,12 +115,11 @@ def test_cuda_container_checkpointed_and_restored_under_the_shim(containerd, tmp
     c = containerd
     ctr = _run_cuda(c, [0])
     try:
-        used0 = harness.gpu_memory_used(0)
+        used0, born = harness.gpu_memory_used(0), ctr.born()
         its, took = _checkpoint_and_remove_task(c, ctr, tmp_path / "ck")
         assert harness.gpu_memory_used(0) < used0 - GIB  # released with the process
         restored_in = _restore(c, ctr, tmp_path / "ck")
-        ctr.wait_running(above=its)
-        ctr.verify()  # every element of the 2 GiB tensor compared
+        ctr.assert_restored(born, its)  # every element of the 2 GiB tensor compared
         # The tensor is back on GPU 0 (the caching allocator's spare blocks need not be:
         # 7.7 GB before, 3.4 GB after on an H200)
         assert harness.gpu_memory_used(0) >= 2 * GIB
@@ -136,11 +135,11 @@ def test_restore_onto_the_other_gpu_by_annotation(containerd, tmp_path):
     c = containerd
     ctr = _run_cuda(c, [0], annotations={GPU_MAP_ANNOTATION: "0=1"})
     try:
+        born = ctr.born()
         its, _ = _checkpoint_and_remove_task(c, ctr, tmp_path / "ck")
         used1 = harness.gpu_memory_used(1)
         _restore(c, ctr, tmp_path / "ck")
-        ctr.wait_running(above=its)
-        ctr.verify()
+        ctr.assert_restored(born, its)
         assert harness.gpu_memory_used(1) - used1 >= 2 * GIB
         # The container's node follows the host numbering: libcuda opens /dev/nvidia<minor>.
         assert _dev_nodes(c, ctr.name) == {"nvidia1"}

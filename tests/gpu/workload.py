@@ -5,7 +5,8 @@
 The parent starts NPROC worker processes (it uses no CUDA itself). Each worker
 fills GIB GiB of GPU memory with pseudo-random int32 from a seeded generator,
 then loops: it checks the tensor's sum and writes /status/w<i> as
-"<iteration> <ok>". When /status/verify holds a token, the worker regenerates
+"<iteration> <ok>". At its start it writes /status/w<i>.born, a token drawn
+afresh by every start: a restored worker keeps it, a restarted one would not. When /status/verify holds a token, the worker regenerates
 the data and compares every element, writing "<token> ok|bad" to
 /status/w<i>.verified. When /status/busy exists it runs one long kernel
 (about 8 s) so that a lock with a short timeout must fail.
@@ -38,6 +39,7 @@ def worker(index: int, gib: float) -> None:
         g = torch.Generator(device="cuda").manual_seed(seed)
         return torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda", generator=g)
 
+    _write(f"w{index}.born", os.urandom(16).hex())
     x = generate()
     ref = x.sum(dtype=torch.int64).item()
     # randint's temporaries stay in PyTorch's cache (a 2 GiB tensor left 7.7 GB in
