@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -36,21 +37,24 @@ def _plan(contents: archive.CheckpointContents, gpu_map: str | None, remap: bool
     return plan_here(manifest, gpu_map, remap=remap, refusal_hint=_NOT_HERE)
 
 
-def _retarget(contents: archive.CheckpointContents, plan: Plan) -> dict | None:
-    """What the import stream needs to move the devices, checked on the spec now
-    (before Podman is called) so a spec that cannot be moved is refused up front."""
+def _retarget(contents: archive.CheckpointContents, plan: Plan) -> tuple[dict, dict] | None:
+    """What the import stream needs to move the devices: (the pump's retarget
+    spec, config.dump and spec.dump as the stream will carry them). Checked on
+    the spec now (before Podman is called), so a spec that cannot be moved is
+    refused up front."""
     if not plan.needs_remap:
         return None
+    moved = {}
     for name, rewrite in (("spec.dump", rewrite_spec), ("config.dump", rewrite_config_dump)):
         data = contents.json_file(name)
         if data is None:
             raise GpusnapError(f"{contents.source} has no {name}; its devices cannot be moved")
         try:
-            rewrite(data, plan.remap)
+            moved[name] = json.dumps(rewrite(data, plan.remap)).encode()
         except SpecError as exc:
             raise GpusnapError(f"cannot move the container's GPUs: {exc}",
                                "nothing was changed; `gpusnap restore --dry-run` shows the plan")
-    return {"remap": plan.remap.to_dict(), "plan": plan.to_dict()}
+    return {"remap": plan.remap.to_dict(), "plan": plan.to_dict()}, moved
 
 
 def plan_report(source: str, plan: Plan) -> dict:
@@ -117,8 +121,12 @@ def import_file(path: Path, contents: archive.CheckpointContents, plan: Plan,
     """Import the archive at ``path`` under ``plan``, made once by the caller
     (this restore, or a pull that staged the file): rewritten on its way to
     Podman where the plan moves GPUs."""
-    retarget = _retarget(contents, plan)
-    head = config_tar(contents.files) if retarget is None else None
+    moving = _retarget(contents, plan)
+    retarget, files = (None, contents.files) if moving is None else \
+        (moving[0], {**contents.files, **moving[1]})
+    # Podman 4.3's config-only opens read the whole stream: given the (moved)
+    # config alone, the archive is rewritten once, not three times.
+    head = config_tar(files)
     opens = config_only_opens(podman.version()) if head else 0
     return import_archive(import_fifo(path.absolute(), retarget=retarget, head=head,
                                       head_opens=opens),

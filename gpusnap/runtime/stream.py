@@ -246,11 +246,11 @@ def import_fifo(src: Path, near: Path | None = None, retarget: dict | None = Non
     through the FIFO: every reader gets the archive rewritten for other GPUs
     (runtime/retarget.py). A rewrite that failed leaves its reason in
     GpusnapError raised on leaving, when Podman has failed too. ``head`` (a tar
-    of config.dump and spec.dump, see config_only_opens) serves the first
-    ``head_opens`` opens instead of the whole archive: not with ``retarget``,
-    whose config must be rewritten too.
+    of config.dump and spec.dump, see config_only_opens; with ``retarget``, as
+    rewritten) serves the first ``head_opens`` opens instead of the whole
+    archive; any open after them gets the whole archive, however many come.
     """
-    short = head is not None and head_opens > 0 and retarget is None
+    short = head is not None and head_opens > 0
     zstd = is_zstd(src)
     if retarget is None and not short and (not zstd or shutil.which("zstd") is None):
         yield ImportStream(src)  # Podman reads it itself, slower
@@ -263,7 +263,7 @@ def import_fifo(src: Path, near: Path | None = None, retarget: dict | None = Non
     if retarget is not None:
         write_private(work / "retarget.json", json.dumps(retarget))
         args += ["--retarget", str(work / "retarget.json")]
-    elif short:
+    if short:
         write_private(work / "head.tar", head)
         args += ["--head", str(work / "head.tar"), "--head-opens", str(head_opens)]
     server = _pump(*args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -161,12 +162,17 @@ def test_move_live_onto_gpu1_keeps_the_pids():
 
 # --- through a registry: a REF restored onto the other GPU, and two migrations at once ---
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    """A loopback registry (docker-registry from the bundle's bench/ part)."""
-    reg = make_registry(tmp_path_factory.mktemp("registry"))
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    """A loopback registry of the test's own (docker-registry from the bundle's
+    bench/ part) and a chunk cache of its own, both removed after it: a 16 GiB
+    checkpoint is ~19 GB in each, and the GPU machine's disk holds a few."""
+    monkeypatch.setenv("GPUSNAP_CACHE_DIR", str(tmp_path / "cache"))
+    reg = make_registry(tmp_path / "registry")
     yield reg
     reg.stop()
+    shutil.rmtree(tmp_path / "registry", ignore_errors=True)
+    shutil.rmtree(tmp_path / "cache", ignore_errors=True)
 
 
 def _figure(**fields) -> None:
