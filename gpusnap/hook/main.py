@@ -52,11 +52,25 @@ def record_assignment(container_id: str, devices: list[dict], inv: "Inventory | 
                                            "inventory_read_by": read_by}, indent=2))
 
 
-def inventory_for_restore(wait_s: float = 0.5) -> "Inventory | None":
+def host_gpu_nodes(dev: Path = Path("/dev")) -> int:
+    """How many NVIDIA GPU nodes (/dev/nvidiaN) this host has."""
+    try:
+        return sum(1 for n in os.listdir(dev) if _GPU_NODE.match(f"/dev/{n}"))
+    except OSError:
+        return 0
+
+
+def inventory_for_restore(wait_s: float = 0.5, dev: Path = Path("/dev")) -> "Inventory | None":
     """NVML's GPUs as the agent of the CRIU this runc runs read them a moment ago
     (criu/agent.py): runc starts CRIU and this hook alike, so the agent's CRIU
     is this hook's sibling. None where there is no such agent, or it has not
-    read them within ``wait_s``: the hook then reads NVML itself."""
+    read them within ``wait_s``: the hook then reads NVML itself.
+
+    Also None where the agent saw fewer GPUs than the host has nodes: runc puts
+    CRIU, and so the agent, in the container's device cgroup, where NVML sees
+    only the container's GPUs. A plain `podman container restore` of a
+    checkpoint whose GPU is full must see the others to move it (seen on 2x
+    H200: "no such GPU here has it: GPU 0 has 1.0 GiB")."""
     import time
 
     from gpusnap.criu import agent
@@ -71,7 +85,8 @@ def inventory_for_restore(wait_s: float = 0.5) -> "Inventory | None":
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                return Inventory.from_dict(json.loads((here / agent.INVENTORY).read_text()))
+                seen = Inventory.from_dict(json.loads((here / agent.INVENTORY).read_text()))
+                return seen if len(seen.gpus) >= host_gpu_nodes(dev) else None
             except (OSError, ValueError, TypeError, KeyError):
                 if time.monotonic() > deadline or (here / agent.NO_INVENTORY).exists():
                     return None

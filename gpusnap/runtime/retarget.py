@@ -149,7 +149,7 @@ def _members(src: _Source):
             yield None
             return
         info = tarfile.TarInfo.frombuf(raw, tarfile.ENCODING, "surrogateescape")
-        name = None
+        name, size = None, None
         while info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME,
                             tarfile.GNUTYPE_LONGLINK):
             payload = src.exact(_padded(info.size))
@@ -157,26 +157,33 @@ def _members(src: _Source):
             if info.type == tarfile.GNUTYPE_LONGNAME:
                 name = payload[:info.size].rstrip(b"\0").decode("utf-8", "surrogateescape")
             elif info.type == tarfile.XHDTYPE:
-                name = _pax_path(payload[:info.size]) or name
+                records = _pax_records(payload[:info.size])
+                name = records.get("path", name)
+                size = int(records["size"]) if "size" in records else size
             header = src.exact(BLOCK)
             raw += header
             info = tarfile.TarInfo.frombuf(header, tarfile.ENCODING, "surrogateescape")
         if name:
             info.name = name
+        if size is not None:
+            # A member of 8 GiB or more (CRIU's pages of a GPU process) has its
+            # size only in the PAX record: Go's tar leaves the header's field 0.
+            info.size = size
         yield raw, info
 
 
-def _pax_path(records: bytes) -> str | None:
-    """The "path" of PAX records ("<len> path=<value>\n"...)."""
-    pos = 0
+def _pax_records(records: bytes) -> dict[str, str]:
+    """PAX extended header records ("<len> <key>=<value>\n"...) by key."""
+    found, pos = {}, 0
     while pos < len(records):
         space = records.index(b" ", pos)
         length = int(records[pos:space])
+        if length <= 0:
+            raise ValueError("a PAX record of no length")
         key, _, value = records[space + 1:pos + length - 1].partition(b"=")
-        if key == b"path":
-            return value.decode("utf-8", "surrogateescape")
+        found[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         pos += length
-    return None
+    return found
 
 
 def _header(name: str, size: int, like: tarfile.TarInfo) -> bytes:
@@ -241,7 +248,7 @@ def _rewrite(src_path: Path, out: int, remap: DeviceRemap, plan: dict | None) ->
                 if info.isreg() and info.size:
                     src.copy(_padded(info.size), out)
         read_all = True
-    except (tarfile.TarError, EOFError) as exc:
+    except (tarfile.TarError, EOFError, ValueError) as exc:
         raise GpusnapError(f"{src_path} is not a readable checkpoint archive ({exc})") from None
     finally:
         complaint = src.close(read_to_end=read_all)

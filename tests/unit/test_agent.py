@@ -216,6 +216,33 @@ def test_the_hook_takes_the_gpus_the_agent_of_its_sibling_criu_read(state):
         criu.wait()
 
 
+def test_the_hook_reads_nvml_itself_where_the_agent_saw_fewer_gpus_than_the_host_has(
+        state, tmp_path):
+    """The agent runs in the container's device cgroup (runc puts CRIU there):
+    NVML shows it the container's one GPU of the host's two, too few to plan a
+    move onto the other. The hook then reads NVML itself."""
+    criu = subprocess.Popen(["sleep", "30"])
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    try:
+        agent.folder(criu.pid).mkdir(parents=True)
+        (agent.folder(criu.pid) / agent.INVENTORY).write_text(json.dumps(INVENTORY))
+        reads = HOOK_READS.replace("wait_s=0.3", f"wait_s=0.3, dev=__import__('pathlib').Path('{dev}')")
+        env = {**os.environ, "GPUSNAP_STATE_DIR": str(state)}
+        (dev / "nvidia0").touch()
+        (dev / "nvidiactl").touch()
+        res = subprocess.run([sys.executable, "-c", reads], capture_output=True, text=True,
+                             env=env, check=True)
+        assert "GPU-aaaa" in res.stdout  # one GPU here, one seen: taken
+        (dev / "nvidia1").touch()
+        res = subprocess.run([sys.executable, "-c", reads], capture_output=True, text=True,
+                             env=env, check=True)
+        assert res.stdout.strip() == "None"  # two here, one seen: NVML read again
+    finally:
+        criu.kill()
+        criu.wait()
+
+
 def test_an_answer_longer_than_a_pipe_holds_arrives_whole(tmp_path, state, monkeypatch):
     """A step that prints a lot (a failing fill's report): the answer is written
     blocking, as the script reads it, never cut at the pipe's 64 KiB."""

@@ -1,0 +1,64 @@
+"""runtime/retarget.py's tar walk: members as Go's tar (Podman's export) writes them."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+from gpusnap.gpu.nodes import DeviceRemap
+from gpusnap.runtime.retarget import BLOCK, rewrite_archive
+
+
+def _header(name: str, size: int, typeflag: bytes = tarfile.REGTYPE) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.type = size, 0o600, typeflag
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def _pax(records: dict[str, str]) -> bytes:
+    body = b""
+    for key, value in records.items():
+        line = f" {key}={value}\n".encode()
+        n = len(line) + 1
+        while len(str(n)) + len(line) != n:  # the length counts its own digits
+            n = len(str(n)) + len(line)
+        body += str(n).encode() + line
+    return _header("PaxHeaders/x", len(body), tarfile.XHDTYPE) + body + b"\0" * (-len(body) % BLOCK)
+
+
+def _go_big_member(name: str, data: bytes) -> bytes:
+    """A member as Go writes one of 8 GiB or more: its size in a PAX record
+    only, the header's size field left 0 (scaled down here)."""
+    return (_pax({"size": str(len(data))}) + _header(name, 0) + data
+            + b"\0" * (-len(data) % BLOCK))
+
+
+def test_a_member_whose_size_is_only_in_its_pax_record_is_copied_whole(tmp_path):
+    pages = bytes(range(256)) * 40  # 10240 bytes, not a multiple of the block
+    after = b"still read as a member"
+    src = tmp_path / "big.tar"
+    src.write_bytes(_go_big_member("checkpoint/pages-1.img", pages)
+                    + _header("checkpoint/after.img", len(after)) + after
+                    + b"\0" * (-len(after) % BLOCK) + b"\0" * (2 * BLOCK))
+    out = tmp_path / "out.tar"
+    with open(out, "wb") as f:
+        rewrite_archive(src, f.fileno(), DeviceRemap(container_paths="keep"), {"moves": []})
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        assert tar.extractfile("checkpoint/pages-1.img").read() == pages
+        assert tar.extractfile("checkpoint/after.img").read() == after
+    assert names[-1] == "checkpoint/after.img" and "checkpoint/gpusnap-plan.json" in names
+
+
+def test_a_pax_path_record_names_the_member(tmp_path):
+    long_name = "checkpoint/" + "d" * 120 + "/pages-2.img"
+    data = b"x" * 700
+    src = tmp_path / "long.tar"
+    src.write_bytes(_pax({"path": long_name, "size": str(len(data))}) + _header("short", 0)
+                    + data + b"\0" * (-len(data) % BLOCK) + b"\0" * (2 * BLOCK))
+    buf = tmp_path / "out.tar"
+    with open(buf, "wb") as f:
+        rewrite_archive(src, f.fileno(), DeviceRemap(container_paths="keep"), None)
+    with tarfile.open(fileobj=io.BytesIO(buf.read_bytes())) as tar:
+        assert tar.getnames() == [long_name]
+        assert tar.extractfile(long_name).read() == data
