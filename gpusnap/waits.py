@@ -22,7 +22,7 @@ from gpusnap.errors import GpusnapError
 DEFAULTS: dict[str, float] = {
     "PODMAN": 120.0,          # a Podman query: inspect, info, version, exists, rm
     "PODMAN_RESTORE": 600.0,  # podman container restore, plus RATE for its bytes
-    "PODMAN_CHECKPOINT": 600.0,
+    "PODMAN_CHECKPOINT": 3600.0,  # a dump of a GPU process that holds 140 GB takes minutes
     "IMPORT_OPEN": 300.0,     # Podman's first open of the import stream
     "STOP": 15.0,             # a program asked to stop, before it is killed
     "REGISTRY": 120.0,        # a registry's answer, each try (oci/registry.py)

@@ -21,6 +21,7 @@ from gpusnap.ops import leftovers, prepared_pages
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import PROC, gpu_use
 from gpusnap.runtime import memory
+from gpusnap.waits import Bound
 
 HOOK_FILES = (Path("/etc/containers/oci/hooks.d/gpusnap-prestart.json"),
               Path("/usr/share/containers/oci/hooks.d/gpusnap-prestart.json"))
@@ -52,9 +53,12 @@ def _criu_checks() -> list[Check]:
     checks = [Check("criu", is_supported(version), f"CRIU {version}" if version else "not found",
                     "" if is_supported(version) else "run `make deps` to install CRIU 4 privately")]
     if version:
-        res = subprocess.run(["criu", "check"], capture_output=True, text=True)
-        ok = res.returncode == 0
-        out = (res.stdout + res.stderr).strip()
+        try:
+            res = subprocess.run(["criu", "check"], capture_output=True, text=True,
+                                 timeout=Bound.of("PODMAN").seconds)
+            ok, out = res.returncode == 0, (res.stdout + res.stderr).strip()
+        except subprocess.TimeoutExpired:
+            ok, out = False, f"`criu check` did not finish within {Bound.of('PODMAN').seconds:.0f} s"
         detail = "Looks good." if "Looks good" in out else (out.splitlines()[-1:] or [""])[0]
         checks.append(Check("criu check", ok, detail, "" if ok else
                             "this kernel lacks features CRIU needs; see `criu check --all`"))

@@ -185,7 +185,7 @@ def serve(fifo: str, whole: Callable[[int], None], head: str | None = None,
         os.mkfifo(fresh, 0o600)
         os.replace(fresh, fifo)
         if not served:  # the CLI's watch: Podman has opened the stream
-            Path(fifo).with_name(OPENED).touch()
+            open_private(Path(fifo).with_name(OPENED), "wb").close()
         served += 1
         if head and served <= head_opens:
             threading.Thread(target=_serve_bytes, args=(fd, Path(head).read_bytes()),

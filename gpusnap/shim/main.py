@@ -158,10 +158,14 @@ def delete(flags: dict[str, str]) -> int:
         raise UsageError("delete needs -namespace and -id")
     state = bundle_state.read_state(bundle)
     if state is not None:  # the shim died with its container created
-        res = subprocess.run([state.get("runc", "runc"), "--root", state["runc_root"], "delete", "--force", cid],
-                             capture_output=True, text=True)
-        if res.returncode != 0 and "does not exist" not in res.stderr:
-            print(f"containerd-shim-gpusnap-v1 delete: runc: {res.stderr.strip()}", file=sys.stderr)
+        try:
+            res = subprocess.run([state.get("runc", "runc"), "--root", state["runc_root"], "delete",
+                                  "--force", cid], capture_output=True, text=True, timeout=120)
+            if res.returncode != 0 and "does not exist" not in res.stderr:
+                print(f"containerd-shim-gpusnap-v1 delete: runc: {res.stderr.strip()}", file=sys.stderr)
+        except subprocess.TimeoutExpired:
+            print("containerd-shim-gpusnap-v1 delete: runc delete did not finish within 120 s",
+                  file=sys.stderr)
         rootfs = os.path.join(bundle, "rootfs")
         if os.path.ismount(rootfs):
             from gpusnap.shim import mounts

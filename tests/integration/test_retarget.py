@@ -59,6 +59,31 @@ def test_restore_from_a_retargeted_stream_moves_the_device(name, tmp_path):
     assert _sha(archive) == before  # the export itself is never edited
 
 
+def test_a_restore_that_moves_a_device_imports_through_the_rewriting_pump(name, tmp_path):
+    """`gpusnap restore FILE --gpu-map`'s import, with a CPU device standing in
+    for the GPU: one plan, made by the caller, handed to the import; Podman
+    4.3's config-only opens get the moved config, the last the rewritten archive."""
+    from gpusnap import archive as archive_files
+    from gpusnap.gpu.plan import GpuSlot, Move, Plan
+    from gpusnap.ops import restore as ops_restore
+
+    podman("run", "-d", "--name", name, "--network", "none", "--device", "/dev/full",
+           DEMO_IMAGE, "sh", "-c", COUNTER)
+    wait_counter(name, 3)
+    archive = tmp_path / "c.tar.zst"
+    gpusnap_json("checkpoint", name, "--export", str(archive), "--leave-running")
+    last = read_counter(name)
+    podman("rm", "-f", "-t", "0", name)
+    plan = Plan(moves=(Move(GpuSlot(0, "GPU-a", "stand-in"), GpuSlot(1, "GPU-b", "stand-in"),
+                            ("test",)),), uuid_pairs=(("GPU-a", "GPU-b"),), remap=FULL_TO_ZERO)
+    contents = archive_files.read(str(archive), head_only=True)
+    result = ops_restore.import_file(archive, contents, plan, None, False, False, str(archive))
+    assert result["gpus"][0]["to"]["uuid"] == "GPU-b"
+    assert read_counter(name) >= last  # restored, not restarted
+    listing = podman("exec", name, "ls", "-l", "/dev/full").stdout
+    assert listing.split()[4:6] == ["1,", "5"], listing
+
+
 def test_a_remap_that_cannot_be_applied_fails_without_a_valid_looking_stream(name, tmp_path):
     podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c", COUNTER)
     wait_counter(name, 3)
