@@ -26,6 +26,7 @@ DEFAULTS: dict[str, float] = {
     "IMPORT_OPEN": 300.0,     # Podman's first open of the import stream
     "STOP": 15.0,             # a program asked to stop, before it is killed
     "REGISTRY": 120.0,        # a registry's answer, each try (oci/registry.py)
+    "RUNC": 3600.0,           # a runc command the containerd shim runs (shim/runc.py)
 }
 # Bytes a second below which a big restore or checkpoint counts as hung: a
 # twentieth of the slowest disk the benches saw, so only a stall reaches it.

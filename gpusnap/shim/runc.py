@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
+import signal
 import tempfile
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from gpusnap.shim.reaper import Reaper
+from gpusnap.waits import Bound
 
 
 log = logging.getLogger("gpusnap.shim")
@@ -66,18 +70,35 @@ class Runc:
             out_r, out_w = os.pipe()
             stdio = Stdio(None, out_w, out_w)
         try:
-            _, fut = self.reaper.spawn(argv, stdin=stdio.stdin, stdout=stdio.stdout, stderr=stdio.stderr)
+            pid, fut = self.reaper.spawn(argv, stdin=stdio.stdin, stdout=stdio.stdout,
+                                         stderr=stdio.stderr)
         finally:
             if out_w is not None:
                 os.close(out_w)
+        # A checkpoint or restore of a GPU process takes minutes; a runc that
+        # never ends (CRIU stuck) is killed at its bound, so the shim answers.
+        bound = Bound.of("RUNC")
+        deadline = time.monotonic() + bound.seconds
         output = b""
         if out_r is not None:
             chunks = []
             with os.fdopen(out_r, "rb") as f:
-                while chunk := f.read(65536):
+                while select.select([f], [], [], max(deadline - time.monotonic(), 0))[0]:
+                    chunk = f.read1(65536)
+                    if not chunk:
+                        break
                     chunks.append(chunk)
             output = b"".join(chunks)
-        ex = fut.result()
+        try:
+            ex = fut.result(timeout=max(deadline - time.monotonic(), 0.1))
+        except FutureTimeout:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            fut.result()  # reaped at once: SIGKILL cannot be refused
+            raise RuncError(f"runc {args[0]}: no answer within {bound.seconds:.0f} s "
+                            f"(GPUSNAP_WAIT_RUNC=SECONDS raises the bound)") from None
         log.debug("runc %s: %.1f ms", args[0], (time.monotonic() - t0) * 1000)
         if ex.status != 0:
             raise RuncError(self._last_error(start_at) or output.decode(errors="replace").strip()

@@ -1,0 +1,80 @@
+"""gpusnap/waits.py: a program past its bound is stopped, and the line says what ran out."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from gpusnap import waits
+from gpusnap.errors import GpusnapError
+
+
+def test_a_program_that_never_ends_stalls_until_its_bound(monkeypatch):
+    monkeypatch.setenv("GPUSNAP_WAIT_PODMAN", "1")
+    started = time.monotonic()
+    with pytest.raises(waits.WaitExpired) as failed:
+        waits.run(["sleep", "600"], "podman container inspect", waits.Bound.of("PODMAN"))
+    assert time.monotonic() - started < 20
+    assert failed.value.message == "podman container inspect: no answer within 1 s"
+    assert "GPUSNAP_WAIT_PODMAN=SECONDS" in failed.value.hint
+
+
+def test_a_program_that_ignores_sigterm_is_killed(monkeypatch):
+    monkeypatch.setenv("GPUSNAP_WAIT_PODMAN", "1")
+    monkeypatch.setenv("GPUSNAP_WAIT_STOP", "1")
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    started = time.monotonic()
+    with pytest.raises(waits.WaitExpired):
+        waits.run([sys.executable, "-c", stubborn], "podman info", waits.Bound.of("PODMAN"))
+    assert time.monotonic() - started < 20
+
+
+def test_a_watch_that_raises_stops_the_program_at_once():
+    calls = []
+
+    def watch() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise GpusnapError("the stream died")
+
+    started = time.monotonic()
+    with pytest.raises(GpusnapError, match="the stream died"):
+        waits.run(["sleep", "600"], "podman container restore", waits.Bound.of("PODMAN"), watch,
+                  tick=0.05)
+    assert time.monotonic() - started < 20
+
+
+def test_output_larger_than_a_pipe_never_blocks_the_program():
+    chatty = "import sys; sys.stdout.write('x' * (4 << 20)); sys.stderr.write('y' * (1 << 20))"
+    res = waits.run([sys.executable, "-c", chatty], "chatty", waits.Bound.of("PODMAN"))
+    assert res.returncode == 0 and len(res.stdout) == 4 << 20 and len(res.stderr) == 1 << 20
+
+
+def test_a_bound_grows_with_the_bytes_and_a_bad_override_keeps_the_default(monkeypatch):
+    assert waits.Bound.for_bytes("PODMAN_RESTORE", 20 << 30).seconds == 600 + 1024
+    monkeypatch.setenv("GPUSNAP_WAIT_PODMAN", "soon")
+    assert waits.Bound.of("PODMAN").seconds == 120
+
+
+def test_a_runc_the_shim_runs_that_never_ends_is_killed_at_its_bound(tmp_path):
+    """The shim's runc (a checkpoint whose CRIU is stuck, say): killed at
+    GPUSNAP_WAIT_RUNC, so the shim answers containerd. In a Python of its own:
+    the shim's reaper waits for every child of its process."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "runc"
+    fake.write_text("#!/bin/sh\nexec sleep 600\n")
+    fake.chmod(0o755)
+    shim = ("from gpusnap.shim.reaper import Reaper; from gpusnap.shim.runc import Runc, RuncError\n"
+            "r = Reaper(); r.start()\n"
+            f"runc = Runc(r, {str(tmp_path)!r}, {str(tmp_path / 'log.json')!r}, {str(fake)!r})\n"
+            "try:\n    runc._run(['checkpoint', 'x'])\nexcept RuncError as e:\n    print(e)\n")
+    started = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", shim], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "GPUSNAP_WAIT_RUNC": "1"})
+    assert time.monotonic() - started < 30
+    assert res.stdout.strip() == ("runc checkpoint: no answer within 1 s "
+                                  "(GPUSNAP_WAIT_RUNC=SECONDS raises the bound)"), res.stderr
