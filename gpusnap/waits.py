@@ -77,15 +77,19 @@ def stop(proc: subprocess.Popen, grace: float | None = None) -> None:
 
 def run(argv: Sequence[str], what: str, bound: Bound,
         watch: Callable[[], None] | None = None, tick: float = 0.25,
-        hint: str | None = None) -> subprocess.CompletedProcess:
+        hint: str | None = None,
+        progress: Callable[[], int] | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, capture_output=True, text=True)`` that ends within
     ``bound``. ``watch`` is called every ``tick`` seconds while it runs and may
     raise (the stream it reads has died, say): the program is stopped first,
-    then the error goes on. Output is read all along, so a chatty program never
-    blocks on a full pipe."""
+    then the error goes on. ``progress`` (bytes fed to it so far, say) restarts
+    the bound whenever it moves: a restore that reads a slow download is not
+    hung. Output is read all along, so a chatty program never blocks on a full
+    pipe."""
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + bound.seconds
+    moved = progress() if progress is not None else None
     try:
         while True:
             try:
@@ -95,6 +99,8 @@ def run(argv: Sequence[str], what: str, bound: Bound,
                 pass
             if watch is not None:
                 watch()
+            if progress is not None and progress() != moved:
+                moved, deadline = progress(), time.monotonic() + bound.seconds
             if time.monotonic() > deadline:
                 raise bound.expired(what, hint)
     except BaseException:

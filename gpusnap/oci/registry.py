@@ -168,6 +168,8 @@ class RegistryClient:
                                 "pass --ca-file FILE (the registry's CA) or --tls-verify=false")
         if "refused" in text.lower():
             why = "connection refused"
+        elif isinstance(exc, self._exc.ConnectTimeout):
+            why = f"no connection within {self._timeout[0]:.0f} s"
         elif isinstance(exc, self._exc.Timeout):
             why = f"it sent nothing for {self._timeout[1]:.0f} s"
         elif "Name or service not known" in text or "resolve" in text.lower():

@@ -110,7 +110,7 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
         return import_file(path, contents, plan, name, keep, tcp_established, source)
     start = time.monotonic()
     podman.restore(source, archive=False, name=name, keep=keep,
-                   tcp_established=tcp_established)
+                   tcp_established=tcp_established, size=sum(contents.sizes.values()))
     seconds = time.monotonic() - start
     return restored(podman.inspect(name or (contents.json_file("config.dump") or {}).get("name")
                                    or source), source, seconds, plan)
@@ -153,7 +153,8 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
     try:
         with opener as stream:
             podman.restore(str(stream.path), archive=True, name=name, keep=keep,
-                           tcp_established=tcp_established, size=size, watch=stream.check)
+                           tcp_established=tcp_established, size=size, watch=stream.check,
+                           progress=stream.progress)
     except GpusnapError as exc:
         journal.record("import-failed", container=target, error=exc.message)
         log, left = _drop_half_restored(target)

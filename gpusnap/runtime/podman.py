@@ -59,10 +59,11 @@ def podman_binary() -> str:
 
 
 def _run(args: list[str], bound: Bound | None = None,
-         watch: Callable[[], None] | None = None) -> subprocess.CompletedProcess:
+         watch: Callable[[], None] | None = None,
+         progress: Callable[[], int] | None = None) -> subprocess.CompletedProcess:
     """Podman, ended by ``bound`` (a query's when None): never an endless wait."""
     return waits.run([podman_binary(), *args], f"podman {' '.join(args[:2])}",
-                     bound or Bound.of("PODMAN"), watch)
+                     bound or Bound.of("PODMAN"), watch, progress=progress)
 
 
 def _last_error(stderr: str) -> str:
@@ -103,13 +104,19 @@ def find(name: str) -> Container | None:
 
 def default_runtime() -> str:
     """The OCI runtime Podman uses when none is named ("runc", "crun"); "" if unknown."""
-    res = _run(["info", "--format", "{{.Host.OCIRuntime.Name}}"])
+    try:
+        res = _run(["info", "--format", "{{.Host.OCIRuntime.Name}}"])
+    except waits.WaitExpired:
+        return ""
     return res.stdout.strip() if res.returncode == 0 else ""
 
 
 def version() -> str:
     """The Podman client's version ("4.3.1"), "" when it cannot be told."""
-    res = _run(["version", "--format", "{{.Client.Version}}"])
+    try:
+        res = _run(["version", "--format", "{{.Client.Version}}"])
+    except waits.WaitExpired:
+        return ""
     return res.stdout.strip() if res.returncode == 0 else ""
 
 
@@ -138,7 +145,7 @@ def host_facts() -> HostFacts:
     try:
         res = _run(["info", "--format",
                     "{{.Version.Version}}\t{{.Host.OCIRuntime.Name}}\t{{.Store.GraphRoot}}"])
-    except OSError:  # found, but it could not be run: as if it had not answered
+    except (OSError, waits.WaitExpired):  # it could not be run, or did not answer
         return HostFacts("", "", None)
     fields = res.stdout.rstrip("\n").split("\t") if res.returncode == 0 else []
     if len(fields) != 3:
@@ -210,11 +217,13 @@ def _checkpoint_hint(stderr: str) -> str:
 
 def restore(source: str, *, archive: bool, name: str | None, keep: bool,
             tcp_established: bool, size: int = 0,
-            watch: Callable[[], None] | None = None) -> str:
+            watch: Callable[[], None] | None = None,
+            progress: Callable[[], int] | None = None) -> str:
     """Restore a checkpointed container or an exported archive; returns the container id.
 
-    Bounded by the bytes it restores (``size``); ``watch`` is called while it
-    runs and may raise (the stream Podman reads has died): Podman is stopped."""
+    Bounded by the bytes it restores (``size``), the bound restarting while
+    ``progress`` moves; ``watch`` is called while it runs and may raise (the
+    stream Podman reads has died): Podman is stopped."""
     args = ["container", "restore"]
     if archive:
         args += ["--import", source]
@@ -226,7 +235,7 @@ def restore(source: str, *, archive: bool, name: str | None, keep: bool,
         args.append("--tcp-established")
     if not archive:
         args.append(source)
-    res = _run(args, Bound.for_bytes("PODMAN_RESTORE", size), watch)
+    res = _run(args, Bound.for_bytes("PODMAN_RESTORE", size), watch, progress)
     if res.returncode != 0:
         err = _last_error(res.stderr)
         hint = "`gpusnap inspect` shows what the checkpoint needs"

@@ -51,7 +51,10 @@ def storage_root() -> Path | None:
     """Podman's graph root (/var/lib/containers/storage for root), if Podman answers."""
     if shutil.which("podman") is None:
         return None
-    res = _podman("info", "--format", "{{.Store.GraphRoot}}")
+    try:
+        res = _podman("info", "--format", "{{.Store.GraphRoot}}")
+    except waits.WaitExpired:  # Podman did not answer: as if it were not there
+        return None
     root = res.stdout.strip()
     return Path(root) if res.returncode == 0 and root else None
 

@@ -27,7 +27,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from gpusnap.errors import GpusnapError
 from gpusnap.private import open_private, write_private
@@ -163,8 +163,8 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
     finally:
         if ok:
             try:  # Podman is done writing: the pump ends with its zstd
-                rc = pump.wait(timeout=Bound.of("STOP").seconds + 60)
-                err = pump.communicate()[1].decode(errors="replace").strip()
+                err = pump.communicate(timeout=Bound.of("STOP").seconds + 60)[1]
+                rc, err = pump.returncode, err.decode(errors="replace").strip()
             except subprocess.TimeoutExpired:  # Podman never opened it, say
                 rc, err = None, (_stop(pump) or "the export stream never ended")
         else:
@@ -189,10 +189,11 @@ class ImportStream:
     that serves it (``check``, called while Podman runs: podman.restore's watch)."""
 
     def __init__(self, path: Path, pump: subprocess.Popen | None = None,
-                 work: Path | None = None) -> None:
+                 work: Path | None = None, progress: Callable[[], int] | None = None) -> None:
         self.path = path
         self._pump = pump
         self._work = work
+        self.progress = progress  # bytes fed to the stream so far, where it is fed as it comes
         self._since = time.monotonic()
         self._open_bound = Bound.of("IMPORT_OPEN")
 
@@ -295,11 +296,14 @@ class PipeSink:
     def __init__(self, fd: int, done: Path) -> None:
         self._out = open(fd, "wb", buffering=0)
         self._done = done
+        self.written = 0  # the restore's progress (waits.run's bound restarts as it moves)
 
     def write(self, data) -> None:
         view = memoryview(data)
         while view:  # a pipe takes what fits; BrokenPipeError once the pump gave up
-            view = view[self._out.write(view):]
+            n = self._out.write(view)
+            self.written += n
+            view = view[n:]
 
     def done(self) -> None:
         """Every member is in: from here a cut stream is still a whole archive."""
@@ -338,7 +342,7 @@ def import_piped(near: Path, head: bytes, head_opens: int,
         os.close(read)  # the pump has its own
     sink = PipeSink(write, work / "done")
     try:
-        yield ImportStream(fifo, server, work), sink
+        yield ImportStream(fifo, server, work, progress=lambda: sink.written), sink
     finally:
         _stop(server)  # first: a write blocked on the full pipe fails, the read end gone
         sink.close()

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
+from gpusnap.procs import process_tree
 from gpusnap.shim.reaper import Reaper
 from gpusnap.waits import Bound
 
@@ -47,6 +48,16 @@ class CheckpointOpts:
     shell_job: bool = False
     file_locks: bool = False
     empty_ns: list[str] = field(default_factory=list)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL runc and what it started (CRIU, stuck, is what holds the
+    container frozen): found before runc dies, when CRIU would be re-parented."""
+    for member in reversed(process_tree(pid)):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class Runc:
@@ -83,22 +94,24 @@ class Runc:
         if out_r is not None:
             chunks = []
             with os.fdopen(out_r, "rb") as f:
-                while select.select([f], [], [], max(deadline - time.monotonic(), 0))[0]:
+                while (left := deadline - time.monotonic()) > 0 and \
+                        select.select([f], [], [], left)[0]:
                     chunk = f.read1(65536)
                     if not chunk:
                         break
                     chunks.append(chunk)
+                if time.monotonic() >= deadline:
+                    _kill_tree(pid)  # before the pipe closes: no SIGPIPE story instead
             output = b"".join(chunks)
         try:
             ex = fut.result(timeout=max(deadline - time.monotonic(), 0.1))
         except FutureTimeout:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_tree(pid)
             fut.result()  # reaped at once: SIGKILL cannot be refused
+            ex = None
+        if ex is None or time.monotonic() >= deadline and ex.status != 0:
             raise RuncError(f"runc {args[0]}: no answer within {bound.seconds:.0f} s "
-                            f"(GPUSNAP_WAIT_RUNC=SECONDS raises the bound)") from None
+                            f"(GPUSNAP_WAIT_RUNC=SECONDS raises the bound)")
         log.debug("runc %s: %.1f ms", args[0], (time.monotonic() - t0) * 1000)
         if ex.status != 0:
             raise RuncError(self._last_error(start_at) or output.decode(errors="replace").strip()

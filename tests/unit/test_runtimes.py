@@ -85,7 +85,7 @@ def test_a_static_address_of_another_network_is_explained(monkeypatch):
     from gpusnap.runtime import podman
 
     err = "Error: requested static ip 10.89.0.2 not in any subnet on network podman\n"
-    monkeypatch.setattr(podman, "_run", lambda args, bound=None, watch=None:
+    monkeypatch.setattr(podman, "_run", lambda args, bound=None, watch=None, progress=None:
                         subprocess.CompletedProcess(args, 125, "", err))
     with pytest.raises(GpusnapError) as e:
         podman.restore("/x.tar.zst", archive=True, name=None, keep=False, tcp_established=False)

@@ -46,6 +46,19 @@ def test_a_watch_that_raises_stops_the_program_at_once():
     assert time.monotonic() - started < 20
 
 
+def test_a_bound_restarts_while_progress_moves(monkeypatch):
+    """A restore that reads a slow download: not hung while bytes come."""
+    monkeypatch.setenv("GPUSNAP_WAIT_PODMAN", "1")
+    started = time.monotonic()
+    moving = lambda: int((time.monotonic() - started) * 4)  # noqa: E731 -- moves every 0.25 s
+    res = waits.run(["sleep", "2.5"], "podman container restore", waits.Bound.of("PODMAN"),
+                    progress=moving)
+    assert res.returncode == 0
+    with pytest.raises(waits.WaitExpired):  # the same, once the bytes stop
+        waits.run(["sleep", "600"], "podman container restore", waits.Bound.of("PODMAN"),
+                  progress=lambda: 7)
+
+
 def test_output_larger_than_a_pipe_never_blocks_the_program():
     chatty = "import sys; sys.stdout.write('x' * (4 << 20)); sys.stderr.write('y' * (1 << 20))"
     res = waits.run([sys.executable, "-c", chatty], "chatty", waits.Bound.of("PODMAN"))
