@@ -2,6 +2,12 @@
 # One command for a bare NVIDIA GPU machine: prepare it, run every GPU test,
 # then the GPU benchmark; logs and a summary go to LOGDIR.
 #   tests/gpu/run.sh LOGDIR [--no-bench]
+# The bundle (make gpu-bundle) is larger than one device call carries: carry
+# .gpu-bundle/{podman,criu,crun,bench,pytest} in one call and copy it aside
+# (GPUSNAP_BUNDLE=DIR), {bin,wheels} in the next, then start this script with
+# setsid and read LOGDIR in later calls. The registry tests need ~60 GB of disk
+# at 16 GiB (registry, chunk cache, staged pull, Podman's import), each freed
+# after its test.
 set -uo pipefail
 LOGDIR=${1:?usage: tests/gpu/run.sh LOGDIR [--no-bench]}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
