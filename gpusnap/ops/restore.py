@@ -37,13 +37,14 @@ def _plan(contents: archive.CheckpointContents, gpu_map: str | None, remap: bool
     return plan_here(manifest, gpu_map, remap=remap, refusal_hint=_NOT_HERE)
 
 
-def _retarget(contents: archive.CheckpointContents, plan: Plan) -> tuple[dict, dict] | None:
+def _retarget(contents: archive.CheckpointContents,
+              plan: Plan) -> tuple[dict | None, dict[str, bytes]]:
     """What the import stream needs to move the devices: (the pump's retarget
-    spec, config.dump and spec.dump as the stream will carry them). Checked on
-    the spec now (before Podman is called), so a spec that cannot be moved is
-    refused up front."""
+    spec, None where nothing moves; the archive's small files with config.dump
+    and spec.dump as the stream will carry them). Checked on the spec before
+    Podman is called, so a spec that cannot be moved is refused up front."""
     if not plan.needs_remap:
-        return None
+        return None, contents.files
     moved = {}
     for name, rewrite in (("spec.dump", rewrite_spec), ("config.dump", rewrite_config_dump)):
         data = contents.json_file(name)
@@ -54,7 +55,7 @@ def _retarget(contents: archive.CheckpointContents, plan: Plan) -> tuple[dict, d
         except SpecError as exc:
             raise GpusnapError(f"cannot move the container's GPUs: {exc}",
                                "nothing was changed; `gpusnap restore --dry-run` shows the plan")
-    return {"remap": plan.remap.to_dict(), "plan": plan.to_dict()}, moved
+    return {"remap": plan.remap.to_dict(), "plan": plan.to_dict()}, {**contents.files, **moved}
 
 
 def plan_report(source: str, plan: Plan) -> dict:
@@ -76,8 +77,6 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
             raise GpusnapError(f"a container named {target} already exists",
                                f"remove it (`podman rm {target}`) or restore with --name NEW")
         plan = _plan(contents, gpu_map, remap=True)
-        if not dry_run:
-            _retarget(contents, plan)  # a spec that cannot be moved: refused before Podman
         archive_mode = True
     elif podman.exists(source):
         ctr = podman.inspect(source)
@@ -121,9 +120,7 @@ def import_file(path: Path, contents: archive.CheckpointContents, plan: Plan,
     """Import the archive at ``path`` under ``plan``, made once by the caller
     (this restore, or a pull that staged the file): rewritten on its way to
     Podman where the plan moves GPUs."""
-    moving = _retarget(contents, plan)
-    retarget, files = (None, contents.files) if moving is None else \
-        (moving[0], {**contents.files, **moving[1]})
+    retarget, files = _retarget(contents, plan)  # refused here, before Podman, if it cannot move
     # Podman 4.3's config-only opens read the whole stream: given the (moved)
     # config alone, the archive is rewritten once, not three times.
     head = config_tar(files)

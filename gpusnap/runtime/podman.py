@@ -102,22 +102,23 @@ def find(name: str) -> Container | None:
     )
 
 
-def default_runtime() -> str:
-    """The OCI runtime Podman uses when none is named ("runc", "crun"); "" if unknown."""
+def answer(args: list[str]) -> str:
+    """What a Podman query printed; "" where it failed or did not answer in time."""
     try:
-        res = _run(["info", "--format", "{{.Host.OCIRuntime.Name}}"])
+        res = _run(args)
     except waits.WaitExpired:
         return ""
     return res.stdout.strip() if res.returncode == 0 else ""
+
+
+def default_runtime() -> str:
+    """The OCI runtime Podman uses when none is named ("runc", "crun"); "" if unknown."""
+    return answer(["info", "--format", "{{.Host.OCIRuntime.Name}}"])
 
 
 def version() -> str:
     """The Podman client's version ("4.3.1"), "" when it cannot be told."""
-    try:
-        res = _run(["version", "--format", "{{.Client.Version}}"])
-    except waits.WaitExpired:
-        return ""
-    return res.stdout.strip() if res.returncode == 0 else ""
+    return answer(["version", "--format", "{{.Client.Version}}"])
 
 
 # Podman's rule for a container name (libpod's NameRegex, Docker's too); IDs

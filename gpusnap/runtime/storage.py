@@ -10,9 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from gpusnap import waits
 from gpusnap.errors import GpusnapError
-from gpusnap.waits import Bound
+from gpusnap.runtime import podman
 
 
 # Staging folders' name prefixes: doctor finds what a killed CLI left by them (leftovers.py).
@@ -43,20 +42,12 @@ def discard(path: Path, near: Path) -> None:
                      stderr=subprocess.DEVNULL)
 
 
-def _podman(*args: str) -> subprocess.CompletedProcess:
-    return waits.run(["podman", *args], f"podman {' '.join(args[:2])}", Bound.of("PODMAN"))
-
-
 def storage_root() -> Path | None:
     """Podman's graph root (/var/lib/containers/storage for root), if Podman answers."""
     if shutil.which("podman") is None:
         return None
-    try:
-        res = _podman("info", "--format", "{{.Store.GraphRoot}}")
-    except waits.WaitExpired:  # Podman did not answer: as if it were not there
-        return None
-    root = res.stdout.strip()
-    return Path(root) if res.returncode == 0 and root else None
+    root = podman.answer(["info", "--format", "{{.Store.GraphRoot}}"])
+    return Path(root) if root else None
 
 
 def staging_dir(size: int, graph_root: Path | None = None) -> Path:
@@ -110,7 +101,7 @@ def image_repo_digests(image: str) -> list[str]:
     """NAME@sha256:... references under which a local image was pulled or pushed."""
     if shutil.which("podman") is None:
         return []
-    res = _podman("image", "inspect", image, "--format", "{{json .RepoDigests}}")
+    res = podman._run(["image", "inspect", image, "--format", "{{json .RepoDigests}}"])
     if res.returncode != 0:
         return []
     try:

@@ -99,6 +99,7 @@ def _stop(proc: subprocess.Popen) -> str:
         err = proc.communicate(timeout=Bound.of("STOP").seconds)[1]
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()  # SIGKILLed: returns at once
         err = b""
     return (err or b"").decode(errors="replace").strip()
 

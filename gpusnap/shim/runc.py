@@ -90,6 +90,7 @@ class Runc:
         # never ends (CRIU stuck) is killed at its bound, so the shim answers.
         bound = Bound.of("RUNC")
         deadline = time.monotonic() + bound.seconds
+        timed_out = False
         output = b""
         if out_r is not None:
             chunks = []
@@ -102,14 +103,14 @@ class Runc:
                     chunks.append(chunk)
                 if time.monotonic() >= deadline:
                     _kill_tree(pid)  # before the pipe closes: no SIGPIPE story instead
+                    timed_out = True
             output = b"".join(chunks)
         try:
             ex = fut.result(timeout=max(deadline - time.monotonic(), 0.1))
         except FutureTimeout:
             _kill_tree(pid)
-            fut.result()  # reaped at once: SIGKILL cannot be refused
-            ex = None
-        if ex is None or time.monotonic() >= deadline and ex.status != 0:
+            ex, timed_out = fut.result(), True  # reaped at once: SIGKILL cannot be refused
+        if timed_out:
             raise RuncError(f"runc {args[0]}: no answer within {bound.seconds:.0f} s "
                             f"(GPUSNAP_WAIT_RUNC=SECONDS raises the bound)")
         log.debug("runc %s: %.1f ms", args[0], (time.monotonic() - t0) * 1000)
