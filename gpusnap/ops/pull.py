@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from contextlib import nullcontext, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,7 +26,7 @@ from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.tarfiles import ArchiveWriter, PipeWriter, ReaderStopped
 from gpusnap.oci.transfer import Downloader, Progress
 from gpusnap.ops import prepared_pages
-from gpusnap.runtime import memory, podman
+from gpusnap.runtime import memory, podman, retarget
 from gpusnap.runtime import stream as stream_module
 from gpusnap.runtime.storage import PULL_PREFIX, discard, fifo_dir, pages_dir, staging_dir
 from gpusnap.trust import remote as trust_remote
@@ -211,12 +211,16 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
                 progress: Progress | None = None,
                 total: Callable[[int], None] | None = None,
                 cancel: threading.Event | None = None, processes: int | None = None,
-                prepared: prepared_pages.Match | None = None) -> dict:
+                prepared: prepared_pages.Match | None = None,
+                edits: dict[str, bytes] | None = None) -> dict:
     """The bundle's files, each chunk fetched (cache first) and verified, into
     ``writer`` (an ArchiveWriter, or a DirectoryWriter: add/commit/abort).
     ``cancel`` set stops it between two chunks (the reader gave up).
     ``prepared``: pages files written ahead on this host (ops/prepared_pages.py),
-    linked or patched instead of written anew."""
+    linked or patched instead of written anew. ``edits``: files written as
+    given instead of fetched (a restore onto moved GPUs: _device_edits), and
+    one the bundle lacks added before the first file of its folder."""
+    edits = edits or {}
     cache = ChunkCache.open(cache_root) if use_cache else None
     processes = segments.default_workers() if processes is None else processes
     b = remote.bundle
@@ -231,8 +235,11 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
     # start no worker; on a host too small for workers one fetches what a patch lacks.
     held = {*prepared.sources, *prepared.plans} if prepared is not None and pages else set()
     big = {id(f) for f in b.files if f.type == "file" and remote.cipher is None and (
-        (segments.worth_fetching(f.size) and processes >= 2) or f.path in held)}
-    stream = downloader.fetch(c for f in b.files if id(f) not in big for c in f.chunks)
+        (segments.worth_fetching(f.size) and processes >= 2) or f.path in held)
+           and f.path not in edits}
+    stream = downloader.fetch(c for f in b.files if id(f) not in big and f.path not in edits
+                              for c in f.chunks)
+    added = _added(b, edits)
     if cancel is not None:
         stream = _until(stream, cancel)
     fetch = segments.FetchPool(str(remote.client.ref), remote.client.opts,
@@ -241,8 +248,13 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
     beside = 0  # pages written by the workers beside the import
     try:
         for entry in b.files:
+            for extra in added.pop(entry.path.rpartition("/")[0], ()):
+                writer.add(extra, [edits[extra.path]])
             image = prepared_pages.rewritten(prepared, entry.path) if pages else None
-            if id(entry) in big and pages is not None and pages_aside.is_pages(entry.path):
+            if entry.path in edits:
+                writer.add(replace(entry, size=len(edits[entry.path]), chunks=[]),
+                           [edits[entry.path]])
+            elif id(entry) in big and pages is not None and pages_aside.is_pages(entry.path):
                 path = pages_aside.path_in(pages, entry)
                 stop, mapped = (lambda: _stopped(cancel)), memory.in_ram(path)
                 if prepared is not None and entry.path in prepared.plans:
@@ -264,6 +276,8 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
                 writer.add(entry, _until(pieces, cancel) if cancel is not None else pieces)
             else:
                 writer.add(entry, islice(stream, len(entry.chunks)))
+        for extra in (e for extras in added.values() for e in extras):  # a folder with no file
+            writer.add(extra, [edits[extra.path]])
         writer.commit()
     except BaseException:
         writer.abort()
@@ -286,6 +300,20 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             "processes": fetch.workers if fetch and fetch.started else 0,
             "pages_written_in_place": beside,
             "pages_prepared": prepared_pages.report(prepared), "trust": remote.trust}
+
+
+def _added(b: fmt.Bundle, edits: dict[str, bytes]) -> dict[str, list[fmt.FileEntry]]:
+    """The files of ``edits`` the bundle lacks (the plan a moved restore carries),
+    by the folder they go in: each is written before that folder's first file."""
+    known = {f.path for f in b.files}
+    added: dict[str, list[fmt.FileEntry]] = {}
+    for path in sorted(set(edits) - known):
+        folder = path.rpartition("/")[0]
+        if folder and folder not in known:
+            raise ValueError(f"{path}: the bundle has no folder {folder}")
+        added.setdefault(folder, []).append(
+            fmt.FileEntry(path=path, type="file", mode=0o600, size=len(edits[path])))
+    return added
 
 
 def _stopped(cancel: threading.Event | None) -> None:
@@ -364,12 +392,17 @@ def _staged_pull(remote: Remote, archive: Path, work: Path, **kw) -> dict:
             from None
 
 
-def _config_files(remote: Remote, use_cache: bool = True, cache_root: Path | None = None,
-                  **_) -> dict[str, bytes] | None:
+def _head_files(remote: Remote, plan, use_cache: bool = True, cache_root: Path | None = None,
+                **_) -> dict[str, bytes] | None:
     """config.dump and spec.dump, fetched ahead of the rest: what Podman reads on
-    the opens before the one that imports (None: the bundle lacks one)."""
-    entries = [f for f in remote.bundle.files if f.path in stream_module.CONFIG_FILES]
-    if len(entries) != len(stream_module.CONFIG_FILES):
+    the opens before the one that imports (None: the bundle lacks one); for a
+    restore onto moved GPUs, every other file that names devices too
+    (retarget.names_devices), to be edited before the stream starts."""
+    entries = [f for f in remote.bundle.files if f.type == "file" and (
+        f.path in stream_module.CONFIG_FILES
+        or (plan.needs_remap and retarget.names_devices(f.path)))]
+    if sum(f.path in stream_module.CONFIG_FILES for f in entries) != \
+            len(stream_module.CONFIG_FILES):
         return None
     return fetch_small(remote, entries, ChunkCache.open(cache_root) if use_cache else None)
 
@@ -524,8 +557,8 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
             pull: str = PULL_MISSING, facts: Callable[[], podman.HostFacts] | None = None,
             name_taken: Callable[[], bool] | None = None, **kw) -> dict:
     """Podman imports the plain tar as the chunks arrive (no compression round
-    trip, nothing staged); where the archive must be rewritten (moved GPUs) or
-    Podman is not known to read only the config first, a staged pull, then restore.
+    trip, nothing staged; moved GPUs' files edited on the way); where Podman is
+    not known to read only the config first, a staged pull, then restore.
     ``pull``: PULL_MISSING or PULL_ALWAYS (open_remote). ``facts`` and
     ``name_taken``: Podman's answers, asked in the background by the caller
     (else here, while the registry is asked)."""
@@ -546,14 +579,18 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
                                               "checks": round(time.monotonic() - opened, 3)})
     if on_trusted:
         on_trusted(remote.trust)
-    # Moved GPUs need the archive rewritten on its way: staged, as with a
-    # Podman not known to read only the config on its first opens.
-    opens = 0 if plan.needs_remap else \
-        stream_module.config_only_opens(facts().version or podman.version())
-    files = _config_files(remote, **kw) if opens else None
-    if files is not None:  # Podman imports while the chunks arrive
+    # Podman 4.3 reads the config alone on its first opens; with another Podman
+    # (or a bundle without a config), a staged pull, then a restore of the file.
+    opens = stream_module.config_only_opens(facts().version or podman.version())
+    head = _head_files(remote, plan, **kw) if opens else None
+    if head is not None:  # Podman imports while the chunks arrive
+        # Moved GPUs: the files that name devices, edited once here (a spec that
+        # cannot move is refused before Podman starts) and written in the stream.
+        edits = retarget.edit_members(head, plan.remap, plan.to_dict()) \
+            if plan.needs_remap else {}
+        files = {n: edits.get(n, head[n]) for n in stream_module.CONFIG_FILES}
         result, pulled = _restore_streaming(remote, files, opens, plan, name, keep,
-                                            tcp_established, facts(), **kw)
+                                            tcp_established, facts(), edits=edits, **kw)
     else:
         result, pulled = _restore_staged(remote, plan, name, keep, tcp_established, **kw)
     result["source"] = str(remote.client.ref)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -15,13 +14,13 @@ from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.plan import Plan
-from gpusnap.oci.spec import SpecError, rewrite_config_dump, rewrite_spec
 from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.procs import cuda_processes
 from gpusnap.runtime import identity, podman
-from gpusnap.runtime.stream import (ImportStream, config_only_opens, config_tar,
+from gpusnap.runtime.retarget import edit_members
+from gpusnap.runtime.stream import (CONFIG_FILES, ImportStream, config_only_opens, config_tar,
                                     import_fifo, is_zstd)
 
 
@@ -45,16 +44,10 @@ def _retarget(contents: archive.CheckpointContents,
     Podman is called, so a spec that cannot be moved is refused up front."""
     if not plan.needs_remap:
         return None, contents.files
-    moved = {}
-    for name, rewrite in (("spec.dump", rewrite_spec), ("config.dump", rewrite_config_dump)):
-        data = contents.json_file(name)
-        if data is None:
+    for name in CONFIG_FILES:
+        if name not in contents.files:
             raise GpusnapError(f"{contents.source} has no {name}; its devices cannot be moved")
-        try:
-            moved[name] = json.dumps(rewrite(data, plan.remap)).encode()
-        except SpecError as exc:
-            raise GpusnapError(f"cannot move the container's GPUs: {exc}",
-                               "nothing was changed; `gpusnap restore --dry-run` shows the plan")
+    moved = edit_members({name: contents.files[name] for name in CONFIG_FILES}, plan.remap, None)
     return {"remap": plan.remap.to_dict(), "plan": plan.to_dict()}, {**contents.files, **moved}
 
 

@@ -47,28 +47,66 @@ class _Editor:
     def __init__(self, remap: DeviceRemap) -> None:
         self.remap = remap
         self.dev_image: str | None = None
+        self.mounts_read = False  # CRIU's mount table seen: dev_image is known (or there is none)
 
     def wants(self, name: str) -> bool:
-        return (name in ("spec.dump", "config.dump")
-                or (name.startswith(_IMAGES + "mountpoints-") and name.endswith(".img"))
-                or name == self.dev_image
-                or (self.dev_image is None and name.startswith(_IMAGES + "tmpfs-dev-")))
+        if self.mounts_read and name.startswith(_IMAGES + "tmpfs-"):
+            return name == self.dev_image  # the mount table named /dev's: only that one
+        return names_devices(name)
 
     def edit(self, name: str, data: bytes) -> bytes:
+        """``data`` as the moved container needs it; GpusnapError where it cannot move."""
+        try:
+            return self._edit(name, data)
+        except (SpecError, DevTarError, ImageError, ValueError) as exc:
+            raise GpusnapError(f"cannot move the devices in {name}: {exc}",
+                               "nothing was restored; `gpusnap restore --dry-run` "
+                               "shows the plan") from None
+
+    def _edit(self, name: str, data: bytes) -> bytes:
         if name == "spec.dump":
             return _json(rewrite_spec(json.loads(data), self.remap))
         if name == "config.dump":
             return _json(rewrite_config_dump(json.loads(data), self.remap))
         if name.startswith(_IMAGES + "mountpoints-"):
             found = dev_tmpfs_name(parse_mountpoints(data))
+            self.mounts_read = True
             if found:
                 self.dev_image = _IMAGES + found
             return data  # read only
-        if self.dev_image is None:
+        if not self.mounts_read:
             # Go's tar walks the directory in lexical order: mountpoints-* come first.
             raise GpusnapError(f"the archive holds {name} before CRIU's mount table",
                                "re-export the container with `gpusnap checkpoint --export`")
         return rewrite_dev_tar(data, self.remap)
+
+
+def names_devices(name: str) -> bool:
+    """Whether a member of the archive may name the container's devices: the
+    ones a moved restore edits, or reads to find which tmpfs image is /dev's
+    (CRIU names each tmpfs-dev-<mount id>, /dev's among them)."""
+    return (name in ("spec.dump", "config.dump")
+            or (name.startswith(_IMAGES + "mountpoints-") and name.endswith(".img"))
+            or name.startswith(_IMAGES + "tmpfs-dev-"))
+
+
+def edit_members(members: dict[str, bytes], remap: DeviceRemap,
+                 plan: dict | None) -> dict[str, bytes]:
+    """The members of ``members`` (path: data; those names_devices picks) that
+    change when the devices move, as the restore needs them, and the plan as
+    checkpoint/gpusnap-plan.json: what a streamed restore writes in their place.
+    Raises GpusnapError where they cannot move, before anything is restored."""
+    editor = _Editor(remap)
+    edited = {}
+    # CRIU's mount table first: it names the /dev image to edit.
+    for name in sorted(members, key=lambda n: not n.startswith(_IMAGES + "mountpoints-")):
+        if editor.wants(name):
+            data = editor.edit(name, members[name])
+            if data is not members[name]:
+                edited[name] = data
+    if plan is not None:
+        edited[_IMAGES + PLAN_NAME] = _json(plan)
+    return edited
 
 
 def _json(value: dict) -> bytes:
@@ -234,13 +272,7 @@ def _rewrite(src_path: Path, out: int, remap: DeviceRemap, plan: dict | None) ->
                            + plan_data + NUL * (-len(plan_data) % BLOCK))
                 plan_data = None
             if info.isreg() and editor.wants(name):
-                body = src.exact(_padded(info.size))[:info.size]
-                try:
-                    data = editor.edit(name, body)
-                except (SpecError, DevTarError, ImageError, ValueError) as exc:
-                    raise GpusnapError(f"cannot move the devices in {name}: {exc}",
-                                       "nothing was restored; `gpusnap restore --dry-run` "
-                                       "shows the plan") from None
+                data = editor.edit(name, src.exact(_padded(info.size))[:info.size])
                 _write_all(out, _header(info.name, len(data), info) + data
                            + NUL * (-len(data) % BLOCK))
             else:

@@ -210,9 +210,10 @@ def _restore(registry, ref: str, *args: str) -> tuple[dict, float]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("gib", [1, 16])
 def test_restore_ref_onto_gpu1_with_every_tensor_compared(registry, gib):
-    """`gpusnap restore REF --gpu-map 0=1` (the path that hung: staged pull, the
-    archive rewritten in the import stream), beside the same REF restored with no
-    map; each restore continues the same workers with every element compared."""
+    """`gpusnap restore REF --gpu-map 0=1` (the path that hung), streamed as a
+    restore with no map is, the files that name devices edited on the way;
+    beside the same REF restored with no map. Each restore continues the same
+    workers with every element compared."""
     ctr = harness.start(nproc=1, gib=gib, gpus=[0])
     try:
         born = ctr.born()
@@ -225,6 +226,7 @@ def test_restore_ref_onto_gpu1_with_every_tensor_compared(registry, gib):
         used1 = harness.gpu_memory_used(1)
         moved, remap_s = _restore(registry, pinned, "--gpu-map", "0=1")
         assert moved["gpus"][0]["to"]["index"] == 1, moved
+        assert moved["pull"]["streamed"], moved["pull"]
         assert moved["gpu_processes"][0]["state"] == "RUNNING"
         ctr.assert_restored(born, its)  # the REF's state again, from the same workers
         assert _dev_nodes(ctr.name) == {"nvidia1"}

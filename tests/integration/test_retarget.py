@@ -19,7 +19,8 @@ from gpusnap import PLAN_NAME
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.nodes import DeviceRemap, NodeChange
 from gpusnap.runtime.retarget import rewrite_archive
-from tests.conftest import COUNTER, DEMO_IMAGE, gpusnap_json, podman, read_counter, wait_counter
+from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, gpusnap_json, podman, read_counter,
+                            run, wait_counter)
 
 FULL_TO_ZERO = DeviceRemap(nodes=(NodeChange("/dev/full", "/dev/full", (1, 7), (1, 5)),),
                            container_paths="keep")
@@ -103,3 +104,43 @@ def test_a_remap_that_cannot_be_applied_fails_without_a_valid_looking_stream(nam
     assert listing.returncode != 0, listing
     assert "Skipping to next header" in listing.stderr or \
         "does not look like a tar archive" in listing.stderr, listing
+
+
+def test_a_restore_from_the_registry_that_moves_a_device_streams_the_edits(registry, name,
+                                                                            cache_dir,
+                                                                            monkeypatch):
+    """`gpusnap restore REF --gpu-map`'s path, with a CPU device standing in for
+    the GPU and the plan made by hand (no GPU here can make one): the files that
+    name devices are edited once, before Podman starts, and written into the
+    stream Podman imports while the chunks arrive; nothing is staged."""
+    from gpusnap.gpu.plan import GpuSlot, Move, Plan
+    from gpusnap.oci.registry import RegistryOptions
+    from gpusnap.ops import gpu_plan, pull
+    from tests.integration.oci_registry import PASSWORD, USER
+
+    podman("run", "-d", "--name", name, "--network", "none", "--device", "/dev/full",
+           DEMO_IMAGE, "sh", "-c", f"cat /proc/sys/kernel/random/uuid > /tmp/born; {COUNTER}")
+    wait_counter(name, 3)
+    born = podman("exec", name, "cat", "/tmp/born").stdout
+    ref = registry.ref(f"ckpt/moved-{name}:v1")
+    run([GPUSNAP, "push", name, ref, "--stop", *registry.flags()], input=PASSWORD + "\n",
+        check=True)
+    podman("rm", name)
+    plan = Plan(moves=(Move(GpuSlot(0, "GPU-a", "stand-in"), GpuSlot(1, "GPU-b", "stand-in"),
+                            ("test",)),), uuid_pairs=(("GPU-a", "GPU-b"),), remap=FULL_TO_ZERO)
+    monkeypatch.setattr(gpu_plan, "plan_here", lambda *a, **kw: plan)
+    staged = set(Path("/var/tmp").glob(".gpusnap-pull-*"))
+
+    result = pull.restore(ref, None, False, False,
+                          RegistryOptions(username=USER, password=PASSWORD,
+                                          ca_file=str(registry.ca)), gpu_map="0=1")
+    assert result["pull"]["streamed"], result["pull"]
+    assert result["gpus"][0]["to"]["uuid"] == "GPU-b"
+    assert set(Path("/var/tmp").glob(".gpusnap-pull-*")) <= staged
+    # restored, not restarted: the process that wrote /tmp/born goes on
+    assert podman("exec", name, "cat", "/tmp/born").stdout == born
+    listing = podman("exec", name, "ls", "-l", "/dev/full").stdout
+    assert listing.split()[4:6] == ["1,", "5"], listing
+    podman("exec", name, "sh", "-c", "echo x > /dev/full")  # 1:5 takes writes
+    count = read_counter(name)
+    assert wait_counter(name, count) > count
