@@ -74,7 +74,7 @@ def start(criu_pid: int, driver: bool) -> None:
 
 def _read_inventory(criu_pid: int) -> None:
     """NVML's view of the GPUs for runc's prestart hook, which runs next
-    (gpusnap-hook reads it from here, hook/main.py inventory_for_restore):
+    (gpusnap-hook reads it from here, hook/main.py agent_inventory):
     the hook's own first NVML read cost it ~0.1 s of the stop."""
     from gpusnap.gpu.inventory import read_inventory
 

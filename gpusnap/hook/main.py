@@ -60,17 +60,11 @@ def host_gpu_nodes(dev: Path = Path("/dev")) -> int:
         return 0
 
 
-def inventory_for_restore(wait_s: float = 0.5, dev: Path = Path("/dev")) -> "Inventory | None":
+def agent_inventory(wait_s: float = 0.5) -> "Inventory | None":
     """NVML's GPUs as the agent of the CRIU this runc runs read them a moment ago
     (criu/agent.py): runc starts CRIU and this hook alike, so the agent's CRIU
     is this hook's sibling. None where there is no such agent, or it has not
-    read them within ``wait_s``: the hook then reads NVML itself.
-
-    Also None where the agent saw fewer GPUs than the host has nodes: runc puts
-    CRIU, and so the agent, in the container's device cgroup, where NVML sees
-    only the container's GPUs. A plain `podman container restore` of a
-    checkpoint whose GPU is full must see the others to move it (seen on 2x
-    H200: "no such GPU here has it: GPU 0 has 1.0 GiB")."""
+    read them within ``wait_s``: the hook then reads NVML itself."""
     import time
 
     from gpusnap.criu import agent
@@ -85,13 +79,29 @@ def inventory_for_restore(wait_s: float = 0.5, dev: Path = Path("/dev")) -> "Inv
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                seen = Inventory.from_dict(json.loads((here / agent.INVENTORY).read_text()))
-                return seen if len(seen.gpus) >= host_gpu_nodes(dev) else None
+                return Inventory.from_dict(json.loads((here / agent.INVENTORY).read_text()))
             except (OSError, ValueError, TypeError, KeyError):
                 if time.monotonic() > deadline or (here / agent.NO_INVENTORY).exists():
                     return None
                 time.sleep(0.01)
     return None
+
+
+def plan_for_restore(manifest_path: Path, spec: dict, wait_s: float = 0.5,
+                     dev: Path = Path("/dev")) -> tuple[list[str], "Plan | None", "Inventory | None"]:
+    """(problems, plan, the inventory they came from: None where the hook read NVML).
+
+    The agent's read comes first: it saves the hook loading NVML. But runc puts
+    CRIU, and so the agent, in the container's device cgroup, where NVML sees
+    only the container's GPUs: where that read cannot place the checkpoint and
+    the host has more GPU nodes than it saw (a plain `podman container restore`
+    whose GPU is full, or an annotation naming another), NVML is read again here."""
+    seen = agent_inventory(wait_s)
+    problems, plan = plan_restore_here(manifest_path, spec, seen)
+    if problems and seen is not None and len(seen.gpus) < host_gpu_nodes(dev):
+        seen = None
+        problems, plan = plan_restore_here(manifest_path, spec)
+    return problems, plan, seen
 
 
 def plan_restore_here(manifest_path: Path, spec: dict,
@@ -151,8 +161,7 @@ def run(state: dict, stage: str | None = None) -> int:
     manifest_path = bundle / "checkpoint" / MANIFEST_NAME
     inventory = None
     if manifest_path.exists():
-        inventory = inventory_for_restore()
-        problems, plan = plan_restore_here(manifest_path, spec, inventory)
+        problems, plan, inventory = plan_for_restore(manifest_path, spec)
         if problems:
             journal.record("hook-refused-restore", container=container_id, problems=problems)
             print("gpusnap: cannot restore here: " + "; ".join(problems), file=sys.stderr)

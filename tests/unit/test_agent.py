@@ -182,7 +182,7 @@ INVENTORY = {"driver_version": "580.159.04", "cuda_driver_version": "13.0",
                        "mig_enabled": False}],
              "process_memory": {"77": {"GPU-aaaa": 1 << 30}}, "error": None}
 
-HOOK_READS = ("from gpusnap.hook.main import inventory_for_restore as f; "
+HOOK_READS = ("from gpusnap.hook.main import agent_inventory as f; "
               "inv = f(wait_s=0.3); print(inv.to_dict() if inv else None)")
 
 
@@ -216,28 +216,53 @@ def test_the_hook_takes_the_gpus_the_agent_of_its_sibling_criu_read(state):
         criu.wait()
 
 
-def test_the_hook_reads_nvml_itself_where_the_agent_saw_fewer_gpus_than_the_host_has(
+HOOK_PLANS = ("import json, pathlib; from gpusnap.hook.main import plan_for_restore as f; "
+              "problems, plan, inv = f(pathlib.Path('{manifest}'), {{}}, 0.3, "
+              "pathlib.Path('{dev}')); print(json.dumps([problems, inv is not None]))")
+
+
+def _manifest_on(uuid: str, path: Path, need: int = 1 << 30) -> Path:
+    from gpusnap.gpu.manifest import Manifest, ManifestProcess
+
+    gpu = {**INVENTORY["gpus"][0], "uuid": uuid}
+    path.write_text(Manifest(gpus=[gpu], processes=[ManifestProcess(
+        pid=7, comm="python3", gpus=[uuid], gpu_memory={uuid: need})],
+        driver_version="580.159.04", cuda_driver_version="13.0", criu_version="4.1.1",
+        quiesced_by="gpusnap").to_json())
+    return path
+
+
+def test_the_hook_reads_nvml_itself_where_the_agent_saw_too_few_gpus_to_place_it(
         state, tmp_path):
     """The agent runs in the container's device cgroup (runc puts CRIU there):
-    NVML shows it the container's one GPU of the host's two, too few to plan a
-    move onto the other. The hook then reads NVML itself."""
+    NVML shows it the container's one GPU of the host's two. Where that GPU
+    takes the checkpoint, its read is used; where it cannot and the host has
+    more GPU nodes, the hook reads NVML itself (here: none, so it refuses)."""
     criu = subprocess.Popen(["sleep", "30"])
     dev = tmp_path / "dev"
     dev.mkdir()
+    env = {**os.environ, "GPUSNAP_STATE_DIR": str(state)}
+
+    def plans(manifest: Path) -> list:
+        res = subprocess.run([sys.executable, "-c", HOOK_PLANS.format(manifest=manifest, dev=dev)],
+                             capture_output=True, text=True, env=env, check=True)
+        return json.loads(res.stdout)
+
     try:
         agent.folder(criu.pid).mkdir(parents=True)
         (agent.folder(criu.pid) / agent.INVENTORY).write_text(json.dumps(INVENTORY))
-        reads = HOOK_READS.replace("wait_s=0.3", f"wait_s=0.3, dev=__import__('pathlib').Path('{dev}')")
-        env = {**os.environ, "GPUSNAP_STATE_DIR": str(state)}
         (dev / "nvidia0").touch()
-        (dev / "nvidiactl").touch()
-        res = subprocess.run([sys.executable, "-c", reads], capture_output=True, text=True,
-                             env=env, check=True)
-        assert "GPU-aaaa" in res.stdout  # one GPU here, one seen: taken
         (dev / "nvidia1").touch()
-        res = subprocess.run([sys.executable, "-c", reads], capture_output=True, text=True,
-                             env=env, check=True)
-        assert res.stdout.strip() == "None"  # two here, one seen: NVML read again
+        (dev / "nvidiactl").touch()
+        seen = _manifest_on("GPU-aaaa", tmp_path / "seen.json")
+        assert plans(seen) == [[], True]  # its GPU takes it: the agent's read serves
+        # a GPU like it, but the seen one has too little free (149 of 150 GiB)
+        elsewhere = _manifest_on("GPU-bbbb", tmp_path / "elsewhere.json", need=(1495 << 30) // 10)
+        problems, from_agent = plans(elsewhere)
+        assert problems and not from_agent  # too few seen: NVML read again (none here)
+        (dev / "nvidia1").unlink()  # the host has no more GPUs than the agent saw
+        problems, from_agent = plans(elsewhere)
+        assert problems and from_agent
     finally:
         criu.kill()
         criu.wait()
