@@ -12,6 +12,7 @@ which the shim plans the GPUs, edits the bundle and the image and runs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME
+from gpusnap.procs import process_tree
 from gpusnap.ops.containerd_api import Client, checkpoint_to_dir, restore_from_dir, runc_checkpoint_options
 from gpusnap.shim.remap import BACKUP, GPU_MAP_ANNOTATION
 from tests.gpu import harness
@@ -74,8 +76,20 @@ def _run_cuda(c: PrivateContainerd, gpus: list[int], annotations: dict[str, str]
 
 
 def _dev_nodes(c: PrivateContainerd, name: str) -> set[str]:
-    out = c.ctr("tasks", "exec", "--exec-id", f"ls-{uuid.uuid4().hex[:6]}", name, "ls", "/dev").stdout.split()
-    return {n for n in out if n.startswith("nvidia") and n[6:].isdigit()}
+    """The GPU nodes the container's processes hold open. Not `ls /dev`: under
+    containerd's default capabilities (CAP_MKNOD, which Podman drops) libcuda
+    makes a node for every GPU of the host in the container's /dev, though the
+    device cgroup opens only the container's (seen on 2x H200: nvidia0 and
+    nvidia1 in a container given /dev/nvidia0)."""
+    held = set()
+    for pid in process_tree(tasks(c)[name][0]):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    node = os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("/dev/")
+                    if node.startswith("nvidia") and node[6:].isdigit():
+                        held.add(node)
+    return held
 
 
 def _checkpoint_and_remove_task(c: PrivateContainerd, ctr: harness.CudaContainer, dest: Path) -> tuple[list[int], float]:
