@@ -124,9 +124,9 @@ def _dump(p: CheckpointPlan) -> None:
                               keep=True, compress="none")
         return
     head = p.container.checkpoint_dir / MANIFEST_NAME
-    with export_fifo(p.export, p.export_level, head) as fifo:
-        podman.checkpoint(p.container.id, fifo, p.leave_running, p.tcp_established,
-                          keep=True, compress="none")
+    with export_fifo(p.export, p.export_level, head) as stream:
+        podman.checkpoint(p.container.id, stream.path, p.leave_running, p.tcp_established,
+                          keep=True, compress="none", watch=stream.check)
 
 
 def drop_local(userdata: Path) -> None:

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -141,8 +142,50 @@ def export_plain(dest: Path) -> Iterator[Path]:
             partial.unlink(missing_ok=True)
 
 
+class ExportStream:
+    """The FIFO Podman `checkpoint --export`s into, and the CLI's watch over the
+    pump that reads it (``check``: podman.checkpoint's watch)."""
+
+    def __init__(self, path: Path, pump: subprocess.Popen) -> None:
+        self.path = path
+        self._pump = pump
+        self._drain: threading.Thread | None = None
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def check(self) -> None:
+        """A pump gone leaves Podman waiting in open(2) for a reader, or on a full
+        pipe, for ever. The CLI then reads the stream into nothing, so Podman
+        ends as it would (its dump kept: --keep) and the pump's failure is
+        raised when the export ends. Podman is not killed mid-dump."""
+        if self._drain is None and self._pump.poll() is not None:
+            self._drain = threading.Thread(target=_discard_stream, args=(self.path,),
+                                           name="gpusnap-export-drain", daemon=True)
+            self._drain.start()
+
+    @property
+    def drained(self) -> bool:
+        """Whether the pump was gone and the CLI read the stream into nothing."""
+        return self._drain is not None
+
+    def close(self) -> None:
+        if self._drain is not None:
+            unblock_reader(self.path)  # a drain still in open(2): Podman never wrote
+            self._drain.join(Bound.of("STOP").seconds)
+
+
+def _discard_stream(fifo: Path) -> None:
+    try:
+        with open(fifo, "rb", buffering=0) as f:
+            while f.read(1 << 20):
+                pass
+    except OSError:
+        pass
+
+
 @contextmanager
-def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterator[Path]:
+def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterator[ExportStream]:
     """Yield a FIFO for `podman container checkpoint --export FIFO --compress none`.
 
     ``head``, if the file exists once Podman starts writing (the dump is
@@ -157,11 +200,12 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
     partial = partial_path(dest)
     pump = _pump("export", str(fifo), str(partial), str(level),
                  *(["--head", str(head)] if head else []))
-    ok = False
+    stream, ok = ExportStream(fifo, pump), False
     try:
-        yield fifo
+        yield stream
         ok = True
     finally:
+        stream.close()
         if ok:
             try:  # Podman is done writing: the pump ends with its zstd
                 err = pump.communicate(timeout=Bound.of("STOP").seconds + 60)[1]
@@ -181,6 +225,11 @@ def export_fifo(dest: Path, level: int = 1, head: Path | None = None) -> Iterato
             reason = err.splitlines()[0] if err else f"zstd exited with {rc}"
             if DISK_FULL in reason:  # zstd says "error 70 : Write error : ..."
                 reason = disk_full(dest)
+            elif stream.drained:
+                raise GpusnapError(f"writing {dest} failed: its stream stopped while Podman "
+                                   f"wrote it ({err.splitlines()[-1] if err else f'exit status {rc}'})",
+                                   "run the export again, and report the line above if it "
+                                   "repeats")
             raise GpusnapError(f"writing {dest} failed: {reason.removeprefix('zstd: ')}",
                                "free space there or export elsewhere")
 

@@ -195,3 +195,34 @@ def test_a_registry_that_sends_nothing(silent_registry, verb, tmp_path):
     assert time.monotonic() - started < 60
     assert_one_line_error(res, f"cannot reach registry {silent_registry}: it sent nothing for 1 s")
     assert not (tmp_path / "x.tar").exists()
+
+
+def test_an_export_whose_stream_stops_never_stalls(counter, tmp_path, monkeypatch):
+    """The export's pump dies before Podman opens its FIFO: Podman would wait in
+    open(2) for a reader until its hour-long bound. The CLI reads the stream
+    into nothing instead, so Podman ends as it would; one line says what
+    happened, and the container runs on (--leave-running)."""
+    from gpusnap.ops import checkpoint as ops_checkpoint
+
+    real = stream_module._pump
+
+    def dead_pump(*args, **kw):
+        proc = real(*args, **kw)
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: zstd with it
+        return proc
+
+    monkeypatch.setattr(stream_module, "_pump", dead_pump)
+    out = tmp_path / "c.tar.zst"
+    before = read_counter(counter)
+    started = time.monotonic()
+    with pytest.raises(GpusnapError) as failed:
+        ops_checkpoint.run(ops_checkpoint.plan(counter, str(out), True, False, 10_000))
+    assert time.monotonic() - started < 60
+    message = failed.value.message
+    assert f"writing {out} failed: its stream stopped while Podman wrote it" in message, message
+    assert "\n" not in message and "the container is still running" in message, message
+    assert list(tmp_path.iterdir()) == []  # no archive, no partial one, no FIFO folder
+    wait_counter(counter, before)  # it runs on
+    monkeypatch.setattr(stream_module, "_pump", real)
+    gpusnap_json("checkpoint", counter, "--export", str(out), "--leave-running")
+    assert out.stat().st_size > 0
