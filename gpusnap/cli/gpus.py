@@ -26,7 +26,7 @@ def _human(r: dict) -> None:
 
 @click.command("gpus")
 @json_option
-@handle_errors
+@handle_errors(root=False)
 def gpus_cmd(as_json: bool) -> None:
     """List this host's NVIDIA GPUs (UUID, device node, memory, compute capability)."""
     emit(as_json, read_inventory().to_dict(), _human)

@@ -10,7 +10,7 @@ from gpusnap.trust import KEY_TYPES, PASSPHRASE_ENV
 
 
 def _human_generate(r: dict) -> None:
-    console.print(f"[bold green]Generated[/] a {r['type']} key pair: {r['private_key']} (0600"
+    console.print(f"[bold green]Generated[/] an {r['type']} key pair: {r['private_key']} (0600"
                   f"{', passphrase-protected' if r['encrypted'] else ''}) and {r['public_key']}")
     console.print(f"  key id: {r['key_id']}")
     console.print(f"  sign with: gpusnap push --sign-key {r['private_key']} ...; trust it: add "
@@ -31,7 +31,7 @@ def key_group() -> None:
 @click.option("--passphrase-file", metavar="FILE", help="Protect PREFIX.key with the passphrase "
               f"in FILE (else ${PASSPHRASE_ENV}, else none).")
 @json_option
-@handle_errors
+@handle_errors(root=False)
 def generate_cmd(key_type: str, prefix: str, passphrase_file: str | None, as_json: bool) -> None:
     """Generate a key pair in standard PEM files (PKCS#8 / SubjectPublicKeyInfo)."""
     from gpusnap.trust import keys  # cryptography: only where keys are used
@@ -47,7 +47,7 @@ def generate_cmd(key_type: str, prefix: str, passphrase_file: str | None, as_jso
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--passphrase-file", metavar="FILE", help="For a passphrase-protected .key.")
 @json_option
-@handle_errors
+@handle_errors(root=False)
 def id_cmd(file: str, passphrase_file: str | None, as_json: bool) -> None:
     """Print the id (sha256 of the public key) of a .pub or .key file, as
     signatures, policies and error lines name keys."""

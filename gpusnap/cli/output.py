@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import signal
 import sys
 from typing import Callable, Iterator
 
@@ -72,27 +74,62 @@ def human_bytes(n: int | float | None) -> str:
     return f"{n:.1f} TiB"
 
 
-def handle_errors(fn: Callable) -> Callable:
-    """Turn GpusnapError into one line (plus what to do), never a traceback."""
+ROOT_NEEDED = GpusnapError(
+    "gpusnap needs root: CRIU, which checkpoints and restores the container's processes, "
+    "runs only as root",
+    "run it as root (`sudo gpusnap ...`); Podman checkpoints rootful containers only, so a "
+    "rootless one must be run by root to be checkpointed")
+
+
+def handle_errors(fn: Callable | None = None, *, root: bool = True) -> Callable:
+    """Turn GpusnapError into one line (plus what to do), never a traceback.
+    ``root``: the command needs root, said in one line before anything is tried
+    (`@handle_errors(root=False)` for those that do not: gpus, key)."""
+    if fn is None:
+        return functools.partial(handle_errors, root=root)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        as_json = kwargs.get("as_json", False)
-        try:
-            return fn(*args, **kwargs)
-        except GpusnapError as exc:
-            # A message may quote what a user typed (user:password@host/...) or a library said.
-            message, hint = redact(exc.message), redact(exc.hint) if exc.hint else exc.hint
-            if as_json:
-                click.echo(json.dumps({"error": message, "hint": hint}))
-            else:
-                err_console.print(f"[bold red]Error:[/] {message}", soft_wrap=True)
-                if hint:
-                    err_console.print(f"  [dim]->[/] {hint}", soft_wrap=True)
-            sys.exit(exc.exit_code)
+        interrupted = _note_interrupts()
+        try:  # a Ctrl-C anywhere in here, the report of an error included, is said so
+            return _one_line(fn, root, interrupted, *args, **kwargs)
         except KeyboardInterrupt:
-            err_console.print("[bold red]Interrupted.[/] `gpusnap doctor` checks for "
+            err_console.print("[bold red]Interrupted[/] (Ctrl-C). `gpusnap doctor` checks for "
                               "anything left half done.")
             sys.exit(130)
 
     return wrapper
+
+
+def _one_line(fn: Callable, root: bool, interrupted: list[bool], *args, **kwargs):
+    try:
+        if root and os.geteuid() != 0:
+            raise ROOT_NEEDED
+        return fn(*args, **kwargs)
+    except GpusnapError as exc:
+        if interrupted:  # Ctrl-C reached the child (Podman) first: it failed of it
+            raise KeyboardInterrupt from None
+        # A message may quote what a user typed (user:password@host/...) or a library said.
+        message, hint = redact(exc.message), redact(exc.hint) if exc.hint else exc.hint
+        if kwargs.get("as_json", False):
+            click.echo(json.dumps({"error": message, "hint": hint}))
+        else:
+            err_console.print(f"[bold red]Error:[/] {message}", soft_wrap=True)
+            if hint:
+                err_console.print(f"  [dim]->[/] {hint}", soft_wrap=True)
+        sys.exit(exc.exit_code)
+
+
+def _note_interrupts() -> list[bool]:
+    """A list that gets an entry at Ctrl-C (which is still KeyboardInterrupt).
+    Ctrl-C goes to the whole process group: a Podman we wait on gets it too,
+    and its failure may arrive before our KeyboardInterrupt does."""
+    seen: list[bool] = []
+
+    def on_sigint(signum, frame):
+        seen.append(True)
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError):  # not the main thread (a test's caller)
+        signal.signal(signal.SIGINT, on_sigint)
+    return seen

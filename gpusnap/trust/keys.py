@@ -96,19 +96,21 @@ def passphrase_from(file: str | None = None) -> bytes | None:
 def write_keypair(prefix: str, key: PrivateKey, passphrase: bytes | None = None) -> tuple[Path, Path]:
     """PREFIX.key (0600, created, never overwritten) and PREFIX.pub."""
     priv, pub = Path(prefix + ".key"), Path(prefix + ".pub")
-    for p in (priv, pub):
-        if p.exists():
-            raise GpusnapError(f"{p} exists already", "remove it or pick another --output prefix")
-    if not priv.absolute().parent.is_dir():
-        raise GpusnapError(f"cannot write {priv}: {priv.absolute().parent} does not exist")
     try:
+        for p in (priv, pub):
+            if p.exists():
+                raise GpusnapError(f"{p} exists already",
+                                   "remove it or pick another --output prefix")
+        if not priv.absolute().parent.is_dir():
+            raise GpusnapError(f"cannot write {priv}: {priv.absolute().parent} does not exist")
         fd = os.open(priv, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(private_pem(key, passphrase))
         os.chmod(priv, 0o600)  # the umask may have taken bits; never more than 0600
         pub.write_bytes(public_pem(key))
-    except OSError as exc:
-        raise GpusnapError(f"cannot write the key pair {prefix}.key/.pub: {exc.strerror}") from None
+    except OSError as exc:  # a folder this user cannot enter or write, say
+        raise GpusnapError(f"cannot write the key pair {prefix}.key/.pub: {exc.strerror}",
+                           "pick an --output prefix in a folder you can write") from None
     return priv, pub
 
 
