@@ -122,7 +122,7 @@ def inspect_cmd(source: str, trust: TrustOptions, registry, as_json: bool) -> No
             raise GpusnapError(f"container {ctr.name} has no checkpoint",
                                "checkpoint it with `gpusnap checkpoint`")
         contents = archive.read_directory(ctr.userdata)
-    elif reference.try_parse(source):
+    elif reference.names_registry(source):  # parsed strictly there: a typo is named
         from gpusnap.ops import pull  # registry code: imported only when used
 
         with step(f"Reading {source}...", as_json):

@@ -69,16 +69,22 @@ def human_push(r: dict, target: bool = False) -> None:
             console.print(f"    [dim]->[/] {refused['hint']}")
 
 
-def container_state(r: dict, leave_running: bool) -> dict | None:
-    """What the push did to the container it checkpointed: a checkpoint that
-    succeeded left it running or stopped it, as asked (no engine call: migrate's
-    time is benchmarked; the tests compare this with Podman's word)."""
+def container_state(r: dict, leave_running: bool, pre_checkpoint: bool = False,
+                    migrate: bool = False) -> dict | None:
+    """What the push (or ``migrate``) did to the container it checkpointed: a
+    checkpoint that succeeded left it running or stopped it, as asked (no engine
+    call: migrate's time is benchmarked; the tests compare this with Podman's word)."""
     name = r.get("container")
     if not name:
         return None
     stopped = "stopped" if r.get("source_kind") == "containerd-container" else "exited"
     status = "running" if leave_running else stopped
-    if status == "running":
+    if status == "running" and pre_checkpoint:
+        says = ("checkpointed and still running: a pre-copy round (`gpusnap migrate` without "
+                "-P stops it and sends what changed since)")
+    elif status == "running" and migrate:
+        says = "checkpointed and still running (--leave-running)"
+    elif status == "running":
         says = "checkpointed and still running (push copies; --stop moves it, as migrate does)"
     else:
         says = f"checkpointed and stopped ({status}); its state now lives in {r['reference']}"
@@ -174,7 +180,8 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
         except TransientError as exc:  # true of push: the registry's blobs are asked first
             raise GpusnapError(exc.message, f"{exc.hint}; then push again: chunks the registry "
                                "already has are not sent again") from None
-    r["container_state"] = container_state(r, leave_running or pre_checkpoint)
+    r["container_state"] = container_state(r, leave_running or pre_checkpoint, pre_checkpoint,
+                                           migrate=not here)
     r["restore_command"], r["restore_renamed"] = restore_command(r, registry(), trust, here)
     if pre_checkpoint:
         r["prefetch_command"] = gpusnap_command(["pull", "--prefetch", r["pinned"]], registry())

@@ -92,11 +92,10 @@ def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool
                                               dry_run, trust, registry, as_json,
                                               containerd_address, log_uri, pull_policy), _human)
         return
-    if (reference.try_parse(source) and not Path(source).exists()
-            and not (podman.could_name_container(source) and podman.exists(source))):
+    if not Path(source).exists() and reference.names_registry(source):  # parsed strictly there
         # Podman's answers (~0.1-0.25 s each) while the registry code is imported
         facts = podman.ask_host_facts()
-        name_taken = podman.in_background(podman.exists, name) if name and not dry_run else None
+        name_taken = podman.in_background(podman.exists, name) if name else None
         from gpusnap.ops import pull  # registry code: imported only when used
 
         with transfer_progress(as_json, f"Pulling {source}", verb="fetched") as bar:

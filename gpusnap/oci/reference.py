@@ -99,3 +99,13 @@ def try_parse(text: str) -> Reference | None:
         return parse(text)
     except GpusnapError:
         return None
+
+
+def names_registry(text: str) -> bool:
+    """Whether ``text`` is meant as a registry reference, valid or not: its first
+    part names a host (localhost, a dotted name, an address or a :port) and it
+    is not an archive's name. A SOURCE argument that is no file is then parsed
+    as a reference, so a typo gets the reference's own error, not "no such file"."""
+    host = text.partition("@")[0].partition("/")[0]
+    return ("/" in text and _looks_like_host(host) and bool(_HOST.match(host))
+            and not text.endswith((".tar", ".zst", ".gz")))

@@ -11,6 +11,7 @@ is one GpusnapError naming the registry.
 from __future__ import annotations
 
 import hashlib
+import shlex
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,18 @@ class RegistryOptions:
     ca_file: str | None = None
     retries: int = 4
     backoff_s: float = 0.5
+
+    def oras_flags(self) -> str:
+        """These options in ORAS's words, for a printed `oras` command that must
+        work as printed (a password is read from stdin, never printed)."""
+        flags = ["--plain-http"] if self.plain_http else ["--insecure"] if self.insecure else []
+        if self.ca_file and not self.plain_http:
+            flags.append(f"--ca-file {shlex.quote(self.ca_file)}")
+        if self.username:
+            flags.append(f"--username {shlex.quote(self.username)} --password-stdin")
+        elif self.authfile:
+            flags.append(f"--registry-config {shlex.quote(self.authfile)}")
+        return "".join(" " + f for f in flags)
 
 
 class DigestMismatch(GpusnapError):
@@ -455,8 +468,8 @@ class RegistryClient:
             what = "digest" if target.startswith("sha") else "tag"
             raise GpusnapError(f"{self.ref}: no such {what} in {self.ref.registry}/"
                                f"{self.ref.repository} ({_registry_error(resp)})",
-                               f"list the tags with `oras repo tags {self.ref.registry}/"
-                               f"{self.ref.repository}`")
+                               f"list the tags with `oras repo tags{self.opts.oras_flags()} "
+                               f"{self.ref.registry}/{self.ref.repository}`")
         if resp.status_code != 200:
             raise GpusnapError(f"{self.ref}: {_registry_error(resp)}")
         body = resp.content

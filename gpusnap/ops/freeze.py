@@ -15,14 +15,17 @@ from gpusnap.procs import cuda_processes
 from gpusnap.runtime import podman
 
 
-def cuda_targets(name: str, verb: str):
-    """The running container, its CUDA processes and the driver; one line if any is missing."""
+def cuda_targets(name: str, verb: str, command: str):
+    """The running container, its CUDA processes and the driver; one line if any
+    is missing. ``verb``: what it must be able to do ("be frozen"); ``command``:
+    the gpusnap command asked for, named in the hint."""
     ctr = podman.inspect(name)
     require_running(ctr, verb)
     procs = cuda_processes(ctr.pid)
     if not procs:
-        raise GpusnapError(f"container {ctr.name} has no CUDA processes",
-                           "freeze applies to containers that use an NVIDIA GPU")
+        raise GpusnapError(f"container {ctr.name} has no CUDA processes, so it cannot {verb}",
+                           f"`gpusnap {command}` applies to containers that use an NVIDIA GPU; "
+                           "`gpusnap checkpoint` takes any container")
     driver = load_driver()
     if driver is None:
         raise GpusnapError("the NVIDIA driver's checkpoint API is not available",
@@ -35,7 +38,7 @@ def _gpu_used() -> dict[str, int]:
 
 
 def freeze(name: str, lock_timeout_ms: int) -> dict:
-    ctr, procs, driver = cuda_targets(name, "be frozen")
+    ctr, procs, driver = cuda_targets(name, "be frozen", "freeze")
     before = _gpu_used()
     timing = Timing()
     try:
@@ -50,7 +53,7 @@ def freeze(name: str, lock_timeout_ms: int) -> dict:
 
 
 def thaw(name: str) -> dict:
-    ctr, procs, driver = cuda_targets(name, "be thawed")
+    ctr, procs, driver = cuda_targets(name, "be thawed", "thaw")
     timing = Timing()
     try:
         changed = resume(driver, [p.pid for p in procs], timing=timing)

@@ -37,7 +37,11 @@ def _drm(inventory: Inventory) -> dict:
 def plan_here(manifest: Manifest | None, gpu_map: str | GpuMap | None = None, *,
               remap: bool = True, only_minors: Collection[int] | None = None,
               skip: frozenset[str] | None = None, refusal_hint: str | None = None) -> Plan:
-    """The plan for restoring ``manifest`` on this host, or GpusnapError with every problem."""
+    """The plan for restoring ``manifest`` on this host, or GpusnapError with every
+    problem; a ``gpu_map`` for a checkpoint without GPUs among them."""
+    if manifest is None and gpu_map:
+        raise GpusnapError("--gpu-map names GPUs, but the checkpoint holds no GPU state "
+                           "(its container used no GPU)", "drop --gpu-map; nothing was changed")
     inventory = read_inventory()
     parsed = parse_gpu_map(gpu_map) if isinstance(gpu_map, str) else gpu_map
     topology = Topology(numa=read_numa([(g.uuid, g.pci_bus_id) for g in inventory.gpus

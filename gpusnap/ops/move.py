@@ -41,7 +41,7 @@ def gpu_map_for(index: int | None, gpu_map: str | None, used: list[dict]) -> str
 
 def move(name: str, index: int | None, gpu_map: str | None, lock_timeout_ms: int,
          dry_run: bool = False) -> dict:
-    ctr, procs, driver = cuda_targets(name, "be moved")
+    ctr, procs, driver = cuda_targets(name, "be moved", "move")
     manifest = gpu_manifest.build(procs, read_inventory(), criu_version(), "gpusnap")
     plan = plan_here(manifest, gpu_map_for(index, gpu_map, manifest.gpus),
                      refusal_hint="`gpusnap gpus` lists this host's GPUs; nothing was changed")

@@ -348,7 +348,7 @@ def pull(ref_text: str, output: str | None, opts: RegistryOptions,
     return write_archive(remote, out, **kw)
 
 
-def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_run: bool,
+def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
                     facts: Callable[[], podman.HostFacts],
                     name_taken: Callable[[], bool] | None = None):
     """What restore would refuse, refused before gigabytes are downloaded; the GPU
@@ -364,9 +364,10 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None, dry_r
                            "to start a copy of this one; nothing was downloaded")
     target = name or (remote.bundle.summary.get("container") or {}).get("name")
     taken = name_taken or (lambda: podman.exists(target))  # name_taken: asked for --name
-    if target and not dry_run and taken():
-        raise GpusnapError(f"a container named {target} already exists",
-                           f"remove it (`podman rm {target}`) or restore with --name NEW")
+    if target and taken():  # --dry-run too: a check the restore makes
+        from gpusnap.ops.restore import name_taken
+
+        raise name_taken(target)
     from gpusnap.gpu.manifest import Manifest
     from gpusnap.ops.gpu_plan import plan_here
 
@@ -565,13 +566,13 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     from gpusnap.ops import restore as ops_restore
 
     facts = facts or podman.ask_host_facts()
-    if name_taken is None and name and not dry_run:
+    if name_taken is None and name:
         name_taken = podman.in_background(podman.exists, name)
     start = time.monotonic()
     cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
     remote = open_remote(ref_text, opts, trust, cache, pull)
     opened = time.monotonic()
-    plan = _restore_checks(remote, name, gpu_map, dry_run, facts, name_taken)
+    plan = _restore_checks(remote, name, gpu_map, facts, name_taken)
     if dry_run:
         return ops_restore.plan_report(str(remote.client.ref), plan)
     # what a restore spends before Podman starts, in its timeline (bench/coldstart.py)

@@ -51,6 +51,13 @@ def _retarget(contents: archive.CheckpointContents,
     return {"remap": plan.remap.to_dict(), "plan": plan.to_dict()}, {**contents.files, **moved}
 
 
+def name_taken(target: str) -> GpusnapError:
+    """The refusal of a restore whose container name another container has."""
+    return GpusnapError(f"a container named {target} already exists",
+                        f"restore with --name NEW, or remove it (`podman rm -f {target}`, "
+                        "which stops it first if it runs)")
+
+
 def plan_report(source: str, plan: Plan) -> dict:
     return {"source": source, "dry_run": True, "remap": plan.needs_remap,
             "moves": plan.describe(), "plan": plan.to_dict()}
@@ -66,9 +73,8 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
             refuse_engine(contents.summary(), source, "podman")
         config = contents.json_file("config.dump") or {}
         target = name or config.get("name")
-        if target and podman.exists(target) and not dry_run:
-            raise GpusnapError(f"a container named {target} already exists",
-                               f"remove it (`podman rm {target}`) or restore with --name NEW")
+        if target and podman.exists(target):  # --dry-run too: a check the restore makes
+            raise name_taken(target)
         plan = _plan(contents, gpu_map, remap=True)
         archive_mode = True
     elif podman.exists(source):

@@ -8,7 +8,6 @@ The CLI rather than podman-py's REST client: checkpoint/restore with
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import threading
@@ -119,18 +118,6 @@ def default_runtime() -> str:
 def version() -> str:
     """The Podman client's version ("4.3.1"), "" when it cannot be told."""
     return answer(["version", "--format", "{{.Client.Version}}"])
-
-
-# Podman's rule for a container name (libpod's NameRegex, Docker's too); IDs
-# and their prefixes are hex, within it.
-_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
-
-
-def could_name_container(text: str) -> bool:
-    """Whether ``text`` could name (or be the ID of) a container: a registry
-    reference with a '/', ':' or '@' never can, so needs no `podman container
-    exists` (~50 ms) to tell which it is."""
-    return _NAME.fullmatch(text) is not None
 
 
 @dataclass(frozen=True)

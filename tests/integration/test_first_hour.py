@@ -248,11 +248,11 @@ def test_skipped_verification_is_announced_only_when_it_was_skipped(
     # refused for other reasons: no word of a skipped verification
     res = run([GPUSNAP, "restore", ref, "--plain-http", "--insecure-policy"], env=env)
     assert_one_line_error(res, f"a container named {counter} already exists",
-                          hint="or restore with --name NEW")
+                          hint="restore with --name NEW")
     res = run([GPUSNAP, "restore", ref, "--name", counter, "--plain-http", "--insecure-policy"],
               env=env)  # --name's check runs beside the registry's
     assert_one_line_error(res, f"a container named {counter} already exists",
-                          hint="or restore with --name NEW")
+                          hint="restore with --name NEW")
     res = run([GPUSNAP, "pull", ref, "--plain-http", "--insecure-policy", "-o",
                str(tmp_path / "no-such-dir" / "x.tar.zst")], env=env)
     assert_one_line_error(res, "does not exist")

@@ -247,9 +247,11 @@ def test_missing_tag_is_one_line(registry, counter, tmp_path):
     gs_json("push", str(export(counter, tmp_path / "c.tar.zst")), ref, *registry.flags())
     res = gs("restore", ref.replace(":v1", ":no-such-tag"), *registry.flags())
     repo = ref.rsplit(":", 1)[0]
-    assert_one_line_error(res, "no such tag", hint=f"`oras repo tags {repo}`")
-    tags = run(["oras", "repo", "tags", *registry.oras_flags(), repo], check=True).stdout.split()
-    assert tags == ["v1"]  # the hint's command lists what there is
+    assert_one_line_error(res, "no such tag", hint=f"--username gpusnap --password-stdin {repo}`")
+    [hint] = re.findall(r"`(oras repo tags [^`]+)`", res.stderr)
+    # the hint's command, as printed (the password on stdin, as gpusnap read it), lists what there is
+    tags = run(["bash", "-c", hint], input=PASSWORD + "\n", check=True).stdout.split()
+    assert tags == ["v1"]
 
 
 def test_corrupted_blob_is_a_digest_error_and_nothing_is_restored(registry, counter, tmp_path):

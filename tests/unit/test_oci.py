@@ -31,6 +31,22 @@ def test_reference_parse(text, expected):
     assert reference.parse(str(ref)) == ref
 
 
+def test_a_source_that_names_a_registry_is_read_as_a_reference_even_when_malformed():
+    """restore/inspect SOURCE: what names a registry host is parsed as a reference
+    (a typo gets the reference's error, not "no such file"); files and containers
+    are not."""
+    for meant in ("127.0.0.1:5000/nc/counter@sha256:1234", "127.0.0.1:5000/NC/Counter:v1",
+                  "localhost/app", "reg.example.com/a/b:v1", "[::1]:5000/x:t"):
+        assert reference.names_registry(meant), meant
+    for other in ("web", "web-1", "my_ctr.v2", "c.tar.zst", "out/c.tar.zst", "./c.tar",
+                  "/var/tmp/ckpt", "ckpt/dir", "127.0.0.1:5000"):
+        assert not reference.names_registry(other), other
+    with pytest.raises(GpusnapError, match="bad digest"):
+        reference.parse("127.0.0.1:5000/nc/counter@sha256:1234")
+    with pytest.raises(GpusnapError, match="bad repository name 'NC/Counter'"):
+        reference.parse("127.0.0.1:5000/NC/Counter:v1")
+
+
 @pytest.mark.parametrize("text,why", [
     ("app:v1", "names no registry"),
     ("my-container", "names no registry"),

@@ -186,15 +186,6 @@ def test_doctor_judges_the_runtime_podman_uses(monkeypatch, tmp_path):
     assert missing.level == "error" and missing.detail == "runc: not found"
 
 
-def test_a_registry_reference_is_never_taken_for_a_container_name():
-    """restore SOURCE asks Podman whether SOURCE is a container only where it could be one."""
-    for name in ("web", "web-1", "my_ctr.v2", "0123abcd", "a"):
-        assert podman.could_name_container(name), name
-    for ref in ("127.0.0.1:5000/ckpt/web:v1", "registry.example/web@sha256:" + "0" * 64,
-                "web:v1", "ckpt/web", "-web", ".web", "", "wéb"):
-        assert not podman.could_name_container(ref), ref
-
-
 def test_podman_info_read_field_by_field(monkeypatch):
     """One blank field leaves the other two; a Podman that fails answers blanks;
     none installed is said where the answer is wanted, in one line."""

@@ -1,0 +1,155 @@
+"""Every hint works as printed: each command gpusnap prints after a misuse is
+taken from its output and run through a shell exactly as printed, and must do
+what the hint says. Misuses that print no command get one true line naming
+the real cause (the verb asked for, the reference typed, root, Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from gpusnap.cli.main import VERBS
+from gpusnap.procs import process_tree
+from tests.conftest import (GPUSNAP, assert_one_line_error, gpusnap, gpusnap_json, podman,
+                            read_counter, run, wait_counter)
+from tests.integration.oci_registry import make_registry
+
+pytestmark = pytest.mark.usefixtures("cache_dir")  # each test its own chunk cache
+
+
+def printed_commands(text: str, first_word: str) -> list[str]:
+    """The commands in backticks that start with ``first_word`` (`podman rm -f X`)."""
+    return [c for c in re.findall(r"`([^`]+)`", text) if c.split()[0] == first_word]
+
+
+def shell(command: str) -> subprocess.CompletedProcess:
+    """The printed command, run as a user would paste it."""
+    return run(["bash", "-c", command])
+
+
+@pytest.fixture(scope="module")
+def plain_registry(tmp_path_factory):
+    """HTTP, no login: as `make demo` runs one."""
+    reg = make_registry(tmp_path_factory.mktemp("plain-registry"), plain=True)
+    yield reg
+    reg.stop()
+
+
+def test_the_name_taken_hint_removes_a_running_container_as_printed(counter, tmp_path):
+    archive = tmp_path / "c.tar.zst"
+    gpusnap_json("checkpoint", counter, "--export", str(archive), "--leave-running")
+    for dry in ([], ["--dry-run"]):  # the dry run makes the check the restore makes
+        res = gpusnap("restore", str(archive), *dry)
+        assert_one_line_error(res, f"a container named {counter} already exists")
+    [remove] = printed_commands(res.stderr, "podman")
+    assert shell(remove).returncode == 0, remove  # running, it is removed all the same
+    gpusnap_json("restore", str(archive))
+    wait_counter(counter, read_counter(counter))
+
+
+def test_the_missing_tag_hint_lists_the_tags_as_printed(plain_registry, counter):
+    repo = plain_registry.ref(f"hints/tags-{uuid.uuid4().hex[:6]}")
+    gpusnap_json("push", counter, f"{repo}:v1", "--plain-http")
+    res = gpusnap("restore", f"{repo}:v2", "--plain-http")
+    assert_one_line_error(res, "no such tag")
+    [tags] = printed_commands(res.stderr, "oras")
+    listed = shell(tags)
+    assert listed.returncode == 0 and listed.stdout.split() == ["v1"], (tags, listed)
+
+
+@pytest.mark.parametrize("typed,why", [
+    ("{host}/nc/counter@sha256:1234", "bad digest"),
+    ("{host}/NC/Counter:v1", "bad repository name"),
+])
+@pytest.mark.parametrize("verb", ["restore", "inspect"])
+def test_a_malformed_reference_is_named_as_one_not_as_a_missing_file(plain_registry, verb,
+                                                                      typed, why):
+    res = gpusnap(verb, typed.format(host=plain_registry.host), "--plain-http")
+    assert_one_line_error(res, "is not a registry reference", why)
+    assert "no such file" not in res.stderr
+
+
+@pytest.mark.parametrize("verb,args", [("move", ["--gpu", "1"]), ("thaw", []), ("freeze", [])])
+def test_a_gpu_verb_on_a_cpu_container_names_itself(counter, verb, args):
+    res = gpusnap(verb, counter, *args)
+    assert_one_line_error(res, f"{counter} has no CUDA processes",
+                          hint=f"`gpusnap {verb}` applies to containers that use an NVIDIA GPU")
+
+
+def test_a_gpu_map_for_a_checkpoint_without_gpus_is_refused(counter, tmp_path):
+    archive = tmp_path / "c.tar.zst"
+    gpusnap_json("checkpoint", counter, "--export", str(archive), "--leave-running")
+    podman("rm", "-f", "-t", "0", counter)
+    res = gpusnap("restore", str(archive), "--gpu-map", "0=1")
+    assert_one_line_error(res, "--gpu-map names GPUs, but the checkpoint holds no GPU state",
+                          hint="drop --gpu-map")
+    assert podman("container", "exists", counter, check=False).returncode == 1
+
+
+def test_ctrl_c_during_a_push_is_said_to_be_the_users(plain_registry, counter):
+    """Ctrl-C reaches the whole process group, Podman with it: the line says the
+    user interrupted, not that Podman failed, and the container runs on."""
+    ref = plain_registry.ref(f"hints/int-{uuid.uuid4().hex[:6]}:v1")
+    proc = subprocess.Popen([GPUSNAP, "push", counter, ref, "--plain-http"], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # its own group, as a terminal's job
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _runs_podman_checkpoint(proc.pid):
+            time.sleep(0.02)
+        assert _runs_podman_checkpoint(proc.pid), "the push never started its checkpoint"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Interrupted (Ctrl-C)" in err and "podman failed" not in err, err
+    assert "Traceback" not in err, err
+    wait_counter(counter, read_counter(counter))  # it runs on
+
+
+def _runs_podman_checkpoint(pid: int) -> bool:
+    for child in process_tree(pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"checkpoint" in argv and any(a.endswith(b"podman") for a in argv[:1]):
+            return True
+    return False
+
+
+# Each verb with arguments that would make it act (so only the root check stops it).
+VERB_ARGS = {"checkpoint": ["ctr"], "restore": ["ctr"], "inspect": ["ctr"],
+             "push": ["ctr", "127.0.0.1:5000/a/b:v1"], "pull": ["127.0.0.1:5000/a/b:v1"],
+             "migrate": ["ctr", "127.0.0.1:5000/a/b:v1"], "move": ["ctr", "--gpu", "1"],
+             "freeze": ["ctr"], "thaw": ["ctr"], "doctor": [], "status": []}
+UNPRIVILEGED = {"gpus", "key"}  # read NVML, write key files: no root needed
+
+
+def test_every_verb_as_a_non_root_user_says_root_in_one_line(tmp_path):
+    assert set(VERB_ARGS) | UNPRIVILEGED == set(VERBS)
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    for verb, args in VERB_ARGS.items():
+        res = run([*nobody, GPUSNAP, verb, *args], cwd=tmp_path)
+        assert_one_line_error(res, "gpusnap needs root: CRIU", hint="sudo gpusnap")
+    res = run([*nobody, GPUSNAP, "gpus"], cwd=tmp_path)
+    assert "Traceback" not in res.stdout + res.stderr and "needs root" not in res.stderr, res
+    # a key where nobody may write: one line (it was a traceback)
+    res = run([*nobody, GPUSNAP, "key", "generate", "-o", str(tmp_path / "k")])
+    assert_one_line_error(res, "cannot write the key pair", hint="a folder you can write")
+    res = run([*nobody, GPUSNAP, "key", "generate", "-o", "/tmp/gpusnap-hint-key"], cwd="/tmp")
+    try:
+        assert res.returncode == 0 and "Generated an ed25519 key pair" in res.stdout, res
+    finally:
+        for suffix in (".key", ".pub"):
+            Path("/tmp/gpusnap-hint-key" + suffix).unlink(missing_ok=True)
