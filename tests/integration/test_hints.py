@@ -153,3 +153,12 @@ def test_every_verb_as_a_non_root_user_says_root_in_one_line(tmp_path):
     finally:
         for suffix in (".key", ".pub"):
             Path("/tmp/gpusnap-hint-key" + suffix).unlink(missing_ok=True)
+
+
+def test_a_pre_copy_round_says_what_it_did(plain_registry, counter):
+    ref = plain_registry.ref(f"hints/pre-{uuid.uuid4().hex[:6]}:pre")
+    res = run([GPUSNAP, "migrate", "-P", counter, ref, "--plain-http"])
+    assert res.returncode == 0, res
+    assert f"container {counter}: checkpointed and still running: a pre-copy round" in res.stdout
+    assert "push copies" not in res.stdout, res.stdout
+    wait_counter(counter, read_counter(counter))
