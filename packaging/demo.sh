@@ -1,9 +1,9 @@
 #!/bin/bash
 # make demo: a container's memory travels through a registry and back.
 # A docker-registry on loopback (plain HTTP, a temp folder) is started; a
-# signing key is generated and a trust policy written that trusts it for the
-# demo registry (docs/trust.md); a counter container is checkpointed, signed
-# and pushed (`gpusnap migrate --sign-key`), removed, pulled back into an
+# counter container is checkpointed, signed with this host's key (`make
+# install` made it, and this host trusts it: docs/trust.md) and pushed
+# (`gpusnap migrate`), removed, pulled back into an
 # archive Podman imports, inspected, and restored from the registry reference
 # once its signature verified, with the command the push printed; its counter
 # goes on from where it was. Each step is one numbered line ([N/9] ...).
@@ -46,23 +46,17 @@ step() { N=$((N+1)); printf '\n[%d/%d] %s\n' $N $STEPS "$*"; }
 [ -t 1 ] && export FORCE_COLOR=1  # gpusnap's output keeps its colours through tee below
 
 step "A registry on loopback (plain HTTP, storage in $REG_DIR): 127.0.0.1:$PORT"
-# Trust: a signing key, and a policy that accepts only what it signed here
-gpusnap key generate --output "$REG_DIR/demo-signer" >/dev/null
-cat > "$REG_DIR/policy.json" <<EOJ
-{"default": {"type": "reject"},
- "scopes": {"127.0.0.1:$PORT/demo": {"type": "signedBy", "keyPaths": ["$REG_DIR/demo-signer.pub"]}}}
-EOJ
-chmod 0644 "$REG_DIR/policy.json"
-export GPUSNAP_POLICY=$REG_DIR/policy.json
-step "A signing key, $(gpusnap key id "$REG_DIR/demo-signer.pub" | cut -c1-19), trusted for 127.0.0.1:$PORT/demo by $GPUSNAP_POLICY"
+# Trust as `make install` leaves it: this host's key signs, and this host trusts it
+unset GPUSNAP_POLICY
+step "Pushes are signed with this host's key, $(gpusnap key export --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["key_id"][:19])'), which this host trusts (/etc/gpusnap/keys/trusted)"
 
 podman run -d --name $NAME --network none localhost/gpusnap-demo:latest \
   sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.1; done' >/dev/null
 sleep 2
 step "Container $NAME counts in memory: at $(podman exec $NAME cat /tmp/c)"
 
-step "Checkpoint, sign and push it; the container stops (a move): gpusnap migrate $NAME $REF --plain-http --sign-key KEY"
-gpusnap migrate $NAME "$REF" --plain-http --sign-key "$REG_DIR/demo-signer.key" | tee "$REG_DIR/migrate.out"
+step "Checkpoint, sign and push it; the container stops (a move): gpusnap migrate $NAME $REF --plain-http"
+gpusnap migrate $NAME "$REF" --plain-http | tee "$REG_DIR/migrate.out"
 RESTORE=$(sed 's/\x1b\[[0-9;]*m//g' "$REG_DIR/migrate.out" | grep -A1 '^On the target host run:' | tail -1 | sed 's/^ *//')
 
 step "Remove the container, as if this host were gone: podman rm $NAME ($(podman inspect $NAME --format '{{.State.Status}}') until now)"

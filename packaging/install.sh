@@ -53,4 +53,7 @@ for conf in /etc/criu/runc.conf /etc/criu/crun.conf; do
   { echo "# BEGIN gpusnap (managed by packaging/install.sh)"; grep -v '^#' "$HERE/criu/runc.conf" | sed '/^$/d'; echo "# END gpusnap"; } >> $conf
 done
 install -d -m 700 /run/gpusnap
+# This host's signing key: push and migrate sign with it, and with no policy
+# file a restore trusts it (gpusnap/trust/hostkey.py). Made once, kept.
+$ROOT/venv/bin/python -c 'from gpusnap.trust import hostkey; print("install: this host signs with", hostkey.ensure())'
 echo "install: gpusnap $($ROOT/venv/bin/gpusnap --version | awk '{print $3}') in $ROOT"

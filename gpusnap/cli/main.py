@@ -57,6 +57,7 @@ def cli() -> None:
       gpusnap move CTR --gpu 1                      live onto another GPU of this host
       gpusnap freeze CTR / gpusnap thaw CTR         release GPU memory in place, take it back
       gpusnap gpus                                  this host's GPUs
+      gpusnap key export -o a.pub / key trust a.pub this host's signing key; trust another's
       gpusnap key generate -o PREFIX                a signing key pair (PREFIX.key, PREFIX.pub)
       gpusnap doctor                                what this host is missing (ok / warning / error)
     """

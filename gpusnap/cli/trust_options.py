@@ -22,8 +22,12 @@ _PASSPHRASE = click.option("--passphrase-file", metavar="FILE",
 _FLAGS = {
     "sign": click.option("--sign-key", "sign_keys", multiple=True, metavar="KEY",
                          type=click.Path(dir_okay=False),
-                         help="Sign the pushed checkpoint with this private key (repeatable); "
-                              "restores check it against /etc/gpusnap/policy.json."),
+                         help="Sign the pushed checkpoint with this private key (repeatable) "
+                              "instead of this host's own (/etc/gpusnap/keys/host.key); "
+                              "restores check signatures against the trust policy."),
+    "nosign": click.option("--no-sign", "no_sign", is_flag=True,
+                           help="Push it unsigned (a restore elsewhere then needs a policy "
+                                "that accepts anything there, or --insecure-policy)."),
     "encrypt": click.option("--encrypt-to", "encrypt_to", multiple=True, metavar="PUBKEY",
                             type=click.Path(dir_okay=False),
                             help="Encrypt to this public key (P-256 or RSA, repeatable): only "
@@ -39,14 +43,15 @@ _FLAGS = {
     "skip-old": click.option("--insecure-skip-verify", "skip_verify_old", is_flag=True,
                              help=f"{DEPRECATED}: use --insecure-policy (still works)."),
 }
-KINDS = {"push": ("sign", "encrypt"), "pull": ("decrypt", "skip", "skip-old"),
+KINDS = {"push": ("sign", "nosign", "encrypt"), "pull": ("decrypt", "skip", "skip-old"),
          "inspect": ("decrypt",)}
 
 
 def trust_options(kind: str) -> Callable[[Callable], Callable]:
     """The flags of ``kind`` (push, pull, inspect) and --passphrase-file."""
     names = KINDS[kind]
-    params = {"sign": "sign_keys", "encrypt": "encrypt_to", "decrypt": "decrypt_keys",
+    params = {"sign": "sign_keys", "nosign": "no_sign", "encrypt": "encrypt_to",
+              "decrypt": "decrypt_keys",
               "skip": "skip_verify", "skip-old": "skip_verify_old"}
 
     def decorate(fn: Callable) -> Callable:
@@ -59,6 +64,8 @@ def trust_options(kind: str) -> Callable[[Callable], Callable]:
             for key in ("sign_keys", "encrypt_to", "decrypt_keys"):
                 if key in values:
                     values[key] = tuple(values[key])
+            if values.get("no_sign") and values.get("sign_keys"):
+                raise click.UsageError("--no-sign and --sign-key contradict each other")
             kwargs["trust"] = TrustOptions(passphrase_file=kwargs.pop("passphrase_file"),
                                            **values)
             return fn(*args, **kwargs)

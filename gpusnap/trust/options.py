@@ -15,10 +15,12 @@ class TrustOptions:
     decrypt_keys: tuple[str, ...] = ()  # pull/restore/inspect: recipients' private keys
     passphrase_file: str | None = None  # for passphrase-protected private keys
     skip_verify: bool = False  # pull/restore: --insecure-policy (or its old --insecure-skip-verify)
+    no_sign: bool = False  # push: --no-sign, not even with this host's key (trust/hostkey.py)
 
     @property
     def signs(self) -> bool:
-        return bool(self.sign_keys)
+        """Whether the push signs: with --sign-key's keys, else this host's."""
+        return not self.no_sign
 
     @property
     def encrypts(self) -> bool:

@@ -15,8 +15,9 @@ Like containers-policy.json: a scope is a registry (host[:port]) or a
 registry/repository prefix on path boundaries ("reg/ckpt" covers "reg/ckpt/app",
 not "reg/ckpt2"); the longest matching scope wins, else "default".
 "insecureAcceptAnything" is the explicit opt-out for a scope. With no policy
-file everything is rejected: unsigned checkpoints are refused unless the user
-passes --insecure-policy.
+file, what a key in /etc/gpusnap/keys/trusted/ signed is accepted (this
+host's own key is there: trust/hostkey.py), nothing else; unsigned
+checkpoints are refused unless the user passes --insecure-policy.
 
 Validation is strict: an unknown field, a wrong type or an unreadable key is
 an error naming the field (`policy.json: scopes["reg/x"].keyPaths[0]: ...`).
@@ -34,7 +35,7 @@ from typing import Any
 
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.reference import Reference
-from gpusnap.trust import keys
+from gpusnap.trust import hostkey, keys
 
 DEFAULT_PATH = Path("/etc/gpusnap/policy.json")
 POLICY_ENV = "GPUSNAP_POLICY"
@@ -63,7 +64,14 @@ class Requirement:
 class Policy:
     default: Requirement
     scopes: dict[str, Requirement]
-    source: Path | None  # None: no policy file, everything rejected
+    source: Path | None  # None: no policy file: this host's trusted keys (hostkey.py), if any
+
+    @property
+    def where(self) -> str | None:
+        """What decided, for --json and the restore's line."""
+        if self.source is not None:
+            return str(self.source)
+        return f"{hostkey.trusted_dir()} (no policy file)" if self.default.keys else None
 
     def for_reference(self, ref: Reference) -> Requirement:
         """The requirement of the longest scope that covers REF."""
@@ -88,6 +96,9 @@ def load(path: str | Path | None = None) -> Policy:
         if explicit:
             raise GpusnapError(f"no policy file {p}", "write one (docs/trust.md) or drop "
                                f"{POLICY_ENV}") from None
+        trusted = hostkey.trusted()  # what this host and `gpusnap key trust` vouched for
+        if trusted:
+            return Policy(Requirement("signedBy", "default", trusted), {}, None)
         return Policy(Requirement("reject", "default"), {}, None)
     except OSError as exc:
         raise GpusnapError(f"cannot read the policy {p}: {exc.strerror}") from None

@@ -16,7 +16,8 @@ from typing import Mapping, Sequence
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.reference import Reference
 from gpusnap.oci.registry import OCI_MANIFEST, RegistryClient
-from gpusnap.trust import encrypt, jwe, keys, ocicrypt_layer, policy, signature, verify
+from gpusnap.trust import (encrypt, hostkey, jwe, keys, ocicrypt_layer, policy, signature,
+                           verify)
 from gpusnap.trust.options import TrustOptions
 
 SIGNATURE_LIMIT = 1 << 20  # a signature manifest is a few hundred bytes per key
@@ -72,8 +73,11 @@ class PushTrust:
         """``chunked``: the gpusnap format (a data key for convergent chunk
         encryption); else --format podman (a random layer key per push)."""
         opts = opts or TrustOptions()
-        signers = load_private_keys(opts.sign_keys, opts.passphrase_file)
-        for key, path in zip(signers, opts.sign_keys):
+        # No --sign-key: this host's own key (made on first use), which this host
+        # trusts; --no-sign: none.
+        paths = () if opts.no_sign else opts.sign_keys or (str(hostkey.ensure()),)
+        signers = load_private_keys(paths, opts.passphrase_file)
+        for key, path in zip(signers, paths):
             if keys.kind(key) not in keys.KEY_TYPES:
                 raise GpusnapError(f"{path} is a {keys.kind(key)} key, which cannot sign "
                                    "checkpoints", "sign with an Ed25519 or ECDSA P-256 key "

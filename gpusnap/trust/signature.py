@@ -175,9 +175,13 @@ def verify_artifact(body: bytes, fetch: FetchBlob, repository: str, manifest_dig
         raise GpusnapError(f"{where}: its signature manifest holds no signature",
                            "sign it again (`gpusnap push --sign-key`)")
     names = ", ".join(keys.short_id(k) or "(no key id)" for k in seen)
-    raise GpusnapError(f"{where} is signed only by keys the policy does not trust ({names})",
-                       "add the signer's public key to the policy's keyPaths for this "
-                       "repository (`gpusnap key id FILE.pub` prints a key's id)")
+    raise UntrustedSigner(f"{where} is signed only by keys the policy does not trust ({names})",
+                          "add the signer's public key to the policy's keyPaths for this "
+                          "repository (`gpusnap key id FILE.pub` prints a key's id)")
+
+
+class UntrustedSigner(GpusnapError):
+    """Signed, but by no key the policy trusts."""
 
 
 def _verify_layer(layer: dict, notes: Mapping, fetch: FetchBlob, public: keys.PublicKey,

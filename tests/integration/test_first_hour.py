@@ -139,19 +139,52 @@ def test_migrate_prints_one_command_and_it_restores_once_the_container_is_gone(
     assert wait_counter(counter, before) >= before
 
 
-def test_push_warns_when_this_hosts_trust_policy_would_refuse_the_restore(
-        plain_registry, counter, tmp_path):
+def test_a_push_is_signed_by_this_host_and_its_restore_line_works_here_as_printed(
+        plain_registry, counter, tmp_path, also_removed):
+    """Trust out of the box: `make install` made this host's key and trusts it,
+    push signs with it, and the restore it prints works here with no setup.
+    Another host (GPUSNAP_KEYS_DIR stands in for its /etc/gpusnap/keys) refuses
+    it, naming two commands; run as printed, they make it restore there too."""
     env = env_without_policy()
-    ref = ref_in(plain_registry)
-    res = run([GPUSNAP, "push", counter, ref, "--plain-http"], env=env)
+    res = run([GPUSNAP, "push", counter, ref_in(plain_registry), "--plain-http"], env=env)
+    assert res.returncode == 0, res.stderr
+    assert "would refuse" not in res.stdout, res.stdout
+    command = printed(res.stdout, "restore with:")
+    name = re.search(r"--name (\S+)", command).group(1)
+    also_removed.append(name)
+    before = read_counter(counter)
+    restored = shell(command, env=env)
+    assert restored.returncode == 0, restored.stderr
+    assert "signature: verified" in restored.stdout, restored.stdout
+    assert wait_counter(name, before) >= before
+    podman("rm", "-f", "-t", "0", name)
+
+    other = {**env, "GPUSNAP_KEYS_DIR": str(tmp_path / "other-host-keys")}
+    # as `make install` leaves the other host: its own key made, and trusted there
+    run([GPUSNAP, "key", "export", "-o", str(tmp_path / "its-own.pub")], env=other, check=True)
+    refused = shell(command, env=other)
+    assert_one_line_error(refused, "signed only by keys this host does not trust",
+                          hint="gpusnap key trust signer.pub")
+    export, trust = re.findall(r"`(gpusnap key [^`]+)`", refused.stderr)
+    assert shell(f"cd {tmp_path} && {export}", env=env).returncode == 0  # on the pushing host
+    assert shell(f"cd {tmp_path} && {trust}", env=other).returncode == 0  # on the other
+    restored = shell(command, env=other)
+    assert restored.returncode == 0, restored.stderr
+    assert wait_counter(name, before) >= before
+    podman("rm", "-f", "-t", "0", name)
+
+    # --no-sign: the push warns that this host would refuse it, and it is true
+    res = run([GPUSNAP, "push", counter, ref_in(plain_registry), "--plain-http", "--no-sign"],
+              env=env)
     assert res.returncode == 0, res.stderr
     assert "Warning: this host would refuse that restore" in res.stdout, res.stdout
-    assert "no trust policy" in res.stdout and "--insecure-policy" in res.stdout
-    # the warning is true: the printed line is refused for that reason
+    assert "is not signed" in res.stdout
     refused = shell(printed(res.stdout, "restore with:"), env=env)
-    assert_one_line_error(refused, "no trust policy",
-                          hint="write a policy with the signers' public keys")
+    assert_one_line_error(refused, "is not signed")
 
+
+def test_a_policy_file_decides_over_the_trusted_keys(plain_registry, counter, tmp_path):
+    env = env_without_policy()
     # Signed with a key the policy trusts: no warning, and the line restores.
     run([GPUSNAP, "key", "generate", "--output", str(tmp_path / "signer")], check=True)
     policy = tmp_path / "policy.json"
@@ -173,6 +206,11 @@ def test_push_warns_when_this_hosts_trust_policy_would_refuse_the_restore(
         assert wait_counter(name, before) >= before
     finally:
         run(["podman", "rm", "-f", "-t", "0", name])
+    # signed by this host's key alone: the policy, not the trusted keys, decides
+    res = run([GPUSNAP, "push", counter, ref_in(plain_registry), "--plain-http"], env=trusted)
+    assert res.returncode == 0, res.stderr
+    assert "Warning: this host would refuse that restore" in res.stdout, res.stdout
+    assert "signed only by keys the policy does not trust" in res.stdout
 
 
 # -- 3. one naming scheme: Podman's --tls-verify, ORAS's --plain-http and --ca-file ----

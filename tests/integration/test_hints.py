@@ -62,7 +62,7 @@ def test_the_missing_tag_hint_lists_the_tags_as_printed(plain_registry, counter)
     assert_one_line_error(res, "no such tag")
     [tags] = printed_commands(res.stderr, "oras")
     listed = shell(tags)
-    assert listed.returncode == 0 and listed.stdout.split() == ["v1"], (tags, listed)
+    assert listed.returncode == 0 and "v1" in listed.stdout.split(), (tags, listed)
 
 
 @pytest.mark.parametrize("typed,why", [

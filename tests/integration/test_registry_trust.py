@@ -224,7 +224,7 @@ def test_unsigned_or_untrusted_is_refused_unless_insecure_skip_verify(registry, 
                                                                       tmp_path, staged_before):
     archive = export(counter, tmp_path / "c.tar.zst")
     unsigned = unique_ref(registry)
-    gs_json(registry, "push", str(archive), unsigned)
+    gs_json(registry, "push", str(archive), unsigned, "--no-sign")
     rogue = unique_ref(registry)
     gs_json(registry, "push", str(archive), rogue, "--sign-key", keys.key("rogue"))
     before = read_counter(counter)

@@ -10,7 +10,7 @@ import pytest
 
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.reference import parse as ref
-from gpusnap.trust import keys, policy, signature, verify
+from gpusnap.trust import hostkey, keys, policy, signature, verify
 
 
 @pytest.fixture
@@ -153,6 +153,34 @@ def test_check_signed_unsigned_and_opt_outs(tmp_path, signer):
 def test_check_without_policy_file(monkeypatch, tmp_path):
     monkeypatch.delenv(policy.POLICY_ENV, raising=False)
     monkeypatch.setattr(policy, "DEFAULT_PATH", tmp_path / "none.json")
+    monkeypatch.setenv(hostkey.KEYS_ENV, str(tmp_path / "keys"))  # none trusted yet
     with pytest.raises(GpusnapError, match="no trust policy") as e:
         verify.check(policy.load(), REF, DIGEST, b"{}", lambda d, s: b"")
-    assert "docs/trust.md" in e.value.hint
+    assert "`gpusnap key trust signer.pub`" in e.value.hint
+
+
+def test_without_a_policy_file_the_trusted_keys_decide(monkeypatch, tmp_path):
+    """This host's own key (made on first use) and those `gpusnap key trust`
+    added are accepted; another key's signature is refused with the two
+    commands that would trust it."""
+    monkeypatch.delenv(policy.POLICY_ENV, raising=False)
+    monkeypatch.setattr(policy, "DEFAULT_PATH", tmp_path / "none.json")
+    monkeypatch.setenv(hostkey.KEYS_ENV, str(tmp_path / "keys"))
+    mine = keys.load_private_key(hostkey.ensure())
+    assert (hostkey.private_path().stat().st_mode & 0o777) == 0o600
+    art = signature.build_artifact(mine, "reg.io/ckpt/app", DIGEST, 100)
+    ok = verify.check(policy.load(), REF, DIGEST, art.manifest, lambda d, s: art.blobs[d])
+    assert ok["verified"] and ok["key_id"] == keys.key_id(mine)
+    assert ok["policy"] == f"{hostkey.trusted_dir()} (no policy file)"
+
+    other = keys.generate("ed25519")
+    forged = signature.build_artifact(other, "reg.io/ckpt/app", DIGEST, 100)
+    with pytest.raises(GpusnapError, match="signed only by keys this host does not trust") as e:
+        verify.check(policy.load(), REF, DIGEST, forged.manifest, lambda d, s: forged.blobs[d])
+    assert "gpusnap key export" in e.value.hint and "gpusnap key trust" in e.value.hint
+    pub = tmp_path / "other.pub"
+    pub.write_bytes(keys.public_pem(other))
+    assert hostkey.trust(pub)[0] == keys.key_id(other)
+    ok = verify.check(policy.load(), REF, DIGEST, forged.manifest, lambda d, s: forged.blobs[d])
+    assert ok["key_id"] == keys.key_id(other)
+    assert hostkey.ensure() == hostkey.private_path()  # made once, kept
