@@ -23,8 +23,9 @@ def _human(r: dict) -> None:
     line = trust_line(r.get("trust"))
     if line:
         console.print(line)
-    console.print(f"  restore with: gpusnap restore {r['output']}  (or podman container restore "
-                  f"--import {r['output']})")
+    podman_too = "" if "--name" in r["restore_command"] else \
+        f"  (or podman container restore --import {r['output']})"
+    console.print(f"  restore with: {r['restore_command']}{podman_too}")
 
 
 def _human_prefetch(r: dict) -> None:
@@ -90,7 +91,22 @@ def pull_cmd(ref: str, output: str | None, no_cache: bool, prefetch: bool, trust
         result = ops.pull(ref, output, registry(), trust=trust, on_trusted=warn_skipped,
                           use_cache=not no_cache,
                           progress=bar.advance, total=bar.total)
+    result["restore_command"] = _restore_command(result["output"], result.get("container"))
     emit(as_json, result, _human)
+
+
+def _restore_command(output: str, name: str | None) -> str:
+    """What restores the archive here, as printed: --name where its container's
+    name is taken on this host (as push's line has it)."""
+    import shlex
+
+    from gpusnap.cli.push import free_name
+    from gpusnap.runtime import podman
+
+    args = ["gpusnap", "restore", output]
+    if name and podman.exists(name):
+        args += ["--name", free_name(name)]
+    return " ".join(shlex.quote(a) for a in args)
 
 
 COMMANDS = [pull_cmd]

@@ -91,7 +91,8 @@ def container_state(r: dict, leave_running: bool, pre_checkpoint: bool = False,
     return {"name": name, "status": status, "stopped": status != "running", "says": says}
 
 
-def _free_name(name: str) -> str:
+def free_name(name: str) -> str:
+    """NAME-2, NAME-3...: the first no container here has."""
     from gpusnap.runtime import podman
 
     n = 2
@@ -105,10 +106,10 @@ def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
     """The command that restores what was pushed, flags included; ``here``: on
     this host as it is now (a name in use gets --name). Also the name it avoided."""
     if r.get("format") == "podman":  # Podman restores it, with Podman's flags
-        tls = " --tls-verify=false" if opts.plain_http or opts.insecure else ""
-        key = " --decryption-key KEY" if (r.get("trust") or {}).get("encrypted") else ""
-        return (f"podman pull{tls}{key} {r['reference']} && "
-                f"podman container restore {r['reference']}"), None
+        from gpusnap.oci import podman_image
+
+        return podman_image.restore_command(r["reference"], opts, bool(
+            (r.get("trust") or {}).get("encrypted"))), None
     args = ["gpusnap", "restore", r["pinned"], *restore_flags(opts)]
     if (r.get("trust") or {}).get("encrypted") or (trust and trust.encrypts):
         args += ["--decrypt-key", "KEY"]
@@ -122,7 +123,7 @@ def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
 
         if podman.exists(name):
             renamed = name
-            args += ["--name", _free_name(name)]
+            args += ["--name", free_name(name)]
     return " ".join(shlex.quote(a) if a != "KEY" else a for a in args), renamed
 
 

@@ -19,8 +19,12 @@ import json
 import platform
 import subprocess
 import time
+from typing import TYPE_CHECKING
 
 from gpusnap.errors import GpusnapError
+
+if TYPE_CHECKING:
+    from gpusnap.oci.registry import RegistryOptions
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -118,7 +122,16 @@ def is_checkpoint_image(manifest_: dict) -> bool:
     return RUNTIME_NAME in (manifest_.get("annotations") or {})
 
 
-def summary(manifest_: dict, where: str) -> dict:
+def restore_command(where: str, opts: RegistryOptions | None = None,
+                    encrypted: bool = False) -> str:
+    """What restores a Podman checkpoint image, as printed for a user to run
+    (the registry flags in Podman's words; KEY stands for the recipient's key)."""
+    flags = opts.podman_flags() if opts is not None else ""
+    key = " --decryption-key KEY" if encrypted else ""
+    return f"podman pull{flags}{key} {where} && podman container restore {where}"
+
+
+def summary(manifest_: dict, where: str, opts: RegistryOptions | None = None) -> dict:
     """What `gpusnap inspect` can say from the manifest alone."""
     notes = manifest_.get("annotations") or {}
     layers = manifest_.get("layers") or []
@@ -132,4 +145,4 @@ def summary(manifest_: dict, where: str) -> dict:
                      "kernel": notes.get(PREFIX + "host.kernel")},
             "stored_bytes": sum(int(layer.get("size", 0)) for layer in layers),
             "annotations": notes,
-            "restore": f"podman pull {where} && podman container restore {where}"}
+            "restore": restore_command(where, opts)}

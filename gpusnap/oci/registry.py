@@ -49,6 +49,16 @@ class RegistryOptions:
     retries: int = 4
     backoff_s: float = 0.5
 
+    def podman_flags(self) -> str:
+        """These options in Podman's words, for a printed `podman pull` (a
+        password is asked by Podman itself, never printed)."""
+        flags = ["--tls-verify=false"] if self.plain_http or self.insecure else []
+        if self.username:
+            flags.append(f"--creds {shlex.quote(self.username)}")
+        elif self.authfile:
+            flags.append(f"--authfile {shlex.quote(self.authfile)}")
+        return "".join(" " + f for f in flags)
+
     def oras_flags(self) -> str:
         """These options in ORAS's words, for a printed `oras` command that must
         work as printed (a password is read from stdin, never printed)."""
@@ -443,8 +453,7 @@ class RegistryClient:
                     if got + len(piece) > size:
                         raise DigestMismatch(f"blob {digest} from {self.ref.registry} is longer "
                                              f"than the {size} bytes the manifest says",
-                                             "the registry's copy is damaged: push the "
-                                             "checkpoint again")
+                                             damaged(digest))
                     buf[got:got + len(piece)] = piece
                     got += len(piece)
                 break
@@ -503,6 +512,17 @@ class RegistryClient:
         return digest
 
 
+def damaged(digest: str) -> str:
+    """What repairs a blob whose bytes the registry serves damaged. A registry
+    keeps a blob it has (content-addressed, it takes a re-upload for the same
+    bytes), so pushing again alone sends nothing: the blob goes first."""
+    algo, _, hexd = digest.partition(":")
+    return (f"the registry's copy of blob {digest[:19]} is damaged, and a push sends nothing it "
+            "has: remove that blob on the registry's side (docker-registry: the folder "
+            f"docker/registry/v2/blobs/{algo}/{hexd[:2]}/{hexd} in its storage), then push the "
+            "checkpoint again (only that blob is sent)")
+
+
 def check_digest(data: bytes | bytearray, digest: str, what: str) -> None:
     algo, _, expected = digest.partition(":")
     if algo not in ("sha256", "sha512"):
@@ -510,4 +530,4 @@ def check_digest(data: bytes | bytearray, digest: str, what: str) -> None:
     got = hashlib.new(algo, data).hexdigest()
     if got != expected:
         raise DigestMismatch(f"{what} does not match its digest (got {algo}:{got[:12]}...)",
-                             "the registry's copy is damaged: push the checkpoint again")
+                             damaged(digest))

@@ -26,7 +26,7 @@ from gpusnap.oci.bundle import Chunk
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.lazy import need
 from gpusnap.oci.malloc import one_heap_for_all_threads
-from gpusnap.oci.registry import DigestMismatch, RegistryClient
+from gpusnap.oci.registry import DigestMismatch, RegistryClient, damaged
 
 if TYPE_CHECKING:  # cryptography: only where a checkpoint is encrypted
     from gpusnap.trust.encrypt import ChunkCipher
@@ -269,11 +269,10 @@ class Downloader(_Pool):
             raw = self._local.dctx.decompress(frame, max_output_size=chunk.size)
         except self._zstd.ZstdError as exc:
             raise GpusnapError(f"chunk {chunk.blob} of {self.client.ref} is not valid zstd "
-                               f"({exc})", "push the checkpoint again") from None
+                               f"({exc})", damaged(chunk.blob)) from None
         if len(raw) != chunk.size or sha256(raw) != chunk.digest:
             raise DigestMismatch(f"chunk {chunk.digest} of {self.client.ref} does not match its "
-                                 "digest after decompression",
-                                 "the registry's copy is damaged: push the checkpoint again")
+                                 "digest after decompression", damaged(chunk.blob))
         n = len(blob)
         self._count(chunk.size, n if source == "network" else 0, n if source == "cache" else 0,
                     n if source == "repeat" else 0)

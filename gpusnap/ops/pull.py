@@ -89,7 +89,11 @@ def open_remote(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None
             return remote
     client, body, media, digest = _read_manifest(ref_text, opts)
     where = str(client.ref)
-    manifest = fmt.parse_manifest(body, media, where)
+    try:
+        manifest = fmt.parse_manifest(body, media, where)
+    except fmt.PodmanCheckpointImage as image:  # Podman's to restore: its command, our flags
+        raise GpusnapError(image.message, f"restore it with "
+                           f"`{podman_image.restore_command(where, opts)}`") from None
     decision = trust_remote.check(client, digest, trust)
     blob = _config_blob(client, manifest)
     remote = _opened(client, digest, manifest, blob, private, decision)
@@ -168,7 +172,7 @@ def inspect(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = N
     try:
         manifest = fmt.parse_manifest(body, media, where)
     except fmt.PodmanCheckpointImage as image:  # described from its manifest alone
-        summary = podman_image.summary(image.manifest, where)
+        summary = podman_image.summary(image.manifest, where, opts)
         summary["trust"] = trust_remote.describe(client, digest, image.manifest)
         return summary
     facts = trust_remote.describe(client, digest, manifest)
@@ -345,7 +349,9 @@ def pull(ref_text: str, output: str | None, opts: RegistryOptions,
     if on_trusted:
         on_trusted(remote.trust)
     out = Path(output) if output else default_output(remote.client.ref)
-    return write_archive(remote, out, **kw)
+    result = write_archive(remote, out, **kw)
+    result["container"] = (remote.bundle.summary.get("container") or {}).get("name")
+    return result
 
 
 def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,

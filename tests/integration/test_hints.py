@@ -6,8 +6,10 @@ the real cause (the verb asked for, the reference typed, root, Ctrl-C).
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -161,4 +163,73 @@ def test_a_pre_copy_round_says_what_it_did(plain_registry, counter):
     assert res.returncode == 0, res
     assert f"container {counter}: checkpointed and still running: a pre-copy round" in res.stdout
     assert "push copies" not in res.stdout, res.stdout
+    wait_counter(counter, read_counter(counter))
+
+
+def test_a_podman_image_restore_hint_carries_the_registry_flags(plain_registry, counter):
+    """`push --format podman` to a plain-HTTP registry: `gpusnap restore` sends the
+    user to Podman with --tls-verify=false, and that line restores as printed."""
+    ref = plain_registry.ref(f"hints/podman-{uuid.uuid4().hex[:6]}:v1")
+    pushed = gpusnap_json("push", counter, ref, "--format", "podman", "--stop", "--plain-http")
+    assert "--tls-verify=false" in pushed["restore_command"], pushed["restore_command"]
+    podman("rm", counter)
+    res = gpusnap("restore", ref, "--plain-http")
+    assert_one_line_error(res, "is a Podman checkpoint image")
+    [command] = re.findall(r"`(podman pull [^`]+)`", res.stderr)
+    assert command == pushed["restore_command"]
+    try:
+        restored = shell(command)
+        assert restored.returncode == 0, restored
+        wait_counter(counter, read_counter(counter))
+    finally:
+        run(["podman", "rmi", "-f", ref])
+
+
+def test_the_pull_hint_restores_beside_the_running_original_as_printed(plain_registry, counter,
+                                                                       tmp_path):
+    ref = plain_registry.ref(f"hints/pull-{uuid.uuid4().hex[:6]}:v1")
+    gpusnap_json("push", counter, ref, "--plain-http")  # a copy: the original runs on
+    res = run([GPUSNAP, "pull", ref, "--plain-http", "-o", str(tmp_path / "c.tar.zst")])
+    assert res.returncode == 0, res
+    command = re.search(r"restore with: (.+?)(?:  \(|$)", res.stdout, re.M).group(1).strip()
+    assert f"--name {counter}-2" in command, command
+    try:
+        assert shell(command).returncode == 0, command
+        wait_counter(f"{counter}-2", 0)
+    finally:
+        run(["podman", "rm", "-f", "-t", "0", f"{counter}-2"])
+
+
+def test_a_damaged_blob_is_repaired_the_way_the_hint_says(registry, counter, tmp_path):
+    """A blob the registry serves damaged: pushing again alone sends nothing (the
+    registry has that digest); the hint's registry-side step, then a push, does."""
+    from tests.integration.oci_registry import PASSWORD
+
+    ref = registry.ref(f"hints/damaged-{uuid.uuid4().hex[:6]}:v1")
+    archive = tmp_path / "c.tar.zst"
+    gpusnap_json("checkpoint", counter, "--export", str(archive), "--leave-running")
+    podman("rm", "-f", "-t", "0", counter)
+
+    def gs(*args: str) -> subprocess.CompletedProcess:
+        return run([GPUSNAP, *args, *registry.flags()], input=PASSWORD + "\n")
+
+    assert gs("push", str(archive), ref).returncode == 0
+    manifest = json.loads(run(["oras", "manifest", "fetch", *registry.oras_flags(), ref],
+                              check=True).stdout)
+    layer = max(manifest["layers"], key=lambda l: l["size"])
+    blob = registry.blob_file(layer["digest"])
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    res = gs("restore", ref)
+    assert_one_line_error(res, "does not match its digest", hint="push the checkpoint again")
+    folder = re.search(r"the folder (\S+) in its storage", res.stderr).group(1)
+    assert folder == str(blob.parent.relative_to(registry.storage)), folder
+    # the step, as the registry's operator takes it; then the push sends that blob alone
+    shutil.rmtree(registry.storage / folder)
+    pushed = run([GPUSNAP, "push", str(archive), ref, *registry.flags(), "--json"],
+                 input=PASSWORD + "\n")
+    assert pushed.returncode == 0, pushed
+    assert json.loads(pushed.stdout)["chunks_sent"] == 1
+    assert gs("restore", ref).returncode == 0
     wait_counter(counter, read_counter(counter))

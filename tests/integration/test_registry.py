@@ -267,7 +267,7 @@ def test_corrupted_blob_is_a_digest_error_and_nothing_is_restored(registry, coun
         earlier = set(_staged())
         res = gs("restore", ref, *registry.flags())
         assert_one_line_error(res, "does not match its digest",
-                              hint="the registry's copy is damaged: push the checkpoint again")
+                              hint=f"the registry's copy of blob {layer['digest'][:19]} is damaged")
         assert podman("container", "exists", counter, check=False).returncode == 1
         assert not set(_staged()) - earlier, _staged()
         res = gs("pull", ref, "-o", str(tmp_path / "bad.tar.zst"), *registry.flags())

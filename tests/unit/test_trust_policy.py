@@ -103,6 +103,7 @@ def test_inline_key_data(tmp_path, signer):
 def test_missing_file_rejects_everything_unless_named(tmp_path, monkeypatch):
     monkeypatch.delenv(policy.POLICY_ENV, raising=False)
     monkeypatch.setattr(policy, "DEFAULT_PATH", tmp_path / "none.json")
+    monkeypatch.setenv(hostkey.KEYS_ENV, str(tmp_path / "keys"))  # no key trusted here
     p = policy.load()
     assert p.source is None and p.for_reference(ref("reg.io/a")).type == "reject"
     with pytest.raises(GpusnapError, match="no policy file"):
