@@ -4,7 +4,7 @@
 # Debian root filesystem of its own (rootfs.sh, cached) entered by chroot.sh.
 #   tests/matrix/run.sh [DIST:RUNTIME,RUNTIME ...]   default: trixie:crun,runc sid:crun,runc
 # (a root with containerd 2, sid's, also runs the shim's tests and the CRI path)
-# (see README, "Version matrix")
+# (see docs/version-matrix.md)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 [ "$(id -u)" = 0 ] || { echo "run.sh: run as root" >&2; exit 1; }
