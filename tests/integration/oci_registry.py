@@ -175,9 +175,11 @@ def permissive_policy(directory: Path) -> Path:
 def make_large_checkpoint(root: Path, size: int, seed: int = 1) -> int:
     """A Podman-shaped checkpoint directory with ``size`` bytes of memory pages that
     neither compress nor deduplicate, written fast: a 32 MiB random period whose
-    every 64 KiB is stamped with a running block number (no two chunks are
-    equal, and zstd finds no repeat inside one chunk, the period being longer
-    than the largest chunk). Returns the directory's total bytes."""
+    every 64 KiB is stamped with a running block number (no two chunks of the
+    chunker's minimum size are equal, and zstd finds no repeat inside one chunk,
+    the period being longer than the largest chunk; a segment's short last
+    chunk may fall between two stamps and repeat). Returns the directory's
+    total bytes."""
     ckpt = root / "checkpoint"
     ckpt.mkdir(parents=True)
     name = f"large-{seed}"
