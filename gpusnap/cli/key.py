@@ -77,8 +77,8 @@ def export_cmd(output: str | None, as_json: bool) -> None:
     told otherwise; made on first use). Copy it to another host and run
     `gpusnap key trust FILE` there: that host then restores what this one pushes."""
     from gpusnap.trust import hostkey, keys  # cryptography: only where keys are used
-    pem = hostkey.public_pem()
-    key_id = keys.key_id(keys.load_public_key(data=pem, where="this host's key"))
+    key = hostkey.signing_key()
+    pem, key_id = keys.public_pem(key), keys.key_id(key)
     if output:
         try:
             with open(output, "wb") as f:

@@ -100,13 +100,9 @@ def _restore_command(output: str, name: str | None) -> str:
     name is taken on this host (as push's line has it)."""
     import shlex
 
-    from gpusnap.cli.push import free_name
-    from gpusnap.runtime import podman
+    from gpusnap.cli.push import name_args
 
-    args = ["gpusnap", "restore", output]
-    if name and podman.exists(name):
-        args += ["--name", free_name(name)]
-    return " ".join(shlex.quote(a) for a in args)
+    return " ".join(shlex.quote(a) for a in ["gpusnap", "restore", output, *name_args(name)])
 
 
 COMMANDS = [pull_cmd]

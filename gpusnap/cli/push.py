@@ -91,14 +91,20 @@ def container_state(r: dict, leave_running: bool, pre_checkpoint: bool = False,
     return {"name": name, "status": status, "stopped": status != "running", "says": says}
 
 
-def free_name(name: str) -> str:
-    """NAME-2, NAME-3...: the first no container here has."""
+def name_args(name: str | None) -> list[str]:
+    """``--name NAME-2`` (the first NAME-N no container here has) where a
+    container named ``name`` exists on this host, else nothing (nor where
+    Podman is not installed: then no name is taken)."""
+    if not name or shutil.which("podman") is None:
+        return []
     from gpusnap.runtime import podman
 
+    if not podman.exists(name):
+        return []
     n = 2
     while podman.exists(f"{name}-{n}"):
         n += 1
-    return f"{name}-{n}"
+    return ["--name", f"{name}-{n}"]
 
 
 def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
@@ -118,12 +124,9 @@ def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
     renamed = None
     if notes.get("io.gpusnap.engine") == "containerd":  # into containerd: say where
         args += ["--to", f"containerd://NAMESPACE/{name or 'ID'}"]
-    elif here and name and shutil.which("podman"):
-        from gpusnap.runtime import podman
-
-        if podman.exists(name):
-            renamed = name
-            args += ["--name", free_name(name)]
+    elif here and (other := name_args(name)):
+        renamed = name
+        args += other
     return " ".join(shlex.quote(a) if a != "KEY" else a for a in args), renamed
 
 

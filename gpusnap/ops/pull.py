@@ -222,7 +222,7 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
     ``cancel`` set stops it between two chunks (the reader gave up).
     ``prepared``: pages files written ahead on this host (ops/prepared_pages.py),
     linked or patched instead of written anew. ``edits``: files written as
-    given instead of fetched (a restore onto moved GPUs: _device_edits), and
+    given instead of fetched (a restore onto moved GPUs: retarget.edit_members), and
     one the bundle lacks added before the first file of its folder."""
     edits = edits or {}
     cache = ChunkCache.open(cache_root) if use_cache else None
@@ -371,9 +371,9 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
     target = name or (remote.bundle.summary.get("container") or {}).get("name")
     taken = name_taken or (lambda: podman.exists(target))  # name_taken: asked for --name
     if target and taken():  # --dry-run too: a check the restore makes
-        from gpusnap.ops.restore import name_taken
+        from gpusnap.ops import restore as ops_restore
 
-        raise name_taken(target)
+        raise ops_restore.name_taken(target)
     from gpusnap.gpu.manifest import Manifest
     from gpusnap.ops.gpu_plan import plan_here
 

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -94,15 +94,22 @@ def _stop(proc: subprocess.Popen) -> str:
     except ProcessLookupError:
         pass
     if proc.stderr is None or proc.stderr.closed:
-        proc.wait()
+        _reap(proc)
         return ""
     try:  # a pump's own child (zstd) that kept stderr open: not waited for ever
         err = proc.communicate(timeout=Bound.of("STOP").seconds)[1]
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()  # SIGKILLed: returns at once
+        _reap(proc)
         err = b""
     return (err or b"").decode(errors="replace").strip()
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Wait for a SIGKILLed process, within STOP's bound: one stuck in the kernel
+    (a hung disk under its write) is left to exit later, not waited on for ever."""
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=Bound.of("STOP").seconds)
 
 
 DISK_FULL = "No space left on device"

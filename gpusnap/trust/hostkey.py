@@ -51,9 +51,9 @@ def ensure() -> Path:
     return priv
 
 
-def public_pem() -> bytes:
-    """This host's public key (PEM), its key pair made first where missing."""
-    return keys.public_pem(keys.load_private_key(ensure()))
+def signing_key() -> keys.PrivateKey:
+    """This host's signing key, its key pair made first where missing."""
+    return keys.load_private_key(ensure())
 
 
 def trust(pub: str | Path) -> tuple[str, Path]:

@@ -175,13 +175,19 @@ def verify_artifact(body: bytes, fetch: FetchBlob, repository: str, manifest_dig
         raise GpusnapError(f"{where}: its signature manifest holds no signature",
                            "sign it again (`gpusnap push --sign-key`)")
     names = ", ".join(keys.short_id(k) or "(no key id)" for k in seen)
-    raise UntrustedSigner(f"{where} is signed only by keys the policy does not trust ({names})",
-                          "add the signer's public key to the policy's keyPaths for this "
-                          "repository (`gpusnap key id FILE.pub` prints a key's id)")
+    refused = UntrustedSigner(f"{where} is signed only by keys the policy does not trust "
+                              f"({names})", "add the signer's public key to the policy's "
+                              "keyPaths for this repository (`gpusnap key id FILE.pub` prints "
+                              "a key's id)")
+    refused.where, refused.key_ids = where, names
+    raise refused
 
 
 class UntrustedSigner(GpusnapError):
-    """Signed, but by no key the policy trusts."""
+    """Signed, but by no key the policy trusts; ``where`` and the signers'
+    ``key_ids`` for a caller that words the refusal for its own trust."""
+
+    where = key_ids = ""
 
 
 def _verify_layer(layer: dict, notes: Mapping, fetch: FetchBlob, public: keys.PublicKey,

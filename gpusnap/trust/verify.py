@@ -52,8 +52,7 @@ def check(policy: Policy, ref: Reference, manifest_digest: str, signature_manife
     except signature.UntrustedSigner as exc:
         if policy.source is not None:
             raise
-        raise GpusnapError(exc.message.replace("keys the policy does not trust",
-                                               "keys this host does not trust"),
-                           f"{TRUST_STEPS}; nothing was restored") from None
+        raise GpusnapError(f"{exc.where} is signed only by keys this host does not trust "
+                           f"({exc.key_ids})", f"{TRUST_STEPS}; nothing was restored") from None
     return {**base, "verified": True, "skipped": False, "key_id": ok.key_id,
             "algorithm": ok.algorithm}
