@@ -115,7 +115,9 @@ def test_push_stopped_by_a_dead_registry_resumes_with_what_it_lacked(registry, s
               f"when it died; the re-run sent {again['chunks_sent']} "
               f"({again['bytes_sent']} bytes)")
     assert 0 < len(lacked) < len(layers)
-    assert again["chunks"] == len(listed)
+    # the manifest lists each distinct blob once; a chunk that repeats (a segment's
+    # short tail between two stamps of the test data) is one of them
+    assert again["layers"] == len(listed) <= again["chunks"]
     assert again["chunks_sent"] == len(lacked)
     assert again["bytes_sent"] == sum(lacked.values())
 
