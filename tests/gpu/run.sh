@@ -39,7 +39,7 @@ else
 fi
 # Every test has a timeout (pytest-timeout, tests/gpu/conftest.py): a hang fails
 # with its stack in the log instead of eating the device call.
-$PY -m pytest -v -p no:cacheprovider -m gpu ${GPUSNAP_PYTEST_TARGETS:-$TARGETS} \
+$PY -m pytest -v --durations=0 -p no:cacheprovider -m gpu ${GPUSNAP_PYTEST_TARGETS:-$TARGETS} \
   --junitxml="$LOGDIR/gpu-tests.xml" > "$LOGDIR/gpu-tests.log" 2>&1
 rc=$?
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$LOGDIR/gpu-tests.log" | tail -20
