@@ -15,7 +15,8 @@ import pytest
 DEMO_IMAGE = "localhost/gpusnap-demo:latest"
 GPUSNAP = "/usr/local/bin/gpusnap"
 # Written to a new file and renamed: a reader never sees the file truncated and empty.
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.05; done"
+# /tmp/born: a token written once at start; a restore keeps it, a restart replaces it.
+COUNTER = "cat /proc/sys/kernel/random/uuid > /tmp/born; i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.05; done"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -87,6 +88,18 @@ def wait_counter(name: str, above: int, timeout: float = 10.0) -> int:
             return value
         time.sleep(0.05)
     raise AssertionError(f"counter of {name} stayed at {value}, expected > {above}")
+
+
+def born(name: str) -> str:
+    """The token the container's process wrote when it started (COUNTER)."""
+    return podman("exec", name, "cat", "/tmp/born").stdout.strip()
+
+
+def assert_continued(name: str, before: int, token: str, timeout: float = 10.0) -> None:
+    """``name`` runs the process that counted to ``before`` and wrote ``token``:
+    restored, not started again (a fresh start writes a new token and counts from 1)."""
+    wait_counter(name, before, timeout)
+    assert born(name) == token, f"{name} was started afresh, not restored"
 
 
 def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str,

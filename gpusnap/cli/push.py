@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import shutil
 from typing import Callable
 
 import click
@@ -92,19 +91,10 @@ def container_state(r: dict, leave_running: bool, pre_checkpoint: bool = False,
 
 
 def name_args(name: str | None) -> list[str]:
-    """``--name NAME-2`` (the first NAME-N no container here has) where a
-    container named ``name`` exists on this host, else nothing (nor where
-    Podman is not installed: then no name is taken)."""
-    if not name or shutil.which("podman") is None:
-        return []
-    from gpusnap.runtime import podman
+    """``--name NAME-2`` where a container named ``name`` exists here, else nothing."""
+    from gpusnap.ops.restore import free_name
 
-    if not podman.exists(name):
-        return []
-    n = 2
-    while podman.exists(f"{name}-{n}"):
-        n += 1
-    return ["--name", f"{name}-{n}"]
+    return ["--name", new] if (new := free_name(name)) else []
 
 
 def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
@@ -114,8 +104,12 @@ def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
     if r.get("format") == "podman":  # Podman restores it, with Podman's flags
         from gpusnap.oci import podman_image
 
+        from gpusnap.ops.restore import free_name
+
+        taken = r.get("container") if here else None
+        rename = free_name(taken)
         return podman_image.restore_command(r["reference"], opts, bool(
-            (r.get("trust") or {}).get("encrypted"))), None
+            (r.get("trust") or {}).get("encrypted")), rename=rename), taken if rename else None
     args = ["gpusnap", "restore", r["pinned"], *restore_flags(opts)]
     if (r.get("trust") or {}).get("encrypted") or (trust and trust.encrypts):
         args += ["--decrypt-key", "KEY"]

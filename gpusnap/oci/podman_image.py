@@ -15,6 +15,8 @@ The layer is zstd (Podman 4 pulls zstd layers), uploaded while it is made.
 
 from __future__ import annotations
 
+import shlex
+
 import json
 import platform
 import subprocess
@@ -122,16 +124,24 @@ def is_checkpoint_image(manifest_: dict) -> bool:
     return RUNTIME_NAME in (manifest_.get("annotations") or {})
 
 
+def container_name(manifest_: dict) -> str | None:
+    """The name of the container the image was made from (Podman's annotation)."""
+    return (manifest_.get("annotations") or {}).get(NAME)
+
+
 def restore_command(where: str, opts: RegistryOptions | None = None,
-                    encrypted: bool = False) -> str:
+                    encrypted: bool = False, rename: str | None = None) -> str:
     """What restores a Podman checkpoint image, as printed for a user to run
-    (the registry flags in Podman's words; KEY stands for the recipient's key)."""
+    (the registry flags in Podman's words; KEY stands for the recipient's key;
+    ``rename``: the --name to restore under, where the container's is taken)."""
     flags = opts.podman_flags() if opts is not None else ""
     key = " --decryption-key KEY" if encrypted else ""
-    return f"podman pull{flags}{key} {where} && podman container restore {where}"
+    name = f" --name {shlex.quote(rename)}" if rename else ""
+    return f"podman pull{flags}{key} {where} && podman container restore{name} {where}"
 
 
-def summary(manifest_: dict, where: str, opts: RegistryOptions | None = None) -> dict:
+def summary(manifest_: dict, where: str, opts: RegistryOptions | None = None,
+            rename: str | None = None) -> dict:
     """What `gpusnap inspect` can say from the manifest alone."""
     notes = manifest_.get("annotations") or {}
     layers = manifest_.get("layers") or []
@@ -145,4 +155,4 @@ def summary(manifest_: dict, where: str, opts: RegistryOptions | None = None) ->
                      "kernel": notes.get(PREFIX + "host.kernel")},
             "stored_bytes": sum(int(layer.get("size", 0)) for layer in layers),
             "annotations": notes,
-            "restore": restore_command(where, opts)}
+            "restore": restore_command(where, opts, rename=rename)}

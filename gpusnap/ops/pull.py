@@ -26,6 +26,7 @@ from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.tarfiles import ArchiveWriter, PipeWriter, ReaderStopped
 from gpusnap.oci.transfer import Downloader, Progress
 from gpusnap.ops import prepared_pages
+from gpusnap.ops import restore as ops_restore
 from gpusnap.runtime import memory, podman, retarget
 from gpusnap.runtime import stream as stream_module
 from gpusnap.runtime.storage import PULL_PREFIX, discard, fifo_dir, pages_dir, staging_dir
@@ -92,8 +93,9 @@ def open_remote(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None
     try:
         manifest = fmt.parse_manifest(body, media, where)
     except fmt.PodmanCheckpointImage as image:  # Podman's to restore: its command, our flags
+        rename = ops_restore.free_name(podman_image.container_name(image.manifest))
         raise GpusnapError(image.message, f"restore it with "
-                           f"`{podman_image.restore_command(where, opts)}`") from None
+                           f"`{podman_image.restore_command(where, opts, rename=rename)}`") from None
     decision = trust_remote.check(client, digest, trust)
     blob = _config_blob(client, manifest)
     remote = _opened(client, digest, manifest, blob, private, decision)
@@ -172,7 +174,8 @@ def inspect(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = N
     try:
         manifest = fmt.parse_manifest(body, media, where)
     except fmt.PodmanCheckpointImage as image:  # described from its manifest alone
-        summary = podman_image.summary(image.manifest, where, opts)
+        rename = ops_restore.free_name(podman_image.container_name(image.manifest))
+        summary = podman_image.summary(image.manifest, where, opts, rename)
         summary["trust"] = trust_remote.describe(client, digest, image.manifest)
         return summary
     facts = trust_remote.describe(client, digest, manifest)
@@ -371,8 +374,6 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
     target = name or (remote.bundle.summary.get("container") or {}).get("name")
     taken = name_taken or (lambda: podman.exists(target))  # name_taken: asked for --name
     if target and taken():  # --dry-run too: a check the restore makes
-        from gpusnap.ops import restore as ops_restore
-
         raise ops_restore.name_taken(target)
     from gpusnap.gpu.manifest import Manifest
     from gpusnap.ops.gpu_plan import plan_here
@@ -432,7 +433,6 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     first ``opens`` opens get a tar of ``files`` (config.dump, spec.dump)."""
     from gpusnap import archive as archive_files
     from gpusnap.criu.version import require_supported
-    from gpusnap.ops import restore as ops_restore
 
     require_supported("restore")
     contents = archive_files.CheckpointContents(source=str(remote.client.ref), files=dict(files))
@@ -540,7 +540,6 @@ def _restore_staged(remote: Remote, plan, name: str | None, keep: bool, tcp_esta
     the download, not again) as `gpusnap restore FILE` does."""
     from gpusnap import archive as archive_files
     from gpusnap.criu.version import require_supported
-    from gpusnap.ops import restore as ops_restore
 
     require_supported("restore")
     work = Path(tempfile.mkdtemp(prefix=PULL_PREFIX,
@@ -569,7 +568,6 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     ``pull``: PULL_MISSING or PULL_ALWAYS (open_remote). ``facts`` and
     ``name_taken``: Podman's answers, asked in the background by the caller
     (else here, while the registry is asked)."""
-    from gpusnap.ops import restore as ops_restore
 
     facts = facts or podman.ask_host_facts()
     if name_taken is None and name:

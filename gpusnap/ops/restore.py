@@ -58,6 +58,18 @@ def name_taken(target: str) -> GpusnapError:
                         "which stops it first if it runs)")
 
 
+def free_name(name: str | None) -> str | None:
+    """NAME-N, the first no container here has, where a container named ``name``
+    exists on this host; None where it does not (or Podman is not installed,
+    so no name is taken): what a printed restore line adds as --name."""
+    if not name or shutil.which("podman") is None or not podman.exists(name):
+        return None
+    n = 2
+    while podman.exists(f"{name}-{n}"):
+        n += 1
+    return f"{name}-{n}"
+
+
 def plan_report(source: str, plan: Plan) -> dict:
     return {"source": source, "dry_run": True, "remap": plan.needs_remap,
             "moves": plan.describe(), "plan": plan.to_dict()}

@@ -215,9 +215,12 @@ class Tracker:
         self._update(force=False, bytes_done=int(self.state.get("bytes_done") or 0) + raw)
 
     def done(self, result: dict) -> None:
-        done = result.get("bytes", self.state.get("bytes_done"))  # the files, no tar headers
+        # In the unit progress counted and `--detach` announced (the staged
+        # archive, tar headers in): a size that changed at the end would read
+        # as a different checkpoint. The files' own size stays in the result.
+        total = self.state.get("bytes_total") or result.get("bytes") or self.state.get("bytes_done")
         self._update(phase="done", pushed_after_s=self._since_start(), result=result,
-                     bytes_done=done, bytes_total=done)
+                     bytes_done=total, bytes_total=total)
         self._journal()
 
     def failed(self, error: str, hint: str | None) -> None:

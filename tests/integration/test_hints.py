@@ -20,8 +20,8 @@ import pytest
 
 from gpusnap.cli.main import VERBS
 from gpusnap.procs import process_tree
-from tests.conftest import (GPUSNAP, assert_one_line_error, gpusnap, gpusnap_json, podman,
-                            read_counter, run, wait_counter)
+from tests.conftest import (GPUSNAP, assert_continued, assert_one_line_error, born, gpusnap,
+                            gpusnap_json, podman, read_counter, run, wait_counter)
 from tests.integration.oci_registry import make_registry
 
 pytestmark = pytest.mark.usefixtures("cache_dir")  # each test its own chunk cache
@@ -167,21 +167,26 @@ def test_a_pre_copy_round_says_what_it_did(plain_registry, counter):
 
 
 def test_a_podman_image_restore_hint_carries_the_registry_flags(plain_registry, counter):
-    """`push --format podman` to a plain-HTTP registry: `gpusnap restore` sends the
-    user to Podman with --tls-verify=false, and that line restores as printed."""
+    """`push --format podman` to a plain-HTTP registry: its line, and the one
+    `gpusnap restore` gives to send the user to Podman, carry --tls-verify=false,
+    and --name where the container's name is taken; each restores as printed."""
     ref = plain_registry.ref(f"hints/podman-{uuid.uuid4().hex[:6]}:v1")
+    before, token = read_counter(counter), born(counter)
     pushed = gpusnap_json("push", counter, ref, "--format", "podman", "--stop", "--plain-http")
-    assert "--tls-verify=false" in pushed["restore_command"], pushed["restore_command"]
-    podman("rm", counter)
-    res = gpusnap("restore", ref, "--plain-http")
-    assert_one_line_error(res, "is a Podman checkpoint image")
-    [command] = re.findall(r"`(podman pull [^`]+)`", res.stderr)
-    assert command == pushed["restore_command"]
+    command = pushed["restore_command"]
+    assert "--tls-verify=false" in command and f"--name {counter}-2" in command, command
     try:
-        restored = shell(command)
-        assert restored.returncode == 0, restored
-        wait_counter(counter, read_counter(counter))
+        assert shell(command).returncode == 0, command  # beside the stopped original
+        assert_continued(f"{counter}-2", before, token)
+        podman("rm", "-f", "-t", "0", counter, f"{counter}-2")
+        res = gpusnap("restore", ref, "--plain-http")
+        assert_one_line_error(res, "is a Podman checkpoint image")
+        [command] = re.findall(r"`(podman pull [^`]+)`", res.stderr)
+        assert command == pushed["restore_command"].replace(f" --name {counter}-2", "")
+        assert shell(command).returncode == 0, command
+        assert_continued(counter, before, token)
     finally:
+        run(["podman", "rm", "-f", "-t", "0", f"{counter}-2"])
         run(["podman", "rmi", "-f", ref])
 
 
@@ -233,3 +238,204 @@ def test_a_damaged_blob_is_repaired_the_way_the_hint_says(registry, counter, tmp
     assert json.loads(pushed.stdout)["chunks_sent"] == 1
     assert gs("restore", ref).returncode == 0
     wait_counter(counter, read_counter(counter))
+
+
+# -- The README's examples, as a user types them ------------------------------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_REF = "reg.example.com/ckpt/app:v1"
+
+
+def readme_examples() -> list[str]:
+    """Every command line of the README's "Use" section, its comment cut off."""
+    use = README.read_text().split("\n## Use\n", 1)[1].split("\n## ", 1)[0]
+    return [re.sub(r"\s+#.*", "", line).strip()
+            for block in re.findall(r"```sh\n(.*?)```", use, re.S)
+            for line in block.splitlines() if line.strip()]
+
+
+def as_typed(example: str, ctr: str, ref: str) -> str:
+    """The example with its placeholders filled in: the container, the loopback
+    registry (plain HTTP, so --plain-http as the README says), the fuller form
+    of [optional] parts, the first of alternatives; the archive keeps its name."""
+    typed = example.replace("CTR|ctr.tar.zst|DIR", "CTR")
+    typed = re.sub(r"\[([^\]]+)\]", r"\1", typed)
+    typed = typed.replace(README_REF, f"{ref} --plain-http")
+    typed = re.sub(r"\bNEW\b", f"{ctr}-new", typed)
+    return re.sub(r"\bCTR\b", ctr, typed)
+
+
+def status(name: str) -> str:
+    return podman("inspect", "-f", "{{.State.Status}}", name).stdout.strip()
+
+
+class Example:
+    """One README line run in ``cwd`` against the running container ``ctr``."""
+
+    def __init__(self, line: str, ctr: str, ref: str, cwd: Path):
+        self.typed, self.ctr, self.ref, self.cwd = as_typed(line, ctr, ref), ctr, ref, cwd
+        self.before, self.token = read_counter(ctr), born(ctr)
+
+    def run(self) -> subprocess.CompletedProcess:
+        res = run(["bash", "-c", self.typed], cwd=self.cwd)
+        assert "Traceback" not in res.stdout + res.stderr, (self.typed, res)
+        return res
+
+    def ok(self) -> subprocess.CompletedProcess:
+        res = self.run()
+        assert res.returncode == 0, (self.typed, res.stdout, res.stderr)
+        return res
+
+    def archived(self, leave_running: bool = False) -> None:
+        """ctr.tar.zst of the container, its name then free unless ``leave_running``."""
+        gpusnap_json("checkpoint", self.ctr, "--export", str(self.cwd / "ctr.tar.zst"),
+                     *(["--leave-running"] if leave_running else []))
+        if not leave_running:
+            podman("rm", self.ctr)
+
+    def pushed(self) -> None:
+        """The container in the registry, moved there (its name free here)."""
+        gpusnap_json("push", self.ctr, self.ref, "--plain-http", "--stop")
+        podman("rm", self.ctr)
+
+    def continued(self, name: str | None = None) -> None:
+        assert_continued(name or self.ctr, self.before, self.token)
+
+
+def _podman_checkpoint(ex: Example) -> None:
+    ex.ok()
+    assert (ex.cwd / "ctr.tar.zst").stat().st_size > 0 and status(ex.ctr) == "exited"
+
+
+def _podman_restore(ex: Example) -> None:
+    ex.archived()
+    ex.ok()
+    ex.continued()
+
+
+def _checkpoint(ex: Example) -> None:
+    ex.ok()
+    assert (ex.cwd / "ctr.tar.zst").stat().st_size > 0
+    ex.continued()  # --leave-running
+
+
+def _restore_new_name(ex: Example) -> None:
+    ex.archived(leave_running=True)
+    ex.ok()
+    ex.continued(f"{ex.ctr}-new")  # a copy beside the original, which runs on
+    assert status(ex.ctr) == "running"
+
+
+def _dry_run(ex: Example) -> None:
+    ex.archived()
+    res = ex.ok()
+    assert "checks passed" in res.stdout, res.stdout
+    assert podman("container", "exists", ex.ctr, check=False).returncode == 1
+
+
+def _gpu_map_without_gpus(ex: Example) -> None:  # the GPU path is proven in tests/gpu
+    ex.archived()
+    assert_one_line_error(ex.run(), "the checkpoint holds no GPU state", hint="drop --gpu-map")
+
+
+def _gpu_verb_without_gpus(ex: Example) -> None:
+    res = ex.run()
+    verbs = re.findall(r"`gpusnap (\w+)` applies to containers that use an NVIDIA GPU", res.stderr)
+    assert res.returncode == 1 and verbs == re.findall(r"gpusnap (\w+)", ex.typed), res.stderr
+    ex.continued()
+
+
+def _inspect_archive(ex: Example) -> None:
+    ex.archived()
+    assert ex.ctr in ex.ok().stdout
+
+
+def _gpus(ex: Example) -> None:
+    assert "GPU" in ex.ok().stdout
+
+
+def _doctor(ex: Example) -> None:
+    assert "No errors" in ex.ok().stdout
+
+
+def _push(ex: Example) -> None:
+    assert f"container {ex.ctr}: checkpointed and still running" in ex.ok().stdout
+    ex.continued()
+
+
+def _inspect_ref(ex: Example) -> None:
+    ex.pushed()
+    assert ex.ctr in ex.ok().stdout
+
+
+def _pull(ex: Example) -> None:
+    ex.pushed()
+    ex.ok()
+    res = run(["podman", "container", "restore", "--import", "ctr.tar.zst"], cwd=ex.cwd)
+    assert res.returncode == 0, res  # "an archive Podman imports"
+    ex.continued()
+
+
+def _restore_ref(ex: Example) -> None:
+    ex.pushed()
+    ex.ok()
+    ex.continued()
+
+
+def _migrate(ex: Example) -> None:
+    res = ex.ok()
+    assert status(ex.ctr) == "exited"
+    [command] = re.findall(r"^\s*(gpusnap restore .+)$", res.stdout, re.M)
+    podman("rm", ex.ctr)  # the target host has no such container
+    assert run(["bash", "-c", command]).returncode == 0, command
+    ex.continued()
+
+
+def _push_podman_image(ex: Example) -> None:
+    res = ex.ok()
+    [command] = re.findall(r"restore with: (podman pull .+)$", res.stdout, re.M)
+    try:
+        restored = run(["bash", "-c", command])
+        assert restored.returncode == 0, (command, restored)
+        ex.continued(re.search(r"--name (\S+)", command).group(1))  # beside the original
+    finally:
+        run(["podman", "rmi", "-f", ex.ref])
+
+
+EXAMPLES = {
+    "podman container checkpoint --export ctr.tar.zst CTR": _podman_checkpoint,
+    "podman container restore --import ctr.tar.zst": _podman_restore,
+    "gpusnap checkpoint CTR --export ctr.tar.zst [--leave-running]": _checkpoint,
+    "gpusnap restore ctr.tar.zst [--name NEW]": _restore_new_name,
+    "gpusnap restore ctr.tar.zst --dry-run": _dry_run,
+    "gpusnap restore ctr.tar.zst --gpu-map 0=1": _gpu_map_without_gpus,
+    "gpusnap move CTR --gpu 1": _gpu_verb_without_gpus,
+    "gpusnap inspect ctr.tar.zst": _inspect_archive,
+    "gpusnap freeze CTR; gpusnap thaw CTR": _gpu_verb_without_gpus,
+    "gpusnap gpus": _gpus,
+    "gpusnap doctor [--fix]": _doctor,
+    f"gpusnap push CTR|ctr.tar.zst|DIR {README_REF}": _push,
+    f"gpusnap inspect {README_REF}": _inspect_ref,
+    f"gpusnap pull {README_REF} -o ctr.tar.zst": _pull,
+    f"gpusnap restore {README_REF}": _restore_ref,
+    f"gpusnap migrate CTR {README_REF}": _migrate,
+    f"gpusnap push --format podman CTR {README_REF}": _push_podman_image,
+}
+
+
+@pytest.mark.parametrize("line", readme_examples())
+def test_the_readme_example_works_as_typed(line, plain_registry, counter, tmp_path):
+    """Each example of the README's Use section, run through a shell as typed
+    (placeholders filled in), does what its comment says; on this host without
+    GPUs the GPU verbs give their one line."""
+    assert line in EXAMPLES, f"a README example no test runs: add it to EXAMPLES: {line}"
+    ref = plain_registry.ref(f"readme/app-{uuid.uuid4().hex[:6]}:v1")
+    try:
+        EXAMPLES[line](Example(line, counter, ref, tmp_path))
+    finally:
+        for extra in ("-new", "-2"):
+            run(["podman", "rm", "-f", "-t", "0", counter + extra])
+
+
+def test_every_readme_example_has_its_test():
+    assert set(readme_examples()) == set(EXAMPLES)

@@ -108,9 +108,10 @@ def test_tracker_records_the_phases(state_dir):
     assert state["phase"] == "uploading" and state["bytes_total"] == 2000
     assert state["checkpointed_after_s"] >= 0 and state["export"] == "/x/checkpoint.tar"
     tracker.advance(500, 100)
-    tracker.done({"digest": "sha256:ab", "bytes": 2000})
+    tracker.done({"digest": "sha256:ab", "bytes": 1800})  # the files, no tar headers
     state = uploads.read(path)
     assert state["phase"] == "done" and state["result"]["digest"] == "sha256:ab"
+    assert state["bytes_done"] == state["bytes_total"] == 2000  # as announced at checkpointed
     assert state["pushed_after_s"] >= state["checkpointed_after_s"]
     from gpusnap import journal
     assert [e["phase"] for e in journal.read() if e["event"] == "background-upload"] == \
