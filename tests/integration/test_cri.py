@@ -201,7 +201,7 @@ def gpusnap(*args: str) -> dict:
     return json.loads(res.stdout)
 
 
-def test_kubelet_checkpoint_pushed_and_restored_into_a_new_pod_counts_on(containerd, registry, tmp_path):
+def test_cri_checkpoint_pushed_and_restored_into_a_new_pod_counts_on(containerd, registry, tmp_path):
     reg, host = registry
     cri = containerd.cri
     image = f"{host}/demo:1"

@@ -20,7 +20,7 @@ from tests.unit.spec_samples import (BDF2, EXPORT, allow, devices_of, move_0_to_
 STAND_IN = DeviceRemap(nodes=(NodeChange("/dev/nvidia0", "/dev/nvidia1", (1, 5), (1, 9)),))
 
 
-def test_a_real_podman_spec_is_rewritten_and_still_restorable():
+def test_a_real_podman_spec_is_rewritten_keeping_its_mounts_and_annotations():
     spec = podman_spec()
     before = copy.deepcopy(spec)
     out = rewrite_spec(spec, STAND_IN, ext_keys=external_mount_keys(EXPORT / "checkpoint"))
