@@ -51,7 +51,13 @@ def pages_kept_only_where_asked():
         os.environ["GPUSNAP_KEEP_PAGES"] = before
 
 
+# Past this a command fails its test naming itself (TimeoutExpired), before
+# pytest-timeout's 900 s would fail it with a stack; a test may pass its own.
+RUN_BOUND_S = 600
+
+
 def run(cmd: list[str], check: bool = False, **kw) -> subprocess.CompletedProcess:
+    kw.setdefault("timeout", RUN_BOUND_S)
     res = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if check and res.returncode != 0:
         raise AssertionError(f"{cmd} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
@@ -95,11 +101,14 @@ def born(name: str) -> str:
     return podman("exec", name, "cat", "/tmp/born").stdout.strip()
 
 
-def assert_continued(name: str, before: int, token: str, timeout: float = 10.0) -> None:
-    """``name`` runs the process that counted to ``before`` and wrote ``token``:
-    restored, not started again (a fresh start writes a new token and counts from 1)."""
-    wait_counter(name, before, timeout)
-    assert born(name) == token, f"{name} was started afresh, not restored"
+def assert_continued(name: str, before: int, token: str, timeout: float = 10.0) -> int:
+    """``name`` runs the process that counted to ``before`` (read before the
+    checkpoint) and wrote ``token``: restored, not started again. A fresh start
+    writes a new token and counts from 1. Returns the first value read."""
+    first = wait_counter(name, -1, timeout)  # up: the token is written before the first count
+    assert born(name) == token, f"{name} was started afresh, not restored (new /tmp/born)"
+    assert first >= before, f"{name} counted from {first}, below {before}: started afresh"
+    return first
 
 
 def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str,

@@ -73,7 +73,7 @@ class PlainRegistry:
         """SIGKILL: a crash, storage kept."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+            self.proc.wait(timeout=30)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

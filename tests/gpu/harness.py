@@ -23,7 +23,7 @@ DRIVER_DIR = "/usr/local/nvidia"
 
 
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    res = subprocess.run(list(args), capture_output=True, text=True)
+    res = subprocess.run(list(args), capture_output=True, text=True, timeout=600)
     if check and res.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed: {res.stderr.strip()}")
     return res

@@ -31,7 +31,7 @@ def _free_port() -> int:
 def _htpasswd(user: str, password: str) -> str:
     if shutil.which("htpasswd"):
         return subprocess.run(["htpasswd", "-Bbn", user, password], capture_output=True,
-                              text=True, check=True).stdout.strip() + "\n"
+                              text=True, check=True, timeout=60).stdout.strip() + "\n"
     import bcrypt  # apache2-utils missing: same $2y$ bcrypt line
 
     # Cost 5, htpasswd -B's default: docker-registry checks the hash on every
@@ -47,7 +47,7 @@ def _certificate(d: Path) -> tuple[Path, Path]:
                     "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "2", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   capture_output=True, check=True)
+                   capture_output=True, check=True, timeout=60)
     return cert, key
 
 
@@ -107,7 +107,7 @@ class Registry:
         """SIGKILL, as a crash or a pulled plug would stop it (storage kept)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+            self.proc.wait(timeout=30)
 
     def linked_blobs(self, repository: str) -> set[str]:
         """Blobs the repository holds: what a HEAD there answers 200 for."""

@@ -32,18 +32,41 @@ def containerd():
         yield c
 
 
+def _event_lines(proc: subprocess.Popen) -> list[str]:
+    """`ctr events`' lines as they come (a thread reads them: no read blocks the test)."""
+    import threading
+
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                     daemon=True).start()
+    return lines
+
+
+def _until_seen(lines: list[str], needle: str, poke=None, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(needle in line for line in list(lines)):
+        assert time.monotonic() < deadline, f"no {needle!r} event in {lines}"
+        if poke:
+            poke()
+        time.sleep(0.05)
+
+
 def test_run_rm_stdio_exit_code_and_events(containerd):
     events = subprocess.Popen(["ctr", "--address", containerd.address, "events"], stdout=subprocess.PIPE,
                               text=True, env=containerd.env)
+    lines = _event_lines(events)
     try:
-        time.sleep(0.3)  # subscribed before the task exists
+        # subscribed before the task exists: a label change of the namespace comes back as an event
+        _until_seen(lines, "/namespaces/update", poke=lambda: containerd.ctr(
+            "namespaces", "label", containerd.namespace, f"probe={time.monotonic_ns()}"))
         res = containerd.ctr("run", "--rm", "--runtime", RUNTIME, DEMO_IMAGE, "io1",
                              "sh", "-c", "read line; echo out:$line; echo err >&2; exit 3",
                              check=False, input="from-stdin\n")
-        time.sleep(0.3)
+        _until_seen(lines, " /tasks/delete ")
     finally:
         events.terminate()
-        out, _ = events.communicate(timeout=10)
+        events.wait(timeout=10)
+    out = "".join(lines)
     assert res.returncode == 3, res.stderr
     assert res.stdout == "out:from-stdin\n"
     assert res.stderr.strip() == "err"

@@ -44,8 +44,10 @@ def _counts_on(c, ns: str, name: str, pid: int, before: int) -> None:
     assert f"{name} {pid} RUNNING" in " ".join(_ctr_ns(c, ns, "tasks", "ls").stdout.split())
     first = read_tmp_c(pid)
     assert before <= first < before + 50000, (before, first)  # restored, not started afresh
-    time.sleep(0.5)
-    assert read_tmp_c(pid) > first  # and counting
+    deadline = time.monotonic() + 10
+    while read_tmp_c(pid) <= first:  # and counting
+        assert time.monotonic() < deadline, f"{name} stopped counting at {first}"
+        time.sleep(0.05)
     assert Path(f"/proc/{pid}/root/marker").read_text() == "kept\n"  # the rw layer came along
 
 
