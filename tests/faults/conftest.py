@@ -85,14 +85,14 @@ def when(cond: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: f
             raise AssertionError(f"the command ended (rc {proc.returncode}) before {what}: {err}")
         time.sleep(0.01)
     proc.kill()
-    proc.wait()
+    proc.wait(timeout=30)
     raise AssertionError(f"timed out waiting for {what}")
 
 
 def sigkill(proc: subprocess.Popen) -> None:
     """SIGKILL the CLI alone (its children go on, as after a crash)."""
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.wait(timeout=30)
     for stream in (proc.stdout, proc.stderr):
         stream.close()
 
@@ -117,7 +117,7 @@ def cached_blobs(cache: Path) -> int:
 
 def tag_exists(reg: PlainRegistry, repo: str, tag: str) -> bool:
     res = subprocess.run(["oras", "manifest", "fetch", "--plain-http", reg.ref(f"{repo}:{tag}")],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, timeout=60)
     return res.returncode == 0
 
 

@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 from gpusnap.runtime.fifo_pump import referenced
-from tests.conftest import gpusnap_json, podman, read_counter, run, wait_counter
+from tests.conftest import (assert_continued, born, gpusnap_json, podman, read_counter, run,
+                            wait_counter)
 from tests.faults.conftest import (cached_blobs, doctor, doctor_fix, journal_mark, journal_since,
                                    say, settled, sigkill, start_cli, status, tag_exists,
                                    unique_repo, wait_quiet, when)
@@ -39,6 +40,7 @@ def export_of(mark: int, cid: str) -> Path | None:
 
 def test_migrate_killed_during_export(registry, loaded):
     before, cid, mark = read_counter(loaded), container_id(loaded), journal_mark()
+    token = born(loaded)
     repo = unique_repo()
     cli = start_cli("migrate", loaded, registry.ref(f"{repo}:v1"), *registry.flags())
 
@@ -55,7 +57,7 @@ def test_migrate_killed_during_export(registry, loaded):
     assert not tag_exists(registry, repo, "v1")
     if status(loaded) != "running":  # dumped before the kill: the local checkpoint is kept
         gpusnap_json("restore", loaded)
-    assert wait_counter(loaded, before) > before
+    assert_continued(loaded, before, token)
     left = doctor()["leftovers"]
     assert str(export.with_name(f".{export.name}.partial")) in left, left
     removed = doctor_fix()["removed"]
@@ -85,7 +87,7 @@ def _migrate_killed_mid_upload(registry, loaded) -> tuple[str, str, Path]:
 
 
 def test_migrate_killed_during_upload_resumes_from_the_kept_archive(registry, loaded):
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     repo, cid, kept = _migrate_killed_mid_upload(registry, loaded)
     ref = registry.ref(f"{repo}:v1")
     assert not tag_exists(registry, repo, "v1"), "a manifest for a push that never finished"
@@ -102,7 +104,7 @@ def test_migrate_killed_during_upload_resumes_from_the_kept_archive(registry, lo
         assert 0 < again["chunks_sent"] < again["chunks"], again  # only what was missing
         podman("rm", loaded)
         gpusnap_json("restore", ref, *registry.flags())
-        assert wait_counter(loaded, before) > before
+        assert_continued(loaded, before, token)
     finally:
         shutil.rmtree(kept.parent, ignore_errors=True)
 
@@ -110,6 +112,7 @@ def test_migrate_killed_during_upload_resumes_from_the_kept_archive(registry, lo
 def test_pull_killed_leaves_no_archive_and_resumes_from_the_cache(registry, loaded, tmp_path,
                                                                   cache_dir):
     ref = registry.ref(f"{unique_repo()}:v1")
+    token = born(loaded)
     gpusnap_json("push", loaded, ref, "--leave-running", *registry.flags())
     out = tmp_path / "pulled.tar.zst"
     cli = start_cli("pull", ref, "-o", str(out), *registry.flags())
@@ -127,11 +130,12 @@ def test_pull_killed_leaves_no_archive_and_resumes_from_the_cache(registry, load
     copy = f"{loaded}-copy"
     try:
         gpusnap_json("restore", str(out), "--name", copy)
-        assert wait_counter(copy, read_counter(copy)) > 0
+        assert_continued(copy, read_counter(copy), token)
     finally:
         run(["podman", "rm", "-f", "-t", "0", copy])
     still = read_counter(loaded)
     assert wait_counter(loaded, still) > still  # the source ran on throughout
+    assert born(loaded) == token
 
 
 def _migrated(registry, name: str) -> str:
@@ -144,7 +148,7 @@ def _migrated(registry, name: str) -> str:
 
 
 def test_restore_ref_killed_during_download_restores_nothing(registry, loaded, cache_dir):
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     ref = _migrated(registry, loaded)
     earlier = staged(".gpusnap-pull-")
     cli = start_cli("restore", ref, *registry.flags())
@@ -166,7 +170,7 @@ def test_restore_ref_killed_during_download_restores_nothing(registry, loaded, c
     assert not [w for w in mine if w.exists()]
     res = gpusnap_json("restore", ref, *registry.flags())
     assert res["pull"]["bytes_from_cache"] > 0
-    assert wait_counter(loaded, before) > before
+    assert_continued(loaded, before, token)
 
 
 def _podman_restoring(where: set[Path]) -> bool:
@@ -174,7 +178,7 @@ def _podman_restoring(where: set[Path]) -> bool:
 
 
 def test_restore_ref_killed_during_podman_restore(registry, loaded, capsys):
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     ref = _migrated(registry, loaded)
     earlier = staged(".gpusnap-pull-")
     cli = start_cli("restore", ref, *registry.flags())
@@ -189,7 +193,7 @@ def test_restore_ref_killed_during_podman_restore(registry, loaded, capsys):
     if was != "running":
         run(["podman", "rm", "-f", "-t", "0", loaded])
         gpusnap_json("restore", ref, *registry.flags())
-    assert wait_counter(loaded, before) > before
+    assert_continued(loaded, before, token)
     say(capsys, f"CLI killed while Podman restored: the container was {was} afterwards")
     settled(mine)
     assert {str(w) for w in mine if w.exists()} <= set(doctor_fix()["removed"])
@@ -203,7 +207,7 @@ def test_migrate_killed_during_upload_leaves_an_export_that_restores_here(regist
     files in place)."""
     import tarfile
 
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     _, _, kept = _migrate_killed_mid_upload(registry, loaded)
     assert status(loaded) == "exited"
     try:
@@ -211,6 +215,6 @@ def test_migrate_killed_during_upload_leaves_an_export_that_restores_here(regist
             assert any(m.issym() and "pages-" in m.name for m in tar), "no pages set aside"
         podman("rm", loaded)
         gpusnap_json("restore", str(kept))
-        assert wait_counter(loaded, before) > before
+        assert_continued(loaded, before, token)
     finally:
         shutil.rmtree(kept.parent, ignore_errors=True)

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from gpusnap.ops.uploads import alive
-from tests.conftest import assert_one_line_error, gpusnap, gpusnap_json, podman, read_counter, \
-    wait_counter
+from tests.conftest import assert_continued, assert_one_line_error, born, gpusnap, gpusnap_json, \
+    podman, read_counter, wait_counter
 from tests.faults.conftest import doctor_fix, journal_mark, journal_since, status, unique_repo
 
 
@@ -29,7 +29,7 @@ def _until(cond, what: str, timeout: float = 120) -> None:
 
 def test_detached_migrate_returns_stopped_and_the_upload_restores(registry, loaded):
     ref = registry.ref(f"{unique_repo()}:v1")
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     started = gpusnap_json("migrate", loaded, ref, "--detach", *registry.flags())
     # Returned once checkpointed: the container is down, the upload goes on (or just ended).
     assert status(loaded) == "exited"
@@ -48,15 +48,15 @@ def test_detached_migrate_returns_stopped_and_the_upload_restores(registry, load
     assert at >= before
     podman("rm", loaded)
     gpusnap_json("restore", ref, *registry.flags())
-    assert goes_on(loaded, at)
+    goes_on(loaded, at, token)
 
 
-def goes_on(name: str, at: int) -> bool:
+def goes_on(name: str, at: int, token: str) -> None:
     """The restored counter starts from the checkpoint's value (a fresh
-    start would count from 1) and counts on."""
+    start would count from 1) and counts on, in the process that wrote ``token``."""
     first = wait_counter(name, -1)
     assert first >= at, (first, at)
-    return wait_counter(name, first) > first
+    assert_continued(name, first, token)
 
 
 def stopped_counter(name: str) -> int:
@@ -69,7 +69,7 @@ def stopped_counter(name: str) -> int:
 
 
 def test_detached_upload_killed_halfway_leaves_a_checkpoint_that_restores(registry, loaded):
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     repo = unique_repo()
     ref = registry.ref(f"{repo}:v1")
     mark = journal_mark()
@@ -111,7 +111,7 @@ def test_detached_upload_killed_halfway_leaves_a_checkpoint_that_restores(regist
         assert at >= before
         podman("rm", loaded)
         gpusnap_json("restore", str(export))
-        assert goes_on(loaded, at)
+        goes_on(loaded, at, token)
     finally:
         shutil.rmtree(export.parent, ignore_errors=True)
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import assert_one_line_error, gpusnap_json, read_counter, wait_counter
+from tests.conftest import assert_one_line_error, born, gpusnap_json, read_counter, wait_counter
 from tests.faults.conftest import (finished, say, start_cli, status, tag_exists, unique_repo,
                                    when)
 from tests.faults.netreg import VethLink, make_registry, make_veth_link
@@ -40,7 +40,7 @@ def test_link_down_mid_push_fails_in_one_line_and_the_push_resumes(far_registry,
     reg = far_registry
     repo = unique_repo()
     ref = reg.ref(f"{repo}:v1")
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     cli = start_cli("push", loaded, ref, "--leave-running", *reg.flags())
     when(lambda: len(reg.linked_blobs(repo)) >= 10, cli, "10 chunks were uploaded")
     link.set_up(False)
@@ -52,6 +52,7 @@ def test_link_down_mid_push_fails_in_one_line_and_the_push_resumes(far_registry,
     assert took < GIVE_UP_S, f"the push hung {took:.0f} s on a dead link"
     assert status(loaded) == "running"  # --leave-running: the source never stopped
     assert wait_counter(loaded, before) > before
+    assert born(loaded) == token
     link.set_up(True)
     assert not tag_exists(reg, repo, "v1"), "a tag for a push that failed"
     sent_before = reg.linked_blobs(repo)

@@ -15,7 +15,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.conftest import GPUSNAP, assert_one_line_error, podman, read_counter, wait_counter
+from tests.conftest import GPUSNAP, assert_continued, assert_one_line_error, born, podman, \
+    read_counter
 from tests.faults.conftest import cached_blobs, say, sigkill, status, unique_repo, when
 
 
@@ -63,7 +64,7 @@ def test_precopy_final_round_sends_what_changed_and_restores_from_the_prefetch(
     # The container changes ~1% of its memory (1.6 of 160 MiB), then the final round.
     podman("exec", loaded, "dd", "if=/dev/urandom", "of=/dev/shm/fill", "bs=64k", "count=26",
            "seek=700", "conv=notrunc")
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     last = _json(source, "migrate", loaded, final, *registry.flags())
     assert status(loaded) == "exited"
     ratio = last["bytes_sent"] / first["bytes_sent"]
@@ -76,4 +77,4 @@ def test_precopy_final_round_sends_what_changed_and_restores_from_the_prefetch(
                 f"{100 * fetched:.2f}% of the final round, the rest from its prefetched cache")
     assert ratio < 0.10, (first["bytes_sent"], last["bytes_sent"])
     assert fetched < 0.10, pulled
-    assert wait_counter(loaded, before, timeout=30) > before  # it counts on from the final round
+    assert_continued(loaded, before, token, timeout=30)  # it counts on from the final round

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_one_line_error, gpusnap_json, podman, read_counter, wait_counter
+from tests.conftest import assert_continued, assert_one_line_error, born, gpusnap_json, podman, \
+    read_counter
 from tests.faults.conftest import (cached_blobs, finished, say, start_cli, status, tag_exists,
                                    unique_repo, when)
 from tests.faults.netreg import make_registry
@@ -31,7 +32,7 @@ def _staged() -> set[Path]:
 
 
 def test_registry_killed_during_migrate_upload(registry, loaded, capsys):
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     repo = unique_repo()
     ref = registry.ref(f"{repo}:v1")
     cli = start_cli("migrate", loaded, ref, *registry.flags())
@@ -51,13 +52,13 @@ def test_registry_killed_during_migrate_upload(registry, loaded, capsys):
                     f"{again['chunks']} chunks")
         podman("rm", loaded)
         gpusnap_json("restore", ref, *registry.flags())
-        assert wait_counter(loaded, before) > before
+        assert_continued(loaded, before, token)
     finally:
         shutil.rmtree(kept.parent, ignore_errors=True)
 
 
 def test_registry_killed_during_restore_download(registry, loaded, cache_dir, capsys):
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     ref = registry.ref(f"{unique_repo()}:v1")
     gpusnap_json("migrate", loaded, ref, *registry.flags())
     podman("rm", loaded)
@@ -74,7 +75,7 @@ def test_registry_killed_during_restore_download(registry, loaded, cache_dir, ca
     assert again["pull"]["bytes_from_cache"] > 0  # what was fetched is not fetched again
     say(capsys, f"{res.stderr.splitlines()[0]} / re-run: {again['pull']['bytes_from_cache']} "
                 f"bytes from the cache, {again['pull']['bytes_fetched']} fetched")
-    assert wait_counter(loaded, before) > before
+    assert_continued(loaded, before, token)
 
 
 @pytest.fixture
@@ -91,7 +92,7 @@ def small_registry(tmp_path):
 
 
 def test_registry_disk_full_during_migrate(small_registry, loaded, capsys):
-    before = read_counter(loaded)
+    before, token = read_counter(loaded), born(loaded)
     repo = unique_repo()
     res = subprocess.run(["/usr/local/bin/gpusnap", "migrate", loaded,
                           small_registry.ref(f"{repo}:v1"), *small_registry.flags()],
@@ -104,6 +105,6 @@ def test_registry_disk_full_during_migrate(small_registry, loaded, capsys):
         assert not tag_exists(small_registry, repo, "v1")
         podman("rm", loaded)
         gpusnap_json("restore", str(kept))  # back on the source host
-        assert wait_counter(loaded, before) > before
+        assert_continued(loaded, before, token)
     finally:
         shutil.rmtree(kept.parent, ignore_errors=True)

@@ -28,8 +28,8 @@ from gpusnap.gpu.plan import Plan
 from gpusnap.ops import restore as ops_restore
 from gpusnap.runtime import stream as stream_module
 from gpusnap.runtime.fifo_pump import referrers
-from tests.conftest import (COUNTER, DEMO_IMAGE, assert_one_line_error, gpusnap, gpusnap_json,
-                            podman, read_counter, wait_counter)
+from tests.conftest import (COUNTER, DEMO_IMAGE, assert_continued, assert_one_line_error, born,
+                            gpusnap, gpusnap_json, podman, read_counter, wait_counter)
 
 # A remap that moves nothing still sends the archive through the rewriting
 # pump, as a restore onto other GPUs does: the path that hung.
@@ -41,13 +41,14 @@ def _sha(path: Path) -> str:
 
 
 @pytest.fixture
-def exported(counter, tmp_path) -> tuple[str, Path, int]:
-    """The counter container, exported (zstd) and removed: (name, archive, its last count)."""
+def exported(counter, tmp_path) -> tuple[str, Path, int, str]:
+    """The counter container, exported (zstd) and removed: (name, archive, its
+    last count, its born token)."""
     out = tmp_path / "c.tar.zst"
     gpusnap_json("checkpoint", counter, "--export", str(out), "--leave-running")
-    last = read_counter(counter)
+    last, token = read_counter(counter), born(counter)
     podman("rm", "-f", "-t", "0", counter)
-    return counter, out, last
+    return counter, out, last, token
 
 
 def _leftover_fifo_dirs(near: Path) -> list[Path]:
@@ -57,14 +58,14 @@ def _leftover_fifo_dirs(near: Path) -> list[Path]:
 def test_a_remapped_import_goes_through_the_pump_and_restores(exported, tmp_path):
     """The path `restore --gpu-map` takes, end to end through real Podman: the
     pump rewrites every open's stream (it died parsing its own arguments)."""
-    name, path, last = exported
+    name, path, last, token = exported
     contents = archive.read(str(path), head_only=True)
     plan = Plan((), (), DeviceRemap(container_paths="keep"))
     with_stream = stream_module.import_fifo(path, near=tmp_path, retarget=NO_MOVES)
     ops_restore.import_archive(with_stream, contents, plan, None, False, False, str(path))
     first = read_counter(name)  # restored, not restarted: it counts on from where it was
     assert last <= first < last + 40, (last, first)
-    wait_counter(name, first)
+    assert_continued(name, first, token)
     assert not _leftover_fifo_dirs(tmp_path)
 
 
@@ -79,7 +80,7 @@ def _pump_killed(opener):
 def test_an_import_whose_stream_stalls(exported, tmp_path):
     """Podman opens the FIFO and no writer ever comes: the CLI sees the pump
     gone, unblocks Podman, says so in one line, and leaves nothing behind."""
-    name, path, last = exported
+    name, path, last, token = exported
     before = _sha(path)
     contents = archive.read(str(path), head_only=True)
     plan = Plan((), (), DeviceRemap(container_paths="keep"))
@@ -98,7 +99,7 @@ def test_an_import_whose_stream_stalls(exported, tmp_path):
     # restorable from what is on disk, as the line says
     gpusnap_json("restore", str(path))
     assert read_counter(name) >= last
-    wait_counter(name, read_counter(name))
+    assert_continued(name, read_counter(name), token)
 
 
 def test_an_import_stream_podman_never_opens(tmp_path, monkeypatch):
@@ -213,7 +214,7 @@ def test_an_export_whose_stream_stops_never_stalls(counter, tmp_path, monkeypatc
 
     monkeypatch.setattr(stream_module, "_pump", dead_pump)
     out = tmp_path / "c.tar.zst"
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     started = time.monotonic()
     with pytest.raises(GpusnapError) as failed:
         ops_checkpoint.run(ops_checkpoint.plan(counter, str(out), True, False, 10_000))
@@ -223,6 +224,7 @@ def test_an_export_whose_stream_stops_never_stalls(counter, tmp_path, monkeypatc
     assert "\n" not in message and "the container is still running" in message, message
     assert list(tmp_path.iterdir()) == []  # no archive, no partial one, no FIFO folder
     wait_counter(counter, before)  # it runs on
+    assert born(counter) == token
     monkeypatch.setattr(stream_module, "_pump", real)
     gpusnap_json("checkpoint", counter, "--export", str(out), "--leave-running")
     assert out.stat().st_size > 0

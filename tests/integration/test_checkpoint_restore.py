@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from tests.conftest import (gpusnap, gpusnap_json, podman, read_counter, run, wait_counter)
+from tests.conftest import (assert_continued, born, gpusnap, gpusnap_json, podman, read_counter,
+                            run, wait_counter)
 
 from gpusnap import MANIFEST_NAME
 
@@ -17,7 +18,7 @@ def _members(path) -> set[str]:
 
 
 def test_gpusnap_checkpoint_export_restore_continues(counter, tmp_path):
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     archive = tmp_path / "ctr.tar.zst"
     result = gpusnap_json("checkpoint", counter, "--export", str(archive))
     assert result["export"] == str(archive) and archive.stat().st_size > 0
@@ -29,23 +30,23 @@ def test_gpusnap_checkpoint_export_restore_continues(counter, tmp_path):
     restored = gpusnap_json("restore", str(archive))
     assert restored["container"]["name"] == counter
     assert restored["container"]["status"] == "running"
-    value = wait_counter(counter, before)
-    # It continued from where it was, not from 0: a fresh start would be far below.
-    assert value >= before
+    assert_continued(counter, before, token)
+    value = read_counter(counter)
     assert wait_counter(counter, value) > value
 
 
 def test_plain_podman_checkpoint_export_import_continues(counter, tmp_path):
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     archive = tmp_path / "plain.tar.zst"
     podman("container", "checkpoint", "--export", str(archive), counter)
     podman("rm", counter)
     podman("container", "restore", "--import", str(archive))
-    assert wait_counter(counter, before) >= before
+    assert_continued(counter, before, token)
 
 
 def test_leave_running_keeps_counting(counter, tmp_path):
     archive = tmp_path / "live.tar.zst"
+    token = born(counter)
     result = gpusnap_json("checkpoint", counter, "--export", str(archive), "--leave-running")
     assert result["leave_running"] is True
     v = read_counter(counter)
@@ -54,19 +55,19 @@ def test_leave_running_keeps_counting(counter, tmp_path):
     other = counter + "-copy"
     try:
         gpusnap_json("restore", str(archive), "--name", other)
-        assert wait_counter(other, 0) > 0
+        assert_continued(other, 0, token)
     finally:
         run(["podman", "rm", "-f", "-t", "0", other])
 
 
 def test_restore_from_local_checkpoint(counter):
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     gpusnap_json("checkpoint", counter)
     info = gpusnap_json("inspect", counter)
     assert info["criu"]["processes"] >= 1  # sh (its sleep comes and goes)
     restored = gpusnap_json("restore", counter)
     assert restored["container"]["status"] == "running"
-    assert wait_counter(counter, before) >= before
+    assert_continued(counter, before, token)
 
 
 def test_container_without_gpu_is_checkpointed_as_podman_would(counter, name, tmp_path):

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from gpusnap.runtime.fifo_pump import referenced
-from tests.conftest import (GPUSNAP, assert_one_line_error, gpusnap, gpusnap_json, podman,
-                            read_counter, run, wait_counter, with_gpu_manifest)
+from tests.conftest import (GPUSNAP, assert_continued, assert_one_line_error, born, gpusnap,
+                            gpusnap_json, podman, read_counter, run, wait_counter,
+                            with_gpu_manifest)
 
 
 def _refused(res: subprocess.CompletedProcess, *needles: str) -> str:
@@ -35,9 +36,11 @@ def _status(name: str) -> str:
     return podman("container", "inspect", name, "--format", "{{.State.Status}}").stdout.strip()
 
 
-def _still_counting(name: str) -> None:
+def _still_counting(name: str, token: str) -> None:
+    """Running and counting: the process that wrote ``token``, not a restart."""
     assert _status(name) == "running"
     wait_counter(name, read_counter(name))
+    assert born(name) == token
 
 
 @pytest.mark.parametrize("verb", ["checkpoint", "restore", "freeze", "thaw", "inspect"])
@@ -65,12 +68,13 @@ def test_criu_too_old_or_missing_is_refused_up_front(counter, criu, tmp_path):
         (bindir / "criu").write_text(f"#!/bin/sh\necho 'Version: {criu}'\n")
         (bindir / "criu").chmod(0o755)
     env = {**os.environ, "PATH": f"{bindir}:/nonexistent"}
+    token = born(counter)
     res = run([GPUSNAP, "checkpoint", counter, "--export", str(tmp_path / "x.tar.zst")], env=env)
     found = f"CRIU {criu} at {bindir}/criu" if criu else "no criu on PATH"
     hint = _refused(res, "CRIU 4.0 or newer", found, "nothing was changed")
     assert "PATH" in hint
     assert not (tmp_path / "x.tar.zst").exists()
-    _still_counting(counter)
+    _still_counting(counter, token)
 
 
 @pytest.fixture
@@ -108,9 +112,10 @@ def test_bad_archives_restore_nothing(export, tmp_path):
 
 
 def test_restore_onto_an_existing_name(counter, export):
+    token = born(counter)
     res = gpusnap("restore", str(export))
     _refused(res, f"a container named {counter} already exists", "--name")
-    _still_counting(counter)
+    _still_counting(counter, token)
 
 
 @pytest.fixture
@@ -124,10 +129,11 @@ def small_disk(tmp_path):
 
 def test_export_to_a_full_disk(counter, small_disk):
     target = small_disk / "x.tar.zst"
+    token = born(counter)
     # Refused before anything is touched when the space visibly cannot hold it...
     res = gpusnap("checkpoint", counter, "--export", str(target))
     _refused(res, "not enough disk space", "keeps running")
-    _still_counting(counter)
+    _still_counting(counter, token)
     # ...and when it runs out during the export, the dump stays restorable.
     before = read_counter(counter)
     podman("exec", counter, "sh", "-c", "dd if=/dev/urandom of=/tmp/fill bs=1M count=4 2>/dev/null")
@@ -139,16 +145,17 @@ def test_export_to_a_full_disk(counter, small_disk):
     # `podman start` would lose the dumped state: a second checkpoint says so.
     assert f"gpusnap restore {counter}" in _refused(gpusnap("checkpoint", counter), "not running")
     gpusnap_json("restore", counter)
-    assert wait_counter(counter, before) > before
+    assert_continued(counter, before, token)
 
 
 def test_export_to_a_full_disk_leave_running(counter, small_disk):
+    token = born(counter)
     (small_disk / "fill").write_bytes(b"\0" * (1000 << 10))  # a few KiB stay free
     res = gpusnap("checkpoint", counter, "--export", str(small_disk / "x.tar.zst"),
                   "--skip-space-check", "--leave-running")
     _refused(res, "the disk is full", "still running")
     assert sorted(os.listdir(small_disk)) == ["fill"]
-    _still_counting(counter)
+    _still_counting(counter, token)
     userdata = podman("container", "inspect", counter, "--format", "{{.StaticDir}}").stdout.strip()
     assert not (Path(userdata) / "checkpoint").exists(), "a stale dump of a running container"
 
@@ -160,7 +167,7 @@ def test_plain_export_for_a_push_to_a_full_disk(counter, small_disk):
     from gpusnap.ops import checkpoint as ops
 
     podman("exec", counter, "sh", "-c", "dd if=/dev/urandom of=/tmp/fill bs=1M count=4 2>/dev/null")
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     target = small_disk / "checkpoint.tar"
     plan = ops.plan(counter, str(target), False, False, 10_000, skip_space_check=True,
                     export_level=0)
@@ -169,12 +176,12 @@ def test_plain_export_for_a_push_to_a_full_disk(counter, small_disk):
     assert "the disk is full" in err.value.message and "kept locally" in err.value.message
     assert sorted(os.listdir(small_disk)) == []
     gpusnap_json("restore", counter)
-    assert wait_counter(counter, before) > before
+    assert_continued(counter, before, token)
 
 
 def test_cli_killed_mid_checkpoint_leaves_it_restorable(counter, tmp_path):
     podman("exec", counter, "sh", "-c", "dd if=/dev/urandom of=/dev/shm/fill bs=1M count=48 2>/dev/null")
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     archive = tmp_path / "killed.tar.zst"
     cli = subprocess.Popen([GPUSNAP, "checkpoint", counter, "--export", str(archive)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -191,7 +198,7 @@ def test_cli_killed_mid_checkpoint_leaves_it_restorable(counter, tmp_path):
     assert not archive.exists(), "a half-written archive under the export's name"
     if _status(counter) != "running":
         gpusnap_json("restore", counter)
-    assert wait_counter(counter, before) > before
+    assert_continued(counter, before, token)
     doctor = json.loads(gpusnap("doctor", "--fix", "--json").stdout)
     assert doctor["stuck"] == []
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "leftovers not removed"
@@ -233,6 +240,7 @@ def _podman_exporting(where: Path) -> bool:
 
 
 def test_gpu_checkpoint_refused_on_a_host_without_that_gpu(counter, export, tmp_path):
+    token = born(counter)
     archive = with_gpu_manifest(export, tmp_path)
     assert gpusnap_json("inspect", str(archive))["gpu"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
     names = (f"{counter}-gpu", f"{counter}-gpu2")
@@ -249,4 +257,4 @@ def test_gpu_checkpoint_refused_on_a_host_without_that_gpu(counter, export, tmp_
     finally:
         for name in names:
             run(["podman", "rm", "-f", "-t", "0", name])
-    _still_counting(counter)
+    _still_counting(counter, token)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, gpusnap_json, podman, read_counter, run,
-                            wait_counter)
+from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, assert_continued, born, gpusnap_json,
+                            podman, read_counter, run, wait_counter)
 from tests.integration.oci_registry import PASSWORD, Registry
 from tests.integration.shim_containerd import private_containerd, remove, run_counter, tasks
 from tests.integration.shim_containerd import wait_counter as shim_wait_counter
@@ -225,7 +225,7 @@ def test_checkpoint_export_restore_leave_only_root_readable_files(counter, tmp_p
 
 
 def test_a_local_checkpoint_is_root_only(counter):
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     gpusnap_json("checkpoint", counter)
     userdata = Path(podman("inspect", counter, "--format", "{{.StaticDir}}").stdout.strip())
     ckpt = userdata / "checkpoint"
@@ -236,7 +236,7 @@ def test_a_local_checkpoint_is_root_only(counter):
                       if not p.is_symlink() and mode(p) & 0o077}
     assert open_to_others == {}
     gpusnap_json("restore", counter)
-    assert wait_counter(counter, before) >= before
+    assert_continued(counter, before, token)
 
 
 # --- a registry: push, pull, restore ---------------------------------------------------

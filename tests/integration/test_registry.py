@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (DEMO_IMAGE, GPUSNAP, COUNTER, assert_one_line_error, gpusnap_json,
-                            podman, read_counter, run, wait_counter)
+from tests.conftest import (DEMO_IMAGE, GPUSNAP, COUNTER, assert_continued, assert_one_line_error,
+                            born, gpusnap_json, podman, read_counter, run, wait_counter)
 from tests.integration.oci_registry import PASSWORD, USER, Registry, make_registry
 
 
@@ -51,7 +51,7 @@ def fetch_manifest(registry: Registry, ref: str) -> dict:
 
 def test_push_running_container_then_restore_from_the_registry_continues(registry, counter):
     ref = unique_ref(registry)
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     earlier = set(_staged())  # other runs' leftovers are not this test's
     pushed = gs_json("push", counter, ref, "--stop", *registry.flags())
     assert pushed["source_kind"] == "container" and pushed["container"] == counter
@@ -66,8 +66,8 @@ def test_push_running_container_then_restore_from_the_registry_continues(registr
     assert restored["source"] == ref
     assert restored["pull"]["bytes"] == pushed["bytes"]
     assert restored["pull"]["streamed"]  # Podman imported while the chunks arrived
-    value = wait_counter(counter, before)
-    assert value >= before  # it went on from where it was, not from 0
+    assert_continued(counter, before, token)
+    value = read_counter(counter)
     assert wait_counter(counter, value) > value
     assert not set(_staged()) - earlier, _staged()
 
@@ -78,6 +78,7 @@ def _staged() -> list[Path]:
 
 
 def test_pulled_archive_is_byte_identical_and_podman_imports_it(registry, counter, tmp_path):
+    before, token = read_counter(counter), born(counter)
     original = export(counter, tmp_path / "orig.tar.zst")
     ref = unique_ref(registry)
     gs_json("push", str(original), ref, *registry.flags())
@@ -91,10 +92,9 @@ def test_pulled_archive_is_byte_identical_and_podman_imports_it(registry, counte
     diff = run(["diff", "-r", str(tmp_path / "a"), str(tmp_path / "b")])
     assert diff.returncode == 0, diff.stdout
 
-    before = read_counter(counter)
     podman("rm", "-f", "-t", "0", counter)
     podman("container", "restore", "--import", str(pulled))  # plain Podman takes it
-    assert wait_counter(counter, before) >= before
+    assert_continued(counter, before, token)
 
 
 def test_push_checkpoint_directory_and_inspect_reads_only_manifest_and_config(registry, counter,
@@ -299,7 +299,7 @@ def test_failed_push_of_a_container_keeps_its_checkpoint(counter, tmp_path):
     fails after the checkpoint keeps it, and says where."""
     readonly = make_registry(tmp_path / "readonly", readonly=True)
     try:
-        before = read_counter(counter)
+        before, token = read_counter(counter), born(counter)
         res = gs("push", counter, readonly.ref("ckpt/ro:v1"), "--stop", *readonly.flags())
         assert_one_line_error(res, "is checkpointed and stopped", "kept in",
                               hint="brings it back here")  # followed below
@@ -307,7 +307,7 @@ def test_failed_push_of_a_container_keeps_its_checkpoint(counter, tmp_path):
         try:
             podman("rm", counter)
             gpusnap_json("restore", str(kept))
-            assert wait_counter(counter, before) >= before
+            assert_continued(counter, before, token)
         finally:
             shutil.rmtree(kept.parent, ignore_errors=True)
     finally:

@@ -8,8 +8,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from tests.conftest import DEMO_IMAGE, assert_one_line_error, podman, read_counter, run, \
-    wait_counter
+from tests.conftest import DEMO_IMAGE, assert_continued, assert_one_line_error, born, podman, \
+    read_counter, run, wait_counter
 from tests.integration.oci_registry import PASSWORD, USER, Registry
 from tests.integration.test_registry import fetch_manifest, gs, gs_json
 
@@ -31,7 +31,7 @@ def annotations(image: str) -> dict[str, str]:
 
 def test_podman_restores_a_format_podman_push(registry, counter, tmp_path, cache_dir):
     ref = registry.ref(f"ckpt/podman-{uuid.uuid4().hex[:8]}:v1")
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     runtime = podman("inspect", "-f", "{{.OCIRuntime}}", counter).stdout.strip()
     pushed = gs_json("push", counter, ref, "--format", "podman", "--stop", *registry.flags())
     assert pushed["format"] == "podman" and pushed["source_kind"] == "container"
@@ -47,8 +47,8 @@ def test_podman_restores_a_format_podman_push(registry, counter, tmp_path, cache
         podman("container", "restore", ref)  # unchanged Podman, no gpusnap involved
         assert podman("container", "inspect", counter, "--format",
                       "{{.State.Status}}").stdout.strip() == "running"
-        value = wait_counter(counter, before)
-        assert value >= before  # went on from where it was checkpointed
+        assert_continued(counter, before, token)
+        value = read_counter(counter)
         assert wait_counter(counter, value) > value
     finally:
         run(["podman", "rm", "-f", "-t", "0", counter])

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, assert_one_line_error, podman,
-                            read_counter, run, wait_counter)
+from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, assert_continued, assert_one_line_error,
+                            born, podman, read_counter, run, wait_counter)
 from tests.integration import oci_registry
 from tests.integration.oci_registry import USER, Registry, make_registry
 
@@ -142,7 +142,7 @@ def sig_tag(digest: str) -> str:
 
 def test_signed_push_restores_verified_and_the_container_goes_on(registry, keys, counter):
     ref = unique_ref(registry)
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     pushed = gs_json(registry, "push", counter, ref, "--stop", "--sign-key", keys.key("ci"))
     assert pushed["trust"]["signed"] and not pushed["trust"]["encrypted"]
     ci_id = json.loads(run([GPUSNAP, "key", "id", keys.pub("ci"), "--json"],
@@ -162,8 +162,8 @@ def test_signed_push_restores_verified_and_the_container_goes_on(registry, keys,
     assert restored["trust"]["digest"] == pushed["digest"]
     assert restored["trust"]["policy"] == str(keys.policy)
     assert restored["container"]["status"] == "running"
-    value = wait_counter(counter, before)
-    assert value >= before  # it went on from where it was, not from 0
+    assert_continued(counter, before, token)
+    value = read_counter(counter)
     assert wait_counter(counter, value) > value
 
     human = gs(registry, "inspect", ref)
@@ -172,6 +172,7 @@ def test_signed_push_restores_verified_and_the_container_goes_on(registry, keys,
 
 def test_tampered_manifest_or_chunk_is_refused_and_nothing_restored(registry, keys, counter,
                                                                     tmp_path, staged_before):
+    token = born(counter)
     archive = export(counter, tmp_path / "c.tar.zst")
     ref = unique_ref(registry)
     repository = ref.split("/", 1)[1].rsplit(":", 1)[0]
@@ -217,17 +218,17 @@ def test_tampered_manifest_or_chunk_is_refused_and_nothing_restored(registry, ke
     put_manifest(registry, repository, tag, body)
     restored = gs_json(registry, "restore", pushed["pinned"])
     assert restored["trust"]["verified"] is True
-    wait_counter(counter, 0)
+    assert_continued(counter, 0, token)
 
 
 def test_unsigned_or_untrusted_is_refused_unless_insecure_skip_verify(registry, keys, counter,
                                                                       tmp_path, staged_before):
+    before, token = read_counter(counter), born(counter)
     archive = export(counter, tmp_path / "c.tar.zst")
     unsigned = unique_ref(registry)
     gs_json(registry, "push", str(archive), unsigned, "--no-sign")
     rogue = unique_ref(registry)
     gs_json(registry, "push", str(archive), rogue, "--sign-key", keys.key("rogue"))
-    before = read_counter(counter)
     podman("rm", "-f", "-t", "0", counter)
 
     res = gs(registry, "restore", unsigned)
@@ -250,7 +251,7 @@ def test_unsigned_or_untrusted_is_refused_unless_insecure_skip_verify(registry, 
     restored = json.loads(res.stdout)
     assert restored["trust"]["verified"] is False and restored["trust"]["skipped"] is True
     assert "nobody vouching" in restored["trust"]["warning"]
-    assert wait_counter(counter, before) >= before
+    assert_continued(counter, before, token)
 
 
 # -- encryption ---------------------------------------------------------------------
@@ -285,6 +286,7 @@ def test_encrypted_push_stores_no_secret_a_plain_push_does(keys, name, tmp_path,
     try:
         write_policy(keys.policy, enc_reg.host, [keys.pub("ci")])
         enc_ref = enc_reg.ref("trust/secret:v1")
+        before, token = read_counter(name), born(name)
         pushed = gs_json(enc_reg, "push", name, enc_ref, "--leave-running",
                          "--sign-key", keys.key("ci"), "--encrypt-to", keys.pub("enc"))
         assert pushed["trust"]["encrypted"] and len(pushed["trust"]["recipients"]) == 1
@@ -307,7 +309,6 @@ def test_encrypted_push_stores_no_secret_a_plain_push_does(keys, name, tmp_path,
         opened = gs_json(enc_reg, "inspect", enc_ref, "--decrypt-key", keys.key("enc"))
         assert opened["criu"]["processes"] >= 1
 
-        before = read_counter(name)
         podman("rm", "-f", "-t", "0", name)
         res = gs(enc_reg, "restore", enc_ref)
         assert_one_line_error(res, "is encrypted", "--decrypt-key")
@@ -318,7 +319,7 @@ def test_encrypted_push_stores_no_secret_a_plain_push_does(keys, name, tmp_path,
         restored = gs_json(enc_reg, "restore", enc_ref, "--decrypt-key", keys.key("other"),
                            "--decrypt-key", keys.key("enc"))
         assert restored["trust"]["verified"] and restored["trust"]["encrypted"]
-        assert wait_counter(name, before) >= before
+        assert_continued(name, before, token)
     finally:
         enc_reg.stop()
         plain_reg.stop()
@@ -411,6 +412,7 @@ def test_no_password_key_or_passphrase_in_outputs_journal_or_logs(keys, name, tm
 
         podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c", COUNTER)
         before = wait_counter(name, 3)
+        token = born(name)
         ref = reg.ref("trust/scan:v1")
         outputs: list[str] = []
 
@@ -436,7 +438,7 @@ def test_no_password_key_or_passphrase_in_outputs_journal_or_logs(keys, name, tm
             "--passphrase-file", str(pp))
         restored = cmd("restore", ref, "--decrypt-key", str(d / "enc.key"), env=env_pp)
         assert restored["trust"]["verified"] and restored["trust"]["encrypted"]
-        assert wait_counter(name, before) >= before
+        assert_continued(name, before, token)
 
         places: dict[str, str] = {f"output {i}": text for i, text in enumerate(outputs)}
         places["journal"] = JOURNAL.read_text(errors="replace")

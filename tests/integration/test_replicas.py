@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, gpusnap_json, podman, read_counter, run,
-                            wait_counter)
+from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, assert_continued, born, gpusnap_json,
+                            podman, read_counter, run, wait_counter)
 from tests.integration.oci_registry import PASSWORD
 from tests.integration.test_registry import gs_json, unique_ref
 
@@ -27,7 +27,7 @@ def _replicas(*names: str) -> None:
 def test_replicas_from_one_ref_count_on_independently_and_share_the_cache(
         registry, counter, cache_dir):
     ref = unique_ref(registry)
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     pushed = gs_json("push", counter, ref, *registry.flags())  # a copy: it keeps running
     names = [f"{counter}-r{i}" for i in range(1, 4)]
     try:
@@ -37,7 +37,7 @@ def test_replicas_from_one_ref_count_on_independently_and_share_the_cache(
         for p in pulls[1:]:  # the host's cache holds every chunk: nothing downloaded
             assert p["bytes_fetched"] == 0 and p["bytes_from_cache"] > 0, p
         for n in names:
-            assert wait_counter(n, before) > before  # on from the checkpoint's count
+            assert_continued(n, before, token)  # on from the checkpoint's count
         # each a hostname of its own: Podman's, from its own ID, not the source's
         hostnames = {n: _hostnames(n) for n in [counter, *names]}
         for n in names:
@@ -59,13 +59,14 @@ def test_replicas_from_one_ref_count_on_independently_and_share_the_cache(
                         *registry.flags())["pull"]
         names.append(f"{counter}-r4")
         assert again["bytes_fetched"] > 0, again
-        assert wait_counter(names[-1], before) > before
+        assert_continued(names[-1], before, token)
     finally:
         _replicas(*names)
 
 
 def test_two_restores_at_once_on_one_empty_cache_both_succeed(registry, counter, cache_dir):
     ref = unique_ref(registry)
+    token = born(counter)
     pushed = gs_json("push", counter, ref, *registry.flags())
     names = [f"{counter}-a", f"{counter}-b"]
     procs = [subprocess.Popen([GPUSNAP, "restore", pushed["pinned"], "--name", n,
@@ -77,7 +78,7 @@ def test_two_restores_at_once_on_one_empty_cache_both_succeed(registry, counter,
             out, err = p.communicate(PASSWORD + "\n", timeout=300)
             assert p.returncode == 0, (out, err)
         for n in names:
-            assert wait_counter(n, 0) > 0
+            assert_continued(n, 0, token)
         assert not list(Path(cache_dir / "tmp").iterdir())  # no half-written entry left
     finally:
         _replicas(*names)
@@ -104,6 +105,7 @@ def test_a_copy_gets_its_own_hostname_unless_the_user_chose_one(tmp_path):
     try:
         for src, copy in zip((derived, chosen), copies):
             wait_counter(src, 0)
+            token = born(src)
             archive = tmp_path / f"{src}.tar.zst"
             gpusnap_json("checkpoint", src, "--export", str(archive), "--leave-running")
             restored = gpusnap_json("restore", str(archive), "--name", copy)["container"]
@@ -115,8 +117,7 @@ def test_a_copy_gets_its_own_hostname_unless_the_user_chose_one(tmp_path):
             else:
                 assert "hostname" not in restored, restored
                 assert _hostnames(copy) == ("web1",) * 3 == _hostnames(src)
-            before = read_counter(copy)
-            assert wait_counter(copy, before) > before
+            assert_continued(copy, read_counter(copy), token)
     finally:
         _replicas(derived, chosen, *copies)
 
@@ -128,7 +129,7 @@ def test_a_pinned_ref_this_host_holds_restores_with_the_registry_down(counter, c
     asked; --pull always asks it, and a tag is always asked (tags move)."""
     from tests.faults.netreg import make_registry
 
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     reg = make_registry(tmp_path / "registry")
     names = [f"{counter}-p1", f"{counter}-p2", f"{counter}-p3"]
     try:
@@ -141,7 +142,7 @@ def test_a_pinned_ref_this_host_holds_restores_with_the_registry_down(counter, c
     try:
         second = gs_json("restore", pinned, "--name", names[1], *reg.flags())["pull"]
         assert second["registry_asked"] is False and second["bytes_fetched"] == 0, second
-        assert wait_counter(names[1], before) > before
+        assert_continued(names[1], before, token)
         for ref, extra in ((pinned, ["--pull", "always"]), (tagged, [])):
             res = run([GPUSNAP, "restore", ref, "--name", names[2], *reg.flags(), *extra])
             assert res.returncode != 0, res.stdout

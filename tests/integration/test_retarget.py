@@ -19,8 +19,8 @@ from gpusnap import PLAN_NAME
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.nodes import DeviceRemap, NodeChange
 from gpusnap.runtime.retarget import rewrite_archive
-from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, gpusnap_json, podman, read_counter,
-                            run, wait_counter)
+from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, assert_continued, born, gpusnap_json,
+                            podman, read_counter, run, wait_counter)
 
 FULL_TO_ZERO = DeviceRemap(nodes=(NodeChange("/dev/full", "/dev/full", (1, 7), (1, 5)),),
                            container_paths="keep")
@@ -34,6 +34,7 @@ def test_restore_from_a_retargeted_stream_moves_the_device(name, tmp_path):
     podman("run", "-d", "--name", name, "--network", "none", "--device", "/dev/full",
            DEMO_IMAGE, "sh", "-c", COUNTER)
     wait_counter(name, 3)
+    token = born(name)
     assert podman("exec", name, "sh", "-c", "echo x > /dev/full", check=False).returncode != 0
     archive = tmp_path / "c.tar.zst"
     gpusnap_json("checkpoint", name, "--export", str(archive))
@@ -50,7 +51,8 @@ def test_restore_from_a_retargeted_stream_moves_the_device(name, tmp_path):
     assert names.index(f"checkpoint/{PLAN_NAME}") < names.index("checkpoint/inventory.img")
 
     podman("container", "restore", "--import", str(moved))
-    count = wait_counter(name, 0)
+    assert_continued(name, 0, token)
+    count = read_counter(name)
     listing = podman("exec", name, "ls", "-l", "/dev/full").stdout  # crw-rw-rw- ... 1,   5 ...
     assert listing.startswith("c") and listing.split()[4:6] == ["1,", "5"], listing
     # 1:5 is a zero device: writes succeed where /dev/full's fail
@@ -72,15 +74,15 @@ def test_a_restore_that_moves_a_device_imports_through_the_rewriting_pump(name, 
            DEMO_IMAGE, "sh", "-c", COUNTER)
     wait_counter(name, 3)
     archive = tmp_path / "c.tar.zst"
+    last, token = read_counter(name), born(name)  # before: the copy's count is at least this
     gpusnap_json("checkpoint", name, "--export", str(archive), "--leave-running")
-    last = read_counter(name)
     podman("rm", "-f", "-t", "0", name)
     plan = Plan(moves=(Move(GpuSlot(0, "GPU-a", "stand-in"), GpuSlot(1, "GPU-b", "stand-in"),
                             ("test",)),), uuid_pairs=(("GPU-a", "GPU-b"),), remap=FULL_TO_ZERO)
     contents = archive_files.read(str(archive), head_only=True)
     result = ops_restore.import_file(archive, contents, plan, None, False, False, str(archive))
     assert result["gpus"][0]["to"]["uuid"] == "GPU-b"
-    assert read_counter(name) >= last  # restored, not restarted
+    assert_continued(name, last, token)
     listing = podman("exec", name, "ls", "-l", "/dev/full").stdout
     assert listing.split()[4:6] == ["1,", "5"], listing
 
@@ -119,9 +121,9 @@ def test_a_restore_from_the_registry_that_moves_a_device_streams_the_edits(regis
     from tests.integration.oci_registry import PASSWORD, USER
 
     podman("run", "-d", "--name", name, "--network", "none", "--device", "/dev/full",
-           DEMO_IMAGE, "sh", "-c", f"cat /proc/sys/kernel/random/uuid > /tmp/born; {COUNTER}")
+           DEMO_IMAGE, "sh", "-c", COUNTER)
     wait_counter(name, 3)
-    born = podman("exec", name, "cat", "/tmp/born").stdout
+    before, token = read_counter(name), born(name)
     ref = registry.ref(f"ckpt/moved-{name}:v1")
     run([GPUSNAP, "push", name, ref, "--stop", *registry.flags()], input=PASSWORD + "\n",
         check=True)
@@ -137,8 +139,7 @@ def test_a_restore_from_the_registry_that_moves_a_device_streams_the_edits(regis
     assert result["pull"]["streamed"], result["pull"]
     assert result["gpus"][0]["to"]["uuid"] == "GPU-b"
     assert set(Path("/var/tmp").glob(".gpusnap-pull-*")) <= staged
-    # restored, not restarted: the process that wrote /tmp/born goes on
-    assert podman("exec", name, "cat", "/tmp/born").stdout == born
+    assert_continued(name, before, token)
     listing = podman("exec", name, "ls", "-l", "/dev/full").stdout
     assert listing.split()[4:6] == ["1,", "5"], listing
     podman("exec", name, "sh", "-c", "echo x > /dev/full")  # 1:5 takes writes

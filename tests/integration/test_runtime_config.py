@@ -13,8 +13,9 @@ from pathlib import Path
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.runtime import podman as podman_rt
 from gpusnap.runtime.storage import storage_root
-from tests.conftest import (COUNTER, DEMO_IMAGE, assert_one_line_error, gpusnap, gpusnap_json,
-                            podman, read_counter, run, wait_counter, with_gpu_manifest)
+from tests.conftest import (COUNTER, DEMO_IMAGE, assert_continued, assert_one_line_error, born,
+                            gpusnap, gpusnap_json, podman, read_counter, run, wait_counter,
+                            with_gpu_manifest)
 
 
 def test_criu_runs_the_action_script_exactly_where_gpusnap_says_it_does():
@@ -24,6 +25,7 @@ def test_criu_runs_the_action_script_exactly_where_gpusnap_says_it_does():
         runtime = podman("inspect", "-f", "{{.OCIRuntime}}", name).stdout.strip()
         userdata = Path(podman("inspect", "-f", "{{.StaticDir}}", name).stdout.strip())
         before = wait_counter(name, 0)
+        token = born(name)
         podman("container", "checkpoint", "--keep", name)
         dump_log = (userdata / "dump.log").read_text(errors="replace")
         # CRIU logs "Running pre-dump scripts" whatever it has (crun's RPC notify
@@ -35,7 +37,7 @@ def test_criu_runs_the_action_script_exactly_where_gpusnap_says_it_does():
         podman("container", "restore", "--keep", name)
         restore_log = (userdata / "restore.log").read_text(errors="replace")
         assert ("/libexec/criu-action]" in restore_log) == ran
-        assert wait_counter(name, before) > before  # and the container counts on
+        assert_continued(name, before, token)  # and the container counts on
         assert read_counter(name) > before
     finally:
         run(["podman", "rm", "-f", "-t", "0", name])
@@ -53,6 +55,7 @@ def test_gpu_checkpoint_is_refused_where_nothing_would_bring_the_gpu_back(tmp_pa
     try:
         runtime = podman("inspect", "-f", "{{.OCIRuntime}}", name).stdout.strip()
         wait_counter(name, 0)
+        token = born(name)
         export = tmp_path / "ctr.tar.zst"
         gpusnap_json("checkpoint", name, "--export", str(export), "--leave-running")
         archive = with_gpu_manifest(export, tmp_path)
@@ -79,6 +82,7 @@ def test_gpu_checkpoint_is_refused_where_nothing_would_bring_the_gpu_back(tmp_pa
             assert "Up" not in state, (other, state)
         before = read_counter(name)
         assert wait_counter(name, before) > before  # the source counts on, untouched
+        assert born(name) == token
     finally:
         for other in (name, *restored):
             run(["podman", "rm", "-f", "-t", "0", other])

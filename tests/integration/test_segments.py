@@ -68,6 +68,15 @@ def test_segments_cut_as_one_stream_does_and_come_back_whole(registry, tmp_path)
     assert _sha(tmp_path / "x" / "checkpoint" / "pages-1.img") == _sha(ckpt / "checkpoint" / "pages-1.img")
 
 
+def _moved(pid: int) -> int:
+    """Bytes the process has read and written so far (/proc/PID/io); 0 once gone."""
+    try:
+        io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    except OSError:
+        return 0
+    return int(io["rchar"]) + int(io["wchar"])
+
+
 def _workers_of(pid: int) -> list[int]:
     """The CLI's spawned worker processes (multiprocessing's spawn_main children)."""
     found = []
@@ -110,7 +119,10 @@ def test_a_worker_killed_mid_transfer_is_one_line_and_the_rerun_completes(regist
         assert time.monotonic() < deadline, "no worker process started"
         time.sleep(0.05)
     assert workers, f"{verb} ended before a worker was seen"
-    time.sleep(0.5)  # at work on a segment
+    start = _moved(workers[0])
+    while _moved(workers[0]) < start + (1 << 20) and proc.poll() is None:  # at work on a segment
+        assert time.monotonic() < deadline, "the worker moved no data"
+        time.sleep(0.01)
     os.kill(workers[0], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=300)
     res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)

@@ -7,7 +7,8 @@ installs CRIU 4.2; this test fails if an older one is back on PATH."""
 
 from __future__ import annotations
 
-from tests.conftest import COUNTER, DEMO_IMAGE, gpusnap_json, podman, read_counter, wait_counter
+from tests.conftest import (COUNTER, DEMO_IMAGE, assert_continued, born, gpusnap_json, podman,
+                            read_counter, wait_counter)
 
 PORT = 8080
 
@@ -25,10 +26,10 @@ def test_container_with_a_tcp_listener_checkpoints_and_restores(name, tmp_path):
            f"nc -l -p {PORT} </dev/null >/dev/null & {COUNTER}")
     wait_counter(name, 3)
     assert _listening(name)
-    before = read_counter(name)
+    before, token = read_counter(name), born(name)
     archive = tmp_path / "ctr.tar.zst"
     gpusnap_json("checkpoint", name, "--export", str(archive))
     podman("rm", "-f", name)
     gpusnap_json("restore", str(archive))
-    assert wait_counter(name, before) > before
+    assert_continued(name, before, token)
     assert _listening(name), "the TCP listener did not come back"

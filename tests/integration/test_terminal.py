@@ -14,7 +14,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from tests.conftest import GPUSNAP, read_counter, run, wait_counter
+from tests.conftest import GPUSNAP, assert_continued, born, read_counter, run
 from tests.integration.oci_registry import Registry, make_registry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def test_demo_in_a_terminal_is_numbered_steps_with_the_removal_shown():
 
 def test_push_then_the_printed_restore_line_in_a_terminal(plain_registry, counter):
     ref = plain_registry.ref(f"tty/c-{uuid.uuid4().hex[:8]}:v1")
-    before = read_counter(counter)
+    before, token = read_counter(counter), born(counter)
     status, raw, text = in_terminal(f"{GPUSNAP} push {counter} {ref} --plain-http")
     assert status == 0, text
     assert BAR in raw and ("Checkpointing " + counter in raw or "Pushing " + counter in raw), raw
@@ -80,6 +80,6 @@ def test_push_then_the_printed_restore_line_in_a_terminal(plain_registry, counte
         assert status == 0, text
         assert BAR in raw and "Pulling " in raw, raw
         assert re.search(rf"^Restored {copy} \([0-9a-f]{{12}}\) in [\d.]+ s, running$", text, re.M)
-        assert wait_counter(copy, before) >= before
+        assert_continued(copy, before, token)
     finally:
         run(["podman", "rm", "-f", "-t", "0", copy])
