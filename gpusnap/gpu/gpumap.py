@@ -17,6 +17,9 @@ from gpusnap.errors import GpusnapError
 _UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.IGNORECASE)
 _INDEX = re.compile(r"^[0-9]+$")
 EXAMPLE = "e.g. --gpu-map 0=1,1=0 or GPU-<uuid>=1"
+# The map, SRC=DST[,...], as an OCI spec annotation: for the restores gpusnap
+# does not drive itself (plain `podman container restore`, containerd's shim).
+GPU_MAP_ANNOTATION = "io.gpusnap.gpu-map"
 
 
 class GpuMapError(GpusnapError, ValueError):

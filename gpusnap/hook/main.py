@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
+from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
 from gpusnap.private import write_private
 
 if TYPE_CHECKING:
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from gpusnap.gpu.plan import Plan
 
 STAGES = ("prestart", "poststop")
-GPU_MAP_ANNOTATION = "io.gpusnap.gpu-map"  # SRC=DST[,...], for restores gpusnap does not drive
 _GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
 
 

@@ -340,7 +340,7 @@ def _import(plan: RestorePlan, src: Path, source: str, log_uri: str | None) -> d
     from gpusnap.ops import restore as ops_restore
     from gpusnap.ops.containerd_api import ContainerdError
     from gpusnap.ops.containerd_checkpoint import import_dir
-    from gpusnap.shim.remap import GPU_MAP_ANNOTATION
+    from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
 
     notes = {GPU_MAP_ANNOTATION: plan.gpu_map} if plan.gpu_map else None
     start = time.monotonic()

@@ -27,13 +27,13 @@ from gpusnap.criu.devtmpfs import DevTarError, rewrite_dev_tar
 from gpusnap.criu.images import ImageError, dev_tmpfs_image, external_mount_keys
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
+from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
 from gpusnap.gpu.nodes import DeviceRemap
 from gpusnap.oci.spec import SpecError, rewrite_spec
 from gpusnap.private import open_private
 
 log = logging.getLogger("gpusnap.shim")
 
-GPU_MAP_ANNOTATION = "io.gpusnap.gpu-map"
 # A JSON DeviceRemap (DeviceRemap.to_dict) applied to every restore this shim
 # makes while the file exists, with no GPU planning: moves non-GPU device nodes,
 # and is how the CPU tests drive the edits without a GPU.

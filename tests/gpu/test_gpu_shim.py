@@ -26,7 +26,8 @@ import pytest
 from gpusnap import MANIFEST_NAME, PLAN_NAME
 from gpusnap.procs import process_tree
 from gpusnap.ops.containerd_api import Client, checkpoint_to_dir, restore_from_dir, runc_checkpoint_options
-from gpusnap.shim.remap import BACKUP, GPU_MAP_ANNOTATION
+from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
+from gpusnap.shim.remap import BACKUP
 from tests.gpu import harness
 from tests.integration.shim_containerd import RUNTIME, PrivateContainerd, private_containerd, tasks, wait_status
 
