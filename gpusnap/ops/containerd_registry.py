@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from gpusnap.errors import GpusnapError
 from gpusnap.ops.engines import ENGINE, refuse_engine
+from gpusnap.ops.push_source import PushSource, dir_size, kept_error
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, roomiest
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from gpusnap.oci.transfer import Progress
     from gpusnap.ops.containerd_api import Client
     from gpusnap.ops.pull import Remote
-    from gpusnap.ops.sources import PushSource
     from gpusnap.trust.options import TrustOptions
 
 SCHEME = "containerd://"
@@ -170,7 +170,6 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
     checkpointed first, or a checkpoint image laid out."""
     from gpusnap.ops.containerd_api import ContainerdError
     from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image
-    from gpusnap.ops.sources import PushSource, dir_size
 
     address = _address(address)
     loc = parse_uri(source)
@@ -227,7 +226,6 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
             stopped = _only_copy(address, loc.namespace, loc.name, image)
         if not stopped:
             raise
-        from gpusnap.ops.sources import kept_error
 
         kept = f" and in {dest}" if dest.is_dir() else ""
         again = f"`gpusnap push {dest} REF`" if dest.is_dir() else \

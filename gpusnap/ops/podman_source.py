@@ -25,7 +25,7 @@ from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import checkpoint as ops_checkpoint
 from gpusnap.ops import early_pages, prefetch, prepared_pages
-from gpusnap.ops.sources import PushSource, cause, kept_error
+from gpusnap.ops.push_source import PushSource, cause, kept_error
 from gpusnap.runtime import memory, podman
 from gpusnap.runtime.follow import follow
 from gpusnap.runtime.storage import PUSH_PREFIX, discard, staging_dir

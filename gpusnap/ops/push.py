@@ -21,7 +21,8 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.ops import early_pages, prefetch
-from gpusnap.ops.sources import PushSource, find_container, open_source
+from gpusnap.ops.push_source import PushSource
+from gpusnap.ops.sources import find_container, open_source
 from gpusnap.runtime.storage import image_repo_digests
 from gpusnap.trust.options import TrustOptions
 

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from gpusnap import journal
+from gpusnap.ops.push_source import kept_error
 from gpusnap.private import write_private
 
 RUNNING = ("checkpointing", "uploading")
@@ -96,7 +97,7 @@ def effective(state: dict, path: Path) -> dict:
 
 def killed(state: dict) -> dict:
     """error and hint of an upload whose process was killed: the words of a
-    push that failed after its checkpoint (ops.sources.kept_error)."""
+    push that failed after its checkpoint (ops.push_source.kept_error)."""
     ctr, export, ref = state.get("container"), state.get("export"), state.get("reference")
     if export is None:  # killed before the dump was complete
         return {"error": f"the upload was killed before {ctr}'s checkpoint was complete",
@@ -106,7 +107,6 @@ def killed(state: dict) -> dict:
         return {"error": f"the upload was killed; {ctr} was left running",
                 "hint": f"push it again (chunks already sent are skipped); `gpusnap doctor "
                         f"--fix` removes the export it left, {export}"}
-    from gpusnap.ops.sources import kept_error
 
     exc = kept_error(Exception("the upload was killed"), ctr, f"in {export}",
                      f"`gpusnap push {export} {ref}`", f"`podman rm {ctr}; gpusnap restore {export}`")
