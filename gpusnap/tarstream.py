@@ -6,7 +6,7 @@ between two members, so it is asked for whenever the caller read to the end.
 
 tarfile parses the headers; a member's data is read by `data()` straight from
 the underlying file into the caller's buffer. tarfile's own stream mode (`r|`)
-copied every byte four times on its way to the chunker (joins and slices of
+copies every byte four times on its way to the chunker (joins and slices of
 its read-ahead buffer), the largest cost of a push on a small host. Plain and
 zstd archives are opened in tarfile's seekable mode over `_Forward`, which
 allows only forward seeks (a skip reads through, or lseeks in a regular file).

@@ -10,7 +10,7 @@ from gpusnap import __version__
 
 # Each command and the module of gpusnap.cli that defines it: a run imports its
 # own command's module only (a replica's `gpusnap restore` starts without
-# loading checkpoint, doctor, move...: 0.12 s less on the 2-core CI VM).
+# loading checkpoint, doctor, move...: their imports would add to its start).
 VERBS = {"checkpoint": "checkpoint", "restore": "restore", "inspect": "inspect", "push": "push",
          "pull": "pull", "migrate": "migrate", "move": "move", "gpus": "gpus",
          "freeze": "freeze", "thaw": "freeze", "key": "key", "doctor": "doctor",

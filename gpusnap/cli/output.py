@@ -17,8 +17,8 @@ from gpusnap.redact import redact
 
 
 class LazyConsole:
-    """A rich Console made on first use: importing rich costs a command ~40 ms,
-    and one with --json prints nothing through it (a replica's restore answers
+    """A rich Console made on first use: importing rich is a noticeable part of
+    a command's start, and one with --json prints nothing through it (a replica's restore answers
     sooner). ``real`` is the Console itself, for rich's own classes."""
 
     def __init__(self, **options) -> None:

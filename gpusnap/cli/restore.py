@@ -93,7 +93,7 @@ def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool
                                               containerd_address, log_uri, pull_policy), _human)
         return
     if not Path(source).exists() and reference.names_registry(source):  # parsed strictly there
-        # Podman's answers (~0.1-0.25 s each) while the registry code is imported
+        # Podman's answers (each a Podman start) while the registry code is imported
         facts = podman.ask_host_facts()
         name_taken = podman.in_background(podman.exists, name) if name else None
         from gpusnap.ops import pull  # registry code: imported only when used

@@ -3,8 +3,8 @@
 After the driver's checkpoint a CUDA process holds its whole GPU memory in host
 memory: one new anonymous mapping as large as what it used on the GPU. CRIU
 then copies it out page by page on one thread, through its parasite, into the
-pages file (~2.6 GB/s into gpusnap's huge-page tmpfs): 14-17 s of a 32 GiB
-migration's stop on an H200 host (docs/benchmarks.md). For a push that stops
+pages file: at tens of GiB, a large part of a migration's stop, even into
+gpusnap's huge-page tmpfs (docs/benchmarks.md). For a push that stops
 the container and whose pages go to RAM, pre-dump instead, right after the
 driver's checkpoint:
 
@@ -14,7 +14,8 @@ driver's checkpoint:
    CRIU writes pages in address order, so a run's offset is what CRIU dumps
    below it, which pagescan.py asks the kernel the way CRIU does);
 3. reads them on many threads (process_vm_readv) straight to those offsets of
-   a file in the push's RAM folder (17-27 GB/s on an H200 host);
+   a file in the push's RAM folder (several times CRIU's one-thread rate:
+   docs/benchmarks.md);
 4. hands that file and the runs to the guardian, which writes them back into
    any process that lives on (--leave-running, a failed dump) before the
    driver restores it;
@@ -98,7 +99,7 @@ def mapped(pid: int) -> list[tuple[int, int]]:
 def _minus(ranges: Iterable[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``ranges`` without any part of ``holes``, sorted. One pass over both
     sorted (a CUDA process maps thousands of areas: pairing each with each
-    took seconds of the stop)."""
+    would cost seconds of the stop)."""
     merged: list[tuple[int, int]] = []  # disjoint, so the one before a point is the one to look at
     for h0, h1 in sorted(holes):
         if merged and h0 <= merged[-1][1]:

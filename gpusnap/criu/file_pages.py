@@ -5,8 +5,9 @@ restored by mapping the file and writing the task's changed pages over it
 (criu/mem.c). Each first write to such a page makes the kernel read the file's
 page before it copies it, one fault at a time on CRIU's one thread: on a host
 whose page cache does not hold the image's libraries (a fresh replica, or the
-coldstart bench, which drops the caches), an 8 GiB PyTorch replica's 30-odd
-such writes cost 10-30 ms each, ~0.35 s of the stop (docs/benchmarks.md).
+coldstart bench, which drops the caches), a PyTorch replica's few dozen such
+writes each wait for the disk, one after another, in the stop
+(docs/benchmarks.md).
 
 Pre-restore knows those pages before CRIU reaches them: the mm images say which
 areas map which file at which offset, the pagemaps which pages of them the
@@ -16,7 +17,7 @@ the reads are queued and run side by side; nothing waits for them) from where
 the runtime's bundle says that mount comes from: the root filesystem it
 mounted, or the host path of a bind mount (a volume, or the driver's libraries
 a CDI spec or hook mounts in). A file on any other mount, not there, or not of
-the size CRIU saw is left to CRIU's faults as before. It is only ever a hint:
+the size CRIU saw is left to CRIU's own faults. It is only ever a hint:
 the page cache reads what CRIU would have read.
 """
 

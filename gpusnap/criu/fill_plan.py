@@ -25,9 +25,8 @@ same offsets, one parent link further.
 Memory areas the fill writes almost whole (HUGE_SHARE of them, as the
 driver's host copy of GPU memory is) also get MADV_HUGEPAGE in the task's
 mm image, which CRIU's restorer applies before post-restore: the fill then
-faults 2 MiB pages instead of 4 KiB ones (on an H200 host 11 GiB went in
-0.44 s instead of 0.55 s), and the driver reads its copy back ~18% faster
-(docs/benchmarks.md). Such an area holds the same bytes either way; an
+faults 2 MiB pages instead of 4 KiB ones (512 times fewer faults), and the
+driver reads its copy back faster (docs/benchmarks.md). Such an area holds the same bytes either way; an
 application that said MADV_NOHUGEPAGE, or a host without transparent huge
 pages, keeps its areas as they were. Then, while the restored tasks wait in
 CRIU's restorer with their memory in place (post-restore: CRIU fails the
@@ -65,7 +64,7 @@ from gpusnap.criu.pages_aside import relative_link
 FOLDER = "gpusnap-fill"
 UNDO = "undo.json"
 MIN_RUN = 1 << 20  # smaller runs stay with CRIU: each piece of the fill costs a call
-MIN_TOTAL = 256 << 20  # below this CRIU's ~2 GB/s beats starting the fill
+MIN_TOTAL = 256 << 20  # below this CRIU's own copy beats starting the fill
 MAX_PARENTS = 16
 HUGE_SHARE = 0.9  # an area filled at least this much gets huge pages: no memory is added
 HUGE_MIN = 2 << 20
@@ -380,7 +379,7 @@ class Settings:
     """/etc/gpusnap/page-fill.json: {"enabled": false} leaves every page to CRIU
     (benchmarks compare); "threads" overrides page_fill.default_threads();
     {"huge_pages": false} leaves every area's madvise as the application had it;
-    {"agent": false} runs each later CRIU step in a Python of its own, as before
+    {"agent": false} runs each later CRIU step in a Python of its own, without
     criu/agent.py; {"read_ahead": false} leaves the file pages CRIU copies on
     write to its faults (file_pages.py). Benchmarks compare."""
 

@@ -3,8 +3,9 @@
 CRIU restores every page of a process on one thread: it reads the pages file
 into the new process's memory, page after page (criu/mem.c,
 restore_priv_vma_content). After the driver's checkpoint a CUDA process holds
-its whole GPU memory in host memory, so at 32 GiB that one thread moves
-36.7 GB, ~17-19 s of the stop on an H200 host (docs/benchmarks.md).
+its whole GPU memory in host memory, so that one thread moves a little more
+than the process used on the GPU: at tens of GiB, the largest part of the
+stop (docs/benchmarks.md).
 
 Here the big runs are written by a pool of threads with process_vm_writev(2)
 while the restored tasks wait in CRIU's restorer (its post-restore step): the
@@ -74,8 +75,8 @@ def pieces(runs: Sequence[Run], piece: int = PIECE) -> Iterator[Run]:
 
 def merged(runs: Sequence[Run]) -> list[Run]:
     """Runs that continue one another in memory and in their file made one: CRIU
-    caps a pagemap entry at its pipe's size (1 MiB), so a GPU process's 11 GB
-    come as ~10,000 runs that are mostly one stretch."""
+    caps a pagemap entry at its pipe's size (1 MiB), so a GPU process's memory
+    comes as thousands of runs that are mostly one stretch."""
     out: list[Run] = []
     for r in runs:
         last = out[-1] if out else None
@@ -91,7 +92,8 @@ def batches(runs: Sequence[Run], piece: int = PIECE, most: int = IOV_MAX) -> Ite
     """The runs (merged, cut at ``piece``) grouped for one process_vm_writev each:
     at most ``piece`` bytes and ``most`` runs a call. Few calls, so the threads
     spend their time in the kernel's copy, not in Python taking turns at the
-    interpreter (one call per 1 MiB run cost 16 threads ~0.4 s at 11 GB)."""
+    interpreter (one call per 1 MiB run leaves the threads queueing for the
+    GIL: docs/benchmarks.md)."""
     group: list[Run] = []
     size = 0
     for p in pieces(merged(runs), piece):

@@ -51,9 +51,10 @@ class Pagemap:
 def parse(data: bytes) -> Pagemap:
     """One pass over the image, each entry's fields kept in locals and its varints
     decoded inline: the generic reader (images.messages + fields_of, a dict an
-    entry) took ~12 us a run, a call of wire.read_varint per multi-byte value
-    (every address) ~5 more; these images are read in the stop of a dump and of
-    a restore (a GPU process's holds ~10,000 runs)."""
+    entry) costs several Python calls a run, and so does a call of
+    wire.read_varint per multi-byte value (every address); these images are read
+    in the stop of a dump and of a restore (a GPU process's holds thousands of
+    runs)."""
     if len(data) < 8 or struct.unpack_from("<II", data) != (IMG_COMMON_MAGIC, PAGEMAP_MAGIC):
         raise ImageError("not a CRIU pagemap image")
     n, pos, unpack = len(data), 8, struct.unpack_from

@@ -1,8 +1,8 @@
 """CRIU's memory pages kept out of Podman's tar, on both ends of a registry move.
 
 Podman copies every image of a checkpoint into its export tar, one thread, and
-extracts every one from an import tar: at 8 GiB of GPU memory that was 12 s of
-the source's stop and 17 s of the target's (docs/benchmarks.md), for bytes
+extracts every one from an import tar: a large part of the source's stop and
+of the target's (docs/benchmarks.md), for bytes
 gpusnap had already read (push) or could write itself (pull). So:
 
 - push: once CRIU has dumped, the post-dump action moves each ``pages-*.img``
@@ -19,7 +19,7 @@ nowhere. So the pre-restore action (still in the host's namespace) puts each
 file in place of its link (``bring_back``): a rename on the same filesystem;
 across filesystems a *relative* link, which does resolve there, because the
 tasks open the images through CRIU's directory descriptor, a host mount, and
-``..`` climbs the host's tree from it (a copy, ~22 s at 32 GiB, is only made
+``..`` climbs the host's tree from it (a copy, slow at tens of GiB, is only made
 where the pages must outlive their folder: a failed push's local checkpoint).
 
 Pages in RAM (runtime/memory.py): where the host can spare the memory, the push
@@ -48,8 +48,8 @@ PARENT = "parent"  # CRIU's link to a parent images folder (criu/include/image.h
 
 
 def enabled() -> bool:
-    """GPUSNAP_PAGES_ASIDE=0 sends the pages through Podman's tar as before
-    (a way around should this ever misbehave; the benchmarks compare the two)."""
+    """GPUSNAP_PAGES_ASIDE=0 sends the pages through Podman's tar, as Podman
+    alone would (a way around should this ever misbehave; the benchmarks compare the two)."""
     return os.environ.get("GPUSNAP_PAGES_ASIDE", "1") != "0"
 
 

@@ -9,8 +9,8 @@ that drives CRIU passes it a configuration file naming it:
 - crun passes /etc/criu/crun.conf (else runc.conf) from crun 1.26 on, and only
   when the libcriu.so.2 it loads at run time has criu_set_config_file()
   (libcriu >= 4.2; crun's src/libcrun/criu.c, handle_criu_config_file).
-  Debian 13's crun 1.21 with libcriu 4.1 passes none: measured in the version
-  matrix (a `log-file` in crun.conf was ignored); Debian sid's crun 1.28 with
+  Debian 13's crun 1.21 with libcriu 4.1 passes none (a `log-file` in
+  crun.conf is ignored: docs/version-matrix.md); Debian sid's crun 1.28 with
   libcriu 4.2 passes it. GPUSNAP_CRUN_CONFIG=1 or =0 overrides the probe.
 
 Where the script does not run, gpusnap keeps CRIU's pages in Podman's tars

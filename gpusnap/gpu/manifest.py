@@ -25,7 +25,7 @@ SCHEMA = "gpusnap.manifest/v1"
 
 
 class ManifestError(GpusnapError, ValueError):
-    """A damaged or foreign GPU manifest (a ValueError too, as before)."""
+    """A damaged or foreign GPU manifest (a ValueError too, for callers that catch that)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, "the checkpoint is damaged or was not written by this gpusnap version")

@@ -18,8 +18,8 @@ FIRST_RENDER_MINOR = 128
 
 # host: container paths follow the host (/dev/nvidia1 for host GPU node 1), as
 # nvidia-container-toolkit lays them out. Needed: libcuda opens /dev/nvidia<minor
-# the kernel reports> (measured on an H100, driver 580: with the GPU's node only at
-# another path, CUDA finds no GPU), and CRIU's amdgpu plugin opens
+# the kernel reports> (driver 580: with the GPU's node only at another path, CUDA
+# finds no GPU), and CRIU's amdgpu plugin opens
 # /dev/dri/renderD<new minor>. keep: the container keeps the paths its processes
 # saw (/dev/nvidia0 now reaches host node 195:1); only safe where minors do not change.
 ContainerPaths = Literal["keep", "host"]

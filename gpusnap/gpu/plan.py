@@ -131,7 +131,7 @@ class Plan:
     def pair_choices(self) -> list[tuple[str, list[tuple[str, str]] | None]]:
         """The GPU UUID pairs to offer the driver, in order: every GPU it sees (what it
         asks of a process that can reach them all), then only the moved ones (what it
-        takes in a container that reaches only its own GPUs: measured on H200 x2),
+        takes in a container that reaches only its own GPUs),
         then none (it maps by the nodes the process can open)."""
         every = self.driver_pairs()
         if every is None:

@@ -1,1 +1,1 @@
-"""OCI registry transport for checkpoint bundles. Not built yet: tracked in the registry issue."""
+"""OCI registry transport for checkpoint bundles."""

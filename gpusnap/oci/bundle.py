@@ -147,7 +147,7 @@ def annotations(bundle: Bundle, criu_version: str | None, arch: str | None) -> d
         ANNOTATION + "gpu.names": ",".join(sorted({g.get("name", "") for g in gpus})),
         ANNOTATION + "gpu.driver": gm.get("driver_version") or "",
         ANNOTATION + "gpu.cuda": gm.get("cuda_driver_version") or "",
-        # absent: Podman (bundles from before containerd was carried have none)
+        # absent: Podman (a Podman checkpoint's summary names no engine)
         ANNOTATION + "engine": s.get("engine") or "",
         ANNOTATION + "containerd.snapshotter": (s.get("containerd") or {}).get("snapshotter") or "",
     }

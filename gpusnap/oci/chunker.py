@@ -1,8 +1,8 @@
 """Content-defined chunking of checkpoint files, aligned to 512-byte blocks.
 
 Why not byte-granular gear/FastCDC: a gear hash vectorised with numpy (the
-32-byte window summed by doubling) ran at 150-240 MB/s on the build host and
-kept a core busy; a per-byte Python loop is ~100x slower. Checkpoint data never
+32-byte window summed by doubling) keeps a core busy at a fraction of the
+rate a push needs, and a per-byte Python loop is slower by orders of magnitude. Checkpoint data never
 needs byte granularity: CRIU's pages-*.img hold whole 4 KiB pages (a mapping
 that appears, grows or goes moves the rest by whole pages) and Podman's tar
 members (rootfs-diff.tar, devshm-checkpoint.tar) move in 512-byte blocks.
@@ -19,8 +19,8 @@ slice each, mapped through per-sample random tables (bytes.translate) and
 XORed together as big integers: the low hash byte of every position. A
 candidate is found with bytes.find; only candidates get their higher bits
 (one by one: one position in 2^8 or fewer). One zlib.crc32 call per position
-in a Python loop, the first design, cost ~1 us a position: a second and a
-half of a core per GB, the largest part of a push's own CPU.
+in a Python loop would cost a Python call per position: the largest part of
+a push's own CPU.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class ChunkParams:
 
         FastCDC's normalisation: before avg a cut is half as likely as after
         it, so sizes bunch around avg and few chunks reach max. With
-        min = avg/4 the mean comes out at avg (1.01x computed, ~1.0x measured).
+        min = avg/4 the mean comes out at avg (1.01x, computed).
         """
         bits = max((self.avg_size // GRID).bit_length() - 1, 3)
         return (1 << bits) - 1, (1 << (bits - 1)) - 1

@@ -1,6 +1,6 @@
 """Imports that only the registry commands need.
 
-The GPU hosts have no package index: checkpoint and restore must work there
+A GPU host may have no package index: checkpoint and restore must work there
 without these packages, so they are imported on first use and their absence
 is one clear line.
 """

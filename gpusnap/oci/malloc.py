@@ -6,10 +6,9 @@ up to 8 per core: each keeps the freed chunks it once held, so peak RSS grows
 with the number of threads, not with the chunks in flight. With one arena the
 freed buffers are reused by whichever thread needs the next one.
 
-Measured on a 1 GiB push / pull (2 cores, 8 transfer threads, bounded bytes
-in flight): default 181 / 146 MiB peak RSS; one arena 161 / 124 MiB and 12%
-less CPU. A fixed mmap threshold (every chunk its own mapping) gave the
-lowest RSS, 138 / 104 MiB, but page faults cost 25-55% more CPU.
+One arena gives a push or pull a lower peak RSS than glibc's default, and
+less CPU. A fixed mmap threshold (every chunk its own mapping) gives the
+lowest RSS, but its page faults cost much more CPU (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ class RegistryClient:
     @property
     def session(self):
         """requests' session, made on the first request: a restore that finds all
-        it needs in the host's cache never imports requests (a fifth of a second)."""
+        it needs in the host's cache never imports requests (a slow import)."""
         with self._session_lock:
             if self._session is None:
                 requests = need("requests")
@@ -152,8 +152,8 @@ class RegistryClient:
                 session.mount("http://", adapter)
                 session.headers["User-Agent"] = "gpusnap"
                 # Our Authorization header is set per request; without a session auth,
-                # requests looks for ~/.netrc on every request (a tenth of a push's
-                # CPU over hundreds of chunks). Proxies from the environment still apply.
+                # requests looks for ~/.netrc on every request (a real share of a
+                # push's CPU over hundreds of chunks). Proxies from the environment still apply.
                 session.auth = _leave_as_is
                 self._session = session
             return self._session

@@ -1,9 +1,9 @@
 """Chunk, compress and upload the segments of big files in several processes.
 
-One Python process pushed at ~270 MB/s on a 16-core H100 host, where the
-registry alone took 720 MB/s from 16 parallel uploads and one core chunks at
-~640 MB/s (bench/ingest.py, docs/benchmarks.md): the chunker, the HTTP client
-and the bookkeeping all hold the one GIL. A big file (CRIU's pages of a GPU
+One Python process pushes at a fraction of what the registry takes from
+parallel uploads and of what one core chunks (bench/ingest.py,
+docs/benchmarks.md): the chunker, the HTTP client and the bookkeeping all
+hold the one GIL. A big file (CRIU's pages of a GPU
 process: as large as its GPU memory) is therefore cut into segments
 (chunker.SEGMENT_CHUNKS maximal chunks; a chunk never crosses a segment's end,
 so a file read in one stream is cut the same), and each segment is read with
@@ -53,9 +53,10 @@ def default_workers(stopped: bool = False) -> int:
     """GPUSNAP_PROCESSES, else on hosts of 8 cores or more half the cores (at
     most 12), or where the container is stopped for the push all but 4 (at
     most 24); on smaller hosts 0: the pushing process does it all. The registry
-    on loopback, Podman and the pushing process need the other half (the
-    registry took ~4 cores at 700 MB/s on the H100 host); on a 2-core VM two
-    workers made a 0.8 GB migration 30% slower than one process. A stopped
+    on loopback, Podman and the pushing process need the other half (a
+    registry at full rate keeps several cores busy); on a small host workers
+    only compete with the pushing process, and a migration is slower with them
+    (docs/benchmarks.md). A stopped
     container's cores are idle, and a final pre-copy round sends little but
     must hash every byte: there the workers set the pace of the stop."""
     env = os.environ.get(PROCESSES_ENV, "").strip()
@@ -110,9 +111,9 @@ def _init(ref: str, opts: RegistryOptions, cache_root: str | None, level: int) -
 
 def _run(seg: Segment) -> SegmentResult:
     """The segment's file is mapped, not read: chunks are views into the page
-    cache, hashed (and, where new, compressed) where they lie. Read with pread
-    into a buffer and copied into a bytes object per chunk, a worker managed
-    0.41 GB/s; mapped, 0.67 (bench/push_hash.py). Each chunk's pages leave the
+    cache, hashed (and, where new, compressed) where they lie: a worker that
+    reads with pread into a buffer and copies a bytes object per chunk is
+    markedly slower (bench/push_hash.py). Each chunk's pages leave the
     worker's page tables once it is done, so its RSS stays at what is in flight."""
     uploader = _worker["uploader"]
     before = uploader.stats.to_dict()
@@ -186,7 +187,7 @@ class SegmentPool:
 
 def worth_it(size: int, params: chunker.ChunkParams) -> bool:
     """Files of at least four segments go to the workers; smaller ones are read
-    in the pushing process (a worker costs a Python start, ~0.3 s, once)."""
+    in the pushing process (a worker costs a Python start, once)."""
     return size >= 4 * params.segment
 
 
@@ -237,8 +238,8 @@ def _write_mapped(path: str, offset: int, length: int, pieces: Iterable[bytes]) 
     """``pieces`` copied into ``path`` from ``offset`` through a shared mapping.
 
     Why not pwrite: every write(2) to one file takes its inode lock, so a dozen
-    workers writing one 36.7 GB pages file on a tmpfs took turns (1.6 GB/s on
-    the H100 host, ~14 cores busy, mostly spinning on that lock); page faults
+    workers writing one pages file on a tmpfs take turns (their cores busy
+    mostly spinning on that lock: docs/benchmarks.md); page faults
     on a shared mapping take no such lock. Only for a tmpfs file that has the
     room (memory.ram_dir checked it): a mapping of a file the filesystem cannot
     grow raises SIGBUS, where write(2) would say ENOSPC."""

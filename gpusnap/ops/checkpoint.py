@@ -24,8 +24,8 @@ from gpusnap.runtime import podman
 from gpusnap.runtime.storage import discard
 from gpusnap.runtime.stream import export_fifo, export_plain
 
-# zstd -1 with all cores: an H100 host's checkpoint disk (1.2 GB/s) is the limit
-# from there on; -3 saves 4% of the size of a CUDA checkpoint.
+# zstd -1 with all cores: the checkpoint disk is the limit from there on, and
+# -3 saves little of a CUDA checkpoint's size (docs/benchmarks.md).
 EXPORT_ZSTD_LEVEL = 1
 
 
@@ -152,10 +152,10 @@ def _drop_stale_dump(ctr: podman.Container, since: float) -> None:
 def _read_ahead(p: CheckpointPlan) -> dict:
     """Whether pre-dump reads the driver's copy of GPU memory into the push's
     RAM folder itself, on many threads (criu/dump_ahead.py; GPUSNAP_DUMP_AHEAD=0:
-    CRIU dumps it, as before). Only where the dump stops the container: one
+    CRIU dumps it itself). Only where the dump stops the container: one
     that runs on needs that memory back before the driver restores it, and
-    writing 36 GB back cost pre-copy's round 1 more than CRIU's dump saved
-    (the job paused 47.8 s against 38.1 s on an H200). GPUSNAP_DUMP_AHEAD_TEST_MIN is for the tests: a
+    writing all of it back costs pre-copy's round 1 more than CRIU's dump
+    saves (docs/benchmarks.md). GPUSNAP_DUMP_AHEAD_TEST_MIN is for the tests: a
     CPU container's anonymous areas of at least that many bytes are taken too,
     and GPUSNAP_DUMP_AHEAD_TEST_FAULT=compose makes post-dump fail there."""
     if not p.pages_prelinked or p.leave_running or os.environ.get("GPUSNAP_DUMP_AHEAD", "1") == "0":

@@ -30,7 +30,7 @@ REMAP_DRIVER = 580
 
 
 LEVELS = ("ok", "warning", "error")
-# What a host without an NVIDIA driver cannot do (containers without GPUs work as before).
+# What a host without an NVIDIA driver cannot do (containers without GPUs work as without gpusnap).
 GPU_FEATURES = ("GPU memory in checkpoints, restore onto GPUs, `gpusnap move`, "
                 "`gpusnap freeze`/`thaw`")
 

@@ -1,10 +1,10 @@
 """Upload CRIU's page images while CRIU still writes them.
 
 A GPU process's pages-N.img is as large as its GPU memory, and CRIU writes it
-front to back at ~1.6 GB/s (12 s for 19.5 GB on an H100 host). Podman's
-export, where the push learns the file's final size, starts only after the
-whole dump: waiting for it left 16 worker cores idle for those seconds
-(bench/timeline.py's figures in docs/benchmarks.md). This watcher polls
+front to back, for seconds. Podman's export, where the push learns the file's
+final size, starts only after the whole dump: waiting for it would leave the
+worker cores idle for those seconds (bench/timeline.py's figures in
+docs/benchmarks.md). This watcher polls
 Podman's checkpoint folder and hands every whole segment CRIU has written to
 the segment workers at once; when the export's header arrives, the push takes
 those futures and submits only the rest.

@@ -1,10 +1,10 @@
 """A prepared folder of round 1 used as CRIU's *parent* images: the final round's
 pages that round 1 holds at the same address are not written again at all.
 
-The final round of a 32 GiB pre-copy finds 93.7% of its pages file in round
-1's, but shifted by a few pages that an early mapping grew by: patching the
-prepared file moved 34 GB within it in the stop (12.8 s on the H200 host,
-docs/benchmarks.md), at the host's copy rate. CRIU reads a pages file in its
+The final round of a pre-copy finds most of its pages file in round 1's,
+but shifted by a few pages that an early mapping grew by: patching the
+prepared file moves nearly all of it within the file in the stop, at the
+host's copy rate (docs/benchmarks.md). CRIU reads a pages file in its
 pagemap's order, so the offsets cannot be pointed elsewhere; but a pagemap run
 marked PE_PARENT is read from the ``parent`` images folder at the same address,
 which is how CRIU's own pre-dump chains restore (criu/page-read.c). So the

@@ -43,8 +43,9 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
     # Only where CRIU runs gpusnap's action script, which moves them (criu/runtimes.py).
     sets_aside = stream and pages_aside.enabled() and runs_action_script(container.runtime)
     # The export holds the pages only where they are not set aside: then it
-    # needs the roomiest place (36.7 GB at 32 GiB filled the disk beside
-    # Podman's storage, where the set-aside export needs a few MB).
+    # needs the roomiest place (an export that holds the pages is larger than
+    # the GPU memory and can fill the disk beside Podman's storage, where the
+    # set-aside export needs a few MB).
     root = _work_root(container) if sets_aside else staging_dir(0, container.graph_root)
     work = Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=root))
     # Plain, not zstd: the chunks are compressed one by one anyway, so a

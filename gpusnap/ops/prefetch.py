@@ -2,14 +2,14 @@
 
 Podman 4 tars the container's /dev/shm into ``userdata/devshm-checkpoint.tar``
 after CRIU's dump, and only then writes the export, which copies that file in
-verbatim. A push that followed the export alone sat idle through the first
-write and then read every byte again from the export. Here the file is chunked
+verbatim. A push that followed the export alone would sit idle through the
+first write and then read every byte again from the export. Here the file is chunked
 and uploaded as it grows. When the export's header for it arrives the file is
 complete (Podman closed it before starting the export); if it is still the file
 being read (same inode, the header's size and mtime), the early chunks stand
 for the member, the export's copy is skipped while the reading goes on, and
 ``finish()`` checks that exactly the header's size was read. Otherwise the
-member is read from the export as before: the early chunks are only wasted
+member is read from the export after all: the early chunks are only wasted
 uploads, never wrong data.
 """
 

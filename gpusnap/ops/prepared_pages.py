@@ -1,9 +1,9 @@
 """CRIU's pages files written ahead on a target, so that a restore writes only what differs.
 
 A restore of REF writes each big ``pages-N.img`` from chunks (the cache first)
-before CRIU can read it: 14 s of a 32 GiB pre-copy's 70 s stop on the H200
-host, 6.4 s of a warm-cache replica's 16 s (docs/benchmarks.md), though the
-bytes were on the host already. `gpusnap pull --prefetch REF` therefore
+before CRIU can read it: a large share of a pre-copy's stop, and of a
+warm-cache replica's (docs/benchmarks.md), though the bytes are on the host
+already. `gpusnap pull --prefetch REF` therefore
 leaves the pages files of REF written out in a *prepared* folder (RAM where
 runtime/memory.py allows, else beside Podman's storage), with their chunk
 lists in ``index.json``; a later restore compares its own chunk lists with it:
@@ -11,9 +11,9 @@ lists in ``index.json``; a later restore compares its own chunk lists with it:
 - the same file (a replica of REF): a hard link, nothing written; the
   prepared file stays for the next replica;
 - at least half the bytes found in it, at the same offset or at another (the
-  final round of a pre-copy: 91.5% of an 8 GiB inference job's pages file lay
-  where round 1's had, and at 32 GiB 93.7% lay shifted by an early change,
-  measured on the H200): the prepared folder is claimed (renamed, so one
+  final round of a pre-copy: most of an inference job's pages file lies where
+  round 1's had, or shifted by an early change, docs/benchmarks.md): the
+  prepared folder is claimed (renamed, so one
   restore has it) and becomes CRIU's *parent* images folder: the final
   round's pagemap is rewritten so that pages round 1 holds at the same
   address are read from there, and only the rest is written
@@ -21,7 +21,7 @@ lists in ``index.json``; a later restore compares its own chunk lists with it:
   pagemaps, addresses that moved), chunks found elsewhere are moved within
   the file (apply_moves), each file resized and only the rest fetched in
   place. The folder is gone afterwards;
-- otherwise the file is written anew, as before.
+- otherwise the file is written anew, as without a prepared folder.
 
 Every way out of a failed claim or link (another restore took it, memory
 pressure evicted it) falls back to writing anew. Prepared folders in RAM give
@@ -147,8 +147,8 @@ def apply_moves(fd: int, moves: list[tuple[int, int, int]], threads: int = MOVE_
     In batches of up to ``batch`` bytes: every source of a batch is read into
     one buffer (threads: a tmpfs read takes no inode lock) before any of it is
     written back (pwrite, GIL released). The buffer is allocated once: fresh
-    buffers of 64 MiB a batch, and mappings to write through, took the
-    restore to 343 MiB of RSS on the H200 host (limit 256)."""
+    buffers each batch, or mappings to write through, take the restore's RSS
+    past the 256 MiB it is held to."""
     ahead = sorted((m for m in moves if m[1] > m[0]), key=lambda m: m[1], reverse=True)
     back = sorted((m for m in moves if m[1] < m[0]), key=lambda m: m[1])
     order = ahead + back
@@ -332,8 +332,8 @@ def parent_plans(match: Match, bundle: Bundle, final: dict[str, bytes]) -> bool:
     """Plan every pages file of ``bundle`` whose task has a pagemap in the claimed
     folder against it as CRIU's parent (``final``: the bundle's pagemap images
     by path). Taken (True) where the parent then holds at least NEAR of the
-    pages; else the folder is patched as before. A folder prepared before
-    pagemaps were kept, or images that do not parse, are patched too."""
+    pages; else the folder is patched (apply_moves). A folder prepared without
+    pagemaps, or images that do not parse, are patched too."""
     if match.exact or match.claimed is None or os.environ.get(PARENT_ENV, "1") == "0":
         return False
     files = {f.path: f for f in big_pages(bundle)}
@@ -552,8 +552,8 @@ def keep(bundle: Bundle, digest: str, folder: Path, *, repository: str = "",
     """After a restore that wrote ``bundle``'s pages files anew into ``folder``
     (RAM): the folder kept as the prepared folder of ``digest`` (its files
     named, sized and indexed as prepare() would), so that the next replica on
-    this host links them instead of writing them again from the cache (6-7 s
-    at 8 GiB on the H200 host). Only while all prepared folders in RAM stay
+    this host links them instead of writing them again from the cache
+    (seconds of its stop: docs/benchmarks.md). Only while all prepared folders in RAM stay
     under a quarter of it and the host could still restore one more
     (memory.ram_dir); they give way to pushes and restores like a prefetch's.
     None: not kept (the caller discards the folder)."""

@@ -505,7 +505,7 @@ def _unprepared(remote: Remote, where: list[Path], prepared: prepared_pages.Matc
 
 def _keep_pages(remote: Remote, pages: Path) -> dict | None:
     """The pages a restore wrote anew, kept for the next replica where RAM allows
-    (prepared_pages.keep); None where not (they go as before)."""
+    (prepared_pages.keep); None where not (the caller discards them)."""
     if fmt.is_pre_checkpoint(remote.manifest):
         return None  # its final round comes next, and drops its round's folders (drop_rounds)
     ref = remote.client.ref

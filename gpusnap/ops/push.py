@@ -29,12 +29,13 @@ from gpusnap.trust.options import TrustOptions
 if TYPE_CHECKING:  # cryptography: imported by push() itself
     from gpusnap.trust.remote import PushTrust
 
-ZSTD_LEVEL = 3  # chunks cross a network: -3 is 5-10% smaller than -1 at ~1 GB/s per core
+ZSTD_LEVEL = 3  # chunks cross a network: -3 is smaller than -1, still fast per core
 WORKERS = 8
 # Chunk sizes grow with the file (about 512 chunks per file for fine dedup,
 # 4 MiB for big ones) and with the whole checkpoint past MAX_LAYERS * 4 MiB.
-# 512, not 256: a 1% change of a ~67 MB pages file sent 1.8-4.7% with 256
-# (chunks up to 2 MiB around the change), too near the 5% the issue allows.
+# 512, not 256: with 256, a 1% change of a mid-sized pages file sends chunks of
+# up to 2 MiB around the change, too near the 5% the issue allows
+# (docs/benchmarks.md).
 _MIN_AVG, _MAX_AVG = 256 << 10, 4 << 20
 _CHUNKS_PER_FILE = 512
 

@@ -31,7 +31,7 @@ class LayerStream:
         zstd = need("zstandard")
         one_heap_for_all_threads()
         # One zstd worker per core, as `zstd -T0`, on 1 MiB jobs: the default job
-        # size (4 windows) held 190 MB for a 1 GiB layer at level 3, 1 MiB jobs 43 MB.
+        # size (4 windows) holds several times the memory of 1 MiB jobs.
         params = zstd.ZstdCompressionParameters.from_level(level, threads=-1, job_size=1 << 20)
         self._compressor = zstd.ZstdCompressor(compression_params=params).compressobj()
         self._entries = entries

@@ -143,8 +143,8 @@ def import_file(path: Path, contents: archive.CheckpointContents, plan: Plan,
 
 
 def _unpacked_size(path: Path) -> int:
-    """What Podman reads of the archive, for its restore's bound (a zstd
-    checkpoint of GPU memory packs to about a half; a quarter is assumed)."""
+    """What Podman reads of the archive, for its restore's bound (zstd packs a
+    checkpoint of GPU memory well; a quarter is assumed, so the bound errs long)."""
     size = path.stat().st_size
     return size * 4 if is_zstd(path) else size
 

@@ -56,7 +56,7 @@ def open_source(source: str, leave_running: bool,
         yield PushSource("directory", path, size, size)
         return
     if path.is_file():
-        yield PushSource("archive", path, path.stat().st_size * 4)  # zstd -1 of memory: ~2-4x
+        yield PushSource("archive", path, path.stat().st_size * 4)  # zstd -1 packs memory a few times over
         return
     from gpusnap.ops import podman_source  # CRIU/GPU code, only when needed
 

@@ -35,8 +35,8 @@ from gpusnap.ops.pull import OnTrusted, fetch_small, open_remote
 from gpusnap.trust.options import TrustOptions
 
 # Blobs are fetched whole: I/O bound, and the digest check releases the GIL, so
-# threads keep a loopback registry busy (647 MB/s at 8 GiB on an H100 host). Each
-# holds one blob (4-16 MiB): 16 threads and a copy per blob went past 256 MiB RSS.
+# threads keep a loopback registry busy (docs/benchmarks.md). Each holds one blob
+# (4-16 MiB): more threads, or a copy per blob, take the RSS past its 256 MiB bound.
 WORKERS = 8
 
 

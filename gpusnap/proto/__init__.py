@@ -1,8 +1,7 @@
 """containerd's runtime v2 wire types for the shim, compiled on first use.
 
 `load()` returns the generated modules (building them into the cache the first
-time, see build.py). PyPI's `containerd` package (1.5.3, 2021) was checked and
-is unfit: it has containerd's client services but not the runtime v2 task
+time, see build.py). PyPI's `containerd` package (1.5.3) is unfit: it has containerd's client services but not the runtime v2 task
 service a shim serves, and its protobuf-3 generated code fails to import with
 protobuf >= 4.
 """

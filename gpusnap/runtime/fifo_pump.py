@@ -266,9 +266,9 @@ def _serve_bytes(fd: int, data: bytes) -> None:
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
-    # Named options, not positions: an optional positional argument once shifted
-    # the others, and a --retarget import died parsing its own command line
-    # while Podman waited in open(2) for a writer that never came.
+    # Named options, not positions: an optional positional argument shifts the
+    # others, and an import that dies parsing its own command line leaves Podman
+    # waiting in open(2) for a writer that never comes.
     parser = argparse.ArgumentParser(prog="gpusnap.runtime.fifo_pump")
     modes = parser.add_subparsers(dest="mode", required=True)
     export_mode = modes.add_parser("export")

@@ -3,7 +3,7 @@
 Podman gives a container started without --hostname the first 12 characters
 of its ID as hostname (in its UTS namespace, /etc/hostname and /etc/hosts),
 and a restore under a new --name keeps the checkpoint's: every replica of one
-checkpoint answered with the source container's hostname (bench/coldstart.py's
+checkpoint would answer with the source container's hostname (bench/coldstart.py's
 replicas, docs/benchmarks.md). A restored copy whose hostname is the one Podman
 derived from the checkpointed container's ID gets the one Podman derives from
 its own; a hostname the user chose (`podman run --hostname`) stays, as it does

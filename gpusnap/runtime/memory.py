@@ -1,18 +1,18 @@
 """CRIU's memory pages in RAM (/dev/shm) instead of on disk, where the host can spare it.
 
-At 32 GiB of GPU memory CRIU's pages are 36.7 GB. Written to the disk they
-are throttled to its writeback (~0.8-1.4 GB/s on the H100 hosts: ~30-48 s of
+CRIU's pages are a little more than the process's GPU memory. Written to the
+disk they are throttled to its writeback (at tens of GiB, tens of seconds of
 a migration's stop on the source, and on the target the same again before
-CRIU reads them back); written to a tmpfs they move at memory speed. Both
+CRIU reads them back: docs/benchmarks.md); written to a tmpfs they move at
+memory speed. Both
 ends only hold them for the length of a migration: the source until the push
 has read them, the target until CRIU has restored them into the process.
 
-A tmpfs takes memory the kernel cannot reclaim (no swap on these hosts), so
+A tmpfs takes memory the kernel cannot reclaim (GPU hosts often have no swap), so
 RAM is used only where the host keeps a reserve beside everything the step
 will hold at once: on the source the pages and the GPU memory the driver
 moves into the process first; on the target the pages file and the restored
-process (CRIU reads one into the other). Elsewhere the pages go to the disk
-as before. GPUSNAP_PAGES_RAM=0 never uses RAM; =1 skips the memory check
+process (CRIU reads one into the other). Elsewhere the pages go to the disk. GPUSNAP_PAGES_RAM=0 never uses RAM; =1 skips the memory check
 (the tmpfs must still have the room).
 
 Which tmpfs: one of gpusnap's own, mounted on first use at /run/gpusnap/ram

@@ -166,8 +166,8 @@ def in_background(ask: Callable[..., T], *args) -> Callable[[], T]:
 
 
 def ask_host_facts() -> Callable[[], HostFacts]:
-    """host_facts() in the background: `podman info` takes ~0.25 s, and a
-    restore asks it before it opens the registry."""
+    """host_facts() in the background: `podman info` is slow (it queries the
+    package manager), and a restore asks it before it opens the registry."""
     return in_background(host_facts)
 
 

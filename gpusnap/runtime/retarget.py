@@ -116,7 +116,7 @@ def _json(value: dict) -> bytes:
 class _Source:
     """The archive as raw tar bytes on a file descriptor (zstd and gzip decompressed
     by their own processes). Members pass through with os.splice, not tarfile's
-    stream reader, which copies every byte a few times (170 MB/s, measured)."""
+    stream reader, which copies every byte a few times."""
 
     def __init__(self, path: Path) -> None:
         with open(path, "rb") as f:

@@ -24,8 +24,7 @@ def discard(path: Path, near: Path) -> None:
     """Remove the tree ``path`` without waiting for it: renamed at once into a
     trash folder in ``near`` (the same filesystem), deleted there by a detached
     `rm -rf`. Unlinking tens of GB of freshly written files waits for their
-    writeback: 10 s for 36.7 GB of CRIU images on the H100 host, at the end of
-    every migration. Where the rename fails, removed here and now."""
+    writeback: seconds at the end of every migration. Where the rename fails, removed here and now."""
     try:
         trash = Path(tempfile.mkdtemp(prefix=TRASH_PREFIX, dir=near))
     except OSError:
@@ -54,7 +53,7 @@ def staging_dir(size: int, graph_root: Path | None = None) -> Path:
     """A directory for an archive of ``size`` bytes: beside Podman's storage (the
     import lands there anyway) or /var/tmp, whichever has more room; never /tmp,
     often a small tmpfs. ``graph_root``, where a container already told it, spares
-    asking `podman info` (~0.2 s: it queries dpkg for runc's and conmon's versions)."""
+    asking `podman info` (slow: it queries dpkg for runc's and conmon's versions)."""
     root = graph_root or storage_root()
     candidates = [c for c in (root.parent if root else None, Path("/var/tmp"))
                   if c is not None and c.is_dir()]

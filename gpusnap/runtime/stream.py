@@ -1,8 +1,8 @@
 """Podman's checkpoint archives through a FIFO, with zstd doing the (de)compression.
 
-Podman 4 compresses `--export` archives in-process with one thread: on an H100
-host a 7.5 GB checkpoint of a 2 GiB CUDA process took 67 s to export and 58 s
-to import, against about 11 s for the dump itself. Podman writes and reads the
+Podman 4 compresses `--export` archives in-process with one thread: export and
+import of a CUDA checkpoint then take several times as long as the dump itself
+(docs/benchmarks.md). Podman writes and reads the
 archive with plain open(2), so a named pipe can stand in for the file:
 
 - export: Podman writes an uncompressed tar (`--compress none`) into the FIFO
@@ -127,7 +127,7 @@ def export_plain(dest: Path) -> Iterator[Path]:
     first: Podman truncates it and keeps the mode), which a push follows as it
     grows (follow.py); renamed to ``dest`` on a clean exit, removed on an
     exception. No FIFO: with nothing to compress, a pump would only copy every
-    byte once more (a second of system CPU per GB on a small host). Podman 4.3
+    byte once more (system CPU a small host cannot spare). Podman 4.3
     returns "no space left on device" on a full disk, it does not hang as it
     does on a broken FIFO.
     """

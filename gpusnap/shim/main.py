@@ -101,7 +101,7 @@ def task_api_version(containerd: str) -> int:
     """The bootstrap version the containerd at path CONTAINERD accepts: 3 from 2.0 on, else 2.
 
     containerd sets MAX_SHIM_VERSION=2 in 1.7 and 2.x alike, so its own
-    `--version` tells (a Go binary: tens of milliseconds, once per shim start).
+    `--version` tells (a Go binary that answers quickly; asked once per shim start).
     """
     told = os.environ.get("GPUSNAP_SHIM_TASK_VERSION")
     if told in ("2", "3"):

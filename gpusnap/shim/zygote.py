@@ -1,9 +1,9 @@
 """A warm parent for shim servers: grpc and the protos imported once, one fork per task.
 
-A fresh interpreter needs ~250 ms to import grpc, protobuf and the generated
-modules; containerd waits for that on every task start (`ctr run`). The
-first `start` launches this process; later ones send it a request on a root-
-only socket and it forks a server that is listening within ~30 ms. It never
+Importing grpc, protobuf and the generated modules is most of a fresh
+interpreter's start; containerd waits for that on every task start (`ctr run`).
+The first `start` launches this process; later ones send it a request on a
+root-only socket and it forks a server that listens almost at once. It never
 creates a grpc object itself (forking after grpc core starts is unsafe), runs
 single-threaded, exits after IDLE_EXIT seconds without requests, and refuses
 (so `start` falls back to a cold fork) when the shim's code on disk changed
