@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal, requests
+from gpusnap.criu import agent_files
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
@@ -279,7 +280,7 @@ READ_AHEAD_WAIT_S = 5.0
 
 def _read_file_pages_ahead_beside(folder: Path) -> int | None:
     """_read_file_pages_ahead in a child process, beside fill planning (each parses
-    CRIU's images, ~0.1 s for an 8 GiB replica, on a core of its own); its pid,
+    CRIU's images, which takes a share of the stop, on a core of its own); its pid,
     for _reap before the step ends: a child left behind would be CRIU's to reap."""
     try:
         pid = os.fork()
@@ -438,7 +439,7 @@ def check_without_hook(image_dir: str, criu_pid: int) -> None:
         return
     if _runtime_of(criu_pid) != "crun":
         return
-    from gpusnap.hook.main import plan_restore_here
+    from gpusnap.gpu.bundle_plan import plan_restore_here  # crun only: not every step's start-up
 
     config = Path(os.path.realpath(folder)).parent / "config.json"  # Podman: userdata/checkpoint
     spec = json.loads(config.read_text()) if config.exists() else {}
@@ -595,10 +596,8 @@ def _marker_dir():
 def _start_agent(criu_pid: int, driver: bool) -> None:
     """The agent that takes post-restore and post-resume (agent.py); a restore
     goes on without it where it cannot start."""
-    from gpusnap.criu import agent
-
     try:
-        agent.start(criu_pid, driver)
+        agent_files.start(criu_pid, driver)
     except OSError as exc:
         journal.record("agent-not-started", error=str(exc))
 

@@ -1,8 +1,8 @@
 """One gpusnap process for the later CRIU steps of one restore.
 
 CRIU starts the action script afresh at every step, and each start of Python
-with gpusnap's imports cost an 8 GiB replica ~0.1-0.16 s at post-restore and
-again at post-resume (plus libcuda and cuInit there), inside the stop
+with gpusnap's imports costs a replica time at post-restore and again at
+post-resume (plus libcuda and cuInit there), inside the stop
 (docs/benchmarks.md). The pre-restore step starts this agent instead, while
 CRIU still has namespaces, mounts and files to restore; the agent imports
 what those steps need, loads the driver and reads NVML for the OCI hook
@@ -21,7 +21,7 @@ included). pre-restore starts it where it plans a fill, unless page-fill.json
 says {"agent": false}; for a GPU checkpoint with ``--driver``: libcuda loaded
 and cuInit called on a thread, and NVML read for gpusnap-hook, which takes it
 instead of its own read. Where the agent is not there, the script runs Python
-as before; where it stops while a step is in its hands, the script fails the
+for the step itself; where it stops while a step is in its hands, the script fails the
 step (CRIU then stops the restore: the checkpoint is unchanged), since that
 step may be half done. The agent leaves when CRIU does, after post-resume, or
 after an hour.
@@ -37,45 +37,24 @@ import json
 import os
 import select
 import shutil
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 from gpusnap import journal
+from gpusnap.criu import action
+# start and the names the hook reads live in agent_files, shared with the script
+from gpusnap.criu.agent_files import INVENTORY, NO_INVENTORY, folder, start  # noqa: F401
 from gpusnap.private import write_private
 
 LIFETIME_S = 3600.0
-INVENTORY = "inventory.json"
-NO_INVENTORY = "inventory.failed"
-
-
-def folder(criu_pid: int) -> Path:
-    return journal.state_subdir("actions") / f"{criu_pid}-agent"
-
-
-def start(criu_pid: int, driver: bool) -> None:
-    """The agent of this CRIU, in a session of its own (never a child CRIU waits
-    for); ``driver``: load libcuda and read NVML ahead (a GPU checkpoint). Its
-    pid goes to ``started`` at once: a step that comes before the agent reads
-    requests (crun runs no hook in between) waits for it while it lives, which
-    is never longer than starting Python for the step would take."""
-    here = folder(criu_pid)
-    if (here / "started").exists():
-        return  # runc reads runc.conf, then CRIU again: the step may run twice
-    proc = subprocess.Popen([sys.executable, "-m", "gpusnap.criu.agent", str(criu_pid),
-                             *(["--driver"] if driver else [])],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
-    here.mkdir(mode=0o700, exist_ok=True)
-    write_private(here / "started", str(proc.pid))
 
 
 def _read_inventory(criu_pid: int) -> None:
     """NVML's view of the GPUs for runc's prestart hook, which runs next
     (gpusnap-hook reads it from here, hook/main.py agent_inventory):
-    the hook's own first NVML read cost it ~0.1 s of the stop."""
+    the hook's own first NVML read would add to the stop (docs/benchmarks.md)."""
     from gpusnap.gpu.inventory import read_inventory
 
     inventory = read_inventory()
@@ -114,8 +93,6 @@ class _Driver:
 
 def _answer(request: str, criu_pid: int, driver: _Driver | None) -> bool:
     """Run one step; False once the agent has nothing more to do."""
-    from gpusnap.criu import action
-
     step, init_pid, reply, image_dir = (request.split(" ", 3) + ["", "", "", ""])[:4]
     if step not in ("post-restore", "post-resume") or not reply:
         return True
@@ -191,7 +168,7 @@ def main() -> int:
         criu_pid = int(sys.argv[1])
     except (IndexError, ValueError):
         return 2
-    from gpusnap.criu import action, fill_plan, page_fill  # noqa: F401 -- loaded before they are asked
+    from gpusnap.criu import fill_plan, page_fill  # noqa: F401 -- loaded before they are asked
 
     driver = None
     if "--driver" in sys.argv[2:]:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
-from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
+from gpusnap import MANIFEST_NAME, journal
+from gpusnap.criu import agent_files
 from gpusnap.private import write_private
 
 if TYPE_CHECKING:
@@ -67,7 +67,6 @@ def agent_inventory(wait_s: float = 0.5) -> "Inventory | None":
     read them within ``wait_s``: the hook then reads NVML itself."""
     import time
 
-    from gpusnap.criu import agent
     from gpusnap.gpu.inventory import Inventory
     from gpusnap.procs import parent_of
 
@@ -79,9 +78,9 @@ def agent_inventory(wait_s: float = 0.5) -> "Inventory | None":
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                return Inventory.from_dict(json.loads((here / agent.INVENTORY).read_text()))
+                return Inventory.from_dict(json.loads((here / agent_files.INVENTORY).read_text()))
             except (OSError, ValueError, TypeError, KeyError):
-                if time.monotonic() > deadline or (here / agent.NO_INVENTORY).exists():
+                if time.monotonic() > deadline or (here / agent_files.NO_INVENTORY).exists():
                     return None
                 time.sleep(0.01)
     return None
@@ -96,42 +95,16 @@ def plan_for_restore(manifest_path: Path, spec: dict, wait_s: float = 0.5,
     only the container's GPUs: where that read cannot place the checkpoint and
     the host has more GPU nodes than it saw (a plain `podman container restore`
     whose GPU is full, or an annotation naming another), NVML is read again here."""
+    # Here, not at the top: the hook runs at every container's create, and the
+    # GPU modules are loaded only for a restore (start-up time).
+    from gpusnap.gpu.bundle_plan import plan_restore_here
+
     seen = agent_inventory(wait_s)
     problems, plan = plan_restore_here(manifest_path, spec, seen)
     if problems and seen is not None and len(seen.gpus) < host_gpu_nodes(dev):
         seen = None
         problems, plan = plan_restore_here(manifest_path, spec)
     return problems, plan, seen
-
-
-def plan_restore_here(manifest_path: Path, spec: dict,
-                      inventory: "Inventory | None" = None) -> tuple[list[str], "Plan | None"]:
-    """(problems, plan) for restoring here.
-
-    With a plan beside the manifest (`gpusnap restore` rewrote the spec for it),
-    its targets are re-checked. Without one (a plain `podman container restore`),
-    the spec still names the checkpoint's GPUs; where they cannot take it, other
-    GPUs are planned (or the `io.gpusnap.gpu-map` annotation's), and the CRIU
-    action script moves the restored processes onto them before they resume.
-    """
-    from gpusnap.gpu.inventory import read_inventory
-    from gpusnap.gpu.manifest import Manifest
-    from gpusnap.gpu.plan import Plan, plan_restore, recheck
-
-    manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
-    inventory = inventory or read_inventory()
-    plan_path = manifest_path.with_name(PLAN_NAME)
-    if plan_path.exists():  # the plan `gpusnap restore` made: checked, not made again
-        pinned = Plan.from_dict(json.loads(plan_path.read_text()))
-        return [p.line for p in recheck(pinned, manifest, inventory)], None
-    annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
-    from gpusnap.gpu.gpumap import parse_gpu_map
-
-    result = plan_restore(manifest, inventory,
-                          gpu_map=parse_gpu_map(annotation) if annotation else None)
-    if isinstance(result, list):
-        return [p.line for p in result], None
-    return [], result
 
 
 def stash_live_remap(pid: int, plan: "Plan", spec: dict) -> Path:

@@ -18,6 +18,7 @@ from gpusnap.gpu import inventory as inventory_module
 from gpusnap.gpu.gpumap import parse_gpu_map
 from gpusnap.gpu.inventory import GpuInfo, Inventory
 from gpusnap.gpu.manifest import SCHEMA
+from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
 from gpusnap.hook import main as hook
 from tests.unit.fakes import UUID0, UUID1, gpu, inventory
 
@@ -298,12 +299,12 @@ def test_the_gpu_map_annotation_pins_a_plain_restore(tmp_path, state_dir, monkey
                           pci_bus_id=g0.pci_bus_id)
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], man)
     spec = json.loads((b / "config.json").read_text())
-    spec["annotations"] = {hook.GPU_MAP_ANNOTATION: "0=1"}
+    spec["annotations"] = {GPU_MAP_ANNOTATION: "0=1"}
     (b / "config.json").write_text(json.dumps(spec))
     assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 0
     stash = json.loads((state_dir / "restores" / "4242.json").read_text())
     assert "chosen by --gpu-map 0=1" in stash["plan"]["moves"][0]["reasons"]
-    spec["annotations"] = {hook.GPU_MAP_ANNOTATION: "0=5"}
+    spec["annotations"] = {GPU_MAP_ANNOTATION: "0=5"}
     (b / "config.json").write_text(json.dumps(spec))
     assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
     assert "no GPU 5" in capsys.readouterr().err

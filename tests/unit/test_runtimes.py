@@ -129,7 +129,7 @@ def test_crun_restores_are_checked_in_pre_restore_runc_ones_by_the_hook(monkeypa
     monkeypatch.setattr(action, "_runtime_of", lambda pid: "runc")
     action.check_without_hook(str(images), 1)  # runc: its hook checks
     monkeypatch.setattr(action, "_runtime_of", lambda pid: "crun")
-    monkeypatch.setattr("gpusnap.hook.main.plan_restore_here",
+    monkeypatch.setattr("gpusnap.gpu.bundle_plan.plan_restore_here",
                         lambda path, spec: (["no NVIDIA GPU on this host"], None))
     with pytest.raises(GpusnapError, match="cannot restore here: no NVIDIA GPU"):
         action.check_without_hook(str(images), 1)

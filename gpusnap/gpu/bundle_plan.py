@@ -1,0 +1,42 @@
+"""The GPU plan of a restore bundle's checkpoint: the one `gpusnap restore`
+pinned beside the manifest, re-checked, or else one made here from the spec.
+The OCI hook (under runc) and the CRIU action script (under crun, which runs
+no hook) both ask it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpusnap import PLAN_NAME
+from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION, parse_gpu_map
+from gpusnap.gpu import inventory as gpu_inventory
+from gpusnap.gpu.inventory import Inventory
+from gpusnap.gpu.manifest import Manifest
+from gpusnap.gpu.plan import Plan, plan_restore, recheck
+
+
+def plan_restore_here(manifest_path: Path, spec: dict,
+                      inventory: Inventory | None = None) -> tuple[list[str], Plan | None]:
+    """(problems, plan) for restoring here.
+
+    With a plan beside the manifest (`gpusnap restore` rewrote the spec for it),
+    its targets are re-checked. Without one (a plain `podman container restore`),
+    the spec still names the checkpoint's GPUs; where they cannot take it, other
+    GPUs are planned (or the `io.gpusnap.gpu-map` annotation's), and the CRIU
+    action script moves the restored processes onto them before they resume.
+    """
+    manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
+    inventory = inventory or gpu_inventory.read_inventory()
+    plan_path = manifest_path.with_name(PLAN_NAME)
+    if plan_path.exists():  # the plan `gpusnap restore` made: checked, not made again
+        pinned = Plan.from_dict(json.loads(plan_path.read_text()))
+        return [p.line for p in recheck(pinned, manifest, inventory)], None
+    annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
+
+    result = plan_restore(manifest, inventory,
+                          gpu_map=parse_gpu_map(annotation) if annotation else None)
+    if isinstance(result, list):
+        return [p.line for p in result], None
+    return [], result
