@@ -11,11 +11,8 @@ is one GpusnapError naming the registry.
 from __future__ import annotations
 
 import hashlib
-import shlex
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlencode, urljoin, urlsplit, urlunsplit
 
@@ -24,6 +21,7 @@ from gpusnap.waits import Bound
 from gpusnap.oci.auth import Credentials, find_credentials, parse_challenge
 from gpusnap.oci.lazy import need
 from gpusnap.oci.reference import Reference
+from gpusnap.oci.registry_options import RegistryOptions, tls_verify
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 ACCEPT_MANIFESTS = ", ".join([
@@ -34,42 +32,6 @@ ACCEPT_MANIFESTS = ", ".join([
 UPLOAD_PIECE = 4 << 20
 MANIFEST_LIMIT = 32 << 20
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
-_SYSTEM_CA = Path("/etc/ssl/certs/ca-certificates.crt")
-
-
-@dataclass
-class RegistryOptions:
-    """The registry flags every command takes (Podman/ORAS names)."""
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)  # never in a repr or traceback
-    authfile: str | None = None
-    insecure: bool = False  # skip TLS verification (--tls-verify=false)
-    plain_http: bool = False
-    ca_file: str | None = None
-    retries: int = 4
-    backoff_s: float = 0.5
-
-    def podman_flags(self) -> str:
-        """These options in Podman's words, for a printed `podman pull` (a
-        password is asked by Podman itself, never printed)."""
-        flags = ["--tls-verify=false"] if self.plain_http or self.insecure else []
-        if self.username:
-            flags.append(f"--creds {shlex.quote(self.username)}")
-        elif self.authfile:
-            flags.append(f"--authfile {shlex.quote(self.authfile)}")
-        return "".join(" " + f for f in flags)
-
-    def oras_flags(self) -> str:
-        """These options in ORAS's words, for a printed `oras` command that must
-        work as printed (a password is read from stdin, never printed)."""
-        flags = ["--plain-http"] if self.plain_http else ["--insecure"] if self.insecure else []
-        if self.ca_file and not self.plain_http:
-            flags.append(f"--ca-file {shlex.quote(self.ca_file)}")
-        if self.username:
-            flags.append(f"--username {shlex.quote(self.username)} --password-stdin")
-        elif self.authfile:
-            flags.append(f"--registry-config {shlex.quote(self.authfile)}")
-        return "".join(" " + f for f in flags)
 
 
 class DigestMismatch(GpusnapError):
@@ -78,21 +40,6 @@ class DigestMismatch(GpusnapError):
 
 class TransientError(GpusnapError):
     """The registry could not be reached or answered 5xx/429: worth another try."""
-
-
-def _tls_verify(registry: str, opts: RegistryOptions) -> bool | str:
-    if opts.insecure:
-        return False
-    if opts.ca_file:
-        if not Path(opts.ca_file).is_file():
-            raise GpusnapError(f"no such CA file: {opts.ca_file}")
-        return opts.ca_file
-    # Podman's per-registry CA, then the system store (Podman and ORAS trust it; certifi does not).
-    for base in ("/etc/containers/certs.d", "/etc/docker/certs.d"):
-        ca = Path(base) / registry / "ca.crt"
-        if ca.is_file():
-            return str(ca)
-    return str(_SYSTEM_CA) if _SYSTEM_CA.is_file() else True
 
 
 def _shown_url(url: str) -> str:
@@ -124,7 +71,7 @@ class RegistryClient:
         self.opts = opts
         self.scope = f"repository:{ref.repository}:{'pull,push' if push else 'pull'}"
         self.base = f"{'http' if opts.plain_http else 'https'}://{ref.endpoint}"
-        self.verify = False if opts.plain_http else _tls_verify(ref.registry, opts)
+        self.verify = False if opts.plain_http else tls_verify(ref.registry, opts)
         if opts.username is not None:
             self.creds: Credentials | None = Credentials(opts.username, opts.password or "",
                                                          "--username")
