@@ -96,14 +96,14 @@ def restore_cmd(source: str, name: str | None, keep: bool, tcp_established: bool
         # Podman's answers (each a Podman start) while the registry code is imported
         facts = podman.ask_host_facts()
         name_taken = podman.in_background(podman.exists, name) if name else None
-        from gpusnap.ops import pull  # registry code: imported only when used
+        from gpusnap.ops import restore_ref  # registry code: imported only when used
 
         with transfer_progress(as_json, f"Pulling {source}", verb="fetched") as bar:
-            result = pull.restore(source, name, keep, tcp_established, registry(),
-                                  gpu_map=gpu_map, dry_run=dry_run, trust=trust,
-                                  on_trusted=warn_skipped, pull=pull_policy, facts=facts,
-                                  name_taken=name_taken,
-                                  progress=bar.advance, total=bar.total)
+            result = restore_ref.restore(source, name, keep, tcp_established, registry(),
+                                         gpu_map=gpu_map, dry_run=dry_run, trust=trust,
+                                         on_trusted=warn_skipped, pull=pull_policy, facts=facts,
+                                         name_taken=name_taken,
+                                         progress=bar.advance, total=bar.total)
         emit(as_json, result, _human)
         return
     with step(f"{'Planning' if dry_run else 'Restoring'} {source}...", as_json):

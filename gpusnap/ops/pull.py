@@ -1,35 +1,27 @@
-"""Pull a checkpoint from an OCI registry: inspect it, write an archive, or restore it."""
+"""Pull a checkpoint from an OCI registry: open it (manifest, config, trust),
+inspect it, or write its files as an archive Podman imports. Restoring it is
+restore_ref.py's, on top of these."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
-from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from gpusnap import journal
 from gpusnap.criu import pages_aside
-from gpusnap.criu.runtimes import require_gpu_restore, runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci import podman_image, reference, segments
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
-from gpusnap.oci.tarfiles import ArchiveWriter, PipeWriter, ReaderStopped
+from gpusnap.oci.tarfiles import ArchiveWriter, ReaderStopped
 from gpusnap.oci.transfer import Downloader, Progress
 from gpusnap.ops import prepared_pages
 from gpusnap.ops import restore as ops_restore
-from gpusnap.runtime import memory, podman, retarget
-from gpusnap.runtime import stream as stream_module
-from gpusnap.runtime.storage import PULL_PREFIX, discard, fifo_dir, pages_dir, staging_dir
+from gpusnap.runtime import memory
 from gpusnap.trust import remote as trust_remote
 from gpusnap.trust.options import TrustOptions
 
@@ -357,64 +349,6 @@ def pull(ref_text: str, output: str | None, opts: RegistryOptions,
     return result
 
 
-def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
-                    facts: Callable[[], podman.HostFacts],
-                    name_taken: Callable[[], bool] | None = None):
-    """What restore would refuse, refused before gigabytes are downloaded; the GPU
-    plan. ``name_taken`` answers whether --name's container exists (asked while
-    the registry was)."""
-    if remote.bundle.summary.get("engine", "podman") != "podman":  # containerd's: --to containerd://
-        from gpusnap.ops.engines import refuse_engine
-        refuse_engine(remote.bundle.summary, str(remote.client.ref), "podman")
-    if fmt.is_pre_checkpoint(remote.manifest) and not name:
-        raise GpusnapError(f"{remote.client.ref} is a pre-checkpoint: its container kept running "
-                           "on the source, so it would resume from an older state",
-                           "restore the final round `gpusnap migrate` pushes, or pass --name NEW "
-                           "to start a copy of this one; nothing was downloaded")
-    target = name or (remote.bundle.summary.get("container") or {}).get("name")
-    taken = name_taken or (lambda: podman.exists(target))  # name_taken: asked for --name
-    if target and taken():  # --dry-run too: a check the restore makes
-        raise ops_restore.name_taken(target)
-    from gpusnap.gpu.manifest import Manifest
-    from gpusnap.ops.gpu_plan import plan_here
-
-    manifest = remote.bundle.gpu_manifest
-    require_gpu_restore(remote.bundle.summary.get("runtime") or facts().runtime, manifest,
-                        str(remote.client.ref), "nothing was downloaded")
-    return plan_here(Manifest.from_dict(manifest) if manifest else None, gpu_map,
-                     refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
-                                  "inspect REF` lists them), or name targets with --gpu-map; "
-                                  "nothing was downloaded")
-
-
-def _staged_pull(remote: Remote, archive: Path, work: Path, **kw) -> dict:
-    try:
-        return write_archive(remote, archive, **kw)
-    except GpusnapError as exc:
-        if "disk is full" not in exc.message:
-            raise
-        raise GpusnapError(exc.message.replace(str(archive), str(remote.client.ref)),
-                           f"free {remote.bundle.total_bytes >> 20} MiB in {work.parent} "
-                           "(restore stages the pull beside Podman's storage or in "
-                           "/var/tmp, whichever has more room); nothing was restored") \
-            from None
-
-
-def _head_files(remote: Remote, plan, use_cache: bool = True, cache_root: Path | None = None,
-                **_) -> dict[str, bytes] | None:
-    """config.dump and spec.dump, fetched ahead of the rest: what Podman reads on
-    the opens before the one that imports (None: the bundle lacks one); for a
-    restore onto moved GPUs, every other file that names devices too
-    (retarget.names_devices), to be edited before the stream starts."""
-    entries = [f for f in remote.bundle.files if f.type == "file" and (
-        f.path in stream_module.CONFIG_FILES
-        or (plan.needs_remap and retarget.names_devices(f.path)))]
-    if sum(f.path in stream_module.CONFIG_FILES for f in entries) != \
-            len(stream_module.CONFIG_FILES):
-        return None
-    return fetch_small(remote, entries, ChunkCache.open(cache_root) if use_cache else None)
-
-
 def fetch_small(remote: Remote, entries: list[fmt.FileEntry],
                 cache: ChunkCache | None) -> dict[str, bytes]:
     """Small files of the bundle, whole, by path (cache first)."""
@@ -423,182 +357,3 @@ def fetch_small(remote: Remote, entries: list[fmt.FileEntry],
         return {f.path: b"".join(downloader.fetch(f.chunks)) for f in entries}
     finally:
         downloader.close()
-
-
-def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan,
-                       name: str | None, keep: bool, tcp_established: bool,
-                       facts: podman.HostFacts, **kw) -> tuple[dict, dict]:
-    """Podman imports through a FIFO fed by the download as it arrives: the
-    restore overlaps the download, and nothing is staged on disk. Podman's
-    first ``opens`` opens get a tar of ``files`` (config.dump, spec.dump)."""
-    from gpusnap import archive as archive_files
-    from gpusnap.criu.version import require_supported
-
-    require_supported("restore")
-    contents = archive_files.CheckpointContents(source=str(remote.client.ref), files=dict(files))
-    target = name or (remote.bundle.summary.get("container") or {}).get("name")
-    label = str(remote.client.ref)
-    cancel = threading.Event()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-download")
-    job = None
-    # CRIU's memory pages go to a folder of their own, not through Podman's
-    # import (one thread, the slowest copy of a restore): Podman gets symlinks,
-    # the pre-restore action renames them into place or links them (criu/pages_aside.py).
-    aside = pages_aside.enabled() and runs_action_script(_restoring_runtime(files, facts.runtime))
-    where = prepared_pages.roots(facts.graph_root) if aside else []
-    prepared = prepared_pages.best(remote.bundle, where) if aside else None
-    if prepared is not None and not prepared_pages.claim(prepared):
-        prepared = None  # another restore took it: written anew
-        journal.record("prepared-lost", ref=str(remote.client.ref))
-    if prepared is not None and not prepared.exact:
-        cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
-        prepared_pages.parent_plans(prepared, remote.bundle,
-                                    fetch_small(remote, prepared_pages.pagemaps(remote.bundle),
-                                                cache))
-    pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
-        if aside else None
-    kept, restored = None, False
-    try:
-        # Leaving this stops the pump: a download blocked on the full pipe fails then.
-        # The FIFO's folder is where doctor looks for what a killed CLI left.
-        with tempfile.TemporaryDirectory(prefix=PULL_PREFIX, dir=fifo_dir()) as near, \
-                stream_module.import_piped(Path(near), stream_module.config_tar(files), opens,
-                                           target) as (stream, sink):
-            job = pool.submit(write_files, remote, PipeWriter(sink, pages), Path(label),
-                              cancel=cancel, prepared=prepared, **kw)
-            result = ops_restore.import_archive(nullcontext(stream), contents, plan, name, keep,
-                                                tcp_established, label,
-                                                size=remote.bundle.total_bytes)
-            restored = True
-    except BaseException as exc:
-        cancel.set()
-        if job is None:
-            raise
-        futures_wait([job])
-        cause = job.exception()
-        if isinstance(cause, GpusnapError) and not isinstance(cause, ReaderStopped):
-            raise cause from None  # the download's failure is why Podman failed
-        raise exc
-    finally:
-        pool.shutdown(wait=True)
-        # why nothing prepared was taken: asked before this restore's own pages lie beside
-        why = _unprepared(remote, where, prepared, aside) if restored else None
-        if restored and pages is not None and prepared is None and job.exception() is None:
-            kept = _keep_pages(remote, pages)  # written anew: the next replica links them
-        if pages is not None and kept is None:  # restored (or not needed): in the background
-            discard(pages, pages.parent)
-        prepared_pages.release(prepared)
-    ref = remote.client.ref
-    prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}", where)
-    return result, {**job.result(), "streamed": True, "pages_prepared_skipped": why,
-                    "pages_kept": kept}
-
-
-def _unprepared(remote: Remote, where: list[Path], prepared: prepared_pages.Match | None,
-                aside: bool) -> str | None:
-    """Why a restore took nothing from a prepared folder (--json); None where it did."""
-    if not aside:
-        return ("pages go through Podman's import (GPUSNAP_PAGES_ASIDE=0, or a runtime "
-                "without the action script)")
-    return prepared_pages.explain(remote.bundle, where, prepared)
-
-
-def _keep_pages(remote: Remote, pages: Path) -> dict | None:
-    """The pages a restore wrote anew, kept for the next replica where RAM allows
-    (prepared_pages.keep); None where not (the caller discards them)."""
-    if fmt.is_pre_checkpoint(remote.manifest):
-        return None  # its final round comes next, and drops its round's folders (drop_rounds)
-    ref = remote.client.ref
-    with suppress(OSError):
-        return prepared_pages.keep(remote.bundle, remote.digest, pages,
-                                   repository=f"{ref.registry}/{ref.repository}")
-    return None
-
-
-def _pages_root(remote: Remote, prepared: prepared_pages.Match | None) -> Path:
-    """Where a restore writes CRIU's pages: beside the prepared files it links or
-    moves (the same filesystem), else RAM (prepared files of other checkpoints
-    give way there: prepared_pages.evict_for), else pages_dir's disk."""
-    if prepared is not None:
-        return prepared.root
-    return pages_dir(remote.bundle.total_bytes, prepared_pages.evict_for)
-
-
-def _restoring_runtime(files: dict[str, bytes], default: str) -> str:
-    """The OCI runtime Podman restores with: the one config.dump names (Podman
-    keeps the checkpointed container's), else Podman's ``default``."""
-    try:
-        named = json.loads(files.get("config.dump") or b"{}").get("runtime")
-    except (ValueError, AttributeError):
-        named = None
-    return named or default
-
-
-def _restore_staged(remote: Remote, plan, name: str | None, keep: bool, tcp_established: bool,
-                    **kw) -> tuple[dict, dict]:
-    """Pull into a staged plain tar, then import it under ``plan`` (made before
-    the download, not again) as `gpusnap restore FILE` does."""
-    from gpusnap import archive as archive_files
-    from gpusnap.criu.version import require_supported
-
-    require_supported("restore")
-    work = Path(tempfile.mkdtemp(prefix=PULL_PREFIX,
-                                 dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
-    archive = work / "checkpoint.tar"
-    label = str(remote.client.ref)
-    try:
-        pulled = _staged_pull(remote, archive, work, **kw)
-        contents = archive_files.read(str(archive), head_only=True)
-        return ops_restore.import_file(archive, contents, plan, name, keep, tcp_established,
-                                       label), pulled
-    except GpusnapError as exc:
-        raise GpusnapError(exc.message.replace(str(archive), label), exc.hint) from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
-            opts: RegistryOptions, gpu_map: str | None = None, dry_run: bool = False,
-            trust: TrustOptions | None = None, on_trusted: OnTrusted | None = None,
-            pull: str = PULL_MISSING, facts: Callable[[], podman.HostFacts] | None = None,
-            name_taken: Callable[[], bool] | None = None, **kw) -> dict:
-    """Podman imports the plain tar as the chunks arrive (no compression round
-    trip, nothing staged; moved GPUs' files edited on the way); where Podman is
-    not known to read only the config first, a staged pull, then restore.
-    ``pull``: PULL_MISSING or PULL_ALWAYS (open_remote). ``facts`` and
-    ``name_taken``: Podman's answers, asked in the background by the caller
-    (else here, while the registry is asked)."""
-
-    facts = facts or podman.ask_host_facts()
-    if name_taken is None and name:
-        name_taken = podman.in_background(podman.exists, name)
-    start = time.monotonic()
-    cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
-    remote = open_remote(ref_text, opts, trust, cache, pull)
-    opened = time.monotonic()
-    plan = _restore_checks(remote, name, gpu_map, facts, name_taken)
-    if dry_run:
-        return ops_restore.plan_report(str(remote.client.ref), plan)
-    # what a restore spends before Podman starts, in its timeline (bench/coldstart.py)
-    journal.record("restore-checked", timing={"registry": round(opened - start, 3),
-                                              "checks": round(time.monotonic() - opened, 3)})
-    if on_trusted:
-        on_trusted(remote.trust)
-    # Podman 4.3 reads the config alone on its first opens; with another Podman
-    # (or a bundle without a config), a staged pull, then a restore of the file.
-    opens = stream_module.config_only_opens(facts().version or podman.version())
-    head = _head_files(remote, plan, **kw) if opens else None
-    if head is not None:  # Podman imports while the chunks arrive
-        # Moved GPUs: the files that name devices, edited once here (a spec that
-        # cannot move is refused before Podman starts) and written in the stream.
-        edits = retarget.edit_members(head, plan.remap, plan.to_dict()) \
-            if plan.needs_remap else {}
-        files = {n: edits.get(n, head[n]) for n in stream_module.CONFIG_FILES}
-        result, pulled = _restore_streaming(remote, files, opens, plan, name, keep,
-                                            tcp_established, facts(), edits=edits, **kw)
-    else:
-        result, pulled = _restore_staged(remote, plan, name, keep, tcp_established, **kw)
-    result["source"] = str(remote.client.ref)
-    result["pull"] = {**pulled, "registry_asked": remote.asked}
-    result["trust"] = remote.trust
-    return result

@@ -117,7 +117,7 @@ def test_a_restore_from_the_registry_that_moves_a_device_streams_the_edits(regis
     stream Podman imports while the chunks arrive; nothing is staged."""
     from gpusnap.gpu.plan import GpuSlot, Move, Plan
     from gpusnap.oci.registry import RegistryOptions
-    from gpusnap.ops import gpu_plan, pull
+    from gpusnap.ops import gpu_plan, restore_ref
     from tests.integration.oci_registry import PASSWORD, USER
 
     podman("run", "-d", "--name", name, "--network", "none", "--device", "/dev/full",
@@ -133,9 +133,9 @@ def test_a_restore_from_the_registry_that_moves_a_device_streams_the_edits(regis
     monkeypatch.setattr(gpu_plan, "plan_here", lambda *a, **kw: plan)
     staged = set(Path("/var/tmp").glob(".gpusnap-pull-*"))
 
-    result = pull.restore(ref, None, False, False,
-                          RegistryOptions(username=USER, password=PASSWORD,
-                                          ca_file=str(registry.ca)), gpu_map="0=1")
+    result = restore_ref.restore(ref, None, False, False,
+                                 RegistryOptions(username=USER, password=PASSWORD,
+                                                 ca_file=str(registry.ca)), gpu_map="0=1")
     assert result["pull"]["streamed"], result["pull"]
     assert result["gpus"][0]["to"]["uuid"] == "GPU-b"
     assert set(Path("/var/tmp").glob(".gpusnap-pull-*")) <= staged

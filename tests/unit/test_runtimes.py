@@ -9,7 +9,7 @@ import pytest
 
 from gpusnap.criu import runtimes
 from gpusnap.errors import GpusnapError
-from gpusnap.ops import pull
+from gpusnap.ops import restore_ref
 from gpusnap.runtime import podman
 
 
@@ -51,9 +51,9 @@ def test_the_libcriu_probe_reads_this_hosts_library():
 
 
 def test_a_restore_uses_the_runtime_config_dump_names():
-    assert pull._restoring_runtime({"config.dump": b'{"runtime": "runc"}'}, "crun") == "runc"
-    assert pull._restoring_runtime({"config.dump": b'{"name": "x"}'}, "crun") == "crun"
-    assert pull._restoring_runtime({"config.dump": b"not json"}, "crun") == "crun"
+    assert restore_ref._restoring_runtime({"config.dump": b'{"runtime": "runc"}'}, "crun") == "runc"
+    assert restore_ref._restoring_runtime({"config.dump": b'{"name": "x"}'}, "crun") == "crun"
+    assert restore_ref._restoring_runtime({"config.dump": b"not json"}, "crun") == "crun"
 
 
 
