@@ -4,7 +4,7 @@
 
 A pre-copy's final round finds most of round 1's pages on the target, shifted
 by a few pages (docs/benchmarks.md: 34 GB of 36.7 at 32 GiB on the H200 host);
-moving them within the prepared file (ops/prepared_pages.apply_moves) took
+moving them within the prepared file (ops/page_patch.apply_moves) took
 12.8 s of the stop there. This measures the ways of doing it on a file of GIB
 GiB of random bytes in gpusnap's RAM tmpfs (runtime/memory.ram_root), every
 chunk of 8 MiB shifted by SHIFT: apply_moves in place as shipped, and with
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpusnap.ops import prepared_pages as pp  # noqa: E402
+from gpusnap.ops import page_patch  # noqa: E402
 from gpusnap.runtime import memory  # noqa: E402
 
 CHUNK = 8 << 20
@@ -53,7 +53,7 @@ def in_place(path: Path, size: int, shift: int, threads: int, batch: int) -> flo
     try:
         os.ftruncate(fd, size + shift)
         start = time.monotonic()
-        left = pp.apply_moves(fd, moves_for(size, shift), threads=threads, batch=batch)
+        left = page_patch.apply_moves(fd, moves_for(size, shift), threads=threads, batch=batch)
         seconds = time.monotonic() - start
     finally:
         os.close(fd)

@@ -19,7 +19,7 @@ lists in ``index.json``; a later restore compares its own chunk lists with it:
   address are read from there, and only the rest is written
   (ops/parent_pages.py). Where that cannot be (a folder prepared without
   pagemaps, addresses that moved), chunks found elsewhere are moved within
-  the file (apply_moves), each file resized and only the rest fetched in
+  the file (page_patch.py), each file resized and only the rest fetched in
   place. The folder is gone afterwards;
 - otherwise the file is written anew, as without a prepared folder.
 
@@ -32,21 +32,20 @@ the pulling process only.
 
 from __future__ import annotations
 
-import bisect
 import fnmatch
 import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.criu import pagemap, pages_aside
 from gpusnap.oci import segments
-from gpusnap.oci.bundle import Bundle, Chunk, FileEntry
+from gpusnap.oci.bundle import Bundle, FileEntry
 from gpusnap.ops import parent_pages
+from gpusnap.ops.page_patch import Runs, bytes_held, layout, patch_in_place, plan_patch
 from gpusnap.runtime import memory
 from gpusnap.runtime.storage import PULL_PREFIX, storage_root
 
@@ -54,9 +53,6 @@ PREFIX = "gpusnap-prepared-"
 INDEX = "index.json"
 PARENT_ENV = "GPUSNAP_PAGES_PARENT"  # =0: patch the prepared file instead (benchmarks compare)
 NEAR = 0.5  # share of the bytes a patch must find in the prepared file to beat writing anew
-
-Runs = list[tuple[int, list[Chunk]]]  # (offset, consecutive chunks) still to write
-
 
 def big_pages(bundle: Bundle) -> list[FileEntry]:
     """The pages files a restore writes beside Podman's import (ops/pull.write_files)."""
@@ -69,123 +65,6 @@ def pagemaps(bundle: Bundle) -> list[FileEntry]:
     round's restore can read it as CRIU's parent (ops/parent_pages.py)."""
     return [f for f in bundle.files if f.type == "file" and f.path.startswith("checkpoint/")
             and fnmatch.fnmatch(f.path.rpartition("/")[2], pages_aside.PAGEMAP_PATTERN)]
-
-
-def _layout(chunks: list[Chunk] | list[list]) -> list[tuple[str, int]]:
-    return [(c.digest, c.size) if isinstance(c, Chunk) else (str(c[0]), int(c[1]))
-            for c in chunks]
-
-
-@dataclass
-class Patch:
-    """How a prepared file becomes a restore's: bytes already in place, moves
-    within the file (src, dst, size) for chunks it holds elsewhere (what a
-    few pages more or less before them shift), and runs still to fetch."""
-    same: int = 0
-    moves: list[tuple[int, int, int]] = field(default_factory=list)
-    runs: Runs = field(default_factory=list)
-
-    @property
-    def moved(self) -> int:
-        return sum(m[2] for m in self.moves)
-
-
-def plan_patch(new: list[Chunk], old: list[tuple[str, int]]) -> Patch:
-    """``new``'s chunks against the old file's: in place, movable (the same
-    chunk at another offset), or runs to fetch, each with its offset."""
-    at, where, pos = set(), {}, 0
-    for digest, size in old:
-        at.add((pos, digest, size))
-        where.setdefault((digest, size), pos)
-        pos += size
-    patch, pos, run_end = Patch(), 0, -1
-    for c in new:
-        src = where.get((c.digest, c.size))
-        if (pos, c.digest, c.size) in at:
-            patch.same += c.size
-        elif src is not None:
-            patch.moves.append((src, pos, c.size))
-        elif run_end == pos:
-            patch.runs[-1][1].append(c)
-            run_end = pos + c.size
-        else:
-            patch.runs.append((pos, [c]))
-            run_end = pos + c.size
-        pos += c.size
-    return patch
-
-
-class _Written:
-    """Disjoint byte ranges written so far (a patch's destinations never overlap)."""
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-
-    def overlaps(self, start: int, end: int) -> bool:
-        i = bisect.bisect_left(self.starts, end)
-        return i > 0 and self.ends[i - 1] > start
-
-    def add(self, start: int, end: int) -> None:
-        i = bisect.bisect_left(self.starts, start)
-        self.starts.insert(i, start)
-        self.ends.insert(i, end)
-
-
-MOVE_THREADS = 4
-MOVE_BATCH = 32 << 20  # one buffer, reused: what a patch adds to the restore's RSS
-
-
-def apply_moves(fd: int, moves: list[tuple[int, int, int]], threads: int = MOVE_THREADS,
-                batch: int = MOVE_BATCH) -> list[tuple[int, int, int]]:
-    """Copy each (src, dst, size) within the file, in an order that reads every
-    source before anything is written over it where it can: moves forward from
-    the end, then moves backward from the start (a shift by a few pages is then
-    copied whole). A move whose source was already written over is returned,
-    not done: its chunk is fetched instead.
-
-    In batches of up to ``batch`` bytes: every source of a batch is read into
-    one buffer (threads: a tmpfs read takes no inode lock) before any of it is
-    written back (pwrite, GIL released). The buffer is allocated once: fresh
-    buffers each batch, or mappings to write through, take the restore's RSS
-    past the 256 MiB it is held to."""
-    ahead = sorted((m for m in moves if m[1] > m[0]), key=lambda m: m[1], reverse=True)
-    back = sorted((m for m in moves if m[1] < m[0]), key=lambda m: m[1])
-    order = ahead + back
-    if not order:
-        return []
-    written, left, i = _Written(), [], 0
-    buf = memoryview(bytearray(max([batch, *(m[2] for m in order)])))
-    with ThreadPoolExecutor(threads, thread_name_prefix="gpusnap-move") as pool:
-        while i < len(order):
-            todo, size = [], 0
-            while i < len(order) and (not todo or size + order[i][2] <= len(buf)):
-                src, dst, n = order[i]
-                i += 1
-                if written.overlaps(src, src + n):
-                    left.append((src, dst, n))
-                    continue
-                todo.append((src, dst, n, size))
-                size += n
-            list(pool.map(lambda m: _read(fd, buf[m[3]:m[3] + m[2]], m[0]), todo))
-            list(pool.map(lambda m: _write(fd, buf[m[3]:m[3] + m[2]], m[1]), todo))
-            for _, dst, n, _ in todo:
-                written.add(dst, dst + n)
-    return left
-
-
-def _read(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n <= 0:
-            raise OSError(f"short read at {offset} of a prepared pages file")
-        view, offset = view[n:], offset + n
-
-
-def _write(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def roots(graph_root: Path | None = None) -> list[Path]:
@@ -253,11 +132,11 @@ def best(bundle: Bundle, where: list[Path] | None = None) -> Match | None:
         return None
     top: Match | None = None
     for folder in folders(where):
-        layouts = {k: _layout(v) for k, v in _index(folder).get("files", {}).items()}
+        layouts = {k: layout(v) for k, v in _index(folder).get("files", {}).items()}
         same = exact = 0
         sources: dict[str, str] = {}
         for f in entries:
-            new = _layout(f.chunks)
+            new = layout(f.chunks)
             twin = next((k for k, old in layouts.items() if old == new), None)
             if twin is not None:
                 exact += f.size
@@ -266,9 +145,9 @@ def best(bundle: Bundle, where: list[Path] | None = None) -> Match | None:
                 continue
             scores = {k: plan_patch(f.chunks, old) for k, old in layouts.items()
                       if k not in sources.values()}
-            pick = max(scores, key=lambda k: _held(scores[k]), default=None)
-            if pick is not None and _held(scores[pick]):
-                same += _held(scores[pick])
+            pick = max(scores, key=lambda k: bytes_held(scores[k]), default=None)
+            if pick is not None and bytes_held(scores[pick]):
+                same += bytes_held(scores[pick])
                 sources[f.path] = pick
         match = Match(folder, exact == total, layouts, same, sources=sources)
         if match.exact:
@@ -307,7 +186,7 @@ def use(match: Match, entry: FileEntry, path: Path) -> Runs | None:
             runs: Runs = []
         elif match.claimed is not None:
             os.rename(match.claimed / name, path)
-            runs = _patch(path, entry, old)
+            runs = patch_in_place(path, entry, old)
         else:
             return None
     except OSError as exc:
@@ -332,7 +211,7 @@ def parent_plans(match: Match, bundle: Bundle, final: dict[str, bytes]) -> bool:
     """Plan every pages file of ``bundle`` whose task has a pagemap in the claimed
     folder against it as CRIU's parent (``final``: the bundle's pagemap images
     by path). Taken (True) where the parent then holds at least NEAR of the
-    pages; else the folder is patched (apply_moves). A folder prepared without
+    pages; else the folder is patched (page_patch.py). A folder prepared without
     pagemaps, or images that do not parse, are patched too."""
     if match.exact or match.claimed is None or os.environ.get(PARENT_ENV, "1") == "0":
         return False
@@ -397,10 +276,6 @@ def write_parent(match: Match, entry: FileEntry, path: Path, fetch_pool,
     return written
 
 
-def _held(patch: Patch) -> int:
-    return patch.same + patch.moved
-
-
 def explain(bundle: Bundle, where: list[Path] | None, match: Match | None) -> str | None:
     """Why a restore took nothing from a prepared folder (--json), None where it did:
     a prefetch that did not help should say why, not leave the user guessing."""
@@ -416,45 +291,12 @@ def explain(bundle: Bundle, where: list[Path] | None, match: Match | None) -> st
         return "no prepared folder on this host (gpusnap pull --prefetch REF makes one)"
     shares = []
     for folder in found:
-        layouts = [_layout(v) for v in _index(folder).get("files", {}).values()]
-        held = sum(max((_held(plan_patch(f.chunks, old)) for old in layouts), default=0)
+        layouts = [layout(v) for v in _index(folder).get("files", {}).values()]
+        held = sum(max((bytes_held(plan_patch(f.chunks, old)) for old in layouts), default=0)
                    for f in big_pages(bundle))
         shares.append(held / total)
     return (f"{len(found)} prepared folder(s), holding at most {max(shares):.0%} of its "
             f"pages ({NEAR:.0%} needed), or taken by another restore first")
-
-
-def _patch(path: Path, entry: FileEntry, old: list[tuple[str, int]]) -> Runs:
-    """The prepared file at ``path`` made ``entry``'s but for the runs returned:
-    chunks it holds elsewhere moved into place, then the file cut to size
-    (not before: a move may read past the new end)."""
-    patch = plan_patch(entry.chunks, old)
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        if entry.size > os.fstat(fd).st_size:
-            os.ftruncate(fd, entry.size)
-        left = apply_moves(fd, patch.moves)
-        os.ftruncate(fd, entry.size)
-    finally:
-        os.close(fd)
-    if not left:
-        return patch.runs
-    fetch = {dst for _, dst, _ in left}  # moves whose source was written over: fetched
-    for off, run in patch.runs:
-        for c in run:
-            fetch.add(off)
-            off += c.size
-    runs: Runs = []
-    pos = run_end = 0
-    for c in entry.chunks:
-        if pos in fetch:
-            if runs and run_end == pos:
-                runs[-1][1].append(c)
-            else:
-                runs.append((pos, [c]))
-            run_end = pos + c.size
-        pos += c.size
-    return runs
 
 
 def drop_rounds(repository: str, where: list[Path] | None = None) -> list[Path]:

@@ -10,6 +10,7 @@ import pytest
 
 from gpusnap.oci import segments
 from gpusnap.oci.bundle import Bundle, Chunk, FileEntry
+from gpusnap.ops import page_patch
 from gpusnap.ops import prepared_pages as pp
 
 MiB = 1 << 20
@@ -50,12 +51,12 @@ def test_plan_patch_keeps_what_lies_in_place_and_moves_what_shifted():
     old = [("a", 4), ("b", 4), ("c", 4), ("d", 4)]
     new = [Chunk("a", 4, "", 0), Chunk("x", 4, "", 0), Chunk("y", 4, "", 0),
            Chunk("d", 4, "", 0), Chunk("e", 4, "", 0)]
-    patch = pp.plan_patch(new, old)
+    patch = page_patch.plan_patch(new, old)
     assert patch.same == 8 and patch.moves == []  # a and d, at their offsets
     assert [(off, [c.digest for c in run]) for off, run in patch.runs] == \
         [(4, ["x", "y"]), (16, ["e"])]
     # two bytes more before them: every old chunk moves forward by 2
-    patch = pp.plan_patch([Chunk("z", 2, "", 0), *[Chunk(d, 4, "", 0) for d in "abcd"]], old)
+    patch = page_patch.plan_patch([Chunk("z", 2, "", 0), *[Chunk(d, 4, "", 0) for d in "abcd"]], old)
     assert patch.same == 0 and patch.moves == [(0, 2, 4), (4, 6, 4), (8, 10, 4), (12, 14, 4)]
     assert [(off, [c.digest for c in run]) for off, run in patch.runs] == [(0, ["z"])]
 
@@ -74,7 +75,7 @@ def test_a_shifted_file_is_moved_whole_in_place(tmp_path, shift):
     moves = [(i * 4, i * 4 + shift + (8 if shift < 0 else 0), 4) for i in range(8)]
     fd = _file(tmp_path, old + b"\0" * 16)
     try:
-        assert pp.apply_moves(fd, moves) == []
+        assert page_patch.apply_moves(fd, moves) == []
         data = os.pread(fd, 64, 0)
     finally:
         os.close(fd)
@@ -86,11 +87,11 @@ def test_a_move_whose_source_was_written_over_is_left_to_fetch(tmp_path):
     # a swap: each destination is the other's source
     fd = _file(tmp_path, b"aaaabbbb")
     try:
-        left = pp.apply_moves(fd, [(0, 4, 4), (4, 0, 4)], batch=4)  # one move a batch
+        left = page_patch.apply_moves(fd, [(0, 4, 4), (4, 0, 4)], batch=4)  # one move a batch
         data = os.pread(fd, 8, 0)
         assert left == [(4, 0, 4)] and data == b"aaaaaaaa"  # the second is fetched
         os.pwrite(fd, b"aaaabbbb", 0)
-        assert pp.apply_moves(fd, [(0, 4, 4), (4, 0, 4)]) == []  # one batch: read, then written
+        assert page_patch.apply_moves(fd, [(0, 4, 4), (4, 0, 4)]) == []  # one batch: read, then written
         assert os.pread(fd, 8, 0) == b"bbbbaaaa"
     finally:
         os.close(fd)
@@ -111,7 +112,7 @@ def test_moves_in_batches_of_a_big_shift_match_a_copy(tmp_path, batch):
         pos += size
     fd = _file(tmp_path, old + bytes(4096))
     try:
-        assert pp.apply_moves(fd, moves, batch=batch) == []
+        assert page_patch.apply_moves(fd, moves, batch=batch) == []
         assert os.pread(fd, len(expect), 0)[4096:] == bytes(expect[4096:])
     finally:
         os.close(fd)
