@@ -131,3 +131,11 @@ def start_time(pid: int) -> int | None:
     except OSError:
         return None
     return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def ns_pid(pid: int) -> int:
+    """The pid of a process in its own pid namespace (the container's): CRIU's images use it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return pid

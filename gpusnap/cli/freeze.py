@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option, step
-from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
+from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.ops import freeze as ops
 
 

@@ -22,6 +22,9 @@ driver's copy of the GPU memory out on many threads before CRIU would, and
 post-dump puts it back into the images: dump_ahead.py.)
 
 Containers without CUDA processes are left exactly as CRIU would treat them.
+This module dispatches every step and holds the restore steps; the dump
+steps are action_dump.py's, and what a step leaves for a later one is kept
+where step_state.py says.
 """
 
 from __future__ import annotations
@@ -31,213 +34,25 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpusnap import MANIFEST_NAME, PLAN_NAME, journal, requests
-from gpusnap.criu import agent_files
-from gpusnap.criu.version import criu_version, cuda_plugin_path
+from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
+from gpusnap.criu import agent_files, step_state
+from gpusnap.criu.action_dump import post_dump, pre_dump
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
-from gpusnap.gpu.inventory import mps_active, read_inventory
-from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume_onto
+from gpusnap.gpu.quiesce import QuiesceError, Timing, require_driver, resume_onto
 from gpusnap.private import write_private
-from gpusnap.procs import cuda_processes, process_tree, start_time
+from gpusnap.procs import cuda_processes, ns_pid, process_tree, start_time
 
 if TYPE_CHECKING:
     from gpusnap.criu.fill_plan import Settings
 
-DEFAULT_LOCK_TIMEOUT_MS = 10_000
 # The steps with work to do; packaging/bin/criu-action lets only these start Python.
 ACTIONS = ("pre-dump", "post-dump", "pre-restore", "post-restore", "post-resume")
-
-
-def lock_timeout_ms(init_pid: int) -> int:
-    """A `gpusnap checkpoint --lock-timeout` request for this container, else the default.
-
-    Podman hands runc (and so CRIU and this script) a scrubbed environment, so
-    the CLI leaves its options in a request file keyed by the init pid.
-    """
-    request = requests.take(init_pid)
-    try:
-        return int(request.get("lock_timeout_ms", DEFAULT_LOCK_TIMEOUT_MS))
-    except (TypeError, ValueError):
-        return DEFAULT_LOCK_TIMEOUT_MS
-
-
-def _driver():
-    from gpusnap.gpu.cuda import CudaDriver  # loads libcuda: only where there are CUDA processes
-    try:
-        return CudaDriver()
-    except RuntimeError as exc:
-        raise GpusnapError(str(exc), "install NVIDIA driver r570 or newer") from exc
-
-
-def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
-    if image_dir:
-        from gpusnap.criu import pages_aside
-
-        pages_aside.drop_stale_parent(Path(image_dir))
-    _ahead_state(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
-    push = requests.peek(init_pid, "pages")
-    ahead = bool(push.get("read_ahead")) and bool(image_dir)
-    procs = cuda_processes(init_pid)
-    if not procs:
-        if ahead and push.get("ahead_test_min"):
-            _read_ahead_test(init_pid, criu_pid, push)
-        return
-    inventory = read_inventory()
-    used = {m for p in procs for m in p.gpu_minors}
-    mig = [g for g in inventory.gpus if g.minor in used and g.mig_enabled]
-    if mig:
-        raise GpusnapError(f"GPU {mig[0].index} ({mig[0].uuid}) is in MIG mode, which the "
-                           "driver cannot checkpoint", "run the container on a GPU without MIG")
-    if mps_active():
-        raise GpusnapError("an MPS daemon is running: the driver cannot checkpoint MPS clients",
-                           "stop MPS (echo quit | nvidia-cuda-mps-control) before checkpointing")
-    plugin = cuda_plugin_path()
-    by = "criu-cuda-plugin" if plugin else "gpusnap"
-    manifest = gpu_manifest.build(procs, inventory, criu_version(), by)
-    pids = [p.pid for p in procs]
-    if plugin is None:
-        from gpusnap.criu import dump_ahead
-
-        before = {pid: dump_ahead.mapped(pid) for pid in pids} if ahead else {}
-        timing = Timing()
-        driver = _driver()
-        changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
-        manifest.timing = timing.phases
-        guardian = _start_guardian(criu_pid, changed)
-        if ahead and guardian is not None:
-            _read_ahead(criu_pid, guardian, push,
-                        {pid: dump_ahead.staging(pid, before[pid]) for pid in changed})
-    gpu_manifest.write(manifest, image_dir)
-    # ``at``: when the GPU was free for the next job (its memory is in host memory now)
-    journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
-                   at=round(time.time(), 3))
-
-
-def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
-                runs: dict[int, list[tuple[int, int]]]) -> None:
-    """Read each process's ``runs`` into the push's folder and take them out of
-    it, so CRIU dumps the rest only (dump_ahead.py). The guardian gets the files
-    before anything is taken. Any failure before that leaves CRIU to dump
-    everything, as without this step; a process whose memory could not be put
-    back fails the dump (AheadError)."""
-    from gpusnap.criu import dump_ahead
-    from gpusnap.runtime.remote_syscall import RemoteSyscallError, supported
-
-    if not supported():
-        return
-    started, aside = time.monotonic(), Path(push["aside"])
-    tasks = []
-    try:
-        for pid, found in runs.items():
-            task = dump_ahead.take(pid, _ns_pid(pid), found, aside, notes=True)
-            if task is not None:
-                tasks.append(task)
-        if tasks:
-            dump_ahead.hand_over(guardian, tasks)
-    except (OSError, ValueError) as exc:
-        for task in tasks:
-            Path(task.path).unlink(missing_ok=True)
-        journal.record("pages-read-ahead-skipped", error=str(exc))
-        return
-    read_s, taken = round(time.monotonic() - started, 3), []
-    for task in tasks:
-        try:
-            dump_ahead.drop(task)  # the push hashed it meanwhile (the read's notes)
-            taken.append(task)
-        except RemoteSyscallError as exc:  # its memory is back: CRIU dumps it
-            Path(task.path).unlink(missing_ok=True)
-            journal.record("pages-read-ahead-skipped", pid=task.pid, error=str(exc))
-        except dump_ahead.AheadError as exc:
-            raise GpusnapError(str(exc), "restore the container from its last checkpoint") from None
-    if taken:
-        write_private(_ahead_state(criu_pid), json.dumps([t.to_dict() for t in taken]))
-        journal.record("pages-read-ahead", tasks=len(taken), bytes=sum(t.bytes for t in taken),
-                       read_s=read_s, seconds=round(time.monotonic() - started, 3))
-
-
-def _read_ahead_test(init_pid: int, criu_pid: int, push: dict) -> None:
-    """Tests only: a CPU container's big anonymous memory, which its test keeps
-    still, read ahead as a GPU process's would be (``ahead_test_min`` bytes)."""
-    from gpusnap.criu import dump_ahead
-
-    pids = process_tree(init_pid)
-    guardian = _start_guardian(criu_pid, [], force=True)
-    _read_ahead(criu_pid, guardian, push,
-                {pid: dump_ahead.big_anonymous(pid, int(push["ahead_test_min"])) for pid in pids})
-
-
-def _ahead_state(criu_pid: int) -> Path:
-    return _marker_dir() / f"{criu_pid}-ahead.json"
-
-
-def post_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
-    """A push asked for the memory pages out of Podman's export (pages_aside.py):
-    moved beside it, a symlink left in their place. The tree is still frozen.
-    Memory pre-dump read ahead goes back into the images first."""
-    request = requests.take(init_pid, "pages")
-    _compose_ahead(init_pid, image_dir, criu_pid, request)
-    if not request:
-        return
-    from gpusnap.criu import pages_aside
-
-    images, aside = Path(request["images"]), Path(request["aside"])
-    if not os.path.samefile(image_dir, images):
-        raise OSError(f"CRIU dumps into {image_dir}, the request names {images}")
-    files, size = pages_aside.set_aside(images, aside)
-    journal.record("pages-aside", init_pid=init_pid, aside=str(aside), files=files, bytes=size)
-
-
-def _compose_ahead(init_pid: int, image_dir: str, criu_pid: int, request: dict) -> None:
-    """The runs pre-dump read ahead back into CRIU's images (dump_ahead.compose).
-    AheadError, whatever went wrong: without them the images lack memory, so
-    the dump must fail (CRIU then resumes the tree; the guardian puts the
-    memory back)."""
-    state = _ahead_state(criu_pid)
-    if not state.exists():
-        return
-    from gpusnap.criu import dump_ahead
-
-    started = time.monotonic()
-    try:
-        tasks = [dump_ahead.Task.from_dict(d) for d in json.loads(state.read_text())]
-        if not request:
-            raise dump_ahead.AheadError("the push's request is gone")
-        images, aside = Path(request["images"]), Path(request["aside"])
-        if not os.path.samefile(image_dir, images):
-            raise dump_ahead.AheadError(f"CRIU dumps into {image_dir}, the request names {images}")
-        if request.get("fault") == "compose":  # tests: what a failure here leaves
-            raise dump_ahead.AheadError("composing the images failed (injected by a test)")
-        ways = [dump_ahead.compose(images, aside, task) for task in tasks]
-    except dump_ahead.AheadError:
-        raise
-    except Exception as exc:
-        raise dump_ahead.AheadError(f"the memory read ahead could not be put back into "
-                                    f"CRIU's images ({exc})") from None
-    finally:
-        state.unlink(missing_ok=True)
-    journal.record("pages-composed", init_pid=init_pid, tasks=len(tasks), how=ways,
-                   seconds=round(time.monotonic() - started, 3))
-
-
-def _start_guardian(criu_pid: int, pids: list[int], force: bool = False) -> socket.socket | None:
-    """The guardian of ``pids``; the socket it reads what pre-dump read ahead from."""
-    if not pids and not force:
-        return None
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-    with theirs:
-        subprocess.Popen([sys.executable, "-m", "gpusnap.criu.guardian", str(criu_pid),
-                          *map(str, pids)],
-                         stdin=theirs.fileno(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
-    return ours
 
 
 def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
@@ -256,10 +71,10 @@ def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
     kept = {name: (folder / name).read_text() for name in (MANIFEST_NAME, PLAN_NAME)
             if (folder / name).exists()}
     if kept:
-        write_private(_restore_state(criu_pid), json.dumps(kept))
+        write_private(step_state.restore(criu_pid), json.dumps(kept))
     from gpusnap.criu import fill_plan
 
-    _fill_state(criu_pid).unlink(missing_ok=True)  # never another restore's plan (a CRIU pid reused)
+    step_state.fill(criu_pid).unlink(missing_ok=True)  # never another restore's (pid reused)
     try:
         wanted = fill_plan.settings()
     except ValueError as exc:
@@ -347,7 +162,7 @@ def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:
     cannot be put back (undo_leftover_fill's GpusnapError: the restore stops)."""
     from gpusnap.criu import fill_plan
 
-    state = _fill_state(criu_pid)
+    state = step_state.fill(criu_pid)
     started = time.monotonic()
     try:
         planned = fill_plan.prepare(folder, lambda p: write_private(state, p.to_json()),
@@ -379,10 +194,6 @@ def undo_leftover_fill(image_dir: str) -> None:
                            "restore the checkpoint from its archive or registry") from None
 
 
-def _fill_state(criu_pid: int) -> Path:
-    return _marker_dir() / f"{criu_pid}-fill.json"
-
-
 def post_restore(init_pid: int, criu_pid: int, by: str = "script") -> None:
     """Write the runs pre-restore left out into the restored tasks, which wait in
     CRIU's restorer with their memory in place (before CRIU's late device hooks,
@@ -391,7 +202,7 @@ def post_restore(init_pid: int, criu_pid: int, by: str = "script") -> None:
     on memory that is not what was dumped. The images folder is put back either way."""
     from gpusnap.criu import fill_plan, page_fill
 
-    state = _fill_state(criu_pid)
+    state = step_state.fill(criu_pid)
     if not state.exists():
         return
     folder = None
@@ -400,7 +211,7 @@ def post_restore(init_pid: int, criu_pid: int, by: str = "script") -> None:
         planned = fill_plan.Plan.from_json(state.read_text())
         folder = Path(planned.folder)
         threads = fill_plan.settings().threads or page_fill.default_threads()
-        pids = {_ns_pid(pid): pid for pid in process_tree(init_pid)}
+        pids = {ns_pid(pid): pid for pid in process_tree(init_pid)}
         filling = time.monotonic()
         for vpid, runs in planned.tasks.items():
             if vpid not in pids:
@@ -418,14 +229,6 @@ def post_restore(init_pid: int, criu_pid: int, by: str = "script") -> None:
     journal.record("pages-filled", init_pid=init_pid, bytes=planned.bytes, threads=threads,
                    tasks=len(planned.tasks), runs=sum(len(r) for r in planned.tasks.values()),
                    fill_s=round(fill_s, 3), seconds=round(time.monotonic() - started, 3), by=by)
-
-
-def _ns_pid(pid: int) -> int:
-    """The pid of a process in its own pid namespace (the container's): CRIU's images use it."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("NSpid:"):
-            return int(line.split()[-1])
-    return pid
 
 
 def check_without_hook(image_dir: str, criu_pid: int) -> None:
@@ -463,15 +266,11 @@ def _runtime_of(criu_pid: int) -> str:
         return ""
 
 
-def _restore_state(criu_pid: int) -> Path:
-    return _marker_dir() / f"{criu_pid}-restore.json"
-
-
 def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -> None:
     """The restored CUDA processes' GPU state back, then unlocked; ``driver``:
     one the agent loaded ahead (else loaded here)."""
     procs = cuda_processes(init_pid)
-    state = _restore_state(criu_pid)
+    state = step_state.restore(criu_pid)
     kept = json.loads(state.read_text()) if state.exists() else {}
     if not procs:
         return
@@ -485,7 +284,7 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
     try:
         if live:
             live[0].apply()
-        label, changed, refused = resume_onto(driver or _driver(), [p.pid for p in procs],
+        label, changed, refused = resume_onto(driver or require_driver(), [p.pid for p in procs],
                                               choices, timing)
     except BaseException:
         if live:
@@ -558,7 +357,7 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
                 wanted = pre_restore(image_dir, criu_pid)
                 # The agent takes post-restore's fill and post-resume from here; for a
                 # GPU checkpoint it loads the driver and reads NVML ahead too (agent.py).
-                if wanted is not None and wanted.agent and _fill_state(criu_pid).exists():
+                if wanted is not None and wanted.agent and step_state.fill(criu_pid).exists():
                     gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
                     _start_agent(criu_pid, driver=gpu)
             except (OSError, ValueError) as exc:
@@ -589,10 +388,6 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
     return 0
 
 
-def _marker_dir():
-    return journal.state_subdir("actions")
-
-
 def _start_agent(criu_pid: int, driver: bool) -> None:
     """The agent that takes post-restore and post-resume (agent.py); a restore
     goes on without it where it cannot start."""
@@ -610,7 +405,7 @@ def run_step(action: str, criu_pid: int, by: str = "script", driver=None) -> int
     the first one's answer (a failed lock must not be retried with defaults).
     ``by``, ``driver``: the agent's (agent.py), which runs steps for CRIU.
     """
-    folder = _marker_dir()
+    folder = step_state.folder()
     marker = folder / f"{criu_pid}-{action}"
     if marker.exists():
         return int(marker.read_text() or 0)

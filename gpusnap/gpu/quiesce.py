@@ -15,7 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
+from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import ProcessState
+
+# How long the driver waits for a process's CUDA work to finish before its lock
+# fails: the checkpoint, freeze and move verbs take it as --lock-timeout/--timeout.
+DEFAULT_LOCK_TIMEOUT_MS = 10_000
 
 
 class Driver(Protocol):
@@ -90,7 +95,7 @@ def states(driver: Driver, pids: Iterable[int]) -> dict[int, ProcessState]:
     return found
 
 
-def quiesce(driver: Driver, pids: list[int], lock_timeout_ms: int = 10_000,
+def quiesce(driver: Driver, pids: list[int], lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
             timing: Timing | None = None) -> list[int]:
     """Move every process to CHECKPOINTED (GPU memory in host memory, GPU released).
 
@@ -168,3 +173,13 @@ def resume_onto(driver: Driver, pids: list[int],
         except QuiesceError as exc:
             refused.append(f"{label}: {exc}")
     raise QuiesceError("restore", {pid: RuntimeError("; ".join(refused)) for pid in pids})
+
+
+def require_driver() -> Driver:
+    """The CUDA driver, loaded (libcuda) only here, where there are CUDA processes."""
+    from gpusnap.gpu.cuda import CudaDriver
+
+    try:
+        return CudaDriver()
+    except RuntimeError as exc:
+        raise GpusnapError(str(exc), "install NVIDIA driver r570 or newer") from exc

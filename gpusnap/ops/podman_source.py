@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 from gpusnap import MANIFEST_NAME
 from gpusnap.criu import pages_aside
-from gpusnap.criu.action import DEFAULT_LOCK_TIMEOUT_MS
+from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import checkpoint as ops_checkpoint

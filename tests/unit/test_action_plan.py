@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gpusnap import PLAN_NAME
-from gpusnap.criu import action
+from gpusnap.criu import action, step_state
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.gpumap import parse_gpu_map
 from gpusnap.gpu.plan import plan_restore
@@ -25,7 +25,7 @@ def _pairs(image_dir, monkeypatch, tmp_path):
     """What post-resume gets: pre-restore keeps the plan while CRIU's image dir is open."""
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
     action.pre_restore(str(image_dir), criu_pid=4242)
-    state = action._restore_state(4242)
+    state = step_state.restore(4242)
     kept = json.loads(state.read_text()) if state.exists() else {}
     return action._pair_choices(kept.get(PLAN_NAME))
 
@@ -81,7 +81,7 @@ def test_post_resume_falls_back_to_fewer_pairs_when_the_driver_refuses(tmp_path,
         driver.states[pid] = ProcessState.LOCKED
 
     monkeypatch.setattr(driver, "restore", restore)
-    monkeypatch.setattr(action, "_driver", lambda: driver)
+    monkeypatch.setattr(action, "require_driver", lambda: driver)
     monkeypatch.setattr(action, "cuda_processes",
                         lambda pid: [ProcessGpuUse(pid=77, comm="train", gpu_minors=[1])])
     action.post_resume(init_pid=70, criu_pid=4242)

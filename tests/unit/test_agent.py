@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.criu import action, agent, fill_plan
+from gpusnap.criu import action, agent, fill_plan, step_state
 from tests.unit.test_fill_plan import _memory_of, _planned, child  # noqa: F401 -- a fixture
 
 SCRIPT = Path(__file__).resolve().parents[2] / "packaging" / "bin" / "criu-action"
@@ -171,7 +171,7 @@ def test_pre_restore_starts_the_agent_where_there_is_a_fill(tmp_path, state, mon
     fill_plan.SETTINGS.write_text('{"agent": false}')  # each step in a Python of its own
     assert action._run("pre-restore", 4324) == 0
     assert started == [(4322, False), (4323, True)]
-    assert (action._fill_state(4324)).exists()  # the fill itself still planned
+    assert (step_state.fill(4324)).exists()  # the fill itself still planned
     fill_plan.undo(folder)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.criu import action, fill_plan, mm, page_fill
+from gpusnap.criu import action, fill_plan, mm, page_fill, step_state
 from gpusnap.criu import pagemap as pm
 from gpusnap.criu.images import IMG_COMMON_MAGIC
 from gpusnap.errors import GpusnapError
@@ -382,8 +382,8 @@ def _planned(tmp_path: Path, pid: int, base: int, size: int, criu_pid: int) -> t
     rnd = random.Random(7)
     memory = _task(folder, pid, 1, [(base, base + size, PLAIN)], [(base, size // PAGE, pm.PE_PRESENT)],
                    rnd)
-    assert action._fill_state(criu_pid).parent.is_dir()
-    fill_plan.prepare(folder, lambda p: action.write_private(action._fill_state(criu_pid), p.to_json()))
+    assert step_state.fill(criu_pid).parent.is_dir()
+    fill_plan.prepare(folder, lambda p: action.write_private(step_state.fill(criu_pid), p.to_json()))
     return folder, b"".join(memory[a] for a in sorted(memory))
 
 
@@ -393,7 +393,7 @@ def test_post_restore_fills_the_restored_task_and_puts_the_folder_back(tmp_path,
     action.post_restore(init_pid=proc.pid, criu_pid=4242)
     assert _memory_of(proc.pid, base, size) == data
     assert not (folder / fill_plan.FOLDER).exists() and not (folder / "parent").exists()
-    assert not action._fill_state(4242).exists()
+    assert not step_state.fill(4242).exists()
     event = json.loads((state / "journal.jsonl").read_text().splitlines()[-1])
     assert event["event"] == "pages-filled" and event["bytes"] == size
 
@@ -418,7 +418,7 @@ def test_post_restore_that_cannot_fill_fails_the_step_and_puts_the_folder_back(
 
 def test_a_stale_plan_of_another_restore_is_never_used(tmp_path, state, child):
     proc, base, size = child
-    stale = action._fill_state(4244)
+    stale = step_state.fill(4244)
     action.write_private(stale, fill_plan.Plan("/gone", {1: []}).to_json())
     folder = tmp_path / "images"
     _task(folder, 1, 1, [(C, C + 4 * PAGE, PLAIN)], [(C, 4, pm.PE_PRESENT)], random.Random(10))
@@ -510,4 +510,4 @@ def test_a_rewrite_cut_short_that_cannot_be_put_back_refuses_the_restore(tmp_pat
     monkeypatch.setattr(fill_plan, "undo", lambda f: broken(f) if (Path(f) / fill_plan.FOLDER).exists() else False)
     with pytest.raises(GpusnapError, match="cannot be put back"):
         action.pre_restore(str(folder), 4245)
-    assert not action._fill_state(4245).exists()
+    assert not step_state.fill(4245).exists()

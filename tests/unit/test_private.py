@@ -211,9 +211,9 @@ def test_criu_action_markers_and_restore_state_are_private(state, monkeypatch, t
 
 
 def test_stale_action_markers_go_but_a_live_runs_temp_file_stays(state):
-    from gpusnap.criu import action
+    from gpusnap.criu import action, step_state
 
-    folder = action._marker_dir()
+    folder = step_state.folder()
     (folder / "999999999-pre-dump").write_text("0")
     live_tmp = folder / f".{os.getppid()}-restore.json.77.tmp"
     live_tmp.write_text("{}")

@@ -1,0 +1,202 @@
+"""The CRIU action script's dump steps (action.py dispatches them).
+
+pre-dump, before CRIU freezes the tree: the container's CUDA processes are
+quiesced (GPU memory to host memory, GPU released) and the GPU manifest is
+written into the image directory; a guardian then waits for CRIU to exit and
+brings back any process that survived the dump (--leave-running, or a dump
+that failed). For a push that asks, the driver's copy of the GPU memory is
+read out on many threads before CRIU would (dump_ahead.py), and post-dump
+puts it back into the images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpusnap import journal, requests
+from gpusnap.criu import step_state
+from gpusnap.criu.version import criu_version, cuda_plugin_path
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu import manifest as gpu_manifest
+from gpusnap.gpu.inventory import mps_active, read_inventory
+from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS, Timing, quiesce, require_driver
+from gpusnap.private import write_private
+from gpusnap.procs import cuda_processes, ns_pid, process_tree
+
+
+def lock_timeout_ms(init_pid: int) -> int:
+    """A `gpusnap checkpoint --lock-timeout` request for this container, else the default.
+
+    Podman hands runc (and so CRIU and this script) a scrubbed environment, so
+    the CLI leaves its options in a request file keyed by the init pid.
+    """
+    request = requests.take(init_pid)
+    try:
+        return int(request.get("lock_timeout_ms", DEFAULT_LOCK_TIMEOUT_MS))
+    except (TypeError, ValueError):
+        return DEFAULT_LOCK_TIMEOUT_MS
+
+
+def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
+    if image_dir:
+        from gpusnap.criu import pages_aside
+
+        pages_aside.drop_stale_parent(Path(image_dir))
+    step_state.ahead(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
+    push = requests.peek(init_pid, "pages")
+    ahead = bool(push.get("read_ahead")) and bool(image_dir)
+    procs = cuda_processes(init_pid)
+    if not procs:
+        if ahead and push.get("ahead_test_min"):
+            _read_ahead_test(init_pid, criu_pid, push)
+        return
+    inventory = read_inventory()
+    used = {m for p in procs for m in p.gpu_minors}
+    mig = [g for g in inventory.gpus if g.minor in used and g.mig_enabled]
+    if mig:
+        raise GpusnapError(f"GPU {mig[0].index} ({mig[0].uuid}) is in MIG mode, which the "
+                           "driver cannot checkpoint", "run the container on a GPU without MIG")
+    if mps_active():
+        raise GpusnapError("an MPS daemon is running: the driver cannot checkpoint MPS clients",
+                           "stop MPS (echo quit | nvidia-cuda-mps-control) before checkpointing")
+    plugin = cuda_plugin_path()
+    by = "criu-cuda-plugin" if plugin else "gpusnap"
+    manifest = gpu_manifest.build(procs, inventory, criu_version(), by)
+    pids = [p.pid for p in procs]
+    if plugin is None:
+        from gpusnap.criu import dump_ahead
+
+        before = {pid: dump_ahead.mapped(pid) for pid in pids} if ahead else {}
+        timing = Timing()
+        driver = require_driver()
+        changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
+        manifest.timing = timing.phases
+        guardian = _start_guardian(criu_pid, changed)
+        if ahead and guardian is not None:
+            _read_ahead(criu_pid, guardian, push,
+                        {pid: dump_ahead.staging(pid, before[pid]) for pid in changed})
+    gpu_manifest.write(manifest, image_dir)
+    # ``at``: when the GPU was free for the next job (its memory is in host memory now)
+    journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
+                   at=round(time.time(), 3))
+
+
+def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
+                runs: dict[int, list[tuple[int, int]]]) -> None:
+    """Read each process's ``runs`` into the push's folder and take them out of
+    it, so CRIU dumps the rest only (dump_ahead.py). The guardian gets the files
+    before anything is taken. Any failure before that leaves CRIU to dump
+    everything, as without this step; a process whose memory could not be put
+    back fails the dump (AheadError)."""
+    from gpusnap.criu import dump_ahead
+    from gpusnap.runtime.remote_syscall import RemoteSyscallError, supported
+
+    if not supported():
+        return
+    started, aside = time.monotonic(), Path(push["aside"])
+    tasks = []
+    try:
+        for pid, found in runs.items():
+            task = dump_ahead.take(pid, ns_pid(pid), found, aside, notes=True)
+            if task is not None:
+                tasks.append(task)
+        if tasks:
+            dump_ahead.hand_over(guardian, tasks)
+    except (OSError, ValueError) as exc:
+        for task in tasks:
+            Path(task.path).unlink(missing_ok=True)
+        journal.record("pages-read-ahead-skipped", error=str(exc))
+        return
+    read_s, taken = round(time.monotonic() - started, 3), []
+    for task in tasks:
+        try:
+            dump_ahead.drop(task)  # the push hashed it meanwhile (the read's notes)
+            taken.append(task)
+        except RemoteSyscallError as exc:  # its memory is back: CRIU dumps it
+            Path(task.path).unlink(missing_ok=True)
+            journal.record("pages-read-ahead-skipped", pid=task.pid, error=str(exc))
+        except dump_ahead.AheadError as exc:
+            raise GpusnapError(str(exc), "restore the container from its last checkpoint") from None
+    if taken:
+        write_private(step_state.ahead(criu_pid), json.dumps([t.to_dict() for t in taken]))
+        journal.record("pages-read-ahead", tasks=len(taken), bytes=sum(t.bytes for t in taken),
+                       read_s=read_s, seconds=round(time.monotonic() - started, 3))
+
+
+def _read_ahead_test(init_pid: int, criu_pid: int, push: dict) -> None:
+    """Tests only: a CPU container's big anonymous memory, which its test keeps
+    still, read ahead as a GPU process's would be (``ahead_test_min`` bytes)."""
+    from gpusnap.criu import dump_ahead
+
+    pids = process_tree(init_pid)
+    guardian = _start_guardian(criu_pid, [], force=True)
+    _read_ahead(criu_pid, guardian, push,
+                {pid: dump_ahead.big_anonymous(pid, int(push["ahead_test_min"])) for pid in pids})
+
+
+def post_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
+    """A push asked for the memory pages out of Podman's export (pages_aside.py):
+    moved beside it, a symlink left in their place. The tree is still frozen.
+    Memory pre-dump read ahead goes back into the images first."""
+    request = requests.take(init_pid, "pages")
+    _compose_ahead(init_pid, image_dir, criu_pid, request)
+    if not request:
+        return
+    from gpusnap.criu import pages_aside
+
+    images, aside = Path(request["images"]), Path(request["aside"])
+    if not os.path.samefile(image_dir, images):
+        raise OSError(f"CRIU dumps into {image_dir}, the request names {images}")
+    files, size = pages_aside.set_aside(images, aside)
+    journal.record("pages-aside", init_pid=init_pid, aside=str(aside), files=files, bytes=size)
+
+
+def _compose_ahead(init_pid: int, image_dir: str, criu_pid: int, request: dict) -> None:
+    """The runs pre-dump read ahead back into CRIU's images (dump_ahead.compose).
+    AheadError, whatever went wrong: without them the images lack memory, so
+    the dump must fail (CRIU then resumes the tree; the guardian puts the
+    memory back)."""
+    state = step_state.ahead(criu_pid)
+    if not state.exists():
+        return
+    from gpusnap.criu import dump_ahead
+
+    started = time.monotonic()
+    try:
+        tasks = [dump_ahead.Task.from_dict(d) for d in json.loads(state.read_text())]
+        if not request:
+            raise dump_ahead.AheadError("the push's request is gone")
+        images, aside = Path(request["images"]), Path(request["aside"])
+        if not os.path.samefile(image_dir, images):
+            raise dump_ahead.AheadError(f"CRIU dumps into {image_dir}, the request names {images}")
+        if request.get("fault") == "compose":  # tests: what a failure here leaves
+            raise dump_ahead.AheadError("composing the images failed (injected by a test)")
+        ways = [dump_ahead.compose(images, aside, task) for task in tasks]
+    except dump_ahead.AheadError:
+        raise
+    except Exception as exc:
+        raise dump_ahead.AheadError(f"the memory read ahead could not be put back into "
+                                    f"CRIU's images ({exc})") from None
+    finally:
+        state.unlink(missing_ok=True)
+    journal.record("pages-composed", init_pid=init_pid, tasks=len(tasks), how=ways,
+                   seconds=round(time.monotonic() - started, 3))
+
+
+def _start_guardian(criu_pid: int, pids: list[int], force: bool = False) -> socket.socket | None:
+    """The guardian of ``pids``; the socket it reads what pre-dump read ahead from."""
+    if not pids and not force:
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with theirs:
+        subprocess.Popen([sys.executable, "-m", "gpusnap.criu.guardian", str(criu_pid),
+                          *map(str, pids)],
+                         stdin=theirs.fileno(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    return ours
