@@ -373,6 +373,40 @@ def _remap(moves: list[Move], container_paths: ContainerPaths) -> DeviceRemap:
                        container_paths=container_paths, unknown_drm=tuple(unknown_drm))
 
 
+def _crowded_out(sources: list[GpuSlot], targets: list[GpuSlot],
+                 cands: dict[str, list[GpuSlot]], chosen: dict[str, GpuSlot]) -> list[Problem]:
+    """A checkpoint GPU left without a target although some GPU here could take
+    it: that GPU went to another of the checkpoint's GPUs."""
+    problems = []
+    for s in sources:
+        if s.uuid not in chosen and cands[s.uuid]:
+            takers = [f"GPU {o.index}->GPU {chosen[o.uuid].index}" for o in sources
+                      if o.uuid in chosen and chosen[o.uuid] in cands[s.uuid]]
+            where = "cannot stay on its GPU" if any(t.uuid == s.uuid for t in targets) else \
+                "is not on this host"
+            problems.append(Problem("count", f"GPU {s.index} of the checkpoint ({s.name}, {s.uuid}) "
+                                    f"{where}, and the {len(cands[s.uuid])} GPU(s) here "
+                                    f"that could take it go to the checkpoint's other GPUs "
+                                    f"({', '.join(takers)})"))
+    return problems
+
+
+def _move_problems(moved: list[Move], inventory: Inventory) -> list[Problem]:
+    """What stops the moves themselves: a driver too old to remap, nodes not recorded."""
+    problems = []
+    if moved and MIN_CHECKPOINT_DRIVER <= driver_major(inventory.driver_version) < MIN_REMAP_DRIVER:
+        problems.append(Problem("remap-driver", "restoring onto other GPUs ("
+                                + ", ".join(f"{m.source.index}->{m.target.index}" for m in moved)
+                                + f") needs NVIDIA driver r{MIN_REMAP_DRIVER} or newer, this host "
+                                  f"has {inventory.driver_version}"))
+    lacking = [m.source.index for m in moved if m.source.minor is None or m.target.minor is None]
+    if lacking:
+        problems.append(Problem("devices", "the checkpoint does not record the device minor of "
+                                f"GPU {', '.join(map(str, lacking))} (written by an older gpusnap), "
+                                "so its device nodes cannot be moved"))
+    return problems
+
+
 def plan_restore(manifest: Manifest | None, inventory: Inventory, *,
                  gpu_map: GpuMap | None = None,
                  host: HostFacts | None = None,
@@ -428,32 +462,13 @@ def plan_restore(manifest: Manifest | None, inventory: Inventory, *,
         if s.uuid not in pins:
             cands[s.uuid] = [t for t in cands[s.uuid] if t.uuid not in pinned]
     chosen = assign(sources, cands, topo)
-    for s in sources:
-        if s.uuid not in chosen and cands[s.uuid]:
-            takers = [f"GPU {o.index}->GPU {chosen[o.uuid].index}" for o in sources
-                      if o.uuid in chosen and chosen[o.uuid] in cands[s.uuid]]
-            where = "cannot stay on its GPU" if any(t.uuid == s.uuid for t in targets) else \
-                "is not on this host"
-            problems.append(Problem("count", f"GPU {s.index} of the checkpoint ({s.name}, {s.uuid}) "
-                                    f"{where}, and the {len(cands[s.uuid])} GPU(s) here "
-                                    f"that could take it go to the checkpoint's other GPUs "
-                                    f"({', '.join(takers)})"))
+    problems += _crowded_out(sources, targets, cands, chosen)
 
     moves = [Move(s, chosen[s.uuid], _reasons(s, chosen[s.uuid], need[s.uuid], cands[s.uuid],
                                                pin_text.get(s.uuid) if s.uuid in pins else None,
                                                chosen, topo))
              for s in sources if s.uuid in chosen]
-    moved = [m for m in moves if m.moved]
-    if moved and MIN_CHECKPOINT_DRIVER <= driver_major(inventory.driver_version) < MIN_REMAP_DRIVER:
-        problems.append(Problem("remap-driver", "restoring onto other GPUs ("
-                                + ", ".join(f"{m.source.index}->{m.target.index}" for m in moved)
-                                + f") needs NVIDIA driver r{MIN_REMAP_DRIVER} or newer, this host "
-                                  f"has {inventory.driver_version}"))
-    lacking = [m.source.index for m in moved if m.source.minor is None or m.target.minor is None]
-    if lacking:
-        problems.append(Problem("devices", "the checkpoint does not record the device minor of "
-                                f"GPU {', '.join(map(str, lacking))} (written by an older gpusnap), "
-                                "so its device nodes cannot be moved"))
+    problems += _move_problems([m for m in moves if m.moved], inventory)
 
     kept, skipped = split_skipped(problems, skip)
     if kept:

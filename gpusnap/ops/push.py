@@ -256,6 +256,47 @@ def _submit_member(entry: fmt.FileEntry, data: BinaryIO, params: chunker.ChunkPa
 FORMATS = ("gpusnap", "podman")
 
 
+def _target(source: str, ref_text: str, image_format: str) -> reference.Reference:
+    """REF as a push target, refused before anything is read or checkpointed."""
+    ref = reference.parse(ref_text)
+    if ref.digest:
+        raise GpusnapError(f"{ref_text}: push to a tag, not a digest",
+                           "the digest is known only once the checkpoint is pushed")
+    if image_format not in FORMATS:
+        raise GpusnapError(f"unknown format {image_format!r}", f"pass one of {', '.join(FORMATS)}")
+    if image_format == "podman" and source.startswith("containerd://"):
+        raise GpusnapError("--format podman makes images Podman restores, not containerd",
+                           "push containerd checkpoints in gpusnap's format (the default)")
+    return ref
+
+
+def _bundle(source: str, files: list[fmt.FileEntry], contents: archive.CheckpointContents,
+            scale: int, level: int) -> fmt.Bundle:
+    """The config of what was uploaded: its files and what the checkpoint says of itself."""
+    if not (contents.is_podman_checkpoint or contents.is_containerd_checkpoint):
+        raise GpusnapError(f"{source} is not a Podman checkpoint (no spec.dump, "
+                           "config.dump and checkpoint/ inside)",
+                           "pass an export of `podman container checkpoint --export`, "
+                           "its extracted directory or a container")
+    gpu = contents.json_file(MANIFEST_NAME) or contents.json_file(f"checkpoint/{MANIFEST_NAME}")
+    return fmt.Bundle(files=files, summary=contents.summary(), gpu_manifest=gpu,
+                      chunking={"algorithm": chunker.ALGORITHM, "scale": scale,
+                                "avg": "clamp(file size / 256, 256 KiB, 4 MiB) * scale",
+                                "min": "avg / 4", "max": "avg * 4"},
+                      compression={"algorithm": "zstd", "level": level})
+
+
+def _annotations(b: fmt.Bundle, kind: str, pre_checkpoint: bool) -> dict[str, str]:
+    criu = None
+    if kind in ("container", "containerd-container"):  # checkpointed here, by this CRIU
+        from gpusnap.criu.version import criu_version
+        criu = criu_version()
+    notes = fmt.annotations(b, criu, platform.machine())
+    if pre_checkpoint:
+        notes[fmt.PRE_CHECKPOINT] = "true"
+    return notes
+
+
 def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bool = False,
          level: int = ZSTD_LEVEL, workers: int = WORKERS, cache_root: Path | None = None,
          progress: Progress | None = None, total: Callable[[int], None] | None = None,
@@ -274,15 +315,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     leave_running = leave_running or pre_checkpoint
     from gpusnap.trust.remote import PushTrust  # cryptography: imported only when pushing
 
-    ref = reference.parse(ref_text)
-    if ref.digest:
-        raise GpusnapError(f"{ref_text}: push to a tag, not a digest",
-                           "the digest is known only once the checkpoint is pushed")
-    if image_format not in FORMATS:
-        raise GpusnapError(f"unknown format {image_format!r}", f"pass one of {', '.join(FORMATS)}")
-    if image_format == "podman" and source.startswith("containerd://"):
-        raise GpusnapError("--format podman makes images Podman restores, not containerd",
-                           "push containerd checkpoints in gpusnap's format (the default)")
+    ref = _target(source, ref_text, image_format)
     # keys first: a wrong key or passphrase fails before a container is checkpointed
     sealing = PushTrust.load(trust, chunked=image_format == "gpusnap")
     container = find_container(source)  # a mistyped name is not reported as the registry's fault
@@ -309,29 +342,13 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
         try:
             files, contents, prefetched = _upload_files(src, parts, scale, str(ref))
             src.finish()
-            if not (contents.is_podman_checkpoint or contents.is_containerd_checkpoint):
-                raise GpusnapError(f"{source} is not a Podman checkpoint (no spec.dump, "
-                                   "config.dump and checkpoint/ inside)",
-                                   "pass an export of `podman container checkpoint --export`, "
-                                   "its extracted directory or a container")
-            gpu = contents.json_file(MANIFEST_NAME) or contents.json_file(f"checkpoint/{MANIFEST_NAME}")
-            b = fmt.Bundle(files=files, summary=contents.summary(), gpu_manifest=gpu,
-                           chunking={"algorithm": chunker.ALGORITHM, "scale": scale,
-                                     "avg": "clamp(file size / 256, 256 KiB, 4 MiB) * scale",
-                                     "min": "avg / 4", "max": "avg * 4"},
-                           compression={"algorithm": "zstd", "level": level})
+            b = _bundle(source, files, contents, scale, level)
             config = sealing.seal_config(b.to_json())
             config_digest = uploader.put_small(config)
         finally:
             parts.close()
             uploader.close()
-        criu = None
-        if src.kind in ("container", "containerd-container"):  # checkpointed here, by this CRIU
-            from gpusnap.criu.version import criu_version
-            criu = criu_version()
-        notes = fmt.annotations(b, criu, platform.machine())
-        if pre_checkpoint:
-            notes[fmt.PRE_CHECKPOINT] = "true"
+        notes = _annotations(b, src.kind, pre_checkpoint)
         image = (b.summary.get("container") or {}).get("image")
         if b.summary.get("engine") == "containerd":
             image = None  # Podman's repo digests (the subject) do not describe containerd's images
