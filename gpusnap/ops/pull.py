@@ -18,7 +18,7 @@ from gpusnap.oci import podman_image, reference, segments
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.tarfiles import ArchiveWriter, ReaderStopped
-from gpusnap.oci.transfer import Downloader, Progress
+from gpusnap.oci.transfer import Downloader, Progress, Stats
 from gpusnap.ops import prepared_pages
 from gpusnap.ops import restore as ops_restore
 from gpusnap.runtime import memory
@@ -255,14 +255,7 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
                            [edits[entry.path]])
             elif id(entry) in big and pages is not None and pages_aside.is_pages(entry.path):
                 path = pages_aside.path_in(pages, entry)
-                stop, mapped = (lambda: _stopped(cancel)), memory.in_ram(path)
-                if prepared is not None and entry.path in prepared.plans:
-                    beside += prepared_pages.write_parent(prepared, entry, path, fetch, stop,
-                                                          mapped)
-                else:
-                    runs = prepared_pages.use(prepared, entry, path) if prepared else None
-                    beside += fetch.write_file(entry.chunks, path, stop, mapped) \
-                        if runs is None else fetch.patch_file(runs, path, stop, mapped)
+                beside += _write_pages(entry, path, fetch, prepared, cancel)
                 writer.add_beside(entry, path)
             elif image is not None:  # CRIU reads this one, rewritten against its parent
                 for _ in islice(stream, len(entry.chunks)):
@@ -289,7 +282,26 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
     s = downloader.stats
     if cache and s.network_bytes:  # nothing fetched: the cache did not grow (a replica)
         cache.prune()
-    seconds = time.monotonic() - start
+    return _report(remote, output, s, time.monotonic() - start, fetch, beside, prepared)
+
+
+def _write_pages(entry: fmt.FileEntry, path: Path, fetch: segments.FetchPool,
+                 prepared: prepared_pages.Match | None, cancel: threading.Event | None) -> int:
+    """A pages file written where CRIU reads it, by the worker processes: from
+    its parent's images, patched from a prepared file, or anew. Its bytes."""
+    stop, mapped = (lambda: _stopped(cancel)), memory.in_ram(path)
+    if prepared is not None and entry.path in prepared.plans:
+        return prepared_pages.write_parent(prepared, entry, path, fetch, stop, mapped)
+    runs = prepared_pages.use(prepared, entry, path) if prepared else None
+    if runs is None:
+        return fetch.write_file(entry.chunks, path, stop, mapped)
+    return fetch.patch_file(runs, path, stop, mapped)
+
+
+def _report(remote: Remote, output: Path, s: Stats, seconds: float,
+            fetch: segments.FetchPool | None, beside: int,
+            prepared: prepared_pages.Match | None) -> dict:
+    b = remote.bundle
     return {"reference": str(remote.client.ref), "digest": remote.digest,
             "output": str(output), "bytes": b.total_bytes, "files": len(b.files),
             "chunks": s.chunks, "bytes_fetched": s.network_bytes,

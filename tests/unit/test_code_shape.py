@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2] / "gpusnap"
 MODULE_LINES, FUNCTION_LINES = 500, 80
 # Over the rule today (issue 38 splits them): the most each may have.
 MODULES_OVER: dict[str, int] = {}
-FUNCTIONS_OVER = {"ops/podman_source.py:checkpointed": 85, "ops/pull.py:write_files": 94}
+FUNCTIONS_OVER = {"ops/podman_source.py:checkpointed": 85}
 
 
 def _sources() -> list[Path]:
