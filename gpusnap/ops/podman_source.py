@@ -32,6 +32,18 @@ from gpusnap.runtime.storage import PUSH_PREFIX, discard, staging_dir
 from gpusnap.runtime.stream import partial_path, tar_member
 
 
+def _push_source(plan: ops_checkpoint.CheckpointPlan, export: Path, job: Future, stream: bool,
+                 pages_aside_in_ram: Path | None) -> PushSource:
+    """The export as the push reads it: followed while Podman writes it (``stream``)."""
+    return PushSource("container", export, plan.estimate_bytes, plan.estimate_bytes,
+                      container=plan.container.name,
+                      follow=(lambda: follow([partial_path(export), export], job.done,
+                                             head=_manifest_member(plan))) if stream else None,
+                      finish=job.result,
+                      userdata=plan.container.userdata if stream else None,
+                      writer_done=job.done, pages_aside=pages_aside_in_ram)
+
+
 @contextmanager
 def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str], None] | None,
                  stream: bool, container: podman.Container,
@@ -78,15 +90,7 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         if not stream:
             job.result()
         try:
-            yield PushSource("container", export, plan.estimate_bytes, plan.estimate_bytes,
-                             container=plan.container.name,
-                             follow=(lambda: follow([partial_path(export), export], job.done,
-                                                    head=_manifest_member(plan)))
-                             if stream else None,
-                             finish=job.result,
-                             userdata=plan.container.userdata if stream else None,
-                             writer_done=job.done,
-                             pages_aside=aside if stream and in_ram else None)
+            yield _push_source(plan, export, job, stream, aside if stream and in_ram else None)
         except BaseException:
             # The dump goes on to its end whatever the upload did: what is left
             # of the container decides what to say.

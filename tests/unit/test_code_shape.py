@@ -1,7 +1,7 @@
 """The shape a maintainer can hold in their head: no module of gpusnap over
-500 lines, no function over 80. What is over today is listed with its size
-and may only shrink: a listed one that shrinks must lower its entry (or
-leave the list once within the rule), and nothing new may join.
+500 lines, no function over 80 (generated protobuf code aside). One that must
+be over for a while is listed with its size and may only shrink: a listed
+one that shrinks lowers its entry, or leaves the list once within the rule.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "gpusnap"
 MODULE_LINES, FUNCTION_LINES = 500, 80
-# Over the rule today (issue 38 splits them): the most each may have.
+# Over the rule (none today): the most each may have, while it is split.
 MODULES_OVER: dict[str, int] = {}
-FUNCTIONS_OVER = {"ops/podman_source.py:checkpointed": 85}
+FUNCTIONS_OVER: dict[str, int] = {}
 
 
 def _sources() -> list[Path]:
