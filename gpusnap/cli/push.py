@@ -103,13 +103,12 @@ def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
     this host as it is now (a name in use gets --name). Also the name it avoided."""
     if r.get("format") == "podman":  # Podman restores it, with Podman's flags
         from gpusnap.oci import podman_image
-
         from gpusnap.ops.restore import free_name
 
-        taken = r.get("container") if here else None
-        rename = free_name(taken)
+        rename = free_name(r.get("container")) if here else None
         return podman_image.restore_command(r["reference"], opts, bool(
-            (r.get("trust") or {}).get("encrypted")), rename=rename), taken if rename else None
+            (r.get("trust") or {}).get("encrypted")), rename=rename), \
+            r.get("container") if rename else None
     args = ["gpusnap", "restore", r["pinned"], *restore_flags(opts)]
     if (r.get("trust") or {}).get("encrypted") or (trust and trust.encrypts):
         args += ["--decrypt-key", "KEY"]

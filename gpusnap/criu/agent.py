@@ -40,12 +40,10 @@ import shutil
 import sys
 import threading
 import time
-from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.criu import action
-# start and the names the hook reads live in agent_files, shared with the script
-from gpusnap.criu.agent_files import INVENTORY, NO_INVENTORY, folder, start  # noqa: F401
+from gpusnap.criu.agent_files import INVENTORY, NO_INVENTORY, folder
 from gpusnap.private import write_private
 
 LIFETIME_S = 3600.0

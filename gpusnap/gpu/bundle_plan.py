@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 from gpusnap import PLAN_NAME
-from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION, parse_gpu_map
 from gpusnap.gpu import inventory as gpu_inventory
+from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION, parse_gpu_map
 from gpusnap.gpu.inventory import Inventory
 from gpusnap.gpu.manifest import Manifest
 from gpusnap.gpu.plan import Plan, plan_restore, recheck
@@ -34,7 +34,6 @@ def plan_restore_here(manifest_path: Path, spec: dict,
         pinned = Plan.from_dict(json.loads(plan_path.read_text()))
         return [p.line for p in recheck(pinned, manifest, inventory)], None
     annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
-
     result = plan_restore(manifest, inventory,
                           gpu_map=parse_gpu_map(annotation) if annotation else None)
     if isinstance(result, list):

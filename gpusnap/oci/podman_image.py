@@ -15,10 +15,9 @@ The layer is zstd (Podman 4 pulls zstd layers), uploaded while it is made.
 
 from __future__ import annotations
 
-import shlex
-
 import json
 import platform
+import shlex
 import subprocess
 import time
 from typing import TYPE_CHECKING

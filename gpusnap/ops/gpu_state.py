@@ -5,16 +5,16 @@ from __future__ import annotations
 import time
 
 from gpusnap.gpu.cuda import ProcessState
-from gpusnap.gpu.quiesce import Driver, resume, states
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.quiesce import Driver, require_driver, resume, states
 from gpusnap.procs import alive
 
 
 def load_driver() -> Driver | None:
     """The CUDA driver, or None on a host without one."""
-    from gpusnap.gpu.cuda import CudaDriver
     try:
-        return CudaDriver()
-    except RuntimeError:
+        return require_driver()
+    except GpusnapError:
         return None
 
 

@@ -85,9 +85,8 @@ def open_remote(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None
     try:
         manifest = fmt.parse_manifest(body, media, where)
     except fmt.PodmanCheckpointImage as image:  # Podman's to restore: its command, our flags
-        rename = ops_restore.free_name(podman_image.container_name(image.manifest))
-        raise GpusnapError(image.message, f"restore it with "
-                           f"`{podman_image.restore_command(where, opts, rename=rename)}`") from None
+        command = podman_image.restore_command(where, opts, rename=_rename(image.manifest))
+        raise GpusnapError(image.message, f"restore it with `{command}`") from None
     decision = trust_remote.check(client, digest, trust)
     blob = _config_blob(client, manifest)
     remote = _opened(client, digest, manifest, blob, private, decision)
@@ -95,6 +94,11 @@ def open_remote(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None
         cache.put_blob(digest, body)
         cache.put_blob(manifest["config"]["digest"], blob)
     return remote
+
+
+def _rename(image_manifest: dict) -> str | None:
+    """The --name a Podman checkpoint image's restore line needs here (its name taken)."""
+    return ops_restore.free_name(podman_image.container_name(image_manifest))
 
 
 def _opened(client: RegistryClient, digest: str, manifest: dict, blob: bytes, private: list,
@@ -166,8 +170,7 @@ def inspect(ref_text: str, opts: RegistryOptions, trust: TrustOptions | None = N
     try:
         manifest = fmt.parse_manifest(body, media, where)
     except fmt.PodmanCheckpointImage as image:  # described from its manifest alone
-        rename = ops_restore.free_name(podman_image.container_name(image.manifest))
-        summary = podman_image.summary(image.manifest, where, opts, rename)
+        summary = podman_image.summary(image.manifest, where, opts, _rename(image.manifest))
         summary["trust"] = trust_remote.describe(client, digest, image.manifest)
         return summary
     facts = trust_remote.describe(client, digest, manifest)

@@ -28,8 +28,8 @@ from gpusnap.gpu.plan import Plan
 from gpusnap.ops import restore as ops_restore
 from gpusnap.runtime import stream as stream_module
 from gpusnap.runtime.fifo_pump import referrers
-from tests.conftest import (COUNTER, DEMO_IMAGE, assert_continued, assert_one_line_error, born,
-                            gpusnap, gpusnap_json, podman, read_counter, wait_counter)
+from tests.conftest import (assert_continued, assert_one_line_error, born, gpusnap, gpusnap_json,
+                            podman, read_counter, wait_counter)
 
 # A remap that moves nothing still sends the archive through the rewriting
 # pump, as a restore onto other GPUs does: the path that hung.

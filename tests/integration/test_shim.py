@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -34,8 +35,6 @@ def containerd():
 
 def _event_lines(proc: subprocess.Popen) -> list[str]:
     """`ctr events`' lines as they come (a thread reads them: no read blocks the test)."""
-    import threading
-
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
                      daemon=True).start()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.criu import action, agent, fill_plan, step_state
+from gpusnap.criu import action, agent, agent_files, fill_plan, step_state
 from tests.unit.test_fill_plan import _memory_of, _planned, child  # noqa: F401 -- a fixture
 
 SCRIPT = Path(__file__).resolve().parents[2] / "packaging" / "bin" / "criu-action"
@@ -36,7 +36,7 @@ def _script(step: str, init_pid: int, state: Path, **extra: str) -> subprocess.C
 
 def _ready(criu_pid: int, timeout: float = 30) -> int:
     deadline = time.monotonic() + timeout
-    pid_file = agent.folder(criu_pid) / "pid"
+    pid_file = agent_files.folder(criu_pid) / "pid"
     while time.monotonic() < deadline:
         if pid_file.exists() and pid_file.read_text():
             return int(pid_file.read_text())
@@ -55,7 +55,7 @@ def test_post_restore_goes_to_the_agent_which_fills_and_answers(tmp_path, state,
     proc, base, size = child
     me = os.getpid()  # CRIU, as the script sees it: its parent
     folder, data = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
-    agent.start(me, driver=False)
+    agent_files.start(me, driver=False)
     _ready(me)
     res = _script("post-restore", proc.pid, state)
     assert res.returncode == 0, res.stderr
@@ -67,7 +67,7 @@ def test_post_restore_goes_to_the_agent_which_fills_and_answers(tmp_path, state,
     assert (state / "actions" / f"{me}-post-restore").read_text() == "0"  # the marker, as the script's
     # post-resume (nothing on a GPU here) is its last step: it leaves, its folder with it
     assert _script("post-resume", proc.pid, state).returncode == 0
-    assert _gone(agent.folder(me))
+    assert _gone(agent_files.folder(me))
 
 
 def _filled_by(state: Path) -> str:
@@ -81,7 +81,7 @@ def test_a_step_that_comes_before_the_agent_is_ready_waits_for_it(tmp_path, stat
     proc, base, size = child
     me = os.getpid()
     _, data = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
-    agent.start(me, driver=False)  # no wait: the script comes at once
+    agent_files.start(me, driver=False)  # no wait: the script comes at once
     assert _script("post-restore", proc.pid, state).returncode == 0
     assert _memory_of(proc.pid, base, size) == data and _filled_by(state) == "agent"
     _script("post-resume", proc.pid, state)
@@ -95,8 +95,8 @@ def test_an_agent_that_died_starting_leaves_the_step_to_python(tmp_path, state, 
     _, data = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
     dead = subprocess.Popen(["true"])
     dead.wait()
-    agent.folder(me).mkdir(parents=True)
-    (agent.folder(me) / "started").write_text(str(dead.pid))
+    agent_files.folder(me).mkdir(parents=True)
+    (agent_files.folder(me) / "started").write_text(str(dead.pid))
     started = time.monotonic()
     assert _script("post-restore", proc.pid, state).returncode == 0
     assert time.monotonic() - started < 10
@@ -108,7 +108,7 @@ def test_a_step_the_agent_fails_fails_with_its_words(tmp_path, state, child):
     me = os.getpid()
     folder, _ = _planned(tmp_path, proc.pid, base, size, criu_pid=me)
     os.truncate(folder / "pages-1.img", 4096)  # the pages went missing under the restore
-    agent.start(me, driver=False)
+    agent_files.start(me, driver=False)
     _ready(me)
     res = _script("post-restore", proc.pid, state)
     assert res.returncode == 1
@@ -120,7 +120,7 @@ def test_a_step_the_agent_fails_fails_with_its_words(tmp_path, state, child):
 def test_an_agent_that_stops_with_the_step_in_its_hands_fails_the_step(state):
     """Never the step again in Python: it may be half done."""
     me = os.getpid()
-    here = agent.folder(me)
+    here = agent_files.folder(me)
     here.mkdir(parents=True)
     os.mkfifo(here / "requests", 0o600)
     # takes the request, never answers, goes; left unreaped as a zombie, as a
@@ -139,12 +139,12 @@ def test_an_agent_that_stops_with_the_step_in_its_hands_fails_the_step(state):
 def test_the_agent_leaves_when_criu_does(state):
     criu = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        agent.start(criu.pid, driver=False)
+        agent_files.start(criu.pid, driver=False)
         _ready(criu.pid)
     finally:
         criu.kill()
         criu.wait()
-    assert _gone(agent.folder(criu.pid))
+    assert _gone(agent_files.folder(criu.pid))
 
 
 def test_pre_restore_starts_the_agent_where_there_is_a_fill(tmp_path, state, monkeypatch, child):
@@ -195,17 +195,17 @@ def test_the_hook_takes_the_gpus_the_agent_of_its_sibling_criu_read(state):
     stranger = 1  # init's agent: no sibling of anyone here
     try:
         for pid in (criu.pid, stranger):
-            agent.folder(pid).mkdir(parents=True)
-            (agent.folder(pid) / agent.INVENTORY).write_text(json.dumps(INVENTORY))
+            agent_files.folder(pid).mkdir(parents=True)
+            (agent_files.folder(pid) / agent_files.INVENTORY).write_text(json.dumps(INVENTORY))
         res = subprocess.run([sys.executable, "-c", HOOK_READS], capture_output=True, text=True,
                              env={**os.environ, "GPUSNAP_STATE_DIR": str(state)}, check=True)
         assert "GPU-aaaa" in res.stdout and "77" in res.stdout
-        (agent.folder(criu.pid) / agent.INVENTORY).unlink()  # not read yet: the hook reads NVML
+        (agent_files.folder(criu.pid) / agent_files.INVENTORY).unlink()  # not read yet: the hook reads NVML
         res = subprocess.run([sys.executable, "-c", HOOK_READS], capture_output=True, text=True,
                              env={**os.environ, "GPUSNAP_STATE_DIR": str(state)}, check=True)
         assert res.stdout.strip() == "None"
         # the agent could not read NVML: the hook does not wait out wait_s for it
-        (agent.folder(criu.pid) / agent.NO_INVENTORY).write_text("NVML: not found")
+        (agent_files.folder(criu.pid) / agent_files.NO_INVENTORY).write_text("NVML: not found")
         started = time.monotonic()
         res = subprocess.run([sys.executable, "-c", HOOK_READS.replace("0.3", "20")],
                              capture_output=True, text=True,
@@ -249,8 +249,8 @@ def test_the_hook_reads_nvml_itself_where_the_agent_saw_too_few_gpus_to_place_it
         return json.loads(res.stdout)
 
     try:
-        agent.folder(criu.pid).mkdir(parents=True)
-        (agent.folder(criu.pid) / agent.INVENTORY).write_text(json.dumps(INVENTORY))
+        agent_files.folder(criu.pid).mkdir(parents=True)
+        (agent_files.folder(criu.pid) / agent_files.INVENTORY).write_text(json.dumps(INVENTORY))
         (dev / "nvidia0").touch()
         (dev / "nvidia1").touch()
         (dev / "nvidiactl").touch()
@@ -299,7 +299,7 @@ def test_the_script_takes_the_steps_marker_where_the_answer_never_comes(tmp_path
     import threading
 
     me = os.getpid()  # CRIU, as the script sees it; and the "agent", alive
-    here = agent.folder(me)
+    here = agent_files.folder(me)
     here.mkdir(parents=True)
     os.mkfifo(here / "requests", 0o600)
     fd = os.open(here / "requests", os.O_RDWR)
@@ -326,7 +326,7 @@ def test_a_step_whose_agent_never_answers(tmp_path, state):
     import threading
 
     me = os.getpid()
-    here = agent.folder(me)
+    here = agent_files.folder(me)
     here.mkdir(parents=True)
     os.mkfifo(here / "requests", 0o600)
     fd = os.open(here / "requests", os.O_RDWR)
@@ -348,7 +348,7 @@ def test_an_agent_gone_after_its_step_was_done_is_no_failure(tmp_path, state):
     import threading
 
     me = os.getpid()
-    here = agent.folder(me)
+    here = agent_files.folder(me)
     here.mkdir(parents=True)
     os.mkfifo(here / "requests", 0o600)
     fd = os.open(here / "requests", os.O_RDWR)
