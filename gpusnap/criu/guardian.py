@@ -2,7 +2,9 @@
 
 It waits for CRIU to exit. Processes that were dumped and killed are gone;
 any that survived (``--leave-running``, or a dump that failed or was killed)
-are restored and unlocked as soon as their cgroup is thawed. Memory pre-dump
+are restored and unlocked as soon as their cgroup is thawed. A CRIU that was
+killed leaves the cgroup frozen, and no one else thaws it (neither runc nor
+crun does): after a grace for the runtime, the guardian thaws it itself. Memory pre-dump
 took out of a process (dump_ahead.py: handed over on stdin, a socket, with
 the files that hold it) is written back first: the driver restores from it.
 A process whose memory cannot be written back is left locked, not restored
@@ -19,11 +21,13 @@ import sys
 import time
 
 from gpusnap import journal
-from gpusnap.criu.freezer import is_frozen
+from gpusnap.criu.freezer import is_frozen, thaw
 from gpusnap.gpu.quiesce import QuiesceError, resume
 from gpusnap.procs import alive
 
 THAW_WAIT_S = 120.0
+# CRIU thaws the cgroup as it ends; frozen this long after CRIU is gone, no one will
+THAW_GRACE_S = 5.0
 
 
 def wait_exit(pid: int) -> None:
@@ -37,12 +41,21 @@ def wait_exit(pid: int) -> None:
         os.close(fd)
 
 
-def survivors_to_resume(pids: list[int], deadline: float) -> list[int]:
-    """The surviving pids, once none of them is frozen (or the deadline passed)."""
+def survivors_to_resume(pids: list[int], deadline: float,
+                        grace: float = THAW_GRACE_S) -> list[int]:
+    """The surviving pids, once none of them is frozen; a freeze that outlives CRIU
+    by ``grace`` is thawed here (or the deadline passed)."""
+    thaw_at = time.monotonic() + grace
     while True:
         living = [p for p in pids if alive(p)]
-        if not any(is_frozen(p) for p in living) or time.monotonic() > deadline:
+        frozen = [p for p in living if is_frozen(p)]
+        if not frozen or time.monotonic() > deadline:
             return living
+        if time.monotonic() > thaw_at:
+            thawed = [p for p in frozen if thaw(p)]
+            journal.record("guardian-thawed", pids=thawed,
+                           why="CRIU ended with the container frozen (killed mid-dump)")
+            thaw_at = deadline
         time.sleep(0.05)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gpusnap import MANIFEST_NAME, archive, journal, requests
 from gpusnap.criu import pages_aside
+from gpusnap.criu.freezer import thaw
 from gpusnap.criu.log import first_error as criu_error
 from gpusnap.criu.runtimes import TRUST_ENV, runs_action_script, why_not
 from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, cuda_plugin_path,
@@ -186,8 +187,11 @@ def run(p: CheckpointPlan) -> dict:
     except GpusnapError as exc:
         requests.drop(p.container.pid)
         requests.drop(p.container.pid, "pages")
-        resumed = ensure_running([c.pid for c in p.cuda])
         state = podman.inspect(p.container.id).status if podman.exists(p.container.id) else "gone"
+        if state == "running" and thaw(p.container.pid):
+            # a CRIU killed mid-dump leaves the cgroup frozen, and the runtime does not thaw it
+            journal.record("thawed", container=p.container.id, why="CRIU ended with it frozen")
+        resumed = ensure_running([c.pid for c in p.cuda])
         restorable = has_checkpoint(p.container)
         hint = exc.hint
         if state == "running":

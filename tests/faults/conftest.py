@@ -159,3 +159,45 @@ def say(capsys, text: str) -> None:
     """A figure for docs/reliability.md, shown with `pytest -s`-less runs too."""
     with capsys.disabled():
         print(f"\n  {text}", flush=True)
+
+
+def criu_pids() -> list[int]:
+    """Running CRIU processes, by their command line (is_criu)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                args = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if is_criu(args):
+                found.append(int(d.name))
+    return found
+
+
+def is_criu(args: list[bytes]) -> bool:
+    """CRIU's command line; a dumping CRIU retitles itself "criu: dump ...", and
+    may run under its own glibc's loader (packaging), so comm is not always criu."""
+    return any(os.path.basename(a) == b"criu" or a.startswith(b"criu: ") for a in args)
+
+
+def kill_criu_mid_dump(pid: int, proc: subprocess.Popen, timeout: float = 120,
+                       after: float = 0.0) -> int:
+    """SIGKILL CRIU ``after`` seconds after it seized ``pid`` (its tracer: the dump
+    under way), while ``proc`` runs; the pid killed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            break
+        tracer = int(status.split("TracerPid:", 1)[1].split()[0])
+        try:
+            if tracer and is_criu(Path(f"/proc/{tracer}/cmdline").read_bytes().split(b"\0")):
+                time.sleep(after)
+                os.kill(tracer, signal.SIGKILL)
+                return tracer
+        except (OSError, ProcessLookupError):
+            pass
+        time.sleep(0.0005)
+    raise AssertionError(f"CRIU never seized {pid} (command rc {proc.poll()})")

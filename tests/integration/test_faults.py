@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.procs import process_tree, rss_bytes
 from gpusnap.runtime.fifo_pump import referenced
-from tests.conftest import (GPUSNAP, assert_continued, assert_one_line_error, born, gpusnap,
+from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, assert_continued, assert_one_line_error, born, gpusnap,
                             gpusnap_json, podman, read_counter, run, wait_counter,
                             with_gpu_manifest)
 
@@ -205,6 +206,36 @@ def test_cli_killed_mid_checkpoint_leaves_it_restorable(counter, tmp_path):
     # And the next checkpoint works.
     gpusnap_json("checkpoint", counter, "--export", str(archive), "--leave-running")
     assert archive.stat().st_size > 0
+
+
+def test_criu_killed_mid_dump_leaves_the_container_running(name, tmp_path):
+    """CRIU SIGKILLed once it seized the container: one line says what happened,
+    and the container counts on (had the cgroup stayed frozen, as CRIU froze it
+    to seize, gpusnap thaws it: no runtime does)."""
+    from tests.faults.conftest import kill_criu_mid_dump
+
+    # half a GiB of anonymous memory in the container's tree: a dump long enough to land the kill in
+    counter = name
+    podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c",
+           'busybox awk \'BEGIN { s = "x"; while (length(s) < 5e8) s = s s; '
+           'while (1) system("sleep 1") }\' & ' + COUNTER)
+    wait_counter(name, 3)
+    token = born(counter)
+    pid = int(podman("inspect", counter, "--format", "{{.State.Pid}}").stdout)
+    deadline = time.monotonic() + 60
+    while rss_bytes(process_tree(pid)) < 400 << 20 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    cli = subprocess.Popen([GPUSNAP, "checkpoint", counter, "--export", str(tmp_path / "x.tar.zst")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kill_criu_mid_dump(pid, cli)
+    out, err = cli.communicate(timeout=300)
+    res = subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
+    assert_one_line_error(res, "still running")
+    assert not (tmp_path / "x.tar.zst").exists()
+    _still_counting(counter, token)
+    assert json.loads(gpusnap("doctor", "--json").stdout)["stuck"] == []
+    gpusnap_json("checkpoint", counter, "--export", str(tmp_path / "x.tar.zst"), "--leave-running")
+    _still_counting(counter, token)
 
 
 def test_pump_of_a_cli_killed_before_podman_starts_ends(tmp_path):
