@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 IMAGE = "localhost/gpusnap-cuda:latest"
@@ -52,6 +52,14 @@ class CudaContainer:
     name: str
     status: Path
     nproc: int
+    # each worker's seed as the test first read it (workload.py): verify()
+    # compares the GPU data with the tensors that seed made, which only the
+    # original run holds
+    seeds: list[str] = field(default_factory=list)
+
+    def keep_seeds(self) -> "CudaContainer":
+        self.seeds = self.born()
+        return self
 
     def worker(self, i: int) -> tuple[int, str]:
         try:
@@ -90,9 +98,10 @@ class CudaContainer:
         raise AssertionError(f"{self.name}: workers at {self.iterations()}, expected > {above}")
 
     def verify(self, timeout: float = 120) -> None:
-        """Every worker regenerates its data and compares all elements."""
+        """Every worker compares all elements of its GPU data with the tensor the
+        seed read at the start makes (workload.py; jobs.py ignores the seeds)."""
         token = uuid.uuid4().hex
-        (self.status / "verify").write_text(token)
+        (self.status / "verify").write_text(" ".join([token, *self.seeds]))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             results = []
@@ -141,7 +150,8 @@ def start(nproc: int = 1, gib: float = 2.0, gpus: list[int] | None = None,
           name: str | None = None, runtime: str | None = None) -> CudaContainer:
     """``runtime``: Podman's --runtime (crun, runc); Podman's default where None."""
     return _run(name or f"gpusnap-cuda-{uuid.uuid4().hex[:8]}", gpus if gpus is not None else [0],
-                nproc, PYTHON, "/work/workload.py", str(nproc), str(gib), runtime=runtime)
+                nproc, PYTHON, "/work/workload.py", str(nproc), str(gib),
+                runtime=runtime).keep_seeds()
 
 
 def hold_memory(gpu: int, gib: float) -> CudaContainer:
@@ -150,6 +160,45 @@ def hold_memory(gpu: int, gib: float) -> CudaContainer:
     hold = (f"import torch, time; x = torch.empty({int(gib * (1 << 30))}, dtype=torch.uint8, "
             "device='cuda'); open('/status/w0', 'w').write('1 ok'); time.sleep(1e6)")
     return _run(f"gpusnap-hog-{uuid.uuid4().hex[:8]}", [gpu], 1, PYTHON, "-c", hold)
+
+
+class Hog:
+    """A container on one GPU that takes memory when told (take): for a GPU
+    filled at a chosen moment, after gpusnap planned onto it."""
+
+    def __init__(self, gpu: int) -> None:
+        code = ("import os, time, torch; torch.zeros(1, device='cuda'); "
+                "open('/status/w0', 'w').write('1 ok')\n"
+                "while not os.path.exists('/status/go'): time.sleep(0.01)\n"
+                "x = torch.empty(int(open('/status/go').read()), dtype=torch.uint8, device='cuda'); "
+                "torch.cuda.synchronize(); open('/status/w0', 'w').write('2 ok'); time.sleep(1e6)")
+        self.ctr = _run(f"gpusnap-hog-{uuid.uuid4().hex[:8]}", [gpu], 1, PYTHON, "-c", code)
+
+    def take(self, nbytes: int) -> None:
+        (self.ctr.status / "go").write_text(str(max(nbytes, 1 << 20)))
+        self.ctr.wait_running(above=[1], timeout=60)
+
+    def remove(self) -> None:
+        self.ctr.remove()
+
+
+def gpu_count() -> int:
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def gpu_memory_free(index: int = 0) -> int:
+    """Bytes free on a GPU, from NVML."""
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def gpu_memory_used(index: int = 0) -> int:

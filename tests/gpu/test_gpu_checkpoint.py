@@ -6,6 +6,8 @@ import json
 import subprocess
 import time
 
+import pytest
+
 from gpusnap.gpu.cuda import CudaDriver, ProcessState
 from tests.conftest import assert_one_line_error, gpusnap, gpusnap_json, podman
 from tests.gpu import harness
@@ -39,6 +41,21 @@ def podman_export_import(ctr: harness.CudaContainer, archive) -> None:
 
 def test_podman_export_import_restores_gpu_memory(cuda_ctr, tmp_path):
     podman_export_import(cuda_ctr, tmp_path / "cuda.tar.zst")
+
+
+def test_a_restarted_container_fails_the_restore_checks(cuda_ctr):
+    """What the restore tests check catches a container started afresh in place of
+    a restore: its workers drew another seed, and their GPU data differs from the
+    tensors the original run made."""
+    its, seeds = cuda_ctr.iterations(), cuda_ctr.seeds
+    podman("restart", "-t", "0", cuda_ctr.name)
+    deadline = time.monotonic() + 120
+    while cuda_ctr.born() == seeds and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(AssertionError, match="started afresh"):
+        cuda_ctr.assert_restored(seeds, its)
+    with pytest.raises(AssertionError, match="contents differ"):
+        cuda_ctr.verify()
 
 
 def test_gpusnap_checkpoint_restore_two_processes(cuda_ctr2, tmp_path):

@@ -26,29 +26,10 @@ from tests.integration.oci_registry import PASSWORD, make_registry
 GIB = 1 << 30
 
 
-def _gpu_count() -> int:
-    import pynvml
-    pynvml.nvmlInit()
-    try:
-        return pynvml.nvmlDeviceGetCount()
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _free(index: int) -> int:
-    import pynvml
-    pynvml.nvmlInit()
-    try:
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
-        return info.free
-    finally:
-        pynvml.nvmlShutdown()
-
-
 @pytest.fixture(autouse=True)
 def two_gpus():
     # Asked here, not at import: collection on a host without NVML must not fail.
-    if _gpu_count() < 2:
+    if harness.gpu_count() < 2:
         pytest.skip("needs two NVIDIA GPUs (nvidia-h200-x2)")
 
 
@@ -97,7 +78,7 @@ def _restored_on_gpu1(ctr, its, used1_before: int, born: list[str] | None = None
 
 def test_restore_while_gpu0_is_taken_moves_to_gpu1(on_gpu0):
     ctr, archive, its = on_gpu0
-    hog = harness.hold_memory(0, max(_free(0) / GIB - 1.5, 1.0))
+    hog = harness.hold_memory(0, max(harness.gpu_memory_free(0) / GIB - 1.5, 1.0))
     try:
         plan = gpusnap_json("restore", str(archive), "--dry-run")
         assert plan["remap"] and "GPU 0 (" in plan["moves"][0] and "-> GPU 1 (" in plan["moves"][0]
@@ -115,7 +96,7 @@ def test_plain_podman_restore_while_gpu0_is_taken_moves_to_gpu1(on_gpu0):
     CRIU action script gives the restored container GPU 1's node and cgroup rule and
     the driver the UUID pair before the processes get their GPU state back."""
     ctr, archive, its = on_gpu0
-    hog = harness.hold_memory(0, max(_free(0) / GIB - 1.5, 1.0))
+    hog = harness.hold_memory(0, max(harness.gpu_memory_free(0) / GIB - 1.5, 1.0))
     try:
         used1 = harness.gpu_memory_used(1)
         podman("container", "restore", "--import", str(archive))

@@ -73,7 +73,7 @@ def _run_cuda(c: PrivateContainerd, gpus: list[int], annotations: dict[str, str]
     c.ctr(*args)
     ctr = harness.CudaContainer(name, status, 1)
     ctr.wait_running()
-    return ctr
+    return ctr.keep_seeds()
 
 
 def _dev_nodes(c: PrivateContainerd, name: str) -> set[str]:

@@ -3,13 +3,16 @@
     python workload.py [NPROC] [GIB]   (defaults 1, 2)
 
 The parent starts NPROC worker processes (it uses no CUDA itself). Each worker
-fills GIB GiB of GPU memory with pseudo-random int32 from a seeded generator,
-then loops: it checks the tensor's sum and writes /status/w<i> as
-"<iteration> <ok>". At its start it writes /status/w<i>.born, a token drawn
-afresh by every start: a restored worker keeps it, a restarted one would not. When /status/verify holds a token, the worker regenerates
-the data and compares every element, writing "<token> ok|bad" to
-/status/w<i>.verified. When /status/busy exists it runs one long kernel
-(about 8 s) so that a lock with a short timeout must fail.
+draws a random seed at its start and writes it to /status/w<i>.born: a restored
+worker keeps it, a restarted one draws another. It fills GIB GiB of GPU memory
+with pseudo-random int32 from that seed, then loops: it checks the tensor's sum
+and writes /status/w<i> as "<iteration> <ok>". When /status/verify holds
+"<token> <seed0> <seed1>...", the worker regenerates the data from the seed the
+test read at the start (not its own) and compares every element with its
+tensor, writing "<token> ok|bad" to /status/w<i>.verified: only the tensor the
+original run made, as it was at the checkpoint, passes. When /status/busy
+exists it runs one long kernel (about 8 s) so that a lock with a short timeout
+must fail.
 """
 
 from __future__ import annotations
@@ -33,14 +36,14 @@ def worker(index: int, gib: float) -> None:
     import torch
 
     n = int(gib * (1 << 30)) // 4
-    seed = 1234 + index
+    born = os.urandom(8).hex()
 
-    def generate() -> "torch.Tensor":
-        g = torch.Generator(device="cuda").manual_seed(seed)
+    def generate(seed: str) -> "torch.Tensor":
+        g = torch.Generator(device="cuda").manual_seed(int(seed, 16))
         return torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda", generator=g)
 
-    _write(f"w{index}.born", os.urandom(16).hex())
-    x = generate()
+    _write(f"w{index}.born", born)
+    x = generate(born)
     ref = x.sum(dtype=torch.int64).item()
     # randint's temporaries stay in PyTorch's cache (a 2 GiB tensor left 7.7 GB in
     # use): give them back, so that the process holds about GIB of GPU memory.
@@ -51,11 +54,13 @@ def worker(index: int, gib: float) -> None:
         ok = x.sum(dtype=torch.int64).item() == ref
         _write(f"w{index}", f"{it} {'ok' if ok else 'bad'}")
         try:
-            token = open(os.path.join(STATUS, "verify")).read().strip()
-        except OSError:
-            token = None
+            token, *seeds = open(os.path.join(STATUS, "verify")).read().split()
+        except (OSError, ValueError):
+            token, seeds = None, []
         if token and token != done_token:
-            y = generate()
+            # the seed the test knew before the checkpoint; a worker started
+            # afresh has another, so its tensor differs from this one
+            y = generate(seeds[index] if index < len(seeds) else born)
             same = bool(torch.equal(x, y))
             del y
             torch.cuda.empty_cache()

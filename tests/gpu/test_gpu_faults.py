@@ -1,0 +1,462 @@
+"""Faults on the GPU path, at size: a CUDA container holding 8 GiB
+(GPUSNAP_FAULT_GIB), and one thing killed or broken at one phase in each case.
+
+Dump side, on one source container that every case must leave running with its
+GPU data intact (or restorable from what is on disk, and restored):
+the CLI killed while the driver holds the GPU locked, CRIU killed mid-dump,
+the upload killed (foreground and detached), the registry killed mid-push, the
+export's disk full. Restore side, on one checkpoint of such a container: the
+registry killed mid-restore, the agent killed mid-fill, the target GPU taken
+between the plan and the driver's restore, the restored container killed
+during the driver's restore.
+
+After each: the workers are the original ones (their seed) counting on from the
+checkpoint, every element of their GPU data equal to the checkpoint's; no CUDA
+process is left locked or checkpointed; no process outside a running container
+holds GPU memory; `gpusnap doctor --fix` leaves nothing to report; and where a
+command failed, the user saw one line saying what happened and what to type.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gpusnap.gpu.cuda import CudaDriver, ProcessState
+from tests.conftest import assert_one_line_error, gpusnap, gpusnap_json, podman
+from tests.faults.conftest import (cached_blobs, finished, journal_mark, journal_since,
+                                   kill_criu_mid_dump, sigkill, start_cli, unique_repo, wait_quiet, when)
+from tests.faults.netreg import make_registry
+from tests.gpu import harness
+
+GIB = float(os.environ.get("GPUSNAP_FAULT_GIB", "8"))
+STATE = Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap"))
+pytestmark = pytest.mark.timeout(420)
+
+
+# -- what every case checks afterwards ---------------------------------------------
+
+def _status(name: str) -> str:
+    res = podman("inspect", name, "--format", "{{.State.Status}}", check=False)
+    return res.stdout.strip() if res.returncode == 0 else "gone"
+
+
+def _container_of(pid: int) -> str | None:
+    try:
+        found = re.search(r"libpod-([0-9a-f]{64})", Path(f"/proc/{pid}/cgroup").read_text())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+def _gpu_pids() -> list[int]:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def assert_gpu_clean() -> None:
+    """No CUDA process locked or checkpointed, none holding GPU memory outside a
+    running container, and nothing left for `gpusnap doctor` after --fix."""
+    gpusnap("doctor", "--fix", "--json")
+    report = json.loads(gpusnap("doctor", "--json").stdout)
+    assert report["stuck"] == [], report["stuck"]
+    assert report["leftovers"] == [], report["leftovers"]
+    running = set(podman("ps", "-q", "--no-trunc").stdout.split())
+    for pid in _gpu_pids():
+        assert _container_of(pid) in running, f"pid {pid} holds GPU memory outside a running container"
+    driver = CudaDriver()
+    for cid in running:
+        for pid in harness.host_pids(cid):
+            assert driver.state(pid) == ProcessState.RUNNING, (cid, pid, driver.state(pid))
+
+
+def _one_line(res: subprocess.CompletedProcess) -> str:
+    """The failed command's own line (assert_one_line_error checked its shape)."""
+    return res.stderr.strip().splitlines()[0]
+
+
+def say(capsys, text: str) -> None:
+    with capsys.disabled():
+        print(f"\n  {text}", flush=True)
+
+
+# -- the dump side: one source container, left running by every case --------------
+
+@pytest.fixture(scope="module")
+def held():
+    ctrs: dict[str, harness.CudaContainer] = {}
+    yield ctrs
+    for ctr in ctrs.values():
+        ctr.remove()
+
+
+@pytest.fixture
+def source(held) -> harness.CudaContainer:
+    """The 8 GiB container, running and intact; a new one where a case before lost it
+    (that case has failed already: the next ones still test their own fault)."""
+    ctr = held.get("source")
+    if ctr is not None and _status(ctr.name) != "running":
+        ctr.remove()
+        ctr = None
+    if ctr is None:
+        ctr = held["source"] = harness.start(nproc=1, gib=GIB)
+    ctr.wait_running()
+    ctr.pids = harness.host_pids(ctr.name)  # host pids: a restore gives the workers new ones
+    return ctr
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    reg = make_registry(tmp_path_factory.mktemp("faults-registry"))
+    yield reg
+    reg.stop()
+
+
+def _locked_or_checkpointed(pids: list[int]) -> bool:
+    """Whether the driver holds any of ``pids`` (a process gone counts: CRIU dumped it)."""
+    driver = CudaDriver()
+    for pid in pids:
+        if not Path(f"/proc/{pid}").exists():
+            return True
+        try:
+            if driver.state(pid) != ProcessState.RUNNING:
+                return True
+        except Exception:  # ended between the two reads
+            return True
+    return False
+
+
+def _back_running(ctr: harness.CudaContainer, its: list[int]) -> str:
+    """The source as the fault left it, brought back where it stopped: 'running'
+    or 'restored'. A stopped container's checkpoint is Podman's local one; the
+    next checkpoint of it says how to get it back (the line a user would see)."""
+    if _status(ctr.name) == "running":
+        ctr.assert_restored(ctr.seeds, its)
+        return "running"
+    again = gpusnap("checkpoint", ctr.name)
+    assert_one_line_error(again, "not running")
+    assert f"gpusnap restore {ctr.name}" in again.stderr, again.stderr
+    gpusnap_json("restore", ctr.name)
+    ctr.assert_restored(ctr.seeds, its)
+    return "restored"
+
+
+def _settle(ctr: harness.CudaContainer, where: Path, timeout: float = 300) -> None:
+    """Until Podman, CRIU and the pump left ``where`` and the container is running
+    with its GPU back, or stopped (the guardian resumes survivors after CRIU)."""
+    wait_quiet(where, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _status(ctr.name) != "running" or not _locked_or_checkpointed(ctr.pids):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{ctr.name} is still locked {timeout} s after the fault")
+
+
+def test_cli_killed_while_the_driver_holds_the_gpu(source, tmp_path, capsys):
+    its, pids = source.iterations(), source.pids
+    cli = start_cli("checkpoint", source.name, "--export", str(tmp_path / "x.tar.zst"))
+    when(lambda: _locked_or_checkpointed(pids), cli, "the GPU was locked", timeout=120)
+    sigkill(cli)
+    _settle(source, tmp_path)
+    assert not (tmp_path / "x.tar.zst").exists(), "a half-written archive under its name"
+    say(capsys, f"CLI killed with the GPU locked: the container was {_back_running(source, its)}")
+    assert_gpu_clean()
+
+
+def test_criu_killed_mid_dump(source, tmp_path, capsys):
+    its = source.iterations()
+    pid = source.pids[0]
+    cli = start_cli("checkpoint", source.name, "--export", str(tmp_path / "x.tar.zst"))
+    # a second into CRIU's dump of the process, its GPU memory already in it
+    kill_criu_mid_dump(pid, cli, after=1.0)
+    res = finished(cli)
+    assert_one_line_error(res)
+    _settle(source, tmp_path)
+    say(capsys, f"CRIU killed mid-dump: {_one_line(res)} / the container was "
+                f"{_back_running(source, its)}")
+    assert_gpu_clean()
+
+
+def _kept(stderr: str) -> Path:
+    found = re.search(r"kept in (\S+)", stderr)
+    assert found, stderr
+    return Path(found.group(1))
+
+
+def _restore_ref_here(ctr: harness.CudaContainer, ref: str, its: list[int], *flags: str) -> None:
+    podman("rm", ctr.name)
+    for f in ctr.status.glob("w*"):  # the restored worker writes these afresh
+        if not f.name.endswith(".born"):
+            f.unlink()
+    gpusnap_json("restore", ref, *flags)
+    ctr.assert_restored(ctr.seeds, its)
+
+
+def test_upload_killed_in_the_foreground(source, registry, capsys):
+    repo = unique_repo()
+    ref = registry.ref(f"{repo}:v1")
+    mark = journal_mark()
+    its = source.iterations()
+    cli = start_cli("migrate", source.name, ref, *registry.flags())
+
+    def checkpointed() -> list[dict]:
+        return [e for e in journal_since(mark) if e.get("event") == "checkpointed"]
+
+    when(lambda: len(registry.linked_blobs(repo)) >= 10 and bool(checkpointed()), cli,
+         "10 chunks were uploaded and the checkpoint was complete", timeout=300)
+    sigkill(cli)
+    kept = Path(checkpointed()[0]["export"])
+    wait_quiet(kept.parent)
+    try:
+        assert _status(source.name) == "exited"
+        report = json.loads(gpusnap("doctor", "--json").stdout)
+        shown = [c for c in report["checks"] if c["name"] == "kept checkpoints"][0]
+        assert str(kept) in shown["detail"] and "gpusnap push FILE REF" in shown["fix"], shown
+        again = gpusnap_json("push", str(kept), ref, *registry.flags())
+        assert 0 < again["chunks_sent"] < again["chunks"], again
+        _restore_ref_here(source, ref, its, *registry.flags())
+        say(capsys, f"upload killed: doctor showed {shown['detail'][:80]}... / re-push sent "
+                    f"{again['chunks_sent']} of {again['chunks']} chunks")
+    finally:
+        shutil.rmtree(kept.parent, ignore_errors=True)
+    assert_gpu_clean()
+
+
+def test_upload_killed_in_the_background(source, registry, capsys):
+    from gpusnap.ops.uploads import alive
+
+    repo = unique_repo()
+    its = source.iterations()
+    started = gpusnap_json("migrate", source.name, registry.ref(f"{repo}:v1"), "-d",
+                           *registry.flags())
+    deadline = time.monotonic() + 300
+    while len(registry.linked_blobs(repo)) < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(registry.proc.pid, signal.SIGSTOP)  # the upload cannot finish while the kill is aimed
+    try:
+        live = gpusnap_json("status", started["id"])
+        assert live["phase"] == "uploading", live
+        os.kill(live["pid"], signal.SIGKILL)
+        state_file = Path(started["state_file"])
+        while alive(live["pid"], state_file):
+            time.sleep(0.05)
+    finally:
+        os.kill(registry.proc.pid, signal.SIGCONT)
+    export = Path(live["export"])
+    try:
+        res = gpusnap("status", started["id"], "--wait")
+        assert_one_line_error(res, "the upload was killed", hint=f"gpusnap restore {export}")
+        _restore_ref_here(source, str(export), its)  # as the hint says
+        say(capsys, f"background upload killed: {_one_line(res)}")
+    finally:
+        shutil.rmtree(export.parent, ignore_errors=True)
+    assert_gpu_clean()
+
+
+def test_registry_killed_mid_push(source, registry, capsys):
+    repo = unique_repo()
+    ref = registry.ref(f"{repo}:v1")
+    its = source.iterations()
+    cli = start_cli("migrate", source.name, ref, *registry.flags())
+    when(lambda: len(registry.linked_blobs(repo)) >= 10, cli, "10 chunks were uploaded",
+         timeout=300)
+    registry.kill()
+    res = finished(cli)
+    assert_one_line_error(res, f"cannot reach registry {registry.host}",
+                          f"{source.name} is checkpointed and stopped", "kept in")
+    kept = _kept(res.stderr)
+    try:
+        registry.start()
+        gpusnap_json("push", str(kept), ref, *registry.flags())
+        _restore_ref_here(source, ref, its, *registry.flags())
+        say(capsys, f"registry killed mid-push: {_one_line(res)}")
+    finally:
+        shutil.rmtree(kept.parent, ignore_errors=True)
+        if registry.proc.poll() is not None:
+            registry.start()
+    assert_gpu_clean()
+
+
+def test_export_disk_full(source, tmp_path, capsys):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(small)], check=True)
+    try:
+        its = source.iterations()
+        res = gpusnap("checkpoint", source.name, "--export", str(small / "x.tar.zst"),
+                      "--skip-space-check")
+        assert_one_line_error(res, "the disk is full", "kept locally")
+        assert sorted(os.listdir(small)) == [], "a partial archive or a FIFO was left"
+        say(capsys, f"export disk full: {_one_line(res)} / the container was "
+                    f"{_back_running(source, its)}")
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
+    assert_gpu_clean()
+
+
+# -- the restore side: one checkpoint, restored again after each fault ----------------
+
+@pytest.fixture(scope="module")
+def checkpoint(held, tmp_path_factory):
+    """An 8 GiB container checkpointed to a file and removed: (container, archive,
+    iterations at the checkpoint)."""
+    ctr = held["restored"] = harness.start(nproc=1, gib=GIB)
+    archive = tmp_path_factory.mktemp("faults-archive") / "job.tar.zst"
+    its = ctr.iterations()
+    gpusnap_json("checkpoint", ctr.name, "--export", str(archive))
+    podman("rm", ctr.name)
+    return ctr, archive, its
+
+
+@pytest.fixture
+def gone(checkpoint):
+    """The checkpoint's container removed, and its status files but the seeds with it."""
+    ctr, archive, its = checkpoint
+    subprocess.run(["podman", "rm", "-f", "-t", "0", ctr.name], capture_output=True, timeout=120)
+    for f in ctr.status.glob("w*"):
+        if not f.name.endswith(".born"):
+            f.unlink()
+    return checkpoint
+
+
+def _restores_again(ctr: harness.CudaContainer, source: str, its: list[int], *flags: str) -> None:
+    subprocess.run(["podman", "rm", "-f", "-t", "0", ctr.name], capture_output=True, timeout=120)
+    gpusnap_json("restore", source, *flags)
+    ctr.assert_restored(ctr.seeds, its)
+
+
+def test_registry_killed_mid_restore(gone, registry, cache_dir, capsys):
+    ctr, archive, its = gone
+    ref = registry.ref(f"{unique_repo()}:v1")
+    gpusnap_json("push", str(archive), ref, *registry.flags())
+    cli = start_cli("restore", ref, *registry.flags())
+    when(lambda: cached_blobs(cache_dir) >= 10, cli, "10 chunks were fetched", timeout=300)
+    registry.kill()
+    res = finished(cli)
+    try:
+        assert_one_line_error(res, f"cannot reach registry {registry.host}")
+        assert _status(ctr.name) == "gone", "restored from a partial download"
+    finally:
+        registry.start()
+    assert_gpu_clean()
+    _restores_again(ctr, ref, its, *registry.flags())
+    say(capsys, f"registry killed mid-restore: {_one_line(res)}")
+    assert_gpu_clean()
+
+
+def _agent_asked() -> Path | None:
+    """An agent folder where a CRIU step waits on the agent's answer (the step's
+    FIFO, packaging/bin/criu-action): that step is in the agent's hands."""
+    for folder in (STATE / "actions").glob("*-agent"):
+        if any(folder.glob("reply.*")):
+            return folder
+    return None
+
+
+def test_agent_killed_mid_fill(gone, capsys):
+    ctr, archive, its = gone
+    mark = journal_mark()
+    cli = start_cli("restore", str(archive))
+    when(lambda: any(e.get("event") == "pages-fill-planned" for e in journal_since(mark))
+         and _agent_asked() is not None, cli, "the agent was filling pages", timeout=300)
+    folder = _agent_asked()
+    os.kill(int((folder / "pid").read_text()), signal.SIGKILL)
+    res = finished(cli)
+    events = [e["event"] for e in journal_since(mark)]
+    if res.returncode == 0:  # the fill had ended as the kill came: the script went on alone
+        happened = "the restore finished"
+        ctr.assert_restored(ctr.seeds, its)
+    else:
+        assert_one_line_error(res)
+        happened = _one_line(res)
+        assert _status(ctr.name) in ("gone", "exited", "created"), _status(ctr.name)
+        assert_gpu_clean()
+        _restores_again(ctr, str(archive), its)
+    say(capsys, f"agent killed mid-fill: {happened} (journal: {events[-6:]})")
+    assert_gpu_clean()
+
+
+def test_target_gpu_taken_between_plan_and_restore(gone, capsys):
+    ctr, archive, its = gone
+    gpus = harness.gpu_count()
+    target = 1 if gpus > 1 else 0
+    flags = ["--gpu-map", "0=1"] if target else []
+    hog = harness.Hog(target)
+    try:
+        mark = journal_mark()
+        cli = start_cli("restore", str(archive), *flags)
+        when(lambda: any(e.get("event") == "import-started" for e in journal_since(mark)), cli,
+             "the plan was made and Podman started the import", timeout=300)
+        hog.take(harness.gpu_memory_free(target) - int(GIB / 2 * (1 << 30)))
+        res = finished(cli)
+        assert_one_line_error(res)
+        assert _status(ctr.name) in ("gone", "exited", "created"), _status(ctr.name)
+        assert_gpu_clean()
+    finally:
+        hog.remove()
+    _restores_again(ctr, str(archive), its, *flags)
+    say(capsys, f"GPU {target} taken after the plan: {_one_line(res)}")
+    assert_gpu_clean()
+
+
+def _container_pids(cid: str) -> list[int]:
+    return [int(d.name) for d in Path("/proc").iterdir()
+            if d.name.isdigit() and _container_of(int(d.name)) == cid]
+
+
+def _held_by_driver(pids: list[int]) -> bool:
+    """Whether one of ``pids`` is a CUDA process the driver has not given back yet."""
+    driver = CudaDriver()
+    for pid in pids:
+        try:
+            if driver.state(pid) in (ProcessState.LOCKED, ProcessState.CHECKPOINTED):
+                return True
+        except Exception:  # not a CUDA process, or gone
+            continue
+    return False
+
+
+def test_restored_container_killed_during_the_driver_restore(gone, capsys):
+    ctr, archive, its = gone
+    mark = journal_mark()
+    cli = start_cli("restore", str(archive))
+    cid: list[str] = []
+
+    def resuming() -> bool:
+        """CRIU has restored the processes (pages filled, where a fill was planned) and
+        the driver has not yet given them their GPU memory back: post-resume's work."""
+        done = {e.get("event") for e in journal_since(mark)}
+        if "import-started" not in done or ("pages-fill-planned" in done and "pages-filled" not in done):
+            return False
+        if not cid:
+            res = podman("inspect", ctr.name, "--format", "{{.Id}}", check=False)
+            if res.returncode:
+                return False
+            cid.append(res.stdout.strip())
+        return _held_by_driver(_container_pids(cid[0]))
+
+    when(resuming, cli, "the driver's restore had started", timeout=300)
+    killed = _container_pids(cid[0])
+    for pid in killed:  # as a power cut takes it: every process at once
+        os.kill(pid, signal.SIGKILL)
+    res = finished(cli)
+    if res.returncode == 0:
+        happened = f"the restore reported success, the container {_status(ctr.name)}"
+    else:
+        assert_one_line_error(res)
+        happened = _one_line(res)
+    assert _status(ctr.name) != "running" or not harness.host_pids(ctr.name)
+    assert_gpu_clean()
+    _restores_again(ctr, str(archive), its)
+    say(capsys, f"killed during the driver's restore ({len(killed)} processes): {happened}")
+    assert_gpu_clean()
