@@ -8,6 +8,9 @@ from pathlib import Path
 # "(00.123456) Error (criu/mount.c:...): ..." from CRIU itself; children it
 # runs (ip, iptables-restore, action scripts) write theirs without the time.
 _ERROR = re.compile(r"^(?:\(\s*[\d.]+\)\s*)?(Error \(.*)$")
+# gpusnap's action script says in its own words why it failed a step (the agent
+# gone, a step past its bound): that line, not CRIU's "exited, status=1" after it.
+_OURS = re.compile(r"^gpusnap: (.*)$")
 
 # What a user can do about the errors CRIU words for its own developers.
 _EXPLAINED = (
@@ -26,7 +29,7 @@ def first_error(log: Path) -> str | None:
     try:
         with open(log, errors="replace") as f:
             for line in f:
-                m = _ERROR.match(line.strip())
+                m = _ERROR.match(line.strip()) or _OURS.match(line.strip())
                 if m and "RLIMIT_NOFILE" not in line:
                     return _explained(m.group(1))
     except OSError:
@@ -50,3 +53,16 @@ def _cgroup_note() -> str:
     unified = any(f[1:3] == ["/sys/fs/cgroup", "cgroup2"] for f in (ln.split() for ln in mounts))
     return (": a checkpoint from a cgroup v1 host does not restore on this cgroup v2 host; "
             "restore it on a host with cgroup v1, or checkpoint again on a v2 host") if unified else ""
+
+
+def ended_early(log: Path) -> bool:
+    """A log CRIU wrote that ends with neither an error nor its closing line: CRIU
+    was killed (or died) in the middle of its work."""
+    try:
+        with open(log, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    return bool(lines) and not any(_ERROR.match(ln.strip()) and "RLIMIT_NOFILE" not in ln
+                                   for ln in lines) \
+        and "finished successfully" not in lines[-1]

@@ -11,7 +11,7 @@ from pathlib import Path
 from gpusnap import MANIFEST_NAME, archive, journal, requests
 from gpusnap.criu import pages_aside
 from gpusnap.criu.freezer import thaw
-from gpusnap.criu.log import first_error as criu_error
+from gpusnap.criu.log import ended_early, first_error as criu_error
 from gpusnap.criu.runtimes import TRUST_ENV, runs_action_script, why_not
 from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, cuda_plugin_path,
                                   inet_sockets_problem, require_supported)
@@ -207,7 +207,10 @@ def run(p: CheckpointPlan) -> dict:
         cause = _action_failure(p.container.pid)
         criu = criu_error(p.container.userdata / "dump.log")
         message = (f"GPU quiesce failed: {cause}" if cause else
-                   f"CRIU could not dump {p.container.name}: {criu}" if criu else exc.message)
+                   f"CRIU could not dump {p.container.name}: {criu}" if criu else
+                   f"CRIU stopped before the dump of {p.container.name} was complete (its "
+                   "log ends mid-way, with no error: killed?)"
+                   if ended_early(p.container.userdata / "dump.log") else exc.message)
         sockets = inet_sockets_problem(criu_version()) if criu and INET_SOCKETS_LOG in criu \
             else None
         if sockets:  # every container with a TCP or UDP socket: say why, and the fix

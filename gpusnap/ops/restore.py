@@ -169,7 +169,10 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
         why = exc.message
         if log is not None:  # Podman's "see restore.log" names a file removed with the container
             criu = criu_error(log)
-            why += f" ({criu + '; ' if criu else ''}CRIU's log is kept in {log})"
+            if criu and "log file:" in why:  # Podman said only where its log was: CRIU says why
+                why = f"podman container restore: {criu} (CRIU's log is kept in {log})"
+            else:
+                why += f" ({criu + '; ' if criu else ''}CRIU's log is kept in {log})"
         if left:  # the cause above stays the message; the leftover is what to clean up
             why += f"; the half-restored container {target} is left ({left}): `podman rm -f {target}`"
         raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged",

@@ -114,11 +114,21 @@ def source(held) -> harness.CudaContainer:
     return ctr
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    reg = make_registry(tmp_path_factory.mktemp("faults-registry"))
+@pytest.fixture
+def registry(tmp_path):
+    """A registry per case, its storage removed after it: each push holds twice the
+    GPU memory (the driver's copy and CRIU's), and a few fill the disk."""
+    reg = make_registry(tmp_path / "registry")
     yield reg
     reg.stop()
+    shutil.rmtree(tmp_path / "registry", ignore_errors=True)
+
+
+@pytest.fixture
+def own_cache(cache_dir):
+    """The case's chunk cache, removed after it (tens of GB at this size)."""
+    yield cache_dir
+    shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 def _locked_or_checkpointed(pids: list[int]) -> bool:
@@ -335,12 +345,12 @@ def _restores_again(ctr: harness.CudaContainer, source: str, its: list[int], *fl
     ctr.assert_restored(ctr.seeds, its)
 
 
-def test_registry_killed_mid_restore(gone, registry, cache_dir, capsys):
+def test_registry_killed_mid_restore(gone, registry, own_cache, capsys):
     ctr, archive, its = gone
     ref = registry.ref(f"{unique_repo()}:v1")
     gpusnap_json("push", str(archive), ref, *registry.flags())
     cli = start_cli("restore", ref, *registry.flags())
-    when(lambda: cached_blobs(cache_dir) >= 10, cli, "10 chunks were fetched", timeout=300)
+    when(lambda: cached_blobs(own_cache) >= 10, cli, "10 chunks were fetched", timeout=300)
     registry.kill()
     res = finished(cli)
     try:
@@ -376,8 +386,8 @@ def test_agent_killed_mid_fill(gone, capsys):
     if res.returncode == 0:  # the fill had ended as the kill came: the script went on alone
         happened = "the restore finished"
         ctr.assert_restored(ctr.seeds, its)
-    else:
-        assert_one_line_error(res)
+    else:  # the script's own words (criu-action), not CRIU's "exited, status=1"
+        assert_one_line_error(res, "gpusnap's agent", "restore it again")
         happened = _one_line(res)
         assert _status(ctr.name) in ("gone", "exited", "created"), _status(ctr.name)
         assert_gpu_clean()
@@ -433,17 +443,16 @@ def test_restored_container_killed_during_the_driver_restore(gone, capsys):
     cid: list[str] = []
 
     def resuming() -> bool:
-        """CRIU has restored the processes (pages filled, where a fill was planned) and
-        the driver has not yet given them their GPU memory back: post-resume's work."""
-        done = {e.get("event") for e in journal_since(mark)}
-        if "import-started" not in done or ("pages-fill-planned" in done and "pages-filled" not in done):
+        """CRIU has restored the processes and filled their pages; post-resume (the
+        driver's restore) is in the agent's hands, or the driver still holds them."""
+        if "pages-filled" not in {e.get("event") for e in journal_since(mark)}:
             return False
         if not cid:
             res = podman("inspect", ctr.name, "--format", "{{.Id}}", check=False)
             if res.returncode:
                 return False
             cid.append(res.stdout.strip())
-        return _held_by_driver(_container_pids(cid[0]))
+        return _agent_asked() is not None or _held_by_driver(_container_pids(cid[0]))
 
     when(resuming, cli, "the driver's restore had started", timeout=300)
     killed = _container_pids(cid[0])

@@ -41,3 +41,23 @@ def test_a_mount_without_mapping_names_cgroups_on_a_v2_host(tmp_path, monkeypatc
 
 def test_no_log_no_error(tmp_path):
     assert log.first_error(tmp_path / "missing.log") is None
+
+
+def test_the_action_scripts_own_line_comes_before_crius_fallout(tmp_path):
+    """The line a failed agent step leaves (packaging/bin/criu-action), as a GPU
+    restore whose agent was killed mid-fill wrote it, is what the user reads."""
+    path = _write(tmp_path, "(00.090738) Error (criu/util.c:1534): rlimit: Can't setup "
+                            "RLIMIT_NOFILE for self: Operation not permitted\n"
+                            "(00.968858) \t[/opt/gpusnap/libexec/criu-action]\n"
+                            "gpusnap: post-restore: gpusnap's agent (pid 12492) stopped before it "
+                            "finished; the restore stops, the checkpoint is unchanged: restore it "
+                            "again\n"
+                            "(01.477726) Error (criu/util.c:657): exited, status=1\n")
+    assert log.first_error(path).startswith("post-restore: gpusnap's agent (pid 12492) stopped")
+
+
+def test_a_log_cut_off_mid_way_says_criu_ended_early(tmp_path):
+    assert log.ended_early(_write(tmp_path, "(00.01) Info dumping\n(00.2) Dumping pages\n"))
+    assert not log.ended_early(_write(tmp_path, "(00.01) Info\n(02.1) Dumping finished successfully\n"))
+    assert not log.ended_early(_write(tmp_path, "(00.01) Error (criu/x.c:1): no\n(00.02) Info\n"))
+    assert not log.ended_early(tmp_path / "missing.log")
