@@ -26,6 +26,7 @@ integration: install demo-image
 
 # A failed test runs once more, alone, and is counted ("retried: N", goal 0).
 test: install demo-image  ## everything that runs without a GPU
+	$(VENV)/bin/lint-imports --no-cache
 	bash tests/retry-once.sh make-test .pytest_cache -m "not gpu and not cri" tests
 
 test-matrix: install demo-image  ## integration tests under Podman 5 + crun/runc (Debian trixie, sid roots, cached), containerd 2.1 + shim + CRI (sid); MATRIX="sid:crun"

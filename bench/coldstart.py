@@ -13,7 +13,7 @@ not just write them):
   a  cold       `podman run` of the server image
   b  restore    `gpusnap restore REF --name r1`, an empty chunk cache; the
                 pages files it writes are kept in RAM for the next replica
-                (ops/prepared_pages.keep)
+                (pages/prepared_pages.keep)
   c  warm       `gpusnap restore REF --name r2`: the cache (b) filled, and
                 (b)'s pages files, linked
   d  2 at once  `gpusnap restore REF --name r3` and `--name r4` together, as (c)
@@ -349,8 +349,7 @@ def with_settings(ref: str, name: str, cache: Path, expected: list[str], tcp: bo
     """(c) again with page-fill.json saying ``wanted`` (e.g. {"huge_pages": false}:
     the fill's areas keep 4 KiB pages; {"agent": false}: each CRIU step in a Python
     of its own); the row beside (c)'s."""
-    from gpusnap.criu import fill_plan
-
+    from gpusnap.pages import fill_plan
     saved = fill_plan.SETTINGS.read_text() if fill_plan.SETTINGS.exists() else None
     fill_plan.SETTINGS.parent.mkdir(parents=True, exist_ok=True)
     fill_plan.SETTINGS.write_text(json.dumps(wanted))

@@ -1,5 +1,5 @@
 """The driver's copy of GPU memory, read out of a checkpointed CUDA process on many
-threads, dropped from it and written back (criu/dump_ahead.py's steps, no CRIU).
+threads, dropped from it and written back (pages/dump_ahead.py's steps, no CRIU).
 
     python bench/dump_read.py [--gib 16] [--threads 16,8] [--rounds 2] [--dir /run/gpusnap/ram]
 
@@ -23,10 +23,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpusnap.criu import dump_ahead, page_fill  # noqa: E402
-from gpusnap.gpu.cuda import CudaDriver  # noqa: E402
-from gpusnap.runtime import memory, remote_syscall  # noqa: E402
+from gpusnap.pages import page_fill  # noqa: E402
 
+from gpusnap.pages import dump_ahead
+from gpusnap.gpu.cuda import CudaDriver  # noqa: E402
+from gpusnap.pages import remote_syscall  # noqa: E402
+from gpusnap.pages import memory
 CHILD = r"""
 import sys, torch
 n = int(float(sys.argv[1]) * (1 << 30)) // 4

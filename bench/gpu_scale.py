@@ -21,7 +21,7 @@ Adam moments rewritten every step), one process on GPU 0:
   tar      as gpusnap, with GPUSNAP_PAGES_ASIDE=0: CRIU's pages through Podman's
            export and import tars (how gpusnap moved them before 2026-11-25)
   disk     as gpusnap, with GPUSNAP_PAGES_RAM=0: CRIU's pages on the disk on both
-           ends, never in RAM (runtime/memory.py; how gpusnap kept them until 2026-11-25 21:00)
+           ends, never in RAM (pages/memory.py; how gpusnap kept them until 2026-11-25 21:00)
   shm      as gpusnap, with GPUSNAP_PAGES_HUGE=0: pages in RAM on /dev/shm's 4 KiB
            pages, not gpusnap's huge-page tmpfs (how they were kept until 2026-11-26)
   detach   `gpusnap migrate --detach CTR REF` (back once checkpointed locally),
@@ -34,11 +34,11 @@ Adam moments rewritten every step), one process on GPU 0:
            parent images (how the final round was restored until 2026-11-26 12:00)
   precopy-nofill  precopy with /etc/gpusnap/page-fill.json {"enabled": false}:
            CRIU writes every page into the restored process on its one thread
-           (how every restore went until 2026-11-26 15:00; criu/fill_plan.py)
+           (how every restore went until 2026-11-26 15:00; pages/fill_plan.py)
   gpusnap-nofill  gpusnap likewise
   precopy-noahead  precopy with GPUSNAP_DUMP_AHEAD=0: CRIU reads the driver's copy
            of the GPU memory out of the process on its one thread (how every dump
-           went until 2026-11-26 19:00; criu/dump_ahead.py)
+           went until 2026-11-26 19:00; pages/dump_ahead.py)
   gpusnap-noahead  gpusnap likewise
   local    `gpusnap checkpoint CTR --export F`, `podman rm`, `gpusnap restore F`
   plain    driver lock + checkpoint, `podman container checkpoint --export` with
@@ -56,7 +56,7 @@ Where things live: the registry's storage on a tmpfs of --ram-gib at
 /mnt/gpusnap-ram (RAM, so the 64 GB disk holds Podman's storage and the
 checkpoint's other copies), or with --ram-gib 0 on the disk (pre-copy at 32
 GiB on one host: the RAM then holds the pages prepared by the prefetch,
-ops/prepared_pages.py, beside the source's pages and the job); scratch archives (gpusnap's staged export, the
+pages/prepared_pages.py, beside the source's pages and the job); scratch archives (gpusnap's staged export, the
 plain and local cases' archives) on --workdir: the disk, or with --stage-gib a
 tmpfs mounted there; each is deleted as soon as the next phase has it. The
 chunk caches: --cache-dir (put it on the disk where CRIU's pages should go to
@@ -86,9 +86,9 @@ from migrate import (GPUSNAP, Beat, Migration, container_id, driver_floor,  # no
 
 from timeline import Timeline, summary  # noqa: E402
 
-from gpusnap.criu import fill_plan  # noqa: E402
+from gpusnap.pages import fill_plan  # noqa: E402
 
-from gpusnap.runtime import memory  # noqa: E402
+from gpusnap.pages import memory  # noqa: E402
 
 from tests.faults.netreg import make_registry  # noqa: E402
 from tests.integration.oci_registry import permissive_policy  # noqa: E402
@@ -96,7 +96,7 @@ from tests.integration.oci_registry import permissive_policy  # noqa: E402
 RAM = Path("/mnt/gpusnap-ram")
 DISK_REGISTRIES = Path("/var/lib/gpusnap-bench-registries")  # --ram-gib 0
 SHM = {memory.HUGE_ENV: "0"}  # pages in RAM on /dev/shm, not gpusnap's huge-page tmpfs
-NO_AHEAD = {"GPUSNAP_DUMP_AHEAD": "0"}  # CRIU dumps the driver's copy itself (criu/dump_ahead.py)
+NO_AHEAD = {"GPUSNAP_DUMP_AHEAD": "0"}  # CRIU dumps the driver's copy itself (pages/dump_ahead.py)
 JOBS = Path(__file__).resolve().parent.parent / "tests" / "gpu" / "jobs.py"
 
 
@@ -216,7 +216,7 @@ def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None,
         after_push(pushed["pinned"])
     m.phases["rm"] = timed(["podman", "rm", job.name]).seconds
     restore_ref(m, pushed["pinned"], target, events)
-    after = journal_events(mark, cid)  # where CRIU's pages were, each side (runtime/memory.py)
+    after = journal_events(mark, cid)  # where CRIU's pages were, each side (pages/memory.py)
     m.extra["pages_in_ram"] = {
         "source": any(e.get("event") == "pages-aside" and
                       memory.in_ram(Path(str(e.get("aside", "")))) for e in after),
@@ -298,7 +298,7 @@ def pages_layout(first: str, final: str) -> dict:
     whose chunk is at the same offset in both, bytes whose chunk is somewhere
     in round 1's file, and the first offset where they part. (Whether a target
     could patch round 1's file in place rather than write the final one anew.)"""
-    from gpusnap.criu import pages_aside
+    from gpusnap.pages import pages_aside
     from gpusnap.oci.registry import RegistryOptions
     from gpusnap.ops.pull import open_remote
 
@@ -622,7 +622,7 @@ def main() -> int:
                     f"(0: on the disk, {DISK_REGISTRIES}, leaving the RAM to pages in RAM)")
     ap.add_argument("--cache-dir", default="",
                     help="the chunk caches (default: under --workdir); on the disk, where the "
-                         "tmpfs would take the memory the pages in RAM need (runtime/memory.py)")
+                         "tmpfs would take the memory the pages in RAM need (pages/memory.py)")
     ap.add_argument("--stage-gib", type=int, default=0,
                     help="a tmpfs of this size on --workdir for the scratch archives (0: the disk)")
     ap.add_argument("--seconds", type=float, default=540)

@@ -407,7 +407,7 @@ def restore_ref(m: Migration, pinned: str, env: dict, push_events: list[dict]) -
     m.rss_kib["gpusnap restore"] = r.maxrss_kib
     m.bytes_down = restored["pull"]["bytes_fetched"]
     m.extra["bytes_from_cache"] = restored["pull"]["bytes_from_cache"]
-    m.extra["pages_prepared"] = restored["pull"].get("pages_prepared")  # ops/prepared_pages.py
+    m.extra["pages_prepared"] = restored["pull"].get("pages_prepared")  # pages/prepared_pages.py
     events = journal_events(mark)
     m.extra["pages_filled"] = next(({k: e.get(k) for k in ("bytes", "seconds", "threads")}
                                     for e in events if e.get("event") == "pages-filled"), None)

@@ -4,7 +4,7 @@
                               [--thp 0] [--rounds 2] [--out page_fill.json]
 
 CRIU restores a process's pages on one thread (~2 GB/s on the H200 hosts,
-bench/page_io.py). gpusnap/criu/page_fill.py writes them with a pool of
+bench/page_io.py). gpusnap/pages/page_fill.py writes them with a pool of
 threads through process_vm_writev. This measures both on the same file and
 the same kind of target: a process that maps GIB GiB of anonymous memory and
 touches none of it (as CRIU's premapped area is before the pages come).
@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.page_io import place_dir  # noqa: E402
-from gpusnap.criu import page_fill  # noqa: E402
+from gpusnap.pages import page_fill  # noqa: E402
 
 TARGET = r"""
 import mmap, os, sys, time, ctypes

@@ -13,7 +13,7 @@ folder on each place, `criu restore --restore-detached` reads it back; wall
 seconds of each and GB/s.
 
 Places: disk (/var/tmp), shm (/dev/shm, the host's 4 KiB-page tmpfs), huge
-(gpusnap's tmpfs with huge=always, runtime/memory.py). --thp 1 madvises the
+(gpusnap's tmpfs with huge=always, pages/memory.py). --thp 1 madvises the
 process's memory MADV_HUGEPAGE (whether the driver's buffer has huge pages is
 the host's setting). Root, CRIU on PATH. Rounds run the places alternately.
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpusnap.runtime import memory  # noqa: E402
+from gpusnap.pages import memory  # noqa: E402
 
 HOG = r"""
 import mmap, os, sys, time

@@ -4,9 +4,9 @@
 
 A pre-copy's final round finds most of round 1's pages on the target, shifted
 by a few pages (docs/benchmarks.md: 34 GB of 36.7 at 32 GiB on the H200 host);
-moving them within the prepared file (ops/page_patch.apply_moves) took
+moving them within the prepared file (pages/page_patch.apply_moves) took
 12.8 s of the stop there. This measures the ways of doing it on a file of GIB
-GiB of random bytes in gpusnap's RAM tmpfs (runtime/memory.ram_root), every
+GiB of random bytes in gpusnap's RAM tmpfs (pages/memory.ram_root), every
 chunk of 8 MiB shifted by SHIFT: apply_moves in place as shipped, and with
 more threads and bigger batches; and, the alternative tried and not shipped,
 a copy into a new file with copy_file_range (no buffer in the process) by
@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpusnap.ops import page_patch  # noqa: E402
-from gpusnap.runtime import memory  # noqa: E402
+from gpusnap.pages import page_patch  # noqa: E402
+from gpusnap.pages import memory  # noqa: E402
 
 CHUNK = 8 << 20
 UNIT = 64 << 20  # bytes one copy_file_range task copies

@@ -1,7 +1,7 @@
 """gpusnap: GPU-aware checkpoint/restore for containers.
 
 Data flows one way through the package: discover (runtime/, gpu/inventory,
-procs) -> plan (gpu/quiesce decides who is locked) -> act (criu/action,
+procs) -> plan (gpu/quiesce decides who is locked) -> act (action/action,
 runtime/podman) -> record (gpu/manifest).
 """
 

@@ -20,9 +20,9 @@ import tarfile
 from pathlib import Path
 from typing import BinaryIO
 
-from gpusnap.runtime.stream import ZSTD_MAGIC
 
 GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # tarfile's stream default is 10 KiB reads: far too many for gigabytes of CRIU pages.
 _BUFFER = 1 << 20
 

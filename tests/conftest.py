@@ -39,7 +39,7 @@ def permissive_trust_policy(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def pages_kept_only_where_asked():
     """A restore keeps the pages it wrote in RAM for the next replica
-    (ops/prepared_pages.keep): across hundreds of tests that would be GBs of
+    (pages/prepared_pages.keep): across hundreds of tests that would be GBs of
     this VM's RAM and folders other tests' restores would find. Off here
     (GPUSNAP_KEEP_PAGES=0); the tests of it turn it on."""
     before = os.environ.get("GPUSNAP_KEEP_PAGES")

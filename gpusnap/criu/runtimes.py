@@ -1,6 +1,6 @@
 """Which OCI runtimes hand CRIU gpusnap's configuration, and so its action script.
 
-gpusnap's CRIU action script (criu/action.py) quiesces CUDA processes before a
+gpusnap's CRIU action script (action/action.py) quiesces CUDA processes before a
 dump, sets the memory pages aside after it, and puts them where the restored
 tasks can read them before a restore. CRIU runs it only when the runtime
 that drives CRIU passes it a configuration file naming it:

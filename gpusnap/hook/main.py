@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpusnap import MANIFEST_NAME, journal
-from gpusnap.criu import agent_files
+from gpusnap.action import agent_files
 from gpusnap.private import write_private
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def gpu_devices(spec: dict) -> list[dict]:
 def record_assignment(container_id: str, devices: list[dict], inv: "Inventory | None" = None) -> Path:
     from gpusnap.gpu.inventory import read_inventory
 
-    read_by = "agent" if inv else "hook"  # whose NVML read (criu/agent.py): benchmarks tell
+    read_by = "agent" if inv else "hook"  # whose NVML read (action/agent.py): benchmarks tell
     inv = inv or read_inventory()
     gpus = []
     for dev in devices:
@@ -62,7 +62,7 @@ def host_gpu_nodes(dev: Path = Path("/dev")) -> int:
 
 def agent_inventory(wait_s: float = 0.5) -> "Inventory | None":
     """NVML's GPUs as the agent of the CRIU this runc runs read them a moment ago
-    (criu/agent.py): runc starts CRIU and this hook alike, so the agent's CRIU
+    (action/agent.py): runc starts CRIU and this hook alike, so the agent's CRIU
     is this hook's sibling. None where there is no such agent, or it has not
     read them within ``wait_s``: the hook then reads NVML itself."""
     import time

@@ -335,7 +335,7 @@ class FetchPool:
                    check: Callable[[], None] = lambda: None, mapped: bool = False) -> int:
         """A file's chunks written into ``path`` by the workers, each segment at
         its offset (no copy through this process, no order to keep): CRIU's
-        pages beside Podman's import (criu/pages_aside.py). ``check``: called
+        pages beside Podman's import (pages/pages_aside.py). ``check``: called
         as segments complete, raises to stop. ``mapped``: a tmpfs file, written
         through mappings (_write_mapped). Returns the bytes written."""
         size = sum(c.size for c in chunks)
@@ -349,7 +349,7 @@ class FetchPool:
     def patch_file(self, runs: list[tuple[int, list[Chunk]]], path: Path,
                    check: Callable[[], None] = lambda: None, mapped: bool = False) -> int:
         """Runs of chunks, each (offset, chunks), written into the existing file
-        ``path`` in place, as write_file does (ops/prepared_pages.py: only what
+        ``path`` in place, as write_file does (pages/prepared_pages.py: only what
         differs from a file prepared ahead). Returns the bytes written."""
         futures, written = [], 0
         for start, chunks in runs:

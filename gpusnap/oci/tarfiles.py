@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator
 
 from gpusnap import MANIFEST_NAME
-from gpusnap.criu import pages_aside
+from gpusnap.pages import pages_aside
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.bundle import FileEntry
 from gpusnap.private import open_private
@@ -156,7 +156,7 @@ class ReaderStopped(GpusnapError):
 class _TarWriter:
     """A tar stream of FileEntries and their chunks; subclasses say where it goes.
     With ``pages`` (a folder), CRIU's memory pages are written there instead
-    and the tar holds a symlink to each (criu/pages_aside.py)."""
+    and the tar holds a symlink to each (pages/pages_aside.py)."""
 
     written = 0
     pages: Path | None = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap import MANIFEST_NAME, archive, journal, requests
-from gpusnap.criu import pages_aside
+from gpusnap.pages import pages_aside
 from gpusnap.criu.freezer import thaw
 from gpusnap.criu.log import ended_early, first_error as criu_error
 from gpusnap.criu.runtimes import TRUST_ENV, runs_action_script, why_not
@@ -42,10 +42,10 @@ class CheckpointPlan:
     keep: bool = False  # keep the local checkpoint files after an export (podman --keep)
     export_level: int = EXPORT_ZSTD_LEVEL  # 0: the plain tar, for a push that follows it
     # A push's folder on the images' filesystem: the memory pages are moved
-    # there once dumped, out of Podman's export (criu/pages_aside.py).
+    # there once dumped, out of Podman's export (pages/pages_aside.py).
     pages_aside: Path | None = None
     # That folder is in RAM: CRIU writes the pages there through links made
-    # before the dump (pages_aside.prelink; runtime/memory.py).
+    # before the dump (pages_aside.prelink; pages/memory.py).
     pages_prelinked: bool = False
     gpu_bytes: int = 0  # of ``estimate_bytes``: what the driver moves into host memory first
 
@@ -152,7 +152,7 @@ def _drop_stale_dump(ctr: podman.Container, since: float) -> None:
 
 def _read_ahead(p: CheckpointPlan) -> dict:
     """Whether pre-dump reads the driver's copy of GPU memory into the push's
-    RAM folder itself, on many threads (criu/dump_ahead.py; GPUSNAP_DUMP_AHEAD=0:
+    RAM folder itself, on many threads (pages/dump_ahead.py; GPUSNAP_DUMP_AHEAD=0:
     CRIU dumps it itself). Only where the dump stops the container: one
     that runs on needs that memory back before the driver restores it, and
     writing all of it back costs pre-copy's round 1 more than CRIU's dump

@@ -17,10 +17,11 @@ from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import resume, states
 from gpusnap.criu.freezer import is_frozen
-from gpusnap.ops import leftovers, prepared_pages
+from gpusnap.ops import leftovers
+from gpusnap.pages import prepared_pages
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import PROC, gpu_use
-from gpusnap.runtime import memory
+from gpusnap.pages import memory
 from gpusnap.waits import Bound
 
 HOOK_FILES = (Path("/etc/containers/oci/hooks.d/gpusnap-prestart.json"),
@@ -157,7 +158,7 @@ def stuck_processes() -> list[dict]:
 
 
 def _pages_check() -> Check:
-    """Which tmpfs takes CRIU's pages in RAM (runtime/memory.py): gpusnap's
+    """Which tmpfs takes CRIU's pages in RAM (pages/memory.py): gpusnap's
     huge-page one, or /dev/shm where the kernel's tmpfs has no huge pages."""
     if memory.huge_mounted():
         return Check("pages in RAM", True, f"{memory.HUGE_ROOT}: tmpfs with huge pages",
@@ -172,7 +173,7 @@ def _pages_check() -> Check:
 
 def _prepared_check() -> Check:
     """Pages files a prefetch wrote out, or a restore kept for the next replica
-    (ops/prepared_pages.py): memory or disk held on purpose, shown so that it
+    (pages/prepared_pages.py): memory or disk held on purpose, shown so that it
     is not a surprise."""
     found = prepared_pages.folders()
     if not found:

@@ -34,7 +34,7 @@ STAGING_IDLE_S = 10
 
 
 def _staging_roots() -> set[Path]:
-    from gpusnap.runtime.memory import roots as ram_roots
+    from gpusnap.pages.memory import roots as ram_roots
     from gpusnap.runtime.storage import storage_root
 
     root = storage_root()
@@ -72,8 +72,8 @@ def kept() -> list[dict]:
 
 def _linked_from_checkpoints() -> set[Path]:
     """Staging folders holding the pages of a container's local checkpoint (a
-    push killed after its dump: criu/pages_aside.py): the only copy, kept."""
-    from gpusnap.criu import pages_aside
+    push killed after its dump: pages/pages_aside.py): the only copy, kept."""
+    from gpusnap.pages import pages_aside
     from gpusnap.runtime.storage import storage_root
 
     root = storage_root()

@@ -1,9 +1,9 @@
 """A running Podman container as a push's source: checkpointed into a staged
 plain tar that the push reads while Podman writes it.
 
-CRIU's memory pages stay out of that tar (criu/pages_aside.py): moved beside
+CRIU's memory pages stay out of that tar (pages/pages_aside.py): moved beside
 it after the dump, or written into RAM through links made before it
-(runtime/memory.py). Every failure leaves the container running, or stopped
+(pages/memory.py). Every failure leaves the container running, or stopped
 with a checkpoint that restores: the export made whole, or the local one.
 """
 
@@ -19,14 +19,15 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from gpusnap import MANIFEST_NAME
-from gpusnap.criu import pages_aside
+from gpusnap.pages import pages_aside
 from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import checkpoint as ops_checkpoint
-from gpusnap.ops import early_pages, prefetch, prepared_pages
+from gpusnap.pages import early_pages, prefetch, prepared_pages
 from gpusnap.ops.push_source import PushSource, cause, kept_error
-from gpusnap.runtime import memory, podman
+from gpusnap.runtime import podman
+from gpusnap.pages import memory
 from gpusnap.runtime.follow import follow
 from gpusnap.runtime.storage import PUSH_PREFIX, discard, staging_dir
 from gpusnap.runtime.stream import partial_path, tar_member
@@ -128,7 +129,7 @@ def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
     """Where CRIU's pages go for this push, and whether that is RAM: a folder on
     /dev/shm that CRIU writes into through links (the host can spare the pages
     and the GPU memory the driver moves into the process first:
-    runtime/memory.py; pages prepared for a restore give way: prepared_pages),
+    pages/memory.py; pages prepared for a restore give way: prepared_pages),
     else one beside Podman's storage they are moved into
     after the dump (a rename: the images' filesystem), else none (the export
     holds them)."""

@@ -11,7 +11,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from gpusnap.criu import pages_aside
+from gpusnap.pages import pages_aside
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci import podman_image, reference, segments
@@ -19,9 +19,9 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.tarfiles import ArchiveWriter, ReaderStopped
 from gpusnap.oci.transfer import Downloader, Progress, Stats
-from gpusnap.ops import prepared_pages
+from gpusnap.pages import prepared_pages
 from gpusnap.ops import restore as ops_restore
-from gpusnap.runtime import memory
+from gpusnap.pages import memory
 from gpusnap.trust import remote as trust_remote
 from gpusnap.trust.options import TrustOptions
 
@@ -218,7 +218,7 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
     """The bundle's files, each chunk fetched (cache first) and verified, into
     ``writer`` (an ArchiveWriter, or a DirectoryWriter: add/commit/abort).
     ``cancel`` set stops it between two chunks (the reader gave up).
-    ``prepared``: pages files written ahead on this host (ops/prepared_pages.py),
+    ``prepared``: pages files written ahead on this host (pages/prepared_pages.py),
     linked or patched instead of written anew. ``edits``: files written as
     given instead of fetched (a restore onto moved GPUs: retarget.edit_members), and
     one the bundle lacks added before the first file of its folder."""

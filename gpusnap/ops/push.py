@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from gpusnap import MANIFEST_NAME, archive
-from gpusnap.criu import pages_aside
+from gpusnap.pages import pages_aside
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci import chunker, reference, segments, tarfiles
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
-from gpusnap.ops import early_pages, prefetch
+from gpusnap.pages import early_pages, prefetch
 from gpusnap.ops.push_source import PushSource
 from gpusnap.ops.sources import find_container, open_source
 from gpusnap.runtime.storage import image_repo_digests

@@ -30,7 +30,7 @@ class PushSource:
     userdata: Path | None = None
     writer_done: Callable[[], bool] = lambda: True
     # The push's folder in RAM that CRIU's pages go to, where pre-dump leaves
-    # the memory it read ahead of CRIU (criu/dump_ahead.py) with a note once read.
+    # the memory it read ahead of CRIU (pages/dump_ahead.py) with a note once read.
     pages_aside: Path | None = None
 
 

@@ -18,20 +18,21 @@ from pathlib import Path
 from typing import Callable
 
 from gpusnap import journal
-from gpusnap.criu import pages_aside
+from gpusnap.pages import pages_aside
 from gpusnap.criu.runtimes import require_gpu_restore, runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.oci.tarfiles import PipeWriter, ReaderStopped
-from gpusnap.ops import prepared_pages
+from gpusnap.pages import prepared_pages
+from gpusnap.pages.memory import pages_dir
 from gpusnap.ops import restore as ops_restore
 from gpusnap.ops.pull import (PULL_MISSING, OnTrusted, Remote, fetch_small, open_remote,
                               write_archive, write_files)
 from gpusnap.runtime import podman, retarget
 from gpusnap.runtime import stream as stream_module
-from gpusnap.runtime.storage import PULL_PREFIX, discard, fifo_dir, pages_dir, staging_dir
+from gpusnap.runtime.storage import PULL_PREFIX, discard, fifo_dir, staging_dir
 from gpusnap.trust.options import TrustOptions
 
 
@@ -111,7 +112,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     job = None
     # CRIU's memory pages go to a folder of their own, not through Podman's
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
-    # the pre-restore action renames them into place or links them (criu/pages_aside.py).
+    # the pre-restore action renames them into place or links them (pages/pages_aside.py).
     aside = pages_aside.enabled() and runs_action_script(_restoring_runtime(files, facts.runtime))
     where = prepared_pages.roots(facts.graph_root) if aside else []
     prepared = prepared_pages.best(remote.bundle, where) if aside else None

@@ -9,7 +9,7 @@ when a restore reads them). Entries appear by rename: a prefetch killed
 halfway is resumed by running it again, and what it stored is not fetched twice.
 
 Then the pages files themselves are written out from the cache, while the job
-still runs on the source (ops/prepared_pages.py): the restore of the final
+still runs on the source (pages/prepared_pages.py): the restore of the final
 round patches them where they differ, a replica of REF links them.
 """
 
@@ -29,8 +29,8 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.malloc import one_heap_for_all_threads
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.oci.transfer import Progress
-from gpusnap.criu import pages_aside
-from gpusnap.ops import prepared_pages
+from gpusnap.pages import pages_aside
+from gpusnap.pages import prepared_pages
 from gpusnap.ops.pull import OnTrusted, fetch_small, open_remote
 from gpusnap.trust.options import TrustOptions
 

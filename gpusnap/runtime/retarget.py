@@ -27,8 +27,7 @@ from gpusnap.criu.images import ImageError, dev_tmpfs_name, parse_mountpoints
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.nodes import DeviceRemap
 from gpusnap.oci.spec import SpecError, rewrite_config_dump, rewrite_spec
-from gpusnap.runtime.stream import ZSTD_MAGIC
-from gpusnap.tarstream import GZIP_MAGIC
+from gpusnap.tarstream import GZIP_MAGIC, ZSTD_MAGIC
 
 _COPY_BUFFER = 1 << 20
 _IMAGES = "checkpoint/"

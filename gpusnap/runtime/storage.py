@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 from gpusnap.errors import GpusnapError
 from gpusnap.runtime import podman
@@ -58,26 +57,6 @@ def staging_dir(size: int, graph_root: Path | None = None) -> Path:
     candidates = [c for c in (root.parent if root else None, Path("/var/tmp"))
                   if c is not None and c.is_dir()]
     return roomiest(candidates, size, "free space beside Podman's storage or in /var/tmp")
-
-
-def pages_dir(size: int, ram_dir: Callable[..., Path | None] | None = None) -> Path:
-    """Where a restore writes CRIU's memory pages: RAM (memory.ram_root()) where the host
-    can hold them and the restored process at once (runtime/memory.py; CRIU
-    reads them through a relative link: criu/pages_aside.py); else beside
-    Podman's storage, so that the pre-restore action moves them into the
-    container by a rename; else /var/tmp. ``ram_dir``: memory.ram_dir, or a
-    caller's that makes room first (ops/prepared_pages.evict_for)."""
-    if ram_dir is None:
-        from gpusnap.runtime.memory import ram_dir
-
-    ram = ram_dir(size, held_too=size)
-    if ram is not None:
-        return ram
-    root = storage_root()
-    near = root.parent if root else None
-    if near is not None and near.is_dir() and shutil.disk_usage(near).free >= size:
-        return near
-    return staging_dir(size, root)  # the root known already: no second `podman info`
 
 
 def fifo_dir() -> Path:

@@ -32,9 +32,9 @@ from typing import Callable, Iterator
 
 from gpusnap.errors import GpusnapError
 from gpusnap.private import open_private, write_private
+from gpusnap.tarstream import ZSTD_MAGIC
 from gpusnap.waits import Bound
 
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 PUMP_PARENT_ENV = "GPUSNAP_PUMP_PARENT"  # the CLI's pid, for the pump's watchdog
 
 

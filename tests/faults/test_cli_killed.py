@@ -202,7 +202,7 @@ def test_restore_ref_killed_during_podman_restore(registry, loaded, capsys):
 
 def test_migrate_killed_during_upload_leaves_an_export_that_restores_here(registry, loaded):
     """The kept export of row 2 holds symlinks to the memory pages beside it
-    (criu/pages_aside.py: the push had set them aside); with the container
+    (pages/pages_aside.py: the push had set them aside); with the container
     removed, `gpusnap restore FILE` still brings it back (pre-restore puts the
     files in place)."""
     import tarfile

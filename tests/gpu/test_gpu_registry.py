@@ -1,5 +1,5 @@
 """A CUDA container pushed through a loopback registry and restored from it, with
-the driver's copy of its GPU memory read ahead of CRIU (gpusnap/criu/dump_ahead.py):
+the driver's copy of its GPU memory read ahead of CRIU (gpusnap/pages/dump_ahead.py):
 the pushed images hold it, the container left running gets it back before the
 driver restores it, and a copy restored from the registry has every element.
 Needs the bundle's bench/ part (docker-registry, bcrypt) carried."""
@@ -76,7 +76,7 @@ def test_migrate_reads_gpu_memory_ahead_and_the_restored_copy_has_it(cuda_ctr, r
     assert res.returncode == 0, (res.stdout, res.stderr)
     cuda_ctr.wait_running(above=its)
     cuda_ctr.verify()  # every element of the restored copy compared
-    # The later CRIU steps ran in the agent (gpusnap/criu/agent.py), the driver
+    # The later CRIU steps ran in the agent (gpusnap/action/agent.py), the driver
     # loaded ahead, and the OCI hook took the agent's NVML read.
     events = _events(mark)
     assert _last(events, "pages-filled")["by"] == "agent"

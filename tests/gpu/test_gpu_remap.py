@@ -196,7 +196,7 @@ def test_restore_ref_onto_gpu1_with_every_tensor_compared(registry, gib, monkeyp
     beside the same REF restored with no map. Each restore continues the same
     workers with every element compared."""
     # Like for like: the first restore would keep its pages in RAM for the next
-    # (ops/prepared_pages.keep), and the second, linking them, would look faster.
+    # (pages/prepared_pages.keep), and the second, linking them, would look faster.
     monkeypatch.setenv("GPUSNAP_KEEP_PAGES", "0")
     ctr = harness.start(nproc=1, gib=gib, gpus=[0])
     try:

@@ -1,4 +1,4 @@
-"""Memory read out ahead of CRIU's dump on many threads (gpusnap/criu/dump_ahead.py).
+"""Memory read out ahead of CRIU's dump on many threads (gpusnap/pages/dump_ahead.py).
 
 On a GPU host pre-dump takes the driver's copy of the GPU memory; here, with no
 GPU, GPUSNAP_DUMP_AHEAD_TEST_MIN has it take a CPU container's big anonymous

@@ -1,8 +1,8 @@
-"""Restored memory written on many threads (criu/fill_plan.py, page_fill.py),
+"""Restored memory written on many threads (pages/fill_plan.py, page_fill.py),
 through plain Podman: `podman container checkpoint --export` and `restore
 --import` of a container holding ~290 MB in one shell variable. gpusnap's
 CRIU action script leaves that memory out of CRIU's restore and writes it at
-post-restore (its agent does: criu/agent.py); the md5 of the variable must be
+post-restore (its agent does: action/agent.py); the md5 of the variable must be
 the same afterwards, and the
 area that holds it has huge pages (fill_plan's MADV_HUGEPAGE) where the host
 gives them; the file pages CRIU copies on write are read ahead first. In the
@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from gpusnap.criu.fill_plan import thp_available
+from gpusnap.pages.fill_plan import thp_available
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.procs import process_tree
 from tests.integration.test_segments import (_journal_since, _journal_size, _md5_of_memory,
@@ -42,7 +42,7 @@ def test_a_plain_podman_import_of_big_memory_is_filled_by_threads_and_whole(name
     planned = [e for e in events if e["event"] == "pages-fill-planned"]
     if runs_action_script(_runtime()):
         assert filled and filled[0]["bytes"] >= 256 << 20, events
-        # by the agent pre-restore started (criu/agent.py), not a second Python start
+        # by the agent pre-restore started (action/agent.py), not a second Python start
         assert filled[0]["by"] == "agent", filled
         # the shell's changed file pages (its data) asked of the disk ahead of
         # CRIU's copy-on-write faults, from the root Podman mounted (file_pages.py)

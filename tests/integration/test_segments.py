@@ -230,9 +230,9 @@ def test_big_process_memory_moves_beside_podmans_tars_and_comes_back_whole(regis
 def test_pages_prepared_by_a_prefetch_are_the_parent_of_the_final_round_and_linked_for_replicas(
         registry, name):
     """Pre-copy of a container with ~300 MB of process memory: `pull --prefetch`
-    of round 1 writes its pages file out (ops/prepared_pages.py); the restore of
+    of round 1 writes its pages file out (pages/prepared_pages.py); the restore of
     the final round reads it as CRIU's parent, writing only the pages it lacks
-    (ops/parent_pages.py), and the process's memory is as before. A prefetch of the final round prepares it
+    (pages/parent_pages.py), and the process's memory is as before. A prefetch of the final round prepares it
     again, and two replicas restored from it link that file: nothing written."""
     before = _start_big_memory(name)
     repo = registry.ref(f"ckpt/prepared-{uuid.uuid4().hex[:8]}")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gpusnap import PLAN_NAME
-from gpusnap.criu import action, step_state
+from gpusnap.action import action, step_state
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.gpumap import parse_gpu_map
 from gpusnap.gpu.plan import plan_restore

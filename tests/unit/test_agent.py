@@ -1,4 +1,4 @@
-"""criu/agent.py with packaging/bin/criu-action: post-restore handed to the agent
+"""action/agent.py with packaging/bin/criu-action: post-restore handed to the agent
 that pre-restore starts, run by the real script (this test process plays CRIU:
 the script's parent), the fill written into a real child process."""
 
@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.criu import action, agent, agent_files, fill_plan, step_state
+from gpusnap.action import action, agent, agent_files, step_state
+
+from gpusnap.pages import fill_plan
 from tests.unit.test_fill_plan import _memory_of, _planned, child  # noqa: F401 -- a fixture
 
 SCRIPT = Path(__file__).resolve().parents[2] / "packaging" / "bin" / "criu-action"

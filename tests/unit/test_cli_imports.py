@@ -17,7 +17,7 @@ def guarded(name, *a, **k):
     return real(name, *a, **k)
 builtins.__import__ = guarded
 import importlib
-import gpusnap.cli.main, gpusnap.hook.main, gpusnap.criu.action, gpusnap.runtime.fifo_pump
+import gpusnap.cli.main, gpusnap.hook.main, gpusnap.action.action, gpusnap.runtime.fifo_pump
 for module in set(gpusnap.cli.main.VERBS.values()):  # each command's module, loaded as it runs
     importlib.import_module("gpusnap.cli." + module)
 gpusnap.cli.main.cli(["--help"], standalone_mode=False)

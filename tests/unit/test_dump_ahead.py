@@ -1,4 +1,4 @@
-"""criu/dump_ahead.py, criu/pagescan.py, runtime/remote_syscall.py: memory read out
+"""pages/dump_ahead.py, criu/pagescan.py, pages/remote_syscall.py: memory read out
 of a process ahead of CRIU's dump, and put back into CRIU's images.
 
 compose is checked against what CRIU itself would have written (every present
@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.criu import dump_ahead, pagescan
-from gpusnap.criu import pagemap as pm
-from gpusnap.runtime import remote_syscall
+from gpusnap.criu import pagescan
 
+from gpusnap.pages import dump_ahead
+from gpusnap.criu import pagemap as pm
+from gpusnap.pages import remote_syscall
 PAGE = pm.PAGE
 
 

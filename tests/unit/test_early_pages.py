@@ -10,8 +10,7 @@ import time
 from concurrent.futures import Future
 
 from gpusnap.oci import chunker
-from gpusnap.ops import early_pages
-
+from gpusnap.pages import early_pages
 PARAMS = chunker.ChunkParams(4096, 16384, 65536)  # segment: 1 MiB
 SEG = PARAMS.segment
 

@@ -1,4 +1,4 @@
-"""criu/file_pages.py: which file pages CRIU will copy on write, found in CRIU's
+"""pages/file_pages.py: which file pages CRIU will copy on write, found in CRIU's
 images (mm, pagemap, files, mountpoints) as CRIU writes them, and read ahead
 from the container's root and bind mounts; the real thing runs in tests/gpu (coldstart) and
 through Podman in tests/integration/test_page_fill.py."""
@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from gpusnap import journal
-from gpusnap.criu import action, file_pages, fill_plan, mm
+from gpusnap.criu import mm
+from gpusnap.action import action
+from gpusnap.pages import file_pages, fill_plan
 from gpusnap.criu import pagemap as pm
 from gpusnap.criu.images import IMG_COMMON_MAGIC, MNTS_MAGIC, ImageError
 from tests.unit.test_fill_plan import _msg

@@ -1,4 +1,4 @@
-"""criu/fill_plan.py + criu/page_fill.py: the runs left out of CRIU's restore,
+"""pages/fill_plan.py + pages/page_fill.py: the runs left out of CRIU's restore,
 checked by reading every page back the way CRIU does (present runs in order,
 PE_PARENT runs from the parent folder, recursively) and adding what the fill
 writes: together they must be the dumped memory, page for page, and disjoint.
@@ -16,7 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.criu import action, fill_plan, mm, page_fill, step_state
+from gpusnap.criu import mm
+
+from gpusnap.action import action, step_state
+
+from gpusnap.pages import fill_plan, page_fill
 from gpusnap.criu import pagemap as pm
 from gpusnap.criu.images import IMG_COMMON_MAGIC
 from gpusnap.errors import GpusnapError

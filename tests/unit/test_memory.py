@@ -1,9 +1,8 @@
-"""runtime/memory.py: pages in RAM only where the host can spare it."""
+"""pages/memory.py: pages in RAM only where the host can spare it."""
 
 from __future__ import annotations
 
-from gpusnap.runtime import memory
-
+from gpusnap.pages import memory
 GiB = 1 << 30
 
 

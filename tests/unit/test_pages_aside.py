@@ -1,4 +1,4 @@
-"""criu/pages_aside.py: CRIU's pages moved out of Podman's tar and back."""
+"""pages/pages_aside.py: CRIU's pages moved out of Podman's tar and back."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from gpusnap.criu import pages_aside
+from gpusnap.pages import pages_aside
 from gpusnap.oci.bundle import FileEntry
 from gpusnap.oci.tarfiles import entry_from_tarinfo
 
@@ -192,7 +192,7 @@ def test_bring_back_across_filesystems_links_relatively_or_copies(tmp_path, monk
 
 
 def test_a_rewritten_pagemap_and_its_parent_are_brought_back(tmp_path):
-    """ops/parent_pages.py: the pull's folder holds the compact pages file, the
+    """pages/parent_pages.py: the pull's folder holds the compact pages file, the
     rewritten pagemap and a link to round 1's claimed folder; CRIU must find
     all three through the images folder, and the next dump no stale parent."""
     images = tmp_path / "userdata" / "checkpoint"

@@ -1,4 +1,4 @@
-"""ops/parent_pages.py + criu/pagemap.py: the final round's pagemap rewritten
+"""pages/parent_pages.py + criu/pagemap.py: the final round's pagemap rewritten
 against round 1's, checked by reading every page back the way CRIU does."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import pytest
 
 from gpusnap.criu import pagemap as pm
 from gpusnap.oci.bundle import Chunk
-from gpusnap.ops import parent_pages
-
+from gpusnap.pages import parent_pages
 PAGE = pm.PAGE
 
 

@@ -1,4 +1,4 @@
-"""ops/prefetch.py: a file chunked while Podman writes it stands for the export's
+"""pages/prefetch.py: a file chunked while Podman writes it stands for the export's
 member only if it is still that file; otherwise the export is read."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from pathlib import Path
 
 from gpusnap.oci import chunker
 from gpusnap.oci.bundle import FileEntry
-from gpusnap.ops import prefetch
-
+from gpusnap.pages import prefetch
 PARAMS = chunker.ChunkParams(4096, 16384, 65536)
 
 

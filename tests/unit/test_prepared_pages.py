@@ -1,4 +1,4 @@
-"""ops/prepared_pages.py: which prepared folder a restore takes, and what it still writes."""
+"""pages/prepared_pages.py: which prepared folder a restore takes, and what it still writes."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import pytest
 
 from gpusnap.oci import segments
 from gpusnap.oci.bundle import Bundle, Chunk, FileEntry
-from gpusnap.ops import page_patch
-from gpusnap.ops import prepared_pages as pp
-
+from gpusnap.pages import page_patch
+from gpusnap.pages import prepared_pages as pp
 MiB = 1 << 20
 SIZE = 4 * segments.FETCH_SEGMENT  # the smallest file a restore writes beside the import
 

@@ -197,8 +197,7 @@ def test_hook_request_and_journal_state_files_are_private(state, monkeypatch):
 
 def test_criu_action_markers_and_restore_state_are_private(state, monkeypatch, tmp_path):
     from gpusnap import MANIFEST_NAME
-    from gpusnap.criu import action
-
+    from gpusnap.action import action
     image_dir = tmp_path / "images"
     image_dir.mkdir()
     (image_dir / MANIFEST_NAME).write_text("{}")
@@ -211,8 +210,7 @@ def test_criu_action_markers_and_restore_state_are_private(state, monkeypatch, t
 
 
 def test_stale_action_markers_go_but_a_live_runs_temp_file_stays(state):
-    from gpusnap.criu import action, step_state
-
+    from gpusnap.action import action, step_state
     folder = step_state.folder()
     (folder / "999999999-pre-dump").write_text("0")
     live_tmp = folder / f".{os.getppid()}-restore.json.77.tmp"

@@ -117,7 +117,7 @@ def test_crun_restores_are_checked_in_pre_restore_runc_ones_by_the_hook(monkeypa
     import pytest
 
     from gpusnap import MANIFEST_NAME, PLAN_NAME
-    from gpusnap.criu import action
+    from gpusnap.action import action
     from gpusnap.errors import GpusnapError
     from tests.conftest import foreign_h100_manifest
 
@@ -142,8 +142,7 @@ def test_the_runtime_that_started_criu_is_its_parent():
     import subprocess
     from pathlib import Path
 
-    from gpusnap.criu import action
-
+    from gpusnap.action import action
     child = subprocess.Popen(["sleep", "5"])
     try:
         assert action._runtime_of(child.pid) == Path(f"/proc/{os.getpid()}/comm").read_text().strip()

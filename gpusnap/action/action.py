@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
-from gpusnap.criu import agent_files, step_state
-from gpusnap.criu.action_dump import post_dump, pre_dump
+from gpusnap.action import agent_files, step_state
+from gpusnap.action.action_dump import post_dump, pre_dump
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.quiesce import QuiesceError, Timing, require_driver, resume_onto
@@ -49,7 +49,7 @@ from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, ns_pid, process_tree, start_time
 
 if TYPE_CHECKING:
-    from gpusnap.criu.fill_plan import Settings
+    from gpusnap.pages.fill_plan import Settings
 
 # The steps with work to do; packaging/bin/criu-action lets only these start Python.
 ACTIONS = ("pre-dump", "post-dump", "pre-restore", "post-restore", "post-resume")
@@ -62,8 +62,7 @@ def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
     if not image_dir:
         return None
     folder = Path(image_dir)
-    from gpusnap.criu import pages_aside
-
+    from gpusnap.pages import pages_aside
     in_ram = pages_aside.in_ram(folder)
     moved = pages_aside.bring_back(folder)  # restored tasks cannot follow the links
     if moved:
@@ -72,8 +71,7 @@ def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
             if (folder / name).exists()}
     if kept:
         write_private(step_state.restore(criu_pid), json.dumps(kept))
-    from gpusnap.criu import fill_plan
-
+    from gpusnap.pages import fill_plan
     step_state.fill(criu_pid).unlink(missing_ok=True)  # never another restore's (pid reused)
     try:
         wanted = fill_plan.settings()
@@ -140,8 +138,7 @@ def _waited(pid: int, seconds: float) -> bool:
 def _read_file_pages_ahead(folder: Path) -> None:
     """The file pages CRIU copies on write, asked of the disk now (file_pages.py);
     only ever a hint: CRIU faults in what this did not."""
-    from gpusnap.criu import file_pages
-
+    from gpusnap.pages import file_pages
     started = time.monotonic()
     try:
         dirs = file_pages.host_dirs(folder)
@@ -160,8 +157,7 @@ def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:
     """Leave the big runs of pages to post-restore's threads (fill_plan.py).
     CRIU then restores every page itself where this fails, unless a rewrite
     cannot be put back (undo_leftover_fill's GpusnapError: the restore stops)."""
-    from gpusnap.criu import fill_plan
-
+    from gpusnap.pages import fill_plan
     state = step_state.fill(criu_pid)
     started = time.monotonic()
     try:
@@ -183,8 +179,7 @@ def undo_leftover_fill(image_dir: str) -> None:
     the restore (CRIU would restore holes where the pages belong)."""
     if not image_dir:
         return
-    from gpusnap.criu import fill_plan
-
+    from gpusnap.pages import fill_plan
     try:
         if fill_plan.undo(Path(image_dir)):
             journal.record("pages-fill-undone", folder=image_dir)
@@ -200,8 +195,7 @@ def post_restore(init_pid: int, criu_pid: int, by: str = "script") -> None:
     rseq fix-ups and the tasks' resume). Any failure (GpusnapError here, or this
     script dying) makes CRIU kill the tasks and fail the restore: nothing runs
     on memory that is not what was dumped. The images folder is put back either way."""
-    from gpusnap.criu import fill_plan, page_fill
-
+    from gpusnap.pages import fill_plan, page_fill
     state = step_state.fill(criu_pid)
     if not state.exists():
         return
@@ -336,7 +330,7 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
     if action == "post-dump":
         # An optimisation: never the reason a dump fails (the pages then stay
         # where CRIU wrote them, and the push reads them from the export)...
-        from gpusnap.criu.dump_ahead import AheadError
+        from gpusnap.pages.dump_ahead import AheadError
 
         init_pid = os.environ.get("CRTOOLS_INIT_PID", "0")
         try:

@@ -1,7 +1,7 @@
 """Run a system call inside another process, through ptrace, as CRIU's compel does.
 
 Used for one thing: ``madvise(MADV_DONTNEED)`` on memory whose bytes gpusnap has
-already copied out (criu/dump_ahead.py), so that CRIU finds no pages there and
+already copied out (pages/dump_ahead.py), so that CRIU finds no pages there and
 does not copy them again on its one thread. Only x86-64 (the only architecture
 the CUDA checkpoint API supports).
 

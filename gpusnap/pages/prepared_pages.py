@@ -5,7 +5,7 @@ before CRIU can read it: a large share of a pre-copy's stop, and of a
 warm-cache replica's (docs/benchmarks.md), though the bytes are on the host
 already. `gpusnap pull --prefetch REF` therefore
 leaves the pages files of REF written out in a *prepared* folder (RAM where
-runtime/memory.py allows, else beside Podman's storage), with their chunk
+pages/memory.py allows, else beside Podman's storage), with their chunk
 lists in ``index.json``; a later restore compares its own chunk lists with it:
 
 - the same file (a replica of REF): a hard link, nothing written; the
@@ -17,7 +17,7 @@ lists in ``index.json``; a later restore compares its own chunk lists with it:
   restore has it) and becomes CRIU's *parent* images folder: the final
   round's pagemap is rewritten so that pages round 1 holds at the same
   address are read from there, and only the rest is written
-  (ops/parent_pages.py). Where that cannot be (a folder prepared without
+  (pages/parent_pages.py). Where that cannot be (a folder prepared without
   pagemaps, addresses that moved), chunks found elsewhere are moved within
   the file (page_patch.py), each file resized and only the rest fetched in
   place. The folder is gone afterwards;
@@ -41,12 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap import journal
-from gpusnap.criu import pagemap, pages_aside
+from gpusnap.criu import pagemap
+from gpusnap.pages import pages_aside
 from gpusnap.oci import segments
 from gpusnap.oci.bundle import Bundle, FileEntry
-from gpusnap.ops import parent_pages
-from gpusnap.ops.page_patch import Runs, bytes_held, layout, patch_in_place, plan_patch
-from gpusnap.runtime import memory
+from gpusnap.pages import parent_pages
+from gpusnap.pages.page_patch import Runs, bytes_held, layout, patch_in_place, plan_patch
+from gpusnap.pages import memory
 from gpusnap.runtime.storage import PULL_PREFIX, storage_root
 
 PREFIX = "gpusnap-prepared-"
@@ -62,7 +63,7 @@ def big_pages(bundle: Bundle) -> list[FileEntry]:
 
 def pagemaps(bundle: Bundle) -> list[FileEntry]:
     """The tasks' pagemap images: kept in a prepared folder, so that a later
-    round's restore can read it as CRIU's parent (ops/parent_pages.py)."""
+    round's restore can read it as CRIU's parent (pages/parent_pages.py)."""
     return [f for f in bundle.files if f.type == "file" and f.path.startswith("checkpoint/")
             and fnmatch.fnmatch(f.path.rpartition("/")[2], pages_aside.PAGEMAP_PATTERN)]
 

@@ -26,7 +26,7 @@ step (CRIU then stops the restore: the checkpoint is unchanged), since that
 step may be half done. The agent leaves when CRIU does, after post-resume, or
 after an hour.
 
-Usage: python -m gpusnap.criu.agent CRIU_PID [--driver]
+Usage: python -m gpusnap.action.agent CRIU_PID [--driver]
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import threading
 import time
 
 from gpusnap import journal
-from gpusnap.criu import action
-from gpusnap.criu.agent_files import INVENTORY, NO_INVENTORY, folder
+from gpusnap.action import action
+from gpusnap.action.agent_files import INVENTORY, NO_INVENTORY, folder
 from gpusnap.private import write_private
 
 LIFETIME_S = 3600.0
@@ -166,8 +166,8 @@ def main() -> int:
         criu_pid = int(sys.argv[1])
     except (IndexError, ValueError):
         return 2
-    from gpusnap.criu import fill_plan, page_fill  # noqa: F401 -- loaded before they are asked
-
+    from gpusnap.pages import page_fill  # noqa: F401 -- loaded before they are asked
+    from gpusnap.pages import fill_plan
     driver = None
     if "--driver" in sys.argv[2:]:
         threading.Thread(target=_read_inventory, args=(criu_pid,), name="gpusnap-agent-nvml",

@@ -16,7 +16,7 @@ push still checks the file against the export's header (size and mtime) before
 it uses a single early segment. Page images left from an earlier checkpoint
 are removed before the dump (``clear_stale``), so every file seen is this dump's.
 
-Memory pre-dump reads ahead of CRIU (criu/dump_ahead.py) lands in a file of
+Memory pre-dump reads ahead of CRIU (pages/dump_ahead.py) lands in a file of
 the push's RAM folder at its final offsets, with a note that grows as the read
 goes on (``.ready``: the file's size and the ranges read, every GiB): the
 segments that lie wholly in those ranges go to the workers then, while the

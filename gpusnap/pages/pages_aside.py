@@ -22,7 +22,7 @@ tasks open the images through CRIU's directory descriptor, a host mount, and
 ``..`` climbs the host's tree from it (a copy, slow at tens of GiB, is only made
 where the pages must outlive their folder: a failed push's local checkpoint).
 
-Pages in RAM (runtime/memory.py): where the host can spare the memory, the push
+Pages in RAM (pages/memory.py): where the host can spare the memory, the push
 links every ``pages-N.img`` CRIU may write into a folder on /dev/shm before the
 dump (``prelink``), so CRIU writes them there at memory speed instead of to
 the disk; post-dump only drops the links CRIU did not use. Podman's own import
@@ -39,7 +39,7 @@ import tarfile
 from pathlib import Path
 
 from gpusnap.oci.bundle import FileEntry
-from gpusnap.runtime.memory import in_ram as path_in_ram
+from gpusnap.pages.memory import in_ram as path_in_ram
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX
 
 PATTERN = "pages-*.img"
@@ -148,7 +148,7 @@ def bring_back(images: Path, copy: bool = False) -> int:
     readable to the restored tasks: the file renamed into its place, or where
     it lies on another filesystem a relative link to it (``copy``: a copy, for
     pages that must outlive their folder). A pagemap rewritten against a parent
-    (ops/parent_pages.py) likewise, and the parent folder its folder names
+    (pages/parent_pages.py) likewise, and the parent folder its folder names
     becomes ``images/parent`` (a relative link). Files."""
     done = 0
     links = sorted(images.glob(PATTERN)) + sorted(images.glob(PAGEMAP_PATTERN))
@@ -191,7 +191,7 @@ def drop_stale_parent(images: Path) -> bool:
 
 
 def in_ram(images: Path) -> bool:
-    """Some pages link of ``images`` names a file in RAM (runtime/memory.py)."""
+    """Some pages link of ``images`` names a file in RAM (pages/memory.py)."""
     return any(link.is_symlink() and path_in_ram(Path(os.readlink(link)))
                for link in images.glob(PATTERN))
 

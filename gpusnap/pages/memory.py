@@ -32,6 +32,9 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Callable
+
+from gpusnap.runtime.storage import staging_dir, storage_root
 
 RAM_ROOT = Path("/dev/shm")
 HUGE_ROOT = Path("/run/gpusnap/ram")
@@ -140,3 +143,20 @@ def in_ram(path: Path, root: Path | None = None) -> bool:
     """``path`` lies in ``root`` (a folder ram_dir gave), by default in any of roots()."""
     real = Path(os.path.realpath(path))
     return any(real.is_relative_to(os.path.realpath(r)) for r in ((root,) if root else roots()))
+
+
+def pages_dir(size: int, make_room: Callable[..., Path | None] | None = None) -> Path:
+    """Where a restore writes CRIU's memory pages: RAM (memory.ram_root()) where the host
+    can hold them and the restored process at once (pages/memory.py; CRIU
+    reads them through a relative link: pages/pages_aside.py); else beside
+    Podman's storage, so that the pre-restore action moves them into the
+    container by a rename; else /var/tmp. ``make_room``: a
+    caller's ram_dir that makes room first (pages/prepared_pages.evict_for)."""
+    ram = (make_room or ram_dir)(size, held_too=size)
+    if ram is not None:
+        return ram
+    root = storage_root()
+    near = root.parent if root else None
+    if near is not None and near.is_dir() and shutil.disk_usage(near).free >= size:
+        return near
+    return staging_dir(size, root)  # the root known already: no second `podman info`

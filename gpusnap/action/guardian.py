@@ -10,7 +10,7 @@ the files that hold it) is written back first: the driver restores from it.
 A process whose memory cannot be written back is left locked, not restored
 from memory that is not its own, and the journal says so.
 
-Usage: python -m gpusnap.criu.guardian CRIU_PID PID...
+Usage: python -m gpusnap.action.guardian CRIU_PID PID...
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ def _handed_over() -> list:
     """What pre-dump read ahead, (task, fd) each; nothing where stdin is no socket."""
     import socket
 
-    from gpusnap.criu import dump_ahead
-
+    from gpusnap.pages import dump_ahead
     try:
         sock = socket.socket(fileno=0)
     except OSError:
@@ -74,8 +73,7 @@ def _handed_over() -> list:
 
 def write_back(taken: list) -> set[int]:
     """Each surviving process's memory back from the files; the pids it failed for."""
-    from gpusnap.criu import dump_ahead
-
+    from gpusnap.pages import dump_ahead
     failed = set()
     for task, fd in taken:
         if not alive(task.pid):

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpusnap.criu import pagemap, pagescan
-from gpusnap.criu.page_fill import (MAP_FAILED, MAP_SHARED, PIECE, PROT_READ, PROT_WRITE, IoVec,
+from gpusnap.pages.page_fill import (MAP_FAILED, MAP_SHARED, PIECE, PROT_READ, PROT_WRITE, IoVec,
                                     Run, default_threads, fill, libc, pieces)
 
 MIN_RUN = 1 << 20  # smaller new mappings stay with CRIU (the driver's own bookkeeping)
@@ -275,7 +275,7 @@ def drop(task: Task) -> None:
     """Take the runs out of the process (they are in ``task.path``).
     RemoteSyscallError where it refused: what was dropped is back by then.
     AheadError where it could not be put back."""
-    from gpusnap.runtime.remote_syscall import RemoteSyscallError, madvise_dontneed
+    from gpusnap.pages.remote_syscall import RemoteSyscallError, madvise_dontneed
 
     try:
         madvise_dontneed(task.pid, [(a, n) for a, n, _ in task.runs])

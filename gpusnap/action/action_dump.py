@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from gpusnap import journal, requests
-from gpusnap.criu import step_state
+from gpusnap.action import step_state
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
@@ -45,8 +45,7 @@ def lock_timeout_ms(init_pid: int) -> int:
 
 def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     if image_dir:
-        from gpusnap.criu import pages_aside
-
+        from gpusnap.pages import pages_aside
         pages_aside.drop_stale_parent(Path(image_dir))
     step_state.ahead(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
     push = requests.peek(init_pid, "pages")
@@ -70,8 +69,7 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     manifest = gpu_manifest.build(procs, inventory, criu_version(), by)
     pids = [p.pid for p in procs]
     if plugin is None:
-        from gpusnap.criu import dump_ahead
-
+        from gpusnap.pages import dump_ahead
         before = {pid: dump_ahead.mapped(pid) for pid in pids} if ahead else {}
         timing = Timing()
         driver = require_driver()
@@ -94,8 +92,8 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
     before anything is taken. Any failure before that leaves CRIU to dump
     everything, as without this step; a process whose memory could not be put
     back fails the dump (AheadError)."""
-    from gpusnap.criu import dump_ahead
-    from gpusnap.runtime.remote_syscall import RemoteSyscallError, supported
+    from gpusnap.pages import dump_ahead
+    from gpusnap.pages.remote_syscall import RemoteSyscallError, supported
 
     if not supported():
         return
@@ -132,8 +130,7 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
 def _read_ahead_test(init_pid: int, criu_pid: int, push: dict) -> None:
     """Tests only: a CPU container's big anonymous memory, which its test keeps
     still, read ahead as a GPU process's would be (``ahead_test_min`` bytes)."""
-    from gpusnap.criu import dump_ahead
-
+    from gpusnap.pages import dump_ahead
     pids = process_tree(init_pid)
     guardian = _start_guardian(criu_pid, [], force=True)
     _read_ahead(criu_pid, guardian, push,
@@ -148,8 +145,7 @@ def post_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     _compose_ahead(init_pid, image_dir, criu_pid, request)
     if not request:
         return
-    from gpusnap.criu import pages_aside
-
+    from gpusnap.pages import pages_aside
     images, aside = Path(request["images"]), Path(request["aside"])
     if not os.path.samefile(image_dir, images):
         raise OSError(f"CRIU dumps into {image_dir}, the request names {images}")
@@ -165,8 +161,7 @@ def _compose_ahead(init_pid: int, image_dir: str, criu_pid: int, request: dict) 
     state = step_state.ahead(criu_pid)
     if not state.exists():
         return
-    from gpusnap.criu import dump_ahead
-
+    from gpusnap.pages import dump_ahead
     started = time.monotonic()
     try:
         tasks = [dump_ahead.Task.from_dict(d) for d in json.loads(state.read_text())]
@@ -195,7 +190,7 @@ def _start_guardian(criu_pid: int, pids: list[int], force: bool = False) -> sock
         return None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     with theirs:
-        subprocess.Popen([sys.executable, "-m", "gpusnap.criu.guardian", str(criu_pid),
+        subprocess.Popen([sys.executable, "-m", "gpusnap.action.guardian", str(criu_pid),
                           *map(str, pids)],
                          stdin=theirs.fileno(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)

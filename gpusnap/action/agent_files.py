@@ -29,7 +29,7 @@ def start(criu_pid: int, driver: bool) -> None:
     here = folder(criu_pid)
     if (here / "started").exists():
         return  # runc reads runc.conf, then CRIU again: the step may run twice
-    proc = subprocess.Popen([sys.executable, "-m", "gpusnap.criu.agent", str(criu_pid),
+    proc = subprocess.Popen([sys.executable, "-m", "gpusnap.action.agent", str(criu_pid),
                              *(["--driver"] if driver else [])],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)

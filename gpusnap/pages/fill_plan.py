@@ -58,8 +58,8 @@ from pathlib import Path
 
 from gpusnap.criu import mm, pagemap
 from gpusnap.criu.images import ImageError
-from gpusnap.criu.page_fill import Run, merged
-from gpusnap.criu.pages_aside import relative_link
+from gpusnap.pages.page_fill import Run, merged
+from gpusnap.pages.pages_aside import relative_link
 
 FOLDER = "gpusnap-fill"
 UNDO = "undo.json"
@@ -380,7 +380,7 @@ class Settings:
     (benchmarks compare); "threads" overrides page_fill.default_threads();
     {"huge_pages": false} leaves every area's madvise as the application had it;
     {"agent": false} runs each later CRIU step in a Python of its own, without
-    criu/agent.py; {"read_ahead": false} leaves the file pages CRIU copies on
+    action/agent.py; {"read_ahead": false} leaves the file pages CRIU copies on
     write to its faults (file_pages.py). Benchmarks compare."""
 
     enabled: bool = True
