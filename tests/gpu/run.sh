@@ -7,7 +7,7 @@
 # (GPUSNAP_BUNDLE=DIR), {bin,wheels} in the next, then start this script with
 # setsid and read LOGDIR in later calls. The registry tests need ~60 GB of disk
 # at 16 GiB (registry, chunk cache, staged pull, Podman's import), each freed
-# after its test.
+# after its test; the fault tests (test_gpu_faults.py, 8 GiB) ~40 GB at a time.
 set -uo pipefail
 LOGDIR=${1:?usage: tests/gpu/run.sh LOGDIR [--no-bench]}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
