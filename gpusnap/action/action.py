@@ -62,7 +62,7 @@ def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
     if not image_dir:
         return None
     folder = Path(image_dir)
-    from gpusnap.pages import pages_aside
+    from gpusnap.pages import pages_aside  # pre-restore only: not every step's start-up
     in_ram = pages_aside.in_ram(folder)
     moved = pages_aside.bring_back(folder)  # restored tasks cannot follow the links
     if moved:
@@ -71,7 +71,7 @@ def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
             if (folder / name).exists()}
     if kept:
         write_private(step_state.restore(criu_pid), json.dumps(kept))
-    from gpusnap.pages import fill_plan
+    from gpusnap.pages import fill_plan  # pre-restore only: not every step's start-up
     step_state.fill(criu_pid).unlink(missing_ok=True)  # never another restore's (pid reused)
     try:
         wanted = fill_plan.settings()
@@ -138,7 +138,7 @@ def _waited(pid: int, seconds: float) -> bool:
 def _read_file_pages_ahead(folder: Path) -> None:
     """The file pages CRIU copies on write, asked of the disk now (file_pages.py);
     only ever a hint: CRIU faults in what this did not."""
-    from gpusnap.pages import file_pages
+    from gpusnap.pages import file_pages  # the read-ahead child only: not every step's start-up
     started = time.monotonic()
     try:
         dirs = file_pages.host_dirs(folder)
@@ -157,7 +157,7 @@ def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:
     """Leave the big runs of pages to post-restore's threads (fill_plan.py).
     CRIU then restores every page itself where this fails, unless a rewrite
     cannot be put back (undo_leftover_fill's GpusnapError: the restore stops)."""
-    from gpusnap.pages import fill_plan
+    from gpusnap.pages import fill_plan  # pre-restore only: not every step's start-up
     state = step_state.fill(criu_pid)
     started = time.monotonic()
     try:
@@ -179,7 +179,7 @@ def undo_leftover_fill(image_dir: str) -> None:
     the restore (CRIU would restore holes where the pages belong)."""
     if not image_dir:
         return
-    from gpusnap.pages import fill_plan
+    from gpusnap.pages import fill_plan  # pre-restore only: not every step's start-up
     try:
         if fill_plan.undo(Path(image_dir)):
             journal.record("pages-fill-undone", folder=image_dir)
@@ -195,7 +195,7 @@ def post_restore(init_pid: int, criu_pid: int, by: str = "script") -> None:
     rseq fix-ups and the tasks' resume). Any failure (GpusnapError here, or this
     script dying) makes CRIU kill the tasks and fail the restore: nothing runs
     on memory that is not what was dumped. The images folder is put back either way."""
-    from gpusnap.pages import fill_plan, page_fill
+    from gpusnap.pages import fill_plan, page_fill  # post-restore only: not every step's start-up
     state = step_state.fill(criu_pid)
     if not state.exists():
         return
@@ -301,8 +301,8 @@ def _live_remap(init_pid: int):
     stash = journal.state_subdir("restores") / f"{init_pid}.json"
     if not stash.exists():
         return None
-    from gpusnap.gpu.plan import Plan
-    from gpusnap.runtime.livedev import plan_live
+    from gpusnap.gpu.plan import Plan  # a live remap only: not every step's start-up
+    from gpusnap.runtime.livedev import plan_live  # a live remap only: not every step's start-up
 
     data = json.loads(stash.read_text())
     stash.unlink()
@@ -316,7 +316,7 @@ def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]
     """What to offer the driver: the plan's choices when `gpusnap restore` moved the GPUs."""
     if plan_text is None:
         return [("none", None)]
-    from gpusnap.gpu.plan import Plan
+    from gpusnap.gpu.plan import Plan  # a moved restore only: not every step's start-up
 
     try:
         return Plan.from_dict(json.loads(plan_text)).pair_choices()
@@ -330,7 +330,7 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
     if action == "post-dump":
         # An optimisation: never the reason a dump fails (the pages then stay
         # where CRIU wrote them, and the push reads them from the export)...
-        from gpusnap.pages.dump_ahead import AheadError
+        from gpusnap.pages.dump_ahead import AheadError  # post-dump only: not every step's start-up
 
         init_pid = os.environ.get("CRTOOLS_INIT_PID", "0")
         try:

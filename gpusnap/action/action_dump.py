@@ -45,7 +45,7 @@ def lock_timeout_ms(init_pid: int) -> int:
 
 def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     if image_dir:
-        from gpusnap.pages import pages_aside
+        from gpusnap.pages import pages_aside  # pre-dump only: not every step's start-up
         pages_aside.drop_stale_parent(Path(image_dir))
     step_state.ahead(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
     push = requests.peek(init_pid, "pages")
@@ -69,7 +69,7 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     manifest = gpu_manifest.build(procs, inventory, criu_version(), by)
     pids = [p.pid for p in procs]
     if plugin is None:
-        from gpusnap.pages import dump_ahead
+        from gpusnap.pages import dump_ahead  # GPU dumps only: not every step's start-up
         before = {pid: dump_ahead.mapped(pid) for pid in pids} if ahead else {}
         timing = Timing()
         driver = require_driver()
@@ -92,6 +92,7 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
     before anything is taken. Any failure before that leaves CRIU to dump
     everything, as without this step; a process whose memory could not be put
     back fails the dump (AheadError)."""
+    # A read-ahead only: not every step's start-up
     from gpusnap.pages import dump_ahead
     from gpusnap.pages.remote_syscall import RemoteSyscallError, supported
 
@@ -130,7 +131,7 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
 def _read_ahead_test(init_pid: int, criu_pid: int, push: dict) -> None:
     """Tests only: a CPU container's big anonymous memory, which its test keeps
     still, read ahead as a GPU process's would be (``ahead_test_min`` bytes)."""
-    from gpusnap.pages import dump_ahead
+    from gpusnap.pages import dump_ahead  # tests only: not every step's start-up
     pids = process_tree(init_pid)
     guardian = _start_guardian(criu_pid, [], force=True)
     _read_ahead(criu_pid, guardian, push,
@@ -145,7 +146,7 @@ def post_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     _compose_ahead(init_pid, image_dir, criu_pid, request)
     if not request:
         return
-    from gpusnap.pages import pages_aside
+    from gpusnap.pages import pages_aside  # a push's post-dump only: not every step's start-up
     images, aside = Path(request["images"]), Path(request["aside"])
     if not os.path.samefile(image_dir, images):
         raise OSError(f"CRIU dumps into {image_dir}, the request names {images}")
@@ -161,7 +162,7 @@ def _compose_ahead(init_pid: int, image_dir: str, criu_pid: int, request: dict) 
     state = step_state.ahead(criu_pid)
     if not state.exists():
         return
-    from gpusnap.pages import dump_ahead
+    from gpusnap.pages import dump_ahead  # a read-ahead only: not every step's start-up
     started = time.monotonic()
     try:
         tasks = [dump_ahead.Task.from_dict(d) for d in json.loads(state.read_text())]

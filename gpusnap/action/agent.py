@@ -44,6 +44,10 @@ import time
 from gpusnap import journal
 from gpusnap.action import action
 from gpusnap.action.agent_files import INVENTORY, NO_INVENTORY, folder
+from gpusnap.gpu.cuda import CudaDriver
+from gpusnap.gpu.inventory import read_inventory
+# Loaded as the agent starts, before the steps that use them are asked
+from gpusnap.pages import fill_plan, page_fill  # noqa: F401
 from gpusnap.private import write_private
 
 LIFETIME_S = 3600.0
@@ -53,8 +57,6 @@ def _read_inventory(criu_pid: int) -> None:
     """NVML's view of the GPUs for runc's prestart hook, which runs next
     (gpusnap-hook reads it from here, hook/main.py agent_inventory):
     the hook's own first NVML read would add to the stop (docs/benchmarks.md)."""
-    from gpusnap.gpu.inventory import read_inventory
-
     inventory = read_inventory()
     here = folder(criu_pid)
     here.mkdir(mode=0o700, exist_ok=True)
@@ -74,8 +76,6 @@ class _Driver:
 
     def _load(self) -> None:
         try:
-            from gpusnap.gpu.cuda import CudaDriver
-
             driver = CudaDriver()
             driver.init()
             self._driver = driver
@@ -166,8 +166,6 @@ def main() -> int:
         criu_pid = int(sys.argv[1])
     except (IndexError, ValueError):
         return 2
-    from gpusnap.pages import page_fill  # noqa: F401 -- loaded before they are asked
-    from gpusnap.pages import fill_plan
     driver = None
     if "--driver" in sys.argv[2:]:
         threading.Thread(target=_read_inventory, args=(criu_pid,), name="gpusnap-agent-nvml",

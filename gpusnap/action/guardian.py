@@ -22,6 +22,7 @@ import time
 
 from gpusnap import journal
 from gpusnap.criu.freezer import is_frozen, thaw
+from gpusnap.gpu.cuda import CudaDriver
 from gpusnap.gpu.quiesce import QuiesceError, resume
 from gpusnap.procs import alive
 
@@ -61,6 +62,7 @@ def survivors_to_resume(pids: list[int], deadline: float,
 
 def _handed_over() -> list:
     """What pre-dump read ahead, (task, fd) each; nothing where stdin is no socket."""
+    # start-up: loaded once CRIU is gone, not beside the dump
     import socket
 
     from gpusnap.pages import dump_ahead
@@ -73,7 +75,7 @@ def _handed_over() -> list:
 
 def write_back(taken: list) -> set[int]:
     """Each surviving process's memory back from the files; the pids it failed for."""
-    from gpusnap.pages import dump_ahead
+    from gpusnap.pages import dump_ahead  # start-up: loaded once CRIU is gone, not beside the dump
     failed = set()
     for task, fd in taken:
         if not alive(task.pid):
@@ -99,7 +101,6 @@ def main(argv: list[str]) -> int:
     living = [p for p in living if p in pids and p not in failed]
     if not living:
         return 1 if failed else 0
-    from gpusnap.gpu.cuda import CudaDriver
     try:
         changed = resume(CudaDriver(), living)
         journal.record("guardian-resumed", pids=changed)

@@ -41,7 +41,7 @@ def restore_into(source: str, to: str, name: str | None, keep: bool, tcp_establi
                  gpu_map: str | None, dry_run: bool, trust, registry, as_json: bool,
                  address: str | None, log_uri: str | None, pull_policy: str = "missing") -> dict:
     """`gpusnap restore SOURCE --to containerd://...`: a registry reference or a checkpoint directory."""
-    from gpusnap.ops import containerd_registry as ops
+    from gpusnap.ops import containerd_registry as ops  # start-up: only --to containerd:// loads it
 
     for flag, on in (("--keep", keep), ("--tcp-established", tcp_established)):
         if on:

@@ -102,7 +102,7 @@ def trust_cmd(file: str, as_json: bool) -> None:
     """Trust checkpoints signed by the key in FILE (a .pub from `gpusnap key
     export` on the pushing host): restores here accept them. With a policy
     file (/etc/gpusnap/policy.json) the policy decides: add FILE to its keyPaths."""
-    from gpusnap.trust import hostkey, policy
+    from gpusnap.trust import hostkey, policy  # cryptography: only where keys are used
     key_id, dest = hostkey.trust(file)
     note = None
     if policy.DEFAULT_PATH.exists() or os.environ.get(policy.POLICY_ENV):

@@ -28,7 +28,7 @@ class LazyConsole:
     @property
     def real(self):
         if self._console is None:
-            from rich.console import Console
+            from rich.console import Console  # start-up: rich only on first use
 
             self._console = Console(**self._options)
         return self._console

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Callable
 
 import click
@@ -78,14 +79,14 @@ def pull_cmd(ref: str, output: str | None, no_cache: bool, prefetch: bool, trust
         if output or no_cache:
             raise GpusnapError("--prefetch fills the chunk cache: it takes no --output and no "
                                "--no-cache", "drop them, or drop --prefetch to write an archive")
-        from gpusnap.ops import warm_cache
+        from gpusnap.ops import warm_cache  # registry code: imported only when used
 
         with transfer_progress(as_json, f"Prefetching {ref}", verb="fetched") as bar:
             result = warm_cache.prefetch(ref, registry(), trust=trust, on_trusted=warn_skipped,
                                          progress=bar.advance, total=bar.total)
         emit(as_json, result, _human_prefetch)
         return
-    from gpusnap.ops import pull as ops
+    from gpusnap.ops import pull as ops  # registry code: imported only when used
 
     with transfer_progress(as_json, f"Pulling {ref}", verb="fetched") as bar:
         result = ops.pull(ref, output, registry(), trust=trust, on_trusted=warn_skipped,
@@ -98,9 +99,7 @@ def pull_cmd(ref: str, output: str | None, no_cache: bool, prefetch: bool, trust
 def _restore_command(output: str, name: str | None) -> str:
     """What restores the archive here, as printed: --name where its container's
     name is taken on this host (as push's line has it)."""
-    import shlex
-
-    from gpusnap.cli.push import name_args
+    from gpusnap.cli.push import name_args  # start-up: push's CLI, for this line only
 
     return " ".join(shlex.quote(a) for a in ["gpusnap", "restore", output, *name_args(name)])
 

@@ -14,7 +14,8 @@ from gpusnap.cli.registry_options import (gpusnap_command, registry_options, res
                                           transfer_progress)
 from gpusnap.cli.trust_options import trust_options
 from gpusnap.errors import GpusnapError
-from gpusnap.oci.registry import RegistryOptions
+from gpusnap.oci import podman_image, reference
+from gpusnap.oci.registry import RegistryClient, RegistryOptions, TransientError
 from gpusnap.ops.uploads import Tracker
 from gpusnap.trust.options import TrustOptions
 
@@ -92,7 +93,7 @@ def container_state(r: dict, leave_running: bool, pre_checkpoint: bool = False,
 
 def name_args(name: str | None) -> list[str]:
     """``--name NAME-2`` where a container named ``name`` exists here, else nothing."""
-    from gpusnap.ops.restore import free_name
+    from gpusnap.ops.restore import free_name  # start-up: CRIU and GPU code, for this line only
 
     return ["--name", new] if (new := free_name(name)) else []
 
@@ -102,8 +103,7 @@ def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
     """The command that restores what was pushed, flags included; ``here``: on
     this host as it is now (a name in use gets --name). Also the name it avoided."""
     if r.get("format") == "podman":  # Podman restores it, with Podman's flags
-        from gpusnap.oci import podman_image
-        from gpusnap.ops.restore import free_name
+        from gpusnap.ops.restore import free_name  # start-up: CRIU and GPU code, for this line only
 
         rename = free_name(r.get("container")) if here else None
         return podman_image.restore_command(r["reference"], opts, bool(
@@ -128,9 +128,7 @@ def restore_refusal(r: dict, opts: RegistryOptions) -> dict | None:
     pushed? The same check restore makes (signature tag, policy), run now."""
     if r.get("format") == "podman":
         return None  # Podman's own policy decides
-    from gpusnap.oci import reference
-    from gpusnap.oci.registry import RegistryClient
-    from gpusnap.trust import remote
+    from gpusnap.trust import remote  # cryptography: only where signatures are checked
 
     client = RegistryClient(reference.parse(r["pinned"]), opts)
     try:
@@ -151,7 +149,6 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
     (``here``: on this host; else on another one). ``tracker``: a background
     upload's state file, kept up to date (cli/detach.py)."""
     from gpusnap.ops import push as ops  # registry code: imported only when used
-    from gpusnap.oci.registry import TransientError
 
     with transfer_progress(as_json, f"Pushing {source}") as bar:
         def checkpointing(name: str) -> None:
@@ -242,7 +239,7 @@ def push_cmd(source: str, ref: str, stop: bool, leave_running: bool, level: int,
         raise GpusnapError("--stop and --leave-running contradict each other",
                            "pass --stop to move the container, nothing to copy it")
     if detach:
-        from gpusnap.runtime import podman
+        from gpusnap.runtime import podman  # start-up: --detach only (a big module)
 
         bg.refuse_source(source)
         if not podman.exists(source):

@@ -129,6 +129,7 @@ def transfer_progress(as_json: bool, text: str, verb: str = "sent") -> Iterator[
     if as_json or not err_console.is_terminal:
         yield TransferProgress(None)
         return
+    # start-up: rich's progress only on a terminal (not --json)
     from rich.filesize import decimal
     from rich.progress import (BarColumn, DownloadColumn, Progress, ProgressColumn,
                                TextColumn, TimeRemainingColumn, TransferSpeedColumn)

@@ -33,7 +33,7 @@ def _table(r: dict) -> None:
     if not r["uploads"]:
         console.print("No background uploads (`gpusnap migrate|push CTR REF --detach` starts one).")
         return
-    from rich.table import Table
+    from rich.table import Table  # start-up: rich only for the table (not --json)
 
     table = Table(box=None, pad_edge=False)
     for column in ("ID", "CONTAINER", "REFERENCE", "PHASE", "PROGRESS", "AGE"):

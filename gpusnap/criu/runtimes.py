@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpusnap.criu.version import tool_version
+from gpusnap.errors import GpusnapError
 
 if TYPE_CHECKING:
     from gpusnap.gpu.manifest import Manifest
@@ -88,8 +89,6 @@ def require_gpu_restore(runtime: str, manifest: "Manifest | dict | None", source
     ``manifest``: the checkpoint's GPU manifest (or its dict); ``untouched``: what the
     refusal says stayed as it was ("nothing was restored", "nothing was downloaded").
     """
-    from gpusnap.errors import GpusnapError
-
     if manifest is None:
         return
     if isinstance(manifest, dict):

@@ -68,7 +68,7 @@ def mps_active() -> bool:
 def read_inventory() -> Inventory:
     """Query NVML; never raises: a host without a driver gets ``error`` set."""
     try:
-        import pynvml
+        import pynvml  # optional (nvidia-ml-py), and start-up: NVML only where it is read
     except ImportError:
         return Inventory(error="nvidia-ml-py is not installed")
     try:

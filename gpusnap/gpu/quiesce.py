@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.cuda import ProcessState
+from gpusnap.gpu.cuda import CudaDriver, ProcessState
 
 # How long the driver waits for a process's CUDA work to finish before its lock
 # fails: the checkpoint, freeze and move verbs take it as --lock-timeout/--timeout.
@@ -177,8 +177,6 @@ def resume_onto(driver: Driver, pids: list[int],
 
 def require_driver() -> Driver:
     """The CUDA driver, loaded (libcuda) only here, where there are CUDA processes."""
-    from gpusnap.gpu.cuda import CudaDriver
-
     try:
         return CudaDriver()
     except RuntimeError as exc:

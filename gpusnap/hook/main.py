@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -38,7 +39,7 @@ def gpu_devices(spec: dict) -> list[dict]:
 
 
 def record_assignment(container_id: str, devices: list[dict], inv: "Inventory | None" = None) -> Path:
-    from gpusnap.gpu.inventory import read_inventory
+    from gpusnap.gpu.inventory import read_inventory  # start-up: the hook runs at every create
 
     read_by = "agent" if inv else "hook"  # whose NVML read (action/agent.py): benchmarks tell
     inv = inv or read_inventory()
@@ -65,8 +66,7 @@ def agent_inventory(wait_s: float = 0.5) -> "Inventory | None":
     (action/agent.py): runc starts CRIU and this hook alike, so the agent's CRIU
     is this hook's sibling. None where there is no such agent, or it has not
     read them within ``wait_s``: the hook then reads NVML itself."""
-    import time
-
+    # start-up: the hook runs at every create; these only for a restore
     from gpusnap.gpu.inventory import Inventory
     from gpusnap.procs import parent_of
 
@@ -109,7 +109,7 @@ def plan_for_restore(manifest_path: Path, spec: dict, wait_s: float = 0.5,
 
 def stash_live_remap(pid: int, plan: "Plan", spec: dict) -> Path:
     """What post-resume needs to move the restored processes (keyed by the restored init pid)."""
-    from gpusnap.procs import start_time
+    from gpusnap.procs import start_time  # start-up: the hook runs at every create
 
     # The spec holds the container's environment (API keys): root only, like the bundle's.
     return write_private(journal.state_subdir("restores") / f"{pid}.json",

@@ -38,6 +38,7 @@ _GOARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x":
 
 def host_facts() -> dict:
     """What `podman info` says about this host, the part the annotations carry."""
+    # start-up: the CRIU action script loads this module (pages_aside); Podman's only here
     from gpusnap.runtime.podman import podman_binary
 
     try:

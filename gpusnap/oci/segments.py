@@ -38,9 +38,11 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from gpusnap.errors import GpusnapError
-from gpusnap.oci import chunker
+from gpusnap.oci import chunker, reference
 from gpusnap.oci.bundle import Chunk
-from gpusnap.oci.registry import RegistryOptions
+from gpusnap.oci.cache import ChunkCache
+from gpusnap.oci.registry import RegistryClient, RegistryOptions
+from gpusnap.oci.transfer import Downloader, Uploader
 
 THREADS_PER_WORKER = 3  # uploads in flight per worker while its main thread chunks
 
@@ -89,10 +91,6 @@ _worker: dict = {}
 
 def _client_and_cache(ref: str, opts: RegistryOptions, cache_root: str | None, push: bool):
     """A worker's own registry connection and chunk cache, built once in its initializer."""
-    from gpusnap.oci import reference
-    from gpusnap.oci.cache import ChunkCache
-    from gpusnap.oci.registry import RegistryClient
-
     return (RegistryClient(reference.parse(ref), opts, push=push),
             ChunkCache.open(Path(cache_root)) if cache_root else None)
 
@@ -103,8 +101,6 @@ def _moved(stats, before: dict) -> dict:
 
 
 def _init(ref: str, opts: RegistryOptions, cache_root: str | None, level: int) -> None:
-    from gpusnap.oci.transfer import Uploader
-
     _worker["uploader"] = Uploader(*_client_and_cache(ref, opts, cache_root, True), level,
                                    THREADS_PER_WORKER)
 
@@ -206,8 +202,6 @@ class FetchSegment:
 
 
 def _init_fetch(ref: str, opts: RegistryOptions, cache_root: str | None) -> None:
-    from gpusnap.oci.transfer import Downloader
-
     _worker["downloader"] = Downloader(*_client_and_cache(ref, opts, cache_root, False),
                                        FETCH_THREADS)
 

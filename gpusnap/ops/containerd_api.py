@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, message_factory
 
 from gpusnap.criu.log import first_error
 from gpusnap.private import restrict_tree
@@ -109,8 +109,6 @@ class Client:
         """One unary call, e.g. call("tasks", "Tasks", "Start", container_id=...)."""
         svc = self._service(module, service)
         req = getattr(self.pb, module).DESCRIPTOR.message_types_by_name[svc.methods_by_name[method].input_type.name]
-        from google.protobuf import message_factory
-
         msg = message_factory.GetMessageClass(req)(**fields)
         try:
             return unary_stub(self.channel, svc, method)(msg, metadata=self._metadata(), timeout=timeout)

@@ -32,16 +32,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from gpusnap import archive, journal
 from gpusnap.errors import GpusnapError
+from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
+from gpusnap.gpu.manifest import Manifest
+from gpusnap.oci.cache import ChunkCache
+from gpusnap.oci.dirfiles import DirectoryWriter
+from gpusnap.ops import restore as ops_restore
+from gpusnap.ops.containerd_api import Client, ContainerdError
+from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image, import_dir
 from gpusnap.ops.engines import ENGINE, refuse_engine
+from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.ops.push_source import PushSource, dir_size, kept_error
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, roomiest
 
 if TYPE_CHECKING:
-    from gpusnap.gpu.manifest import Manifest
     from gpusnap.oci.registry import RegistryOptions
     from gpusnap.oci.transfer import Progress
-    from gpusnap.ops.containerd_api import Client
     from gpusnap.ops.pull import Remote
     from gpusnap.trust.options import TrustOptions
 
@@ -104,8 +111,6 @@ def _ctr(address: str, namespace: str) -> str:
 @contextmanager
 def _client(address: str, namespace: str) -> Iterator["Client"]:
     """A containerd client; its failures become one line."""
-    from gpusnap.ops.containerd_api import Client, ContainerdError  # grpc: only for containerd
-
     if not Path(address).exists():
         raise GpusnapError(f"no containerd socket at {address}",
                            "start containerd, or pass --containerd-address PATH (or set "
@@ -119,8 +124,6 @@ def _client(address: str, namespace: str) -> Iterator["Client"]:
 
 
 def _exists(c: "Client", kind: str, name: str) -> bool:
-    from gpusnap.ops.containerd_api import ContainerdError
-
     try:
         if kind == "container":
             c.call("containers", "Containers", "Get", id=name)
@@ -134,8 +137,6 @@ def _exists(c: "Client", kind: str, name: str) -> bool:
 
 
 def _running(c: "Client", container: str) -> bool:
-    from gpusnap.ops.containerd_api import ContainerdError
-
     try:
         status = c.call("tasks", "Tasks", "Get", container_id=container).process.status
     except ContainerdError:
@@ -168,9 +169,6 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
                 address: str | None = None) -> Iterator["PushSource"]:
     """SOURCE (containerd://[NS/]NAME) as a checkpoint directory for push(): a container
     checkpointed first, or a checkpoint image laid out."""
-    from gpusnap.ops.containerd_api import ContainerdError
-    from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image
-
     address = _address(address)
     loc = parse_uri(source)
     if not loc.name:
@@ -256,8 +254,6 @@ def _only_copy(address: str, namespace: str, container: str, image: str) -> bool
 
 
 def _delete_image(address: str, namespace: str, image: str) -> None:
-    from gpusnap.ops.containerd_api import Client, ContainerdError
-
     try:
         with Client(address, namespace) as c:
             c.call("images", "Images", "Delete", name=image, sync=True)
@@ -300,8 +296,6 @@ class RestorePlan:
 def plan_restore(summary: dict, gpu_manifest: "Manifest | None", where: str, to: str,
                  name: str | None, address: str | None, gpu_map: str | None) -> RestorePlan:
     """Everything a containerd restore would refuse, refused before anything is downloaded or made."""
-    from gpusnap.ops.gpu_plan import plan_here
-
     refuse_engine(summary, where, ENGINE, to)
     loc = target_location(to, name)
     meta = summary.get(ENGINE) or {}
@@ -334,12 +328,6 @@ def plan_restore(summary: dict, gpu_manifest: "Manifest | None", where: str, to:
 
 def _import(plan: RestorePlan, src: Path, source: str, log_uri: str | None) -> dict:
     """The container made from SRC in the plan's namespace and its task restored; the report."""
-    from gpusnap import journal
-    from gpusnap.ops import restore as ops_restore
-    from gpusnap.ops.containerd_api import ContainerdError
-    from gpusnap.ops.containerd_checkpoint import import_dir
-    from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
-
     notes = {GPU_MAP_ANNOTATION: plan.gpu_map} if plan.gpu_map else None
     start = time.monotonic()
     with _client(plan.address, plan.namespace) as c:
@@ -370,8 +358,7 @@ def write_directory(remote: "Remote", dest: Path, *, use_cache: bool = True,
                     progress: "Progress | None" = None,
                     total: Callable[[int], None] | None = None) -> dict:
     """Fetch every chunk (cache first), verify it, and write the files under DEST."""
-    from gpusnap.oci.dirfiles import DirectoryWriter
-    from gpusnap.ops.pull import write_files
+    from gpusnap.ops.pull import write_files  # registry code (cryptography): a pull only
 
     return write_files(remote, DirectoryWriter(dest), dest, use_cache=use_cache,
                        cache_root=cache_root, workers=workers, progress=progress, total=total)
@@ -384,10 +371,7 @@ def restore_remote(ref_text: str, to: str, name: str | None, opts: "RegistryOpti
                    **kw) -> dict:
     """`gpusnap restore REF --to containerd://NS/ID`: checks, pull into a staged directory,
     import_dir. ``pull_policy``: pull.open_remote's."""
-    from gpusnap.gpu.manifest import Manifest
-    from gpusnap.oci.cache import ChunkCache
-    from gpusnap.ops import pull
-    from gpusnap.ops import restore as ops_restore
+    from gpusnap.ops import pull  # registry code (cryptography): a pull only
 
     cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
     remote = pull.open_remote(ref_text, opts, trust, cache, pull_policy)
@@ -416,9 +400,6 @@ def restore_directory(path: Path, to: str, name: str | None, *, address: str | N
                       gpu_map: str | None = None, dry_run: bool = False,
                       log_uri: str | None = None) -> dict:
     """`gpusnap restore DIR --to containerd://NS/ID`: a directory export_image (or a failed push) left."""
-    from gpusnap import archive
-    from gpusnap.ops import restore as ops_restore
-
     contents = archive.read_directory(path)
     if not contents.is_containerd_checkpoint:
         refuse_engine(contents.summary(), str(path), ENGINE, to)

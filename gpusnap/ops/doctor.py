@@ -10,6 +10,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gpusnap.criu.runtimes import runs_action_script, why_not
 from gpusnap.criu.version import (criu_version, cuda_plugin_path, inet_sockets_problem,
                                   is_supported)
 from gpusnap.gpu.compat import MIN_CHECKPOINT_DRIVER, driver_major
@@ -21,6 +22,7 @@ from gpusnap.ops import leftovers
 from gpusnap.pages import prepared_pages
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import PROC, gpu_use
+from gpusnap.runtime import podman
 from gpusnap.pages import memory
 from gpusnap.waits import Bound
 
@@ -78,9 +80,6 @@ def _criu_checks() -> list[Check]:
 def _runtime_check() -> Check:
     """The OCI runtime Podman uses (runc where it says none): gpusnap needs CRIU to
     get its action script there (runc always; crun >= 1.26 with libcriu >= 4.2)."""
-    from gpusnap.criu.runtimes import runs_action_script, why_not
-    from gpusnap.runtime import podman
-
     name = (podman.default_runtime() if shutil.which("podman") else "") or "runc"
     path = shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/local/sbin:/usr/sbin:/sbin")
     if path is None:
@@ -97,9 +96,9 @@ def _runtime_check() -> Check:
 
 def _integration_checks() -> list[Check]:
     checks = [_runtime_check()]
-    podman = shutil.which("podman")
-    checks.append(Check("podman", podman is not None, podman or "not found",
-                        "" if podman else "install podman", required=False))
+    podman_bin = shutil.which("podman")
+    checks.append(Check("podman", podman_bin is not None, podman_bin or "not found",
+                        "" if podman_bin else "install podman", required=False))
     hook = next((h for h in HOOK_FILES if h.exists()), None)
     hook_ok, detail = False, "not installed"
     if hook is not None:

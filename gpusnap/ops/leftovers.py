@@ -21,8 +21,10 @@ from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.ops import uploads
+from gpusnap.pages import pages_aside
+from gpusnap.pages.memory import roots as ram_roots
 from gpusnap.runtime.fifo_pump import referenced
-from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, TRASH_PREFIX
+from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, TRASH_PREFIX, storage_root
 from gpusnap.runtime.stream import FIFO_DIR_PREFIX, FIFO_NAME, partial_path
 
 
@@ -34,9 +36,6 @@ STAGING_IDLE_S = 10
 
 
 def _staging_roots() -> set[Path]:
-    from gpusnap.pages.memory import roots as ram_roots
-    from gpusnap.runtime.storage import storage_root
-
     root = storage_root()
     return {d for d in (root.parent if root else None, Path("/var/tmp"), *ram_roots())
             if d and d.is_dir()}
@@ -73,9 +72,6 @@ def kept() -> list[dict]:
 def _linked_from_checkpoints() -> set[Path]:
     """Staging folders holding the pages of a container's local checkpoint (a
     push killed after its dump: pages/pages_aside.py): the only copy, kept."""
-    from gpusnap.pages import pages_aside
-    from gpusnap.runtime.storage import storage_root
-
     root = storage_root()
     if root is None:
         return set()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from gpusnap import MANIFEST_NAME, archive
 from gpusnap.pages import pages_aside
+from gpusnap.criu.version import criu_version
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci import chunker, reference, segments, tarfiles
@@ -21,6 +22,7 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.pages import early_pages, prefetch
+from gpusnap.ops import push_podman
 from gpusnap.ops.push_source import PushSource
 from gpusnap.ops.sources import find_container, open_source
 from gpusnap.runtime.storage import image_repo_digests
@@ -289,7 +291,6 @@ def _bundle(source: str, files: list[fmt.FileEntry], contents: archive.Checkpoin
 def _annotations(b: fmt.Bundle, kind: str, pre_checkpoint: bool) -> dict[str, str]:
     criu = None
     if kind in ("container", "containerd-container"):  # checkpointed here, by this CRIU
-        from gpusnap.criu.version import criu_version
         criu = criu_version()
     notes = fmt.annotations(b, criu, platform.machine())
     if pre_checkpoint:
@@ -380,11 +381,8 @@ def _push_podman(src: PushSource, client: RegistryClient, source: str, level: in
                  progress: Progress | None, start: float, sealing: PushTrust) -> dict:
     """One layer, Podman's annotations: `podman container restore REF` takes it;
     encrypted to ``sealing.recipients`` as ocicrypt encrypts layers."""
-    from gpusnap.ops import push_podman
-
     criu = None
     if src.kind == "container":  # checkpointed here, by this CRIU
-        from gpusnap.criu.version import criu_version
         criu = criu_version()
     with _entries(src) as entries:
         pushed = push_podman.push_image(entries, client, str(client.ref), level, criu, progress,

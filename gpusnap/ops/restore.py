@@ -14,6 +14,7 @@ from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.plan import Plan
+from gpusnap.ops.engines import refuse_engine
 from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import has_checkpoint
@@ -81,7 +82,6 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
     if path.exists():
         contents = archive.read(str(path), head_only=True)
         if contents.is_containerd_checkpoint:  # restored with --to containerd://
-            from gpusnap.ops.engines import refuse_engine
             refuse_engine(contents.summary(), source, "podman")
         config = contents.json_file("config.dump") or {}
         target = name or config.get("name")

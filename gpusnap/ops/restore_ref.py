@@ -17,10 +17,13 @@ from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Callable
 
+from gpusnap import archive as archive_files
 from gpusnap import journal
 from gpusnap.pages import pages_aside
 from gpusnap.criu.runtimes import require_gpu_restore, runs_action_script
+from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
+from gpusnap.gpu.manifest import Manifest
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryOptions
@@ -28,6 +31,8 @@ from gpusnap.oci.tarfiles import PipeWriter, ReaderStopped
 from gpusnap.pages import prepared_pages
 from gpusnap.pages.memory import pages_dir
 from gpusnap.ops import restore as ops_restore
+from gpusnap.ops.engines import refuse_engine
+from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.ops.pull import (PULL_MISSING, OnTrusted, Remote, fetch_small, open_remote,
                               write_archive, write_files)
 from gpusnap.runtime import podman, retarget
@@ -43,7 +48,6 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
     plan. ``name_taken`` answers whether --name's container exists (asked while
     the registry was)."""
     if remote.bundle.summary.get("engine", "podman") != "podman":  # containerd's: --to containerd://
-        from gpusnap.ops.engines import refuse_engine
         refuse_engine(remote.bundle.summary, str(remote.client.ref), "podman")
     if fmt.is_pre_checkpoint(remote.manifest) and not name:
         raise GpusnapError(f"{remote.client.ref} is a pre-checkpoint: its container kept running "
@@ -54,9 +58,6 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
     taken = name_taken or (lambda: podman.exists(target))  # name_taken: asked for --name
     if target and taken():  # --dry-run too: a check the restore makes
         raise ops_restore.name_taken(target)
-    from gpusnap.gpu.manifest import Manifest
-    from gpusnap.ops.gpu_plan import plan_here
-
     manifest = remote.bundle.gpu_manifest
     require_gpu_restore(remote.bundle.summary.get("runtime") or facts().runtime, manifest,
                         str(remote.client.ref), "nothing was downloaded")
@@ -100,9 +101,6 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     """Podman imports through a FIFO fed by the download as it arrives: the
     restore overlaps the download, and nothing is staged on disk. Podman's
     first ``opens`` opens get a tar of ``files`` (config.dump, spec.dump)."""
-    from gpusnap import archive as archive_files
-    from gpusnap.criu.version import require_supported
-
     require_supported("restore")
     contents = archive_files.CheckpointContents(source=str(remote.client.ref), files=dict(files))
     target = name or (remote.bundle.summary.get("container") or {}).get("name")
@@ -207,9 +205,6 @@ def _restore_staged(remote: Remote, plan, name: str | None, keep: bool, tcp_esta
                     **kw) -> tuple[dict, dict]:
     """Pull into a staged plain tar, then import it under ``plan`` (made before
     the download, not again) as `gpusnap restore FILE` does."""
-    from gpusnap import archive as archive_files
-    from gpusnap.criu.version import require_supported
-
     require_supported("restore")
     work = Path(tempfile.mkdtemp(prefix=PULL_PREFIX,
                                  dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))

@@ -275,6 +275,7 @@ def drop(task: Task) -> None:
     """Take the runs out of the process (they are in ``task.path``).
     RemoteSyscallError where it refused: what was dropped is back by then.
     AheadError where it could not be put back."""
+    # start-up: post-dump and the guardian load this module, only pre-dump drops memory
     from gpusnap.pages.remote_syscall import RemoteSyscallError, madvise_dontneed
 
     try:

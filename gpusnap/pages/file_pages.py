@@ -24,6 +24,7 @@ the page cache reads what CRIU would have read.
 from __future__ import annotations
 
 import bisect
+import json
 import os
 import stat
 import struct
@@ -129,8 +130,6 @@ def host_dirs(folder: Path) -> dict[str, Path] | None:
     bundle's config.json beside the images folder (Podman's userdata/checkpoint)
     says: "/" -> root.path, a bind mount's destination -> its source. None where
     there is no such bundle (another layout)."""
-    import json
-
     spec_path = Path(os.path.realpath(folder)).parent / "config.json"
     try:
         spec = json.loads(spec_path.read_text())

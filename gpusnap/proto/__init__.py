@@ -17,7 +17,7 @@ from types import SimpleNamespace
 @functools.cache
 def load() -> SimpleNamespace:
     """The generated modules, one attribute per name in build.PROTOS (shim side and client side)."""
-    from gpusnap.proto import build
+    from gpusnap.proto import build  # start-up: proto.wire (CRIU images, `SHIM delete`) needs no build
 
     path = str(build.build())
     if path not in sys.path:

@@ -11,12 +11,15 @@ version pin that grpcio-tools writes into *_pb2_grpc.py files.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+import google.protobuf
 
 SRC = Path(__file__).resolve().parent / "src"
 PACKAGE = "gpusnap_pb"
@@ -34,8 +37,6 @@ class ProtoBuildError(RuntimeError):
 def _runtime_version() -> str:
     # Generated code must not be newer than the runtime that loads it; keying
     # on the runtime rebuilds after a protobuf upgrade or downgrade.
-    import google.protobuf
-
     return google.protobuf.__version__
 
 
@@ -70,14 +71,14 @@ def build(out: Path | None = None) -> Path:
     out = out or built_dir()
     if (out / PACKAGE / "__init__.py").exists():
         return out
-    try:
+    try:  # optional: grpcio-tools, only a first build needs it
         from grpc_tools import protoc
     except ImportError as e:
         raise ProtoBuildError(
             "grpcio-tools is not installed: pip install grpcio-tools, "
             "or build elsewhere with `python -m gpusnap.proto.build` and set GPUSNAP_PROTO_CACHE"
         ) from e
-    import importlib.resources
+    import importlib.resources  # start-up: only a first build (the shim loads this module)
 
     well_known = str(importlib.resources.files("grpc_tools") / "_proto")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -99,8 +100,6 @@ def build(out: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m gpusnap.proto.build", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="target directory (default: the cache for this protobuf)")
     a = ap.parse_args(argv)

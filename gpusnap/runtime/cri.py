@@ -16,6 +16,7 @@ containerd but the restore note above.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -113,8 +114,6 @@ class Cri:
 
     def status_info(self, container_id: str) -> dict:
         """The runtime's verbose details of a container (containerd: pid, runtimeType, ...)."""
-        import json
-
         req = self.pb.ContainerStatusRequest(container_id=container_id, verbose=True)
         info = self.call("RuntimeService", "ContainerStatus", req).info.get("info", "{}")
         return json.loads(info)

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from gpusnap.errors import GpusnapError
 from gpusnap.private import open_private
 from gpusnap.runtime.stream import OPENED, PIPE_SIZE, PUMP_PARENT_ENV, is_zstd, tar_member
 from gpusnap.runtime.stream import widen as _widen
@@ -151,7 +152,7 @@ def _serve_one(fd: int, archive: str) -> None:
 
 
 def _serve_retargeted(fd: int, archive: str, retarget: str) -> None:
-    from gpusnap.errors import GpusnapError
+    # start-up: only a --retarget import; the pump starts at every FIFO import
     from gpusnap.gpu.nodes import DeviceRemap
     from gpusnap.runtime.retarget import rewrite_archive
 

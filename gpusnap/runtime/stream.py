@@ -17,12 +17,14 @@ partial file that is renamed only when every byte is in.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -63,7 +65,6 @@ _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named only from Python 3.10 on Linux
 def widen(fd: int) -> None:
     """A 1 MiB pipe buffer instead of 64 KiB: several times the throughput
     for the gigabytes of a GPU checkpoint (pipe-max-size allows 1 MiB by default)."""
-    import fcntl
     try:
         fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_SIZE)
     except OSError:
@@ -419,8 +420,6 @@ def config_tar(files: dict[str, bytes]) -> bytes | None:
 
 def tar_member(name: str, data: bytes, mode: int = 0o600) -> bytes:
     """One regular-file member of a tar stream (header and padded data, no end marker)."""
-    import tarfile
-
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime = len(data), mode, int(time.time())
     return info.tobuf(format=tarfile.PAX_FORMAT) + data + b"\0" * (-len(data) % 512)

@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+from gpusnap import __version__
+
 # Imports stay lazy: containerd waits on `start` and `delete` for every task.
 
 SOCKET_DIR = os.environ.get("GPUSNAP_SHIM_DIR", "/run/gpusnap/shim")  # sockets, server info, the zygote
@@ -55,14 +57,14 @@ def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 def socket_path(address: str, namespace: str, cid: str) -> str:
     # Unique per containerd, namespace and task, and short (sun_path is 108 bytes).
-    import hashlib
+    import hashlib  # start-up: containerd waits on start/delete
 
     digest = hashlib.sha256(f"{address}\0{namespace}\0{cid}".encode()).hexdigest()[:32]
     return os.path.join(SOCKET_DIR, digest + ".sock")
 
 
 def _listening(path: str) -> bool:
-    import socket
+    import socket  # start-up: containerd waits on start/delete
 
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -86,7 +88,7 @@ def _cold_start(req: dict) -> bool:
             null = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
-            from gpusnap.shim.server import serve
+            from gpusnap.shim.server import serve  # grpc: only the server needs it
 
             code = serve(req["namespace"], req["address"], req["socket"], w, req["debug"], "cold",
                          req.get("protocol", "grpc"))
@@ -122,12 +124,12 @@ def start(flags: dict[str, str]) -> int:
     protocol = "ttrpc" if version >= 3 else "grpc"
     response = json.dumps({"version": version, "protocol": protocol,
                            "address": f"unix://{path}" if protocol == "ttrpc" else path})
-    from gpusnap.private import private_dir, write_private
+    from gpusnap.private import private_dir, write_private  # start-up: containerd waits on start/delete
 
     if not _listening(path):
         # 0700: containerd (root) is the only client of the sockets in it.
         private_dir(SOCKET_DIR)
-        from gpusnap.shim import zygote
+        from gpusnap.shim import zygote  # start-up: not for delete or -v
 
         warm = zygote.enabled()
         req = {"namespace": ns, "address": address, "socket": path, "cwd": os.getcwd(), "protocol": protocol,
@@ -148,9 +150,9 @@ def start(flags: dict[str, str]) -> int:
 
 def delete(flags: dict[str, str]) -> int:
     """Clean up after a shim that died: force-delete the runc container, unmount."""
-    import subprocess
+    import subprocess  # start-up: containerd waits on start/delete
 
-    from gpusnap.shim import bundle as bundle_state
+    from gpusnap.shim import bundle as bundle_state  # start-up: no grpc in `delete`
 
     ns, cid = flags.get("namespace", ""), flags.get("id", "")
     bundle = flags.get("bundle") or os.getcwd()
@@ -168,7 +170,7 @@ def delete(flags: dict[str, str]) -> int:
                   file=sys.stderr)
         rootfs = os.path.join(bundle, "rootfs")
         if os.path.ismount(rootfs):
-            from gpusnap.shim import mounts
+            from gpusnap.shim import mounts  # start-up: containerd waits on start/delete
 
             mounts.unmount_all(rootfs)
     if flags.get("address"):  # what a killed server left behind
@@ -188,8 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         flags, rest = parse_args(argv)
         if flags.get("v") == "true" or flags.get("version") == "true":
-            from gpusnap import __version__
-
             print(f"containerd-shim-gpusnap-v1 (gpusnap {__version__}), runtime v2, grpc")
             return 0
         action = rest[0] if rest else ""

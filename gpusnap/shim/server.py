@@ -7,12 +7,21 @@ import ctypes
 import json
 import logging
 import os
+import resource
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+
 from gpusnap.private import private_umask, write_private
+from gpusnap.proto import load
+from gpusnap.proto.rpc import generic_handler
+from gpusnap.shim.events import Publisher
 from gpusnap.shim.logfifo import setup_logging
+from gpusnap.shim.reaper import Reaper, set_subreaper
+from gpusnap.shim.service import TaskService
+from gpusnap.shim.ttrpc import TtrpcServer
 
 log = logging.getLogger("gpusnap.shim")
 
@@ -28,14 +37,6 @@ def serve(namespace: str, containerd_address: str, socket_path: str, ready_fd: i
     setup_logging(os.path.join(os.getcwd(), "log"), debug)
     threading.excepthook = lambda a: log.error("thread %s: %s", a.thread.name if a.thread else "?",
                                                a.exc_value, exc_info=(a.exc_type, a.exc_value, a.exc_traceback))
-    import grpc
-
-    from gpusnap.proto import load
-    from gpusnap.proto.rpc import generic_handler
-    from gpusnap.shim.events import Publisher
-    from gpusnap.shim.reaper import Reaper, set_subreaper
-    from gpusnap.shim.service import TaskService
-
     set_subreaper()
     reaper = Reaper()
     reaper.start()
@@ -43,8 +44,6 @@ def serve(namespace: str, containerd_address: str, socket_path: str, ready_fd: i
     service = TaskService(namespace, Publisher(containerd_address, namespace), reaper, done.set)
     task = load().shim.DESCRIPTOR.services_by_name["Task"]
     if protocol == "ttrpc":
-        from gpusnap.shim.ttrpc import TtrpcServer
-
         server = TtrpcServer(task, service)
         if not server.listen(socket_path):
             return 1
@@ -78,8 +77,6 @@ def serve(namespace: str, containerd_address: str, socket_path: str, ready_fd: i
             os.unlink(f)
         except OSError:
             pass
-    import resource
-
     ru = resource.getrusage(resource.RUSAGE_SELF)
     log.debug("shim exiting (cpu %.0f ms user, %.0f ms system)", ru.ru_utime * 1000, ru.ru_stime * 1000)
     sys.stdout.flush()

@@ -19,7 +19,9 @@ from typing import Callable
 import grpc
 from google.protobuf import any_pb2, empty_pb2, timestamp_pb2
 
+from gpusnap.errors import GpusnapError
 from gpusnap.private import open_private, private_dir
+from gpusnap.procs import cuda_processes
 from gpusnap.proto import load
 from gpusnap.shim import bundle as bundle_state
 from gpusnap.shim import mounts
@@ -54,8 +56,6 @@ def _unpack(anyv: any_pb2.Any, name: str, cls):
 
 
 def _uses_cuda(pid: int) -> bool:
-    from gpusnap.procs import cuda_processes  # only a checkpoint of a paused task asks
-
     return bool(pid) and bool(cuda_processes(pid))
 
 
@@ -226,7 +226,6 @@ class TaskService:
         work = c.criu_work or str(private_dir(os.path.join(c.bundle, "criu-work")))  # CRIU's logs
         console = p.io.console_socket(c.bundle) if p.paths.terminal else None
         # Imported here: GPU planning is for restores only and stays out of the shim's startup.
-        from gpusnap.errors import GpusnapError
         from gpusnap.shim import remap
 
         try:

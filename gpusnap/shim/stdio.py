@@ -12,8 +12,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import socket
 import struct
+import tempfile
 import termios
 import threading
 from dataclasses import dataclass
@@ -118,8 +120,6 @@ class ProcessIO:
 
     def console_socket(self, directory: str) -> str:
         """A socket runc sends the pty master to (--console-socket)."""
-        import tempfile
-
         self._console_dir = tempfile.mkdtemp(prefix="pty-", dir=directory)
         path = os.path.join(self._console_dir, "s")
         self._console_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -142,8 +142,6 @@ class ProcessIO:
             self._console_sock.close()
             self._console_sock = None
         if self._console_dir:
-            import shutil
-
             shutil.rmtree(self._console_dir, ignore_errors=True)
             self._console_dir = None
 

@@ -13,12 +13,17 @@ file). GPUSNAP_SHIM_ZYGOTE=0 turns it off.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import signal
 import socket
 import struct
 import sys
+import time
 from pathlib import Path
+
+from gpusnap.private import private_umask, write_private
 
 IDLE_EXIT = 600.0
 _CHECK_EVERY = 5.0  # seconds between checks that the socket is still ours
@@ -65,9 +70,7 @@ def launch(socket_dir: str) -> None:
 
 def _serve_child(conn: socket.socket, listener: socket.socket, req: dict) -> None:
     """In the forked grandchild: become the task's shim server."""
-    from gpusnap.shim.server import serve
-
-    import signal
+    from gpusnap.shim.server import serve  # start-up: `SHIM start` imports this module
 
     code = 1
     try:
@@ -98,12 +101,6 @@ def _peer_uid(conn: socket.socket) -> int:
 
 
 def main(socket_dir: str) -> int:
-    import fcntl
-    import signal
-    import time
-
-    from gpusnap.private import private_umask, write_private
-
     # One zygote per directory: the lock lives as long as this process.
     lock = os.open(os.path.join(socket_dir, "zygote.lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
@@ -112,7 +109,8 @@ def main(socket_dir: str) -> int:
         return 0
     # SIGTERM runs the finally below (socket and info file removed); forks reset it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    # Imported here, before any request, so that each fork starts warm.
+    # Imported here, before any request, so that each fork starts warm (not at the
+    # top: `SHIM start` imports this module, and must stay light).
     import grpc  # noqa: F401
 
     import gpusnap.shim.server  # noqa: F401
