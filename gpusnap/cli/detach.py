@@ -20,10 +20,10 @@ from typing import Callable
 import click
 
 from gpusnap.cli.output import console, emit, human_bytes
-from gpusnap.cli.registry_options import gpusnap_command
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.ops import uploads
+from gpusnap.ops.advice import container_state, gpusnap_command
 
 _FOLLOW_EVERY_S = 0.1
 
@@ -90,7 +90,8 @@ def start(command: str, container: str, ref: str, leave_running: bool,
          "export": state.get("export"), "checkpointed_after_s": state["checkpointed_after_s"],
          "gpu_free_after_s": state.get("gpu_free_after_s"),
          "bytes_total": state.get("bytes_total"),
-         "container_state": _container_state(container, leave_running),
+         "container_state": container_state({"container": container}, leave_running,
+                                            uploading=True),
          "status_command": f"gpusnap status {state['id']}"}
     if pre_checkpoint:
         r["prefetch_command"] = gpusnap_command(["pull", "--prefetch", ref], opts)
@@ -130,13 +131,6 @@ def _last_line(log: Path) -> str:
     except OSError:
         return "no output"
     return lines[-1].strip() if lines else "no output"
-
-
-def _container_state(name: str, leave_running: bool) -> dict:
-    status = "running" if leave_running else "exited"
-    says = ("checkpointed and still running" if leave_running else
-            "checkpointed and stopped (exited); its state is being uploaded")
-    return {"name": name, "status": status, "stopped": not leave_running, "says": says}
 
 
 def _human(r: dict) -> None:

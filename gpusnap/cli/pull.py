@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 from typing import Callable
 
 import click
@@ -11,6 +10,7 @@ from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_o
 from gpusnap.cli.registry_options import registry_options, transfer_progress
 from gpusnap.cli.trust_options import trust_line, trust_options, warn_skipped
 from gpusnap.errors import GpusnapError
+from gpusnap.ops import advice
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.trust.options import TrustOptions
 
@@ -92,16 +92,8 @@ def pull_cmd(ref: str, output: str | None, no_cache: bool, prefetch: bool, trust
         result = ops.pull(ref, output, registry(), trust=trust, on_trusted=warn_skipped,
                           use_cache=not no_cache,
                           progress=bar.advance, total=bar.total)
-    result["restore_command"] = _restore_command(result["output"], result.get("container"))
+    result["restore_command"] = advice.restore_file_command(result["output"], result.get("container"))
     emit(as_json, result, _human)
-
-
-def _restore_command(output: str, name: str | None) -> str:
-    """What restores the archive here, as printed: --name where its container's
-    name is taken on this host (as push's line has it)."""
-    from gpusnap.cli.push import name_args  # start-up: push's CLI, for this line only
-
-    return " ".join(shlex.quote(a) for a in ["gpusnap", "restore", output, *name_args(name)])
 
 
 COMMANDS = [pull_cmd]

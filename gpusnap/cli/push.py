@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 from typing import Callable
 
 import click
@@ -10,12 +9,11 @@ import click
 from gpusnap.cli import containerd
 from gpusnap.cli import detach as bg
 from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
-from gpusnap.cli.registry_options import (gpusnap_command, registry_options, restore_flags,
-                                          transfer_progress)
+from gpusnap.cli.registry_options import registry_options, transfer_progress
 from gpusnap.cli.trust_options import trust_options
 from gpusnap.errors import GpusnapError
-from gpusnap.oci import podman_image, reference
-from gpusnap.oci.registry import RegistryClient, RegistryOptions, TransientError
+from gpusnap.oci.registry import RegistryOptions, TransientError
+from gpusnap.ops import advice
 from gpusnap.ops.uploads import Tracker
 from gpusnap.trust.options import TrustOptions
 
@@ -69,77 +67,6 @@ def human_push(r: dict, target: bool = False) -> None:
             console.print(f"    [dim]->[/] {refused['hint']}")
 
 
-def container_state(r: dict, leave_running: bool, pre_checkpoint: bool = False,
-                    migrate: bool = False) -> dict | None:
-    """What the push (or ``migrate``) did to the container it checkpointed: a
-    checkpoint that succeeded left it running or stopped it, as asked (no engine
-    call: migrate's time is benchmarked; the tests compare this with Podman's word)."""
-    name = r.get("container")
-    if not name:
-        return None
-    stopped = "stopped" if r.get("source_kind") == "containerd-container" else "exited"
-    status = "running" if leave_running else stopped
-    if status == "running" and pre_checkpoint:
-        says = ("checkpointed and still running: a pre-copy round (`gpusnap migrate` without "
-                "-P stops it and sends what changed since)")
-    elif status == "running" and migrate:
-        says = "checkpointed and still running (--leave-running)"
-    elif status == "running":
-        says = "checkpointed and still running (push copies; --stop moves it, as migrate does)"
-    else:
-        says = f"checkpointed and stopped ({status}); its state now lives in {r['reference']}"
-    return {"name": name, "status": status, "stopped": status != "running", "says": says}
-
-
-def name_args(name: str | None) -> list[str]:
-    """``--name NAME-2`` where a container named ``name`` exists here, else nothing."""
-    from gpusnap.ops.restore import free_name  # start-up: CRIU and GPU code, for this line only
-
-    return ["--name", new] if (new := free_name(name)) else []
-
-
-def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
-                    here: bool) -> tuple[str, str | None]:
-    """The command that restores what was pushed, flags included; ``here``: on
-    this host as it is now (a name in use gets --name). Also the name it avoided."""
-    if r.get("format") == "podman":  # Podman restores it, with Podman's flags
-        from gpusnap.ops.restore import free_name  # start-up: CRIU and GPU code, for this line only
-
-        rename = free_name(r.get("container")) if here else None
-        return podman_image.restore_command(r["reference"], opts, bool(
-            (r.get("trust") or {}).get("encrypted")), rename=rename), \
-            r.get("container") if rename else None
-    args = ["gpusnap", "restore", r["pinned"], *restore_flags(opts)]
-    if (r.get("trust") or {}).get("encrypted") or (trust and trust.encrypts):
-        args += ["--decrypt-key", "KEY"]
-    notes = r.get("annotations") or {}
-    name = notes.get("io.gpusnap.container.name")
-    renamed = None
-    if notes.get("io.gpusnap.engine") == "containerd":  # into containerd: say where
-        args += ["--to", f"containerd://NAMESPACE/{name or 'ID'}"]
-    elif here and (other := name_args(name)):
-        renamed = name
-        args += other
-    return " ".join(shlex.quote(a) if a != "KEY" else a for a in args), renamed
-
-
-def restore_refusal(r: dict, opts: RegistryOptions) -> dict | None:
-    """Would this host's trust policy refuse `gpusnap restore` of what was just
-    pushed? The same check restore makes (signature tag, policy), run now."""
-    if r.get("format") == "podman":
-        return None  # Podman's own policy decides
-    from gpusnap.trust import remote  # cryptography: only where signatures are checked
-
-    client = RegistryClient(reference.parse(r["pinned"]), opts)
-    try:
-        remote.check(client, r["digest"], None)
-    except GpusnapError as exc:
-        return {"error": exc.message, "hint": exc.hint}
-    finally:
-        client.close()
-    return None
-
-
 def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_json: bool,
              leave_running: bool, level: int, image_format: str = "gpusnap",
              trust: TrustOptions | None = None, containerd_address: str | None = None,
@@ -174,13 +101,7 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
         except TransientError as exc:  # true of push: the registry's blobs are asked first
             raise GpusnapError(exc.message, f"{exc.hint}; then push again: chunks the registry "
                                "already has are not sent again") from None
-    r["container_state"] = container_state(r, leave_running or pre_checkpoint, pre_checkpoint,
-                                           migrate=not here)
-    r["restore_command"], r["restore_renamed"] = restore_command(r, registry(), trust, here)
-    if pre_checkpoint:
-        r["prefetch_command"] = gpusnap_command(["pull", "--prefetch", r["pinned"]], registry())
-    r["restore_refused"] = restore_refusal(r, registry())
-    return r
+    return advice.after_push(r, registry(), trust, here, leave_running, pre_checkpoint)
 
 
 def checkpoint_options(fn: Callable) -> Callable:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import shlex
 import sys
-from pathlib import Path
 from typing import Callable, Iterator
 
 import click
@@ -58,29 +56,6 @@ def registry_options(fn: Callable) -> Callable:
 def deprecated(old: str, new: str) -> None:
     """One line on stderr (with --json too): the old spelling works, the new one is shown."""
     err_console.print(f"[yellow]Note:[/] {old} is deprecated, use {new}", soft_wrap=True)
-
-
-def restore_flags(opts: RegistryOptions) -> list[str]:
-    """The registry flags a restore of what was just pushed with ``opts`` needs
-    (new spellings; a password is never repeated, --password-stdin asks for it)."""
-    flags = []
-    if opts.plain_http:
-        flags.append("--plain-http")
-    elif opts.insecure:
-        flags.append("--tls-verify=false")
-    elif opts.ca_file:
-        flags += ["--ca-file", str(Path(opts.ca_file).absolute())]
-    if opts.authfile:
-        flags += ["--authfile", str(Path(opts.authfile).absolute())]
-    if opts.username is not None:
-        flags += ["--username", opts.username, "--password-stdin"]
-    return flags
-
-
-def gpusnap_command(args: list[str], opts: RegistryOptions) -> str:
-    """`gpusnap ARGS` with the registry flags a restore or prefetch of what was
-    pushed with ``opts`` needs, quoted for a shell."""
-    return " ".join(shlex.quote(a) for a in ["gpusnap", *args, *restore_flags(opts)])
 
 
 def _build(v: dict) -> Callable[[], RegistryOptions]:

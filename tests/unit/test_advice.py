@@ -1,0 +1,43 @@
+"""ops/advice.py: what a push, migrate or pull tells the user, as printed
+(the commands themselves run as printed in tests/integration/test_hints.py)."""
+
+from __future__ import annotations
+
+from gpusnap.oci.registry import RegistryOptions
+from gpusnap.ops import advice
+
+PINNED = "reg.example.com/jobs/train@sha256:" + "ab" * 32
+
+
+def test_the_restore_line_carries_the_registry_flags_and_never_the_password():
+    opts = RegistryOptions(username="me", password="secret", plain_http=True)
+    r = {"pinned": PINNED, "annotations": {}}
+    line, renamed = advice.restore_command(r, opts, None, here=False)
+    assert line == f"gpusnap restore {PINNED} --plain-http --username me --password-stdin"
+    assert renamed is None and "secret" not in line
+
+
+def test_an_encrypted_checkpoint_asks_for_the_key_and_containerd_says_where():
+    r = {"pinned": PINNED, "trust": {"encrypted": True},
+         "annotations": {"io.gpusnap.engine": "containerd", "io.gpusnap.container.name": "job"}}
+    line, _ = advice.restore_command(r, RegistryOptions(), None, here=True)
+    assert line.endswith("--decrypt-key KEY --to containerd://NAMESPACE/job")
+
+
+def test_the_container_state_says_what_the_verb_did():
+    r = {"container": "job", "reference": "reg/x:v1"}
+    assert advice.container_state(r, leave_running=False)["says"] == \
+        "checkpointed and stopped (exited); its state now lives in reg/x:v1"
+    assert advice.container_state(r, False, uploading=True)["says"].endswith("being uploaded")
+    assert advice.container_state(r, True, migrate=True)["says"].endswith("(--leave-running)")
+    assert advice.container_state(r, True, pre_checkpoint=True)["says"].startswith(
+        "checkpointed and still running: a pre-copy round")
+    assert advice.container_state({**r, "source_kind": "containerd-container"}, False)["status"] \
+        == "stopped"
+    assert advice.container_state({}, False) is None
+
+
+def test_a_prefetch_line_quotes_what_a_shell_would_split():
+    opts = RegistryOptions(authfile="/tmp/my auth.json")
+    line = advice.gpusnap_command(["pull", "--prefetch", PINNED], opts)
+    assert line.endswith("--authfile '/tmp/my auth.json'")
