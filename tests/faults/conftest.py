@@ -201,3 +201,22 @@ def kill_criu_mid_dump(pid: int, proc: subprocess.Popen, timeout: float = 120,
             pass
         time.sleep(0.0005)
     raise AssertionError(f"CRIU never seized {pid} (command rc {proc.poll()})")
+
+
+def kept_in(stderr: str) -> Path:
+    """The archive a failed `migrate` names as all that is left of the container."""
+    import re
+
+    found = re.search(r"kept in (\S+)", stderr)
+    assert found, stderr
+    return Path(found.group(1))
+
+
+def migrate_until_the_registry_dies(registry, name: str, repo: str) -> subprocess.CompletedProcess:
+    """`gpusnap migrate NAME` to ``repo``, the registry SIGKILLed once 10 chunks are in;
+    the command's result (it is left down: the caller starts it again)."""
+    cli = start_cli("migrate", name, registry.ref(f"{repo}:v1"), *registry.flags())
+    when(lambda: len(registry.linked_blobs(repo)) >= 10, cli, "10 chunks were uploaded",
+         timeout=300)
+    registry.kill()
+    return finished(cli)

@@ -6,7 +6,6 @@ survive.)"""
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,16 +14,10 @@ import pytest
 
 from tests.conftest import assert_continued, assert_one_line_error, born, gpusnap_json, podman, \
     read_counter
-from tests.faults.conftest import (cached_blobs, finished, say, start_cli, status, tag_exists,
-                                   unique_repo, when)
+from tests.faults.conftest import (cached_blobs, finished, kept_in,
+                                   migrate_until_the_registry_dies, say, start_cli, status,
+                                   tag_exists, unique_repo, when)
 from tests.faults.netreg import make_registry
-
-
-def _kept(stderr: str) -> Path:
-    """The archive a failed `migrate` names as all that is left of the container."""
-    found = re.search(r"kept in (\S+)", stderr)
-    assert found, stderr
-    return Path(found.group(1))
 
 
 def _staged() -> set[Path]:
@@ -35,13 +28,10 @@ def test_registry_killed_during_migrate_upload(registry, loaded, capsys):
     before, token = read_counter(loaded), born(loaded)
     repo = unique_repo()
     ref = registry.ref(f"{repo}:v1")
-    cli = start_cli("migrate", loaded, ref, *registry.flags())
-    when(lambda: len(registry.linked_blobs(repo)) >= 10, cli, "10 chunks were uploaded")
-    registry.kill()
-    res = finished(cli)
+    res = migrate_until_the_registry_dies(registry, loaded, repo)
     assert_one_line_error(res, f"cannot reach registry {registry.host}",
                           f"{loaded} is checkpointed and stopped", "kept in")
-    kept = _kept(res.stderr)
+    kept = kept_in(res.stderr)
     try:
         assert kept.is_file() and status(loaded) == "exited"
         registry.start()
@@ -99,7 +89,7 @@ def test_registry_disk_full_during_migrate(small_registry, loaded, capsys):
                          capture_output=True, text=True, timeout=300)
     assert_one_line_error(res, f"registry {small_registry.host}",
                           f"{loaded} is checkpointed and stopped", "kept in")
-    kept = _kept(res.stderr)
+    kept = kept_in(res.stderr)
     say(capsys, res.stderr.splitlines()[0])
     try:
         assert not tag_exists(small_registry, repo, "v1")

@@ -182,33 +182,28 @@ class Hog:
         self.ctr.remove()
 
 
-def gpu_count() -> int:
+def _nvml(ask):
+    """``ask(pynvml)`` with NVML open (pynvml: only on the GPU host, asked when used)."""
     import pynvml
     pynvml.nvmlInit()
     try:
-        return pynvml.nvmlDeviceGetCount()
+        return ask(pynvml)
     finally:
         pynvml.nvmlShutdown()
+
+
+def gpu_count() -> int:
+    return _nvml(lambda nv: nv.nvmlDeviceGetCount())
 
 
 def gpu_memory_free(index: int = 0) -> int:
     """Bytes free on a GPU, from NVML."""
-    import pynvml
-    pynvml.nvmlInit()
-    try:
-        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free
-    finally:
-        pynvml.nvmlShutdown()
+    return _nvml(lambda nv: nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(index)).free)
 
 
 def gpu_memory_used(index: int = 0) -> int:
     """Bytes in use on a GPU, from NVML."""
-    import pynvml
-    pynvml.nvmlInit()
-    try:
-        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used
-    finally:
-        pynvml.nvmlShutdown()
+    return _nvml(lambda nv: nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(index)).used)
 
 
 def host_pids(name: str) -> list[int]:

@@ -33,7 +33,9 @@ import pytest
 from gpusnap.gpu.cuda import CudaDriver, ProcessState
 from tests.conftest import assert_one_line_error, gpusnap, gpusnap_json, podman
 from tests.faults.conftest import (cached_blobs, finished, journal_mark, journal_since,
-                                   kill_criu_mid_dump, sigkill, start_cli, unique_repo, wait_quiet, when)
+                                   kept_in, kill_criu_mid_dump,
+                                   migrate_until_the_registry_dies, sigkill, start_cli,
+                                   unique_repo, wait_quiet, when)
 from tests.faults.netreg import make_registry
 from tests.gpu import harness
 
@@ -197,12 +199,6 @@ def test_criu_killed_mid_dump(source, tmp_path, capsys):
     assert_gpu_clean()
 
 
-def _kept(stderr: str) -> Path:
-    found = re.search(r"kept in (\S+)", stderr)
-    assert found, stderr
-    return Path(found.group(1))
-
-
 def _restore_ref_here(ctr: harness.CudaContainer, ref: str, its: list[int], *flags: str) -> None:
     podman("rm", ctr.name)
     for f in ctr.status.glob("w*"):  # the restored worker writes these afresh
@@ -277,14 +273,10 @@ def test_registry_killed_mid_push(source, registry, capsys):
     repo = unique_repo()
     ref = registry.ref(f"{repo}:v1")
     its = source.iterations()
-    cli = start_cli("migrate", source.name, ref, *registry.flags())
-    when(lambda: len(registry.linked_blobs(repo)) >= 10, cli, "10 chunks were uploaded",
-         timeout=300)
-    registry.kill()
-    res = finished(cli)
+    res = migrate_until_the_registry_dies(registry, source.name, repo)
     assert_one_line_error(res, f"cannot reach registry {registry.host}",
                           f"{source.name} is checkpointed and stopped", "kept in")
-    kept = _kept(res.stderr)
+    kept = kept_in(res.stderr)
     try:
         registry.start()
         gpusnap_json("push", str(kept), ref, *registry.flags())

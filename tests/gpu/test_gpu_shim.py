@@ -40,15 +40,6 @@ def containerd():
         yield c
 
 
-def _gpu_count() -> int:
-    import pynvml
-    pynvml.nvmlInit()
-    try:
-        return pynvml.nvmlDeviceGetCount()
-    finally:
-        pynvml.nvmlShutdown()
-
-
 def _ctr_mounts() -> list[str]:
     """harness.mount_args() in ctr's syntax: read-only, non-recursive binds."""
     args = []
@@ -145,7 +136,7 @@ def test_cuda_container_checkpointed_and_restored_under_the_shim(containerd, tmp
 
 
 def test_restore_onto_the_other_gpu_by_annotation(containerd, tmp_path):
-    if _gpu_count() < 2:
+    if harness.gpu_count() < 2:
         pytest.skip("needs two NVIDIA GPUs (nvidia-h200-x2)")
     c = containerd
     ctr = _run_cuda(c, [0], annotations={GPU_MAP_ANNOTATION: "0=1"})
