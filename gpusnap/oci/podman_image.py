@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import platform
 import shlex
-import subprocess
 import time
 from typing import TYPE_CHECKING
 
@@ -34,24 +33,6 @@ PREFIX = "io.podman.annotations.checkpoint."
 RUNTIME_NAME = PREFIX + "runtime.name"
 NAME = PREFIX + "name"
 _GOARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}
-
-
-def host_facts() -> dict:
-    """What `podman info` says about this host, the part the annotations carry."""
-    # start-up: the CRIU action script loads this module (pages_aside); Podman's only here
-    from gpusnap.runtime.podman import podman_binary
-
-    try:
-        res = subprocess.run([podman_binary(), "info", "--format", "json"], capture_output=True,
-                             text=True, timeout=60)
-        info = json.loads(res.stdout) if res.returncode == 0 else {}
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        info = {}
-    if not info:
-        raise GpusnapError("`podman info` failed: a Podman checkpoint image names the host's "
-                           "runtime and versions", "check `podman info`, or push without "
-                           "--format podman")
-    return info
 
 
 def criu_number(version: str | None) -> str:

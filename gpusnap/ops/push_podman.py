@@ -16,6 +16,7 @@ from gpusnap.oci.lazy import need
 from gpusnap.oci.malloc import one_heap_for_all_threads
 from gpusnap.oci.registry import RegistryClient
 from gpusnap.oci.transfer import Progress
+from gpusnap.runtime import podman
 
 if TYPE_CHECKING:  # cryptography: only where a push is encrypted
     from gpusnap.trust.ocicrypt_layer import LayerEncryptor
@@ -87,7 +88,11 @@ def push_image(src_entries, client: RegistryClient, label: str, level: int,
     """Upload the layer and config, then the manifest; what was pushed. With an
     ``encryptor`` (gpusnap/trust/ocicrypt_layer.py) the zstd layer is encrypted
     as it streams, and its descriptor says so as ocicrypt writes it."""
-    info = podman_image.host_facts()  # before gigabytes are sent: `podman info` must work
+    info = podman.info()  # before gigabytes are sent: `podman info` must work
+    if not info:
+        raise GpusnapError("`podman info` failed: a Podman checkpoint image names the host's "
+                           "runtime and versions", "check `podman info`, or push without "
+                           "--format podman")
     layer = LayerStream(src_entries, label, level, progress)
     pieces = (encryptor.update(p) for p in layer) if encryptor else iter(layer)
     layer_digest, layer_size = client.put_blob_stream(pieces)

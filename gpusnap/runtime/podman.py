@@ -110,6 +110,14 @@ def answer(args: list[str]) -> str:
     return res.stdout.strip() if res.returncode == 0 else ""
 
 
+def info() -> dict:
+    """`podman info` as JSON; {} where it failed or did not answer in time."""
+    try:
+        return json.loads(answer(["info", "--format", "json"]) or "{}")
+    except ValueError:
+        return {}
+
+
 def default_runtime() -> str:
     """The OCI runtime Podman uses when none is named ("runc", "crun"); "" if unknown."""
     return answer(["info", "--format", "{{.Host.OCIRuntime.Name}}"])
