@@ -45,7 +45,7 @@ from gpusnap import journal
 from gpusnap.action import action
 from gpusnap.action.agent_files import INVENTORY, NO_INVENTORY, folder
 from gpusnap.gpu.cuda import CudaDriver
-from gpusnap.gpu.inventory import read_inventory
+from gpusnap.gpu import inventory as gpu_inventory
 # Loaded as the agent starts, before the steps that use them are asked
 from gpusnap.pages import fill_plan, page_fill  # noqa: F401
 from gpusnap.private import write_private
@@ -57,7 +57,7 @@ def _read_inventory(criu_pid: int) -> None:
     """NVML's view of the GPUs for runc's prestart hook, which runs next
     (gpusnap-hook reads it from here, hook/main.py agent_inventory):
     the hook's own first NVML read would add to the stop (docs/benchmarks.md)."""
-    inventory = read_inventory()
+    inventory = gpu_inventory.read_inventory()
     here = folder(criu_pid)
     here.mkdir(mode=0o700, exist_ok=True)
     if inventory.error is None:

@@ -42,7 +42,7 @@ from gpusnap.ops import restore as ops_restore
 from gpusnap.ops.containerd_api import Client, ContainerdError
 from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image, import_dir
 from gpusnap.ops.engines import ENGINE, refuse_engine
-from gpusnap.ops.gpu_plan import plan_here
+from gpusnap.ops import gpu_plan as gpu_planning
 from gpusnap.ops.push_source import PushSource, dir_size, kept_error
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, roomiest
 
@@ -318,7 +318,7 @@ def plan_restore(summary: dict, gpu_manifest: "Manifest | None", where: str, to:
                                f"{loc.namespace}",
                                f"remove it (`{ctr} containers rm {container}`) or restore with "
                                f"--to containerd://{loc.namespace}/NEW; nothing was downloaded")
-    gpu = plan_here(gpu_manifest, gpu_map,
+    gpu = gpu_planning.plan_here(gpu_manifest, gpu_map,
                     refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
                                  "inspect` lists them), or name targets with --gpu-map; nothing "
                                  "was downloaded")

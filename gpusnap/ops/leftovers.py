@@ -22,7 +22,7 @@ from pathlib import Path
 from gpusnap import journal
 from gpusnap.ops import uploads
 from gpusnap.pages import pages_aside
-from gpusnap.pages.memory import roots as ram_roots
+from gpusnap.pages import memory
 from gpusnap.runtime.fifo_pump import referenced
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, TRASH_PREFIX, storage_root
 from gpusnap.runtime.stream import FIFO_DIR_PREFIX, FIFO_NAME, partial_path
@@ -37,7 +37,7 @@ STAGING_IDLE_S = 10
 
 def _staging_roots() -> set[Path]:
     root = storage_root()
-    return {d for d in (root.parent if root else None, Path("/var/tmp"), *ram_roots())
+    return {d for d in (root.parent if root else None, Path("/var/tmp"), *memory.roots())
             if d and d.is_dir()}
 
 

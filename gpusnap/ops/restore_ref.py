@@ -28,13 +28,13 @@ from gpusnap.oci import bundle as fmt
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.oci.tarfiles import PipeWriter, ReaderStopped
-from gpusnap.pages import prepared_pages
-from gpusnap.pages.memory import pages_dir
+from gpusnap.ops import gpu_plan
 from gpusnap.ops import restore as ops_restore
 from gpusnap.ops.engines import refuse_engine
-from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.ops.pull import (PULL_MISSING, OnTrusted, Remote, fetch_small, open_remote,
                               write_archive, write_files)
+from gpusnap.pages import prepared_pages
+from gpusnap.pages.memory import pages_dir
 from gpusnap.runtime import podman, retarget
 from gpusnap.runtime import stream as stream_module
 from gpusnap.runtime.storage import PULL_PREFIX, discard, fifo_dir, staging_dir
@@ -61,7 +61,7 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
     manifest = remote.bundle.gpu_manifest
     require_gpu_restore(remote.bundle.summary.get("runtime") or facts().runtime, manifest,
                         str(remote.client.ref), "nothing was downloaded")
-    return plan_here(Manifest.from_dict(manifest) if manifest else None, gpu_map,
+    return gpu_plan.plan_here(Manifest.from_dict(manifest) if manifest else None, gpu_map,
                      refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
                                   "inspect REF` lists them), or name targets with --gpu-map; "
                                   "nothing was downloaded")

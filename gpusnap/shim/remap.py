@@ -30,7 +30,7 @@ from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
 from gpusnap.gpu.nodes import DeviceRemap
 from gpusnap.oci.spec import SpecError, rewrite_spec
-from gpusnap.ops.gpu_plan import GPU_MAP_ENV, plan_here
+from gpusnap.ops import gpu_plan
 from gpusnap.private import open_private
 
 log = logging.getLogger("gpusnap.shim")
@@ -60,7 +60,7 @@ class Edits:
 
 def gpu_map_for(spec: dict) -> str | None:
     """The container's own --gpu-map (its annotation), else the shim's environment's."""
-    return (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION) or os.environ.get(GPU_MAP_ENV) or None
+    return (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION) or os.environ.get(gpu_plan.GPU_MAP_ENV) or None
 
 
 def _forced_remap() -> DeviceRemap | None:
@@ -81,7 +81,7 @@ def _plan(spec: dict, image_dir: Path) -> tuple[DeviceRemap, dict] | None:
     manifest = gpu_manifest.read(image_dir)
     if manifest is None:
         return None  # no GPU in the checkpoint: nothing to plan
-    plan = plan_here(manifest, gpu_map_for(spec), refusal_hint=_HINT)
+    plan = gpu_plan.plan_here(manifest, gpu_map_for(spec), refusal_hint=_HINT)
     if not plan.needs_remap:
         return None  # the checkpoint's own GPUs: restored as they are, as under Podman
     return plan.remap, plan.to_dict()
