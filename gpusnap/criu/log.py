@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-# "(00.123456) Error (criu/mount.c:...): ..." from CRIU itself; children it
-# runs (ip, iptables-restore, action scripts) write theirs without the time.
-_ERROR = re.compile(r"^(?:\(\s*[\d.]+\)\s*)?(Error \(.*)$")
+# "(00.123456) Error (criu/mount.c:...): ..." from CRIU itself, "(00.27)  1: Error
+# (...)" from a task it restores (its pid first); children it runs (ip,
+# iptables-restore, action scripts) write theirs without the time.
+_ERROR = re.compile(r"^(?:\(\s*[\d.]+\)\s*)?(?:\d+:\s*)?(Error \(.*)$")
 # gpusnap's action script says in its own words why it failed a step (the agent
 # gone, a step past its bound): that line, not CRIU's "exited, status=1" after it.
 _OURS = re.compile(r"^gpusnap: (.*)$")

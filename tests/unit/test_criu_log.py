@@ -61,3 +61,15 @@ def test_a_log_cut_off_mid_way_says_criu_ended_early(tmp_path):
     assert not log.ended_early(_write(tmp_path, "(00.01) Info\n(02.1) Dumping finished successfully\n"))
     assert not log.ended_early(_write(tmp_path, "(00.01) Error (criu/x.c:1): no\n(00.02) Info\n"))
     assert not log.ended_early(tmp_path / "missing.log")
+
+
+def test_a_restored_tasks_error_comes_before_restoring_failed(tmp_path):
+    """A task's error carries its pid after the time (CRIU's log of a restore
+    whose archive lacked a file the process held open, CI 2026-11-28)."""
+    path = _write(tmp_path, "(00.052707) Error (criu/util.c:1534): rlimit: Can't setup "
+                            "RLIMIT_NOFILE for self: Operation not permitted\n"
+                            "(00.279865)      1: Error (criu/files-reg.c:2353): Can't open file "
+                            "tmp/c.new on restore: No such file or directory\n"
+                            "(00.281750) Error (criu/cr-restore.c:2331): Restoring FAILED.\n")
+    assert log.first_error(path) == ("Error (criu/files-reg.c:2353): Can't open file tmp/c.new "
+                                     "on restore: No such file or directory")
