@@ -54,8 +54,9 @@ def survivors_to_resume(pids: list[int], deadline: float,
             return living
         if time.monotonic() > thaw_at:
             thawed = [p for p in frozen if thaw(p)]
-            journal.record("guardian-thawed", pids=thawed,
-                           why="CRIU ended with the container frozen (killed mid-dump)")
+            if thawed:  # else a parent cgroup holds the freeze: not CRIU's, left alone
+                journal.record("guardian-thawed", pids=thawed,
+                               why="CRIU ended with the container frozen (killed mid-dump)")
             thaw_at = deadline
         time.sleep(0.05)
 

@@ -24,14 +24,21 @@ _EXPLAINED = (
 )
 
 
+def _error(line: str) -> re.Match | None:
+    """CRIU's error on this line, but the RLIMIT_NOFILE one every unprivileged-rlimit
+    host logs and CRIU goes on from."""
+    m = _ERROR.match(line.strip())
+    return m if m and "RLIMIT_NOFILE" not in line else None
+
+
 def first_error(log: Path) -> str | None:
     """CRIU's first error line in a dump/restore log (the later ones are fallout),
     with what it means where gpusnap knows."""
     try:
         with open(log, errors="replace") as f:
             for line in f:
-                m = _ERROR.match(line.strip()) or _OURS.match(line.strip())
-                if m and "RLIMIT_NOFILE" not in line:
+                m = _error(line) or _OURS.match(line.strip())
+                if m:
                     return _explained(m.group(1))
     except OSError:
         pass
@@ -64,6 +71,5 @@ def ended_early(log: Path) -> bool:
             lines = f.read().splitlines()
     except OSError:
         return False
-    return bool(lines) and not any(_ERROR.match(ln.strip()) and "RLIMIT_NOFILE" not in ln
-                                   for ln in lines) \
+    return bool(lines) and not any(map(_error, lines)) \
         and "finished successfully" not in lines[-1]
