@@ -99,8 +99,9 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
                          containerd_address=containerd_address, pre_checkpoint=pre_checkpoint,
                          on_checkpointed=tracker.checkpointed if tracker else None)
         except TransientError as exc:  # true of push: the registry's blobs are asked first
-            raise GpusnapError(exc.message, f"{exc.hint}; then push again: chunks the registry "
-                               "already has are not sent again") from None
+            again = "push again: chunks the registry already has are not sent again"
+            raise GpusnapError(exc.message,
+                               f"{exc.hint}; then {again}" if exc.hint else again) from None
     return advice.after_push(r, registry(), trust, here, leave_running, pre_checkpoint)
 
 

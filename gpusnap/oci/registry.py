@@ -207,9 +207,14 @@ class RegistryClient:
                                    "check that this account may "
                                    f"{'push to' if 'push' in self.scope else 'pull from'} it")
             if ok and resp.status_code not in ok:
+                said = (f"registry {self.ref.registry}: {method} {urlsplit(url).path} "
+                        f"failed: {_registry_error(resp)}")
+                if resp.status_code >= 500:  # the registry's own fault: its storage, often full
+                    raise TransientError(f"{said} (HTTP {resp.status_code})",
+                                         "the registry failed on its side: look at its log "
+                                         "and its free space")
                 kind = TransientError if resp.status_code in _RETRY_STATUS else GpusnapError
-                raise kind(f"registry {self.ref.registry}: {method} {urlsplit(url).path} "
-                           f"failed: {_registry_error(resp)}")
+                raise kind(said)
             return resp
 
     def _failed(self, method: str, url: str, exc: Exception) -> GpusnapError:

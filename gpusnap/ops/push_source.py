@@ -49,8 +49,10 @@ def kept_error(exc: BaseException, container: str, kept: str, again: str,
                back: str) -> GpusnapError:
     """A push that failed after its checkpoint stopped ``container``: what
     failed, where the checkpoint is kept, and the two ways on (engine's words)."""
+    first = getattr(exc, "hint", None)  # the cause's own fix (the registry's side), then ours
     return GpusnapError(f"{cause(exc)}; {container} is checkpointed and stopped, its checkpoint is "
                         f"kept {kept}",
+                        (f"{first}; then " if first else "") +
                         f"{again} tries again (chunks already sent are skipped); {back} brings "
                         "it back here",
                         exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1)

@@ -89,6 +89,7 @@ def test_registry_disk_full_during_migrate(small_registry, loaded, capsys):
                          capture_output=True, text=True, timeout=300)
     assert_one_line_error(res, f"registry {small_registry.host}",
                           f"{loaded} is checkpointed and stopped", "kept in")
+    assert "(HTTP 5" in res.stderr and "its free space" in res.stderr, res.stderr  # whose fault
     kept = kept_in(res.stderr)
     say(capsys, res.stderr.splitlines()[0])
     try:
