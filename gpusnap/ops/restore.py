@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ContextManager
 
 from gpusnap import archive, journal
-from gpusnap.criu.log import first_error as criu_error
+from gpusnap.criu.log import ended_early, first_error as criu_error
 from gpusnap.criu.runtimes import require_gpu_restore
 from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
@@ -166,17 +166,20 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
     except GpusnapError as exc:
         journal.record("import-failed", container=target, error=exc.message)
         log, left = _drop_half_restored(target)
-        why = exc.message
+        why, hint = exc.message, exc.hint
         if log is not None:  # Podman's "see restore.log" names a file removed with the container
             criu = criu_error(log)
             if criu and "log file:" in why:  # Podman said only where its log was: CRIU says why
                 why = f"podman container restore: {criu} (CRIU's log is kept in {log})"
+            elif not criu and ended_early(log):  # runc then says only "read unixpacket: EOF"
+                why = (f"CRIU stopped before the restore of {target} was complete (its log "
+                       f"ends mid-way, with no error: killed?; it is kept in {log})")
+                hint = "the checkpoint needs nothing: run the same restore again"
             else:
                 why += f" ({criu + '; ' if criu else ''}CRIU's log is kept in {log})"
         if left:  # the cause above stays the message; the leftover is what to clean up
             why += f"; the half-restored container {target} is left ({left}): `podman rm -f {target}`"
-        raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged",
-                           exc.hint) from None
+        raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged", hint) from None
     seconds = time.monotonic() - start
     ctr = podman.inspect(target or source)
     hostname = None

@@ -203,6 +203,25 @@ def kill_criu_mid_dump(pid: int, proc: subprocess.Popen, timeout: float = 120,
     raise AssertionError(f"CRIU never seized {pid} (command rc {proc.poll()})")
 
 
+def kill_criu_mid_restore(proc: subprocess.Popen, timeout: float = 120) -> int:
+    """SIGKILL a restoring CRIU once it has forked the container's tasks (its
+    children other than the action script), while ``proc`` runs; the pid killed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for pid in criu_pids():
+            try:
+                kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                restoring = [k for k in kids
+                             if b"criu-action" not in Path(f"/proc/{k}/cmdline").read_bytes()]
+            except OSError:
+                continue
+            if restoring:
+                os.kill(pid, signal.SIGKILL)
+                return pid
+        time.sleep(0.001)
+    raise AssertionError(f"CRIU never forked the tasks (command rc {proc.poll()})")
+
+
 def kept_in(stderr: str) -> Path:
     """The archive a failed `migrate` names as all that is left of the container."""
     import re

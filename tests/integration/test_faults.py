@@ -238,6 +238,38 @@ def test_criu_killed_mid_dump_leaves_the_container_running(name, tmp_path):
     _still_counting(counter, token)
 
 
+def test_criu_killed_mid_restore_restores_nothing_and_says_so(name, tmp_path):
+    """CRIU SIGKILLed once it forked the container's tasks: one line says CRIU
+    stopped (not runc's "read unixpacket: EOF"), nothing half-restored is left,
+    and the archive restores on the next try, as the line says."""
+    from tests.faults.conftest import kill_criu_mid_restore
+
+    counter = name
+    podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c",
+           'busybox awk \'BEGIN { s = "x"; while (length(s) < 5e8) s = s s; '
+           'while (1) system("sleep 1") }\' & ' + COUNTER)
+    wait_counter(name, 3)
+    token, archive = born(counter), tmp_path / "x.tar.zst"
+    pid = int(podman("inspect", counter, "--format", "{{.State.Pid}}").stdout)
+    deadline = time.monotonic() + 60
+    while rss_bytes(process_tree(pid)) < 400 << 20 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    before = read_counter(counter)
+    gpusnap_json("checkpoint", counter, "--export", str(archive))
+    podman("rm", counter)
+    cli = subprocess.Popen([GPUSNAP, "restore", str(archive)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kill_criu_mid_restore(cli)
+    out, err = cli.communicate(timeout=300)
+    res = subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
+    assert_one_line_error(res, "CRIU stopped before the restore", "nothing was restored",
+                          f"{archive} is unchanged", hint="run the same restore again")
+    assert podman("container", "exists", counter, check=False).returncode == 1, \
+        "a half-restored container was left"
+    gpusnap_json("restore", str(archive))
+    assert_continued(counter, before, token)
+
+
 def test_pump_of_a_cli_killed_before_podman_starts_ends(tmp_path):
     """The CLI can die between starting its FIFO pump and starting Podman (a window
     of milliseconds): the pump, whose FIFO no one will ever open, must end by itself."""
