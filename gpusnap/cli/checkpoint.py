@@ -23,6 +23,9 @@ def _human(r: dict) -> None:
                       f"(quiesced by {gpu['quiesced_by']}, {gpu['timing']})")
     if r["leave_running"]:
         console.print("  the container keeps running")
+    if r.get("retaken"):
+        console.print(f"  taken {r['retaken']['tries']} times: a file open at the dump changed "
+                      f"before Podman exported the root filesystem ({r['retaken']['files'][0]})")
 
 
 @click.command("checkpoint")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, cuda_plugin_pa
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.ops.gpu_state import ensure_running
+from gpusnap.ops.snapshot_files import unrestorable
 from gpusnap.ops.preconditions import has_checkpoint, require_running
 from gpusnap.private import restrict_tree
 from gpusnap.procs import ProcessGpuUse, cuda_processes, process_tree, rss_bytes
@@ -169,7 +171,57 @@ def _read_ahead(p: CheckpointPlan) -> dict:
     return out
 
 
+# A --leave-running export taken again while its open files changed under it:
+# the race is a few milliseconds wide, so a third miss means the workload
+# renames what it holds open all the time.
+SNAPSHOT_TRIES = 3
+
+
+class _Stale(Exception):
+    def __init__(self, files: list[str]) -> None:
+        super().__init__(files)
+        self.files = files
+
+
+def _stale_files(p: CheckpointPlan) -> list[str]:
+    """What a --leave-running export lacks of the files open at its dump
+    (ops/snapshot_files.py). A push's export with its pages aside is not
+    checked: Podman's folder has no rootfs-diff.tar left to read then."""
+    if not p.leave_running or p.export is None or p.pages_aside is not None:
+        return []
+    try:
+        return unrestorable(p.container.userdata, p.container.lower_dirs)
+    except (OSError, ValueError, tarfile.TarError) as exc:  # a check that cannot read says so
+        journal.record("snapshot-check-skipped", container=p.container.id, error=str(exc))
+        return []
+
+
 def run(p: CheckpointPlan) -> dict:
+    """Checkpoint as planned; a --leave-running export whose open files changed
+    before Podman wrote the root filesystem is taken again (SNAPSHOT_TRIES)."""
+    for attempt in range(1, SNAPSHOT_TRIES + 1):
+        try:
+            result = _run_once(p)
+        except _Stale as stale:
+            journal.record("checkpoint-stale", container=p.container.id, files=stale.files,
+                           attempt=attempt)
+            drop_local(p.container.userdata)
+            changed = stale.files
+            continue
+        if attempt > 1:
+            result["retaken"] = {"tries": attempt, "files": changed}
+        return result
+    if p.export is not None:
+        p.export.unlink(missing_ok=True)
+    raise GpusnapError(
+        f"the export of {p.container.name} would not restore: {', '.join(changed[:3])}, open "
+        "at the dump, changed before Podman wrote the root filesystem into the export "
+        f"({SNAPSHOT_TRIES} tries); the container is still running, nothing was exported",
+        "checkpoint it without --leave-running (it stops, its files stay as dumped), or at a "
+        "moment it is not renaming the files it holds open")
+
+
+def _run_once(p: CheckpointPlan) -> dict:
     start, started_at = time.monotonic(), time.time()
     if p.cuda:
         requests.put(p.container.pid, lock_timeout_ms=p.lock_timeout_ms)
@@ -219,6 +271,9 @@ def run(p: CheckpointPlan) -> dict:
                        resumed=resumed)
         raise GpusnapError(f"{message}; {where}", (hint or "").rstrip("; ") or None) from None
     requests.drop(p.container.pid, "pages")  # not taken: no action script ran post-dump
+    stale = _stale_files(p)
+    if stale:
+        raise _Stale(stale)
     seconds = time.monotonic() - start
     contents = archive.read_directory(p.container.userdata)
     if p.export is not None and not p.keep:

@@ -35,6 +35,7 @@ class Container:
     runtime: str = ""  # its OCI runtime (runc, crun): which CRIU configuration it hands on
     hostname_path: str = ""  # Podman's /etc/hostname and /etc/hosts for it, on the host
     hosts_path: str = ""
+    lower_dirs: tuple[str, ...] = ()  # its image's layers on the host, uppermost first (overlay)
 
     @property
     def running(self) -> bool:
@@ -98,6 +99,8 @@ def find(name: str) -> Container | None:
         devices=[d.get("PathInContainer", "") for d in data.get("HostConfig", {}).get("Devices") or []],
         runtime=data.get("OCIRuntime") or "",
         hostname_path=data.get("HostnamePath") or "", hosts_path=data.get("HostsPath") or "",
+        lower_dirs=tuple(d for d in ((data.get("GraphDriver") or {}).get("Data") or {})
+                         .get("LowerDir", "").split(":") if d),
     )
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from tests.conftest import (assert_continued, born, gpusnap, gpusnap_json, podman, read_counter,
-                            run, wait_counter)
+from tests.conftest import (DEMO_IMAGE, assert_continued, assert_one_line_error, born, gpusnap,
+                            gpusnap_json, podman, read_counter, run, wait_counter)
 
 from gpusnap import MANIFEST_NAME
 
@@ -58,6 +58,44 @@ def test_leave_running_keeps_counting(counter, tmp_path):
         assert_continued(other, 0, token)
     finally:
         run(["podman", "rm", "-f", "-t", "0", other])
+
+
+def test_a_leave_running_export_restores_or_is_refused_in_one_line(name, tmp_path):
+    """A process holds /tmp/hN open and renames it every few ms: a --leave-running
+    export then misses the name it had at the dump (Podman writes the root
+    filesystem after the container ran on) and would not restore, unless CRIU
+    caught the rename itself (it then keeps a link of its own). gpusnap takes
+    the checkpoint again, up to three times: what it exports restores beside the
+    running original, or it exports nothing and says so in one line, and the
+    hint's way (without --leave-running) gives an export that restores."""
+    podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c",
+           "cat /proc/sys/kernel/random/uuid > /tmp/born; : > /tmp/h0; exec 3</tmp/h0; i=0; "
+           "while true; do j=$((i+1)); mv /tmp/h$i /tmp/h$j; i=$j; echo $i > /tmp/c.new; "
+           "mv /tmp/c.new /tmp/c; done")
+    wait_counter(name, 3)
+    token, archive = born(name), tmp_path / "live.tar.zst"
+    res = gpusnap("checkpoint", name, "--export", str(archive), "--leave-running")
+    if res.returncode == 0:  # a try CRIU saw through, or one that missed no rename
+        tries = re.search(r"taken (\d) times", res.stdout)
+        tries = tries.group(1) if tries else 1
+        other = f"{name}-copy"
+        try:
+            gpusnap_json("restore", str(archive), "--name", other)
+            assert_continued(other, 0, token)
+        finally:
+            run(["podman", "rm", "-f", "-t", "0", other])
+        print(f"exported on try {tries}, restored beside the original")
+        return
+    assert_one_line_error(res, f"the export of {name} would not restore", "/tmp/h",
+                          "3 tries", "still running", hint="without --leave-running")
+    assert not archive.exists()
+    before = read_counter(name)
+    assert wait_counter(name, before) > before  # running on
+    gpusnap_json("checkpoint", name, "--export", str(archive))
+    podman("rm", name)
+    gpusnap_json("restore", str(archive))
+    assert_continued(name, before, token)
+    print("refused after 3 tries; the hint's export restored")
 
 
 def test_restore_from_local_checkpoint(counter):
