@@ -14,8 +14,10 @@ import gzip
 import io
 import posixpath
 import tarfile
+from typing import TYPE_CHECKING
 
-from gpusnap.gpu.nodes import DeviceRemap
+if TYPE_CHECKING:  # the remap is handed in: criu/ sits below the GPU code
+    from gpusnap.gpu.nodes import DeviceRemap
 
 
 class DevTarError(ValueError):

@@ -13,15 +13,17 @@ import subprocess
 import tarfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator
+from typing import TYPE_CHECKING, BinaryIO, Iterable, Iterator
 
 from gpusnap import MANIFEST_NAME
-from gpusnap.pages import pages_aside
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.bundle import FileEntry
+from gpusnap.partial import DISK_FULL, disk_full, partial_path
 from gpusnap.private import open_private
-from gpusnap.runtime.stream import DISK_FULL, PipeSink, disk_full, partial_path
 from gpusnap.tarstream import DamagedStream, TarStream
+
+if TYPE_CHECKING:  # the sink is handed in: runtime/ sits above oci/
+    from gpusnap.runtime.stream import PipeSink
 
 _TYPES = {tarfile.REGTYPE: "file", tarfile.AREGTYPE: "file", tarfile.DIRTYPE: "dir",
           tarfile.SYMTYPE: "symlink", tarfile.LNKTYPE: "link"}
@@ -155,8 +157,8 @@ class ReaderStopped(GpusnapError):
 
 class _TarWriter:
     """A tar stream of FileEntries and their chunks; subclasses say where it goes.
-    With ``pages`` (a folder), CRIU's memory pages are written there instead
-    and the tar holds a symlink to each (pages/pages_aside.py)."""
+    ``pages``: where the caller writes CRIU's memory pages beside the tar, which
+    then holds a symlink to each (ops/pull.write_files, pages/pages_aside.py)."""
 
     written = 0
     pages: Path | None = None
@@ -169,18 +171,12 @@ class _TarWriter:
         self.written += len(data)
 
     def add(self, entry: FileEntry, data: Iterable[bytes]) -> None:
-        if self.pages is not None and entry.type == "file" and pages_aside.is_pages(entry.path):
-            entry = pages_aside.write(self.pages, entry, sized(entry, data))
         self._write(tarinfo(entry).tobuf(format=tarfile.PAX_FORMAT))
         if entry.type != "file":
             return
         for piece in sized(entry, data):
             self._write(piece)
         self._write(b"\0" * (-entry.size % tarfile.BLOCKSIZE))
-
-    def add_beside(self, entry: FileEntry, path: Path) -> None:
-        """A pages file already written at ``path`` (in ``pages``): its symlink."""
-        self._write(tarinfo(pages_aside.link_entry(entry, path)).tobuf(format=tarfile.PAX_FORMAT))
 
     def _write_end(self) -> None:
         end = b"\0" * (2 * tarfile.BLOCKSIZE)

@@ -25,7 +25,8 @@ from gpusnap.pages import pages_aside
 from gpusnap.pages import memory
 from gpusnap.runtime.fifo_pump import referenced
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, TRASH_PREFIX, storage_root
-from gpusnap.runtime.stream import FIFO_DIR_PREFIX, FIFO_NAME, partial_path
+from gpusnap.partial import partial_path
+from gpusnap.runtime.stream import FIFO_DIR_PREFIX, FIFO_NAME
 
 
 STAGING_PREFIXES = (PUSH_PREFIX, PULL_PREFIX, TRASH_PREFIX)

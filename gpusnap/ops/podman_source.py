@@ -30,7 +30,8 @@ from gpusnap.runtime import podman
 from gpusnap.pages import memory
 from gpusnap.runtime.follow import follow
 from gpusnap.runtime.storage import PUSH_PREFIX, discard, staging_dir
-from gpusnap.runtime.stream import partial_path, tar_member
+from gpusnap.partial import partial_path
+from gpusnap.runtime.stream import tar_member
 
 
 def _push_source(plan: ops_checkpoint.CheckpointPlan, export: Path, job: Future, stream: bool,

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from gpusnap.pages import pages_aside
 from gpusnap.errors import GpusnapError
@@ -17,7 +17,8 @@ from gpusnap.oci import bundle as fmt
 from gpusnap.oci import podman_image, reference, segments
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
-from gpusnap.oci.tarfiles import ArchiveWriter, ReaderStopped
+from gpusnap.oci.bundle import FileEntry
+from gpusnap.oci.tarfiles import ArchiveWriter, ReaderStopped, sized
 from gpusnap.oci.transfer import Downloader, Progress, Stats
 from gpusnap.pages import prepared_pages
 from gpusnap.ops import restore as ops_restore
@@ -208,6 +209,14 @@ def write_archive(remote: Remote, output: Path, **kw) -> dict:
     return write_files(remote, ArchiveWriter(output), output, **kw)
 
 
+def _add(writer, pages: Path | None, entry: FileEntry, data: Iterable[bytes]) -> None:
+    """``entry`` into the tar; with ``pages``, CRIU's memory pages are written
+    there instead and the tar holds a symlink to each (pages/pages_aside.py)."""
+    if pages is not None and entry.type == "file" and pages_aside.is_pages(entry.path):
+        entry, data = pages_aside.write(pages, entry, sized(entry, data)), ()
+    writer.add(entry, data)
+
+
 def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
                 cache_root: Path | None = None, workers: int = WORKERS,
                 progress: Progress | None = None,
@@ -259,18 +268,18 @@ def write_files(remote: Remote, writer, output: Path, *, use_cache: bool = True,
             elif id(entry) in big and pages is not None and pages_aside.is_pages(entry.path):
                 path = pages_aside.path_in(pages, entry)
                 beside += _write_pages(entry, path, fetch, prepared, cancel)
-                writer.add_beside(entry, path)
+                writer.add(pages_aside.link_entry(entry, path), ())
             elif image is not None:  # CRIU reads this one, rewritten against its parent
                 for _ in islice(stream, len(entry.chunks)):
                     pass
                 path = pages_aside.path_in(pages, entry)
                 path.write_bytes(image)
-                writer.add_beside(entry, path)
+                writer.add(pages_aside.link_entry(entry, path), ())
             elif id(entry) in big:
                 pieces = fetch.pieces(entry.chunks)
-                writer.add(entry, _until(pieces, cancel) if cancel is not None else pieces)
+                _add(writer, pages, entry, _until(pieces, cancel) if cancel is not None else pieces)
             else:
-                writer.add(entry, islice(stream, len(entry.chunks)))
+                _add(writer, pages, entry, islice(stream, len(entry.chunks)))
         for extra in (e for extras in added.values() for e in extras):  # a folder with no file
             writer.add(extra, [edits[extra.path]])
         writer.commit()

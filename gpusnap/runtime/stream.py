@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from gpusnap.errors import GpusnapError
+from gpusnap.partial import DISK_FULL, disk_full, partial_path
 from gpusnap.private import open_private, write_private
 from gpusnap.tarstream import ZSTD_MAGIC
 from gpusnap.waits import Bound
@@ -51,11 +52,6 @@ def is_zstd(path: Path) -> bool:
 # Names doctor looks for when an interrupted export or import left them behind.
 FIFO_DIR_PREFIX = ".gpusnap-fifo-"
 FIFO_NAME = "archive.tar"
-
-
-def partial_path(dest: Path) -> Path:
-    """Where an export (or a pull, tarfiles.ArchiveWriter) is written until it is complete."""
-    return dest.with_name(f".{dest.name}.partial")
 
 
 PIPE_SIZE = 1 << 20
@@ -111,13 +107,6 @@ def _reap(proc: subprocess.Popen) -> None:
     (a hung disk under its write) is left to exit later, not waited on for ever."""
     with suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=Bound.of("STOP").seconds)
-
-
-DISK_FULL = "No space left on device"
-
-
-def disk_full(dest: Path) -> str:
-    return f"the disk is full ({DISK_FULL} in {dest.parent})"
 
 
 @contextmanager
