@@ -390,12 +390,11 @@ def _push_podman(src: PushSource, client: RegistryClient, source: str, level: in
     signed_by = sealing.sign(client, pushed["digest"], pushed["manifest_bytes"])
     seconds = time.monotonic() - start
     ref = client.ref
-    pull = f"podman pull --decryption-key KEY {ref}" if sealing.encrypts else f"podman pull {ref}"
+    # the restore line is advice.after_push's, as for gpusnap's own format
     return {"reference": str(ref), "digest": pushed["digest"], "format": "podman",
             "pinned": str(ref.with_digest(pushed["digest"])), "source": source,
             "source_kind": src.kind, "container": src.container, "files": pushed["files"],
             "bytes": pushed["bytes"], "bytes_sent": pushed["layer_bytes"], "layers": 1,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(pushed["bytes"] / seconds / 1e6, 1) if seconds else None,
-            "annotations": pushed["annotations"], "trust": sealing.facts(signed_by),
-            "restore_command": f"{pull} && podman container restore {ref}"}
+            "annotations": pushed["annotations"], "trust": sealing.facts(signed_by)}

@@ -154,14 +154,6 @@ def start(nproc: int = 1, gib: float = 2.0, gpus: list[int] | None = None,
                 runtime=runtime).keep_seeds()
 
 
-def hold_memory(gpu: int, gib: float) -> CudaContainer:
-    """A container that only holds ``gib`` GiB on ``gpu`` (uninitialised: quick even
-    for nearly all of an H200), to make that GPU too full for a restore."""
-    hold = (f"import torch, time; x = torch.empty({int(gib * (1 << 30))}, dtype=torch.uint8, "
-            "device='cuda'); open('/status/w0', 'w').write('1 ok'); time.sleep(1e6)")
-    return _run(f"gpusnap-hog-{uuid.uuid4().hex[:8]}", [gpu], 1, PYTHON, "-c", hold)
-
-
 class Hog:
     """A container on one GPU that takes memory when told (take): for a GPU
     filled at a chosen moment, after gpusnap planned onto it."""
@@ -180,6 +172,14 @@ class Hog:
 
     def remove(self) -> None:
         self.ctr.remove()
+
+
+def hold_memory(gpu: int, gib: float) -> CudaContainer:
+    """A container that only holds ``gib`` GiB on ``gpu`` (uninitialised: quick even
+    for nearly all of an H200), to make that GPU too full for a restore."""
+    hog = Hog(gpu)
+    hog.take(int(gib * (1 << 30)))
+    return hog.ctr
 
 
 def _nvml(ask):
