@@ -185,9 +185,10 @@ class _Stale(Exception):
 
 def _stale_files(p: CheckpointPlan) -> list[str]:
     """What a --leave-running export lacks of the files open at its dump
-    (ops/snapshot_files.py). A push's export with its pages aside is not
-    checked: Podman's folder has no rootfs-diff.tar left to read then."""
-    if not p.leave_running or p.export is None or p.pages_aside is not None:
+    (ops/snapshot_files.py). A push's export (the plain tar) is not checked:
+    it is uploaded as Podman writes it, so it cannot be taken again under the
+    upload."""
+    if not p.leave_running or p.export is None or p.export_level == 0:
         return []
     try:
         return unrestorable(p.container.userdata, p.container.lower_dirs)
