@@ -50,7 +50,7 @@ def _diff_sizes(userdata: Path) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     with tarfile.open(userdata / "rootfs-diff.tar") as tar:
         for member in tar:
-            out[member.name.lstrip("./")] = member.size if member.isreg() else None
+            out[member.name.removeprefix("./").lstrip("/")] = member.size if member.isreg() else None
     return out
 
 

@@ -85,5 +85,10 @@ def test_what_criu_restores_itself_or_does_not_check_passes(tmp_path):
     assert unrestorable(folder, [str(layer)]) == []
 
 
+def test_a_dot_file_in_the_diff_is_found_by_its_name(tmp_path):
+    folder = _folder(tmp_path, [_reg(2, "/.cache/x", 77, 3)], {"./.cache/x": b"abc"})
+    assert unrestorable(folder, []) == []
+
+
 def test_no_rootfs_diff_no_verdict(tmp_path):
     assert unrestorable(tmp_path, []) == []
