@@ -26,6 +26,7 @@ from gpusnap.procs import ProcessGpuUse, cuda_processes, process_tree, rss_bytes
 from gpusnap.runtime import podman
 from gpusnap.runtime.storage import discard
 from gpusnap.runtime.stream import export_fifo, export_plain
+from gpusnap.tarstream import DamagedStream
 
 # zstd -1 with all cores: the checkpoint disk is the limit from there on, and
 # -3 saves little of a CUDA checkpoint's size (docs/benchmarks.md).
@@ -191,8 +192,8 @@ def _stale_files(p: CheckpointPlan) -> list[str]:
     if not p.leave_running or p.export is None or p.export_level == 0:
         return []
     try:
-        return unrestorable(p.container.userdata, p.container.lower_dirs)
-    except (OSError, ValueError, tarfile.TarError) as exc:  # a check that cannot read says so
+        return unrestorable(p.container.userdata, p.export, p.container.lower_dirs)
+    except (OSError, ValueError, tarfile.TarError, DamagedStream) as exc:  # cannot read: say so
         journal.record("snapshot-check-skipped", container=p.container.id, error=str(exc))
         return []
 

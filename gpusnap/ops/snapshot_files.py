@@ -9,12 +9,14 @@ every such file and checks its size (criu/files-reg.c, "Can't open file" or
 whenever the dump lands between the two.
 
 ``unrestorable`` makes CRIU's own check on what the export holds: the images
-and rootfs-diff.tar Podman keeps in the container's folder (--keep), and the
+Podman keeps in the container's folder (--keep), its rootfs-diff.tar (kept
+there by Podman 4, read from the export where Podman 5.8 removed it), and the
 image's layers for what the container did not change.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -24,6 +26,7 @@ from typing import Sequence
 
 from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError, fields_of, messages, read_mounts
 from gpusnap.pages.file_pages import regular_files
+from gpusnap.tarstream import TarStream
 
 REMAP_FPATH_MAGIC = 0x59133954
 
@@ -45,13 +48,29 @@ def _remapped(images: Path) -> set[int]:
     return out
 
 
-def _diff_sizes(userdata: Path) -> dict[str, int | None]:
-    """rootfs-diff.tar's members: regular files by size, anything else None."""
-    out: dict[str, int | None] = {}
-    with tarfile.open(userdata / "rootfs-diff.tar") as tar:
-        for member in tar:
-            out[member.name.removeprefix("./").lstrip("/")] = member.size if member.isreg() else None
-    return out
+def _sizes(tar: tarfile.TarFile) -> dict[str, int | None]:
+    """A tar's members: regular files by size, anything else None."""
+    return {m.name.removeprefix("./").lstrip("/"): m.size if m.isreg() else None for m in tar}
+
+
+def _diff_sizes(userdata: Path, export: Path) -> dict[str, int | None]:
+    """rootfs-diff.tar's members, from Podman's folder where it keeps the file
+    (4.x with --keep), else from the export (5.8 removes it after the export:
+    read to the end, where Podman puts it). None in either: no changes."""
+    kept = userdata / "rootfs-diff.tar"
+    if kept.is_file():
+        with tarfile.open(kept) as tar:
+            return _sizes(tar)
+    stream = TarStream(export)
+    try:
+        for member in stream.tar:
+            if member.name.removeprefix("./") == "rootfs-diff.tar" and member.isreg():
+                data = stream.data(member)
+                with tarfile.open(fileobj=io.BufferedReader(data), mode="r|") as inner:
+                    return _sizes(inner)
+        return {}
+    finally:
+        stream.close(read_to_end=False)
 
 
 def _deleted(userdata: Path) -> set[str]:
@@ -73,15 +92,17 @@ def _layer_size(rel: str, lower_dirs: Sequence[str]) -> int | None:
     return None
 
 
-def unrestorable(userdata: Path, lower_dirs: Sequence[str]) -> list[str]:
+def unrestorable(userdata: Path, export: Path, lower_dirs: Sequence[str]) -> list[str]:
     """Paths (in the container) of files CRIU will not find as it saw them at the
-    dump, each with why; [] where the export restores, or where Podman's folder
-    does not have what the check needs (no images or no rootfs-diff.tar)."""
+    dump, each with why; [] where the export restores. The images are Podman's
+    kept ones (--keep); without them there is nothing to check against: an
+    error, not a pass."""
     images = userdata / "checkpoint"
-    if not (userdata / "rootfs-diff.tar").is_file() or not (images / "inventory.img").is_file():
-        return []
+    if not (images / "inventory.img").is_file():
+        raise ImageError(f"no CRIU images in {images} to check the export against")
     roots = {m.mnt_id for m in read_mounts(images) if m.mountpoint == "/"}
-    remapped, diff, deleted = _remapped(images), _diff_sizes(userdata), _deleted(userdata)
+    remapped, deleted = _remapped(images), _deleted(userdata)
+    diff = _diff_sizes(userdata, export)
     wrong = []
     for fid, reg in sorted(regular_files(images).items()):
         if reg.mnt_id not in roots or fid in remapped or reg.size is None:

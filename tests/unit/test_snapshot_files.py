@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import io
 import struct
+import subprocess
 import tarfile
 from pathlib import Path
 
-from gpusnap.criu.images import IMG_COMMON_MAGIC, MNTS_MAGIC
+import pytest
+
+from gpusnap.criu.images import IMG_COMMON_MAGIC, MNTS_MAGIC, ImageError
 from gpusnap.ops.snapshot_files import REMAP_FPATH_MAGIC, unrestorable
 from gpusnap.pages.file_pages import FILES_MAGIC
 
@@ -66,12 +69,12 @@ def test_a_file_renamed_before_the_export_is_named(tmp_path):
     folder = _folder(tmp_path, [_reg(1, "/bin/busybox", 77, 10), _reg(2, "/tmp/c.new", 77, 0),
                                 _reg(3, "/dev/null", 79, None)],
                      {"tmp/c": b"41\n"})
-    assert unrestorable(folder, [str(layer)]) == ["/tmp/c.new (gone)"]
+    assert unrestorable(folder, folder / 'x.tar', [str(layer)]) == ["/tmp/c.new (gone)"]
 
 
 def test_a_file_resized_before_the_export_is_named(tmp_path):
     folder = _folder(tmp_path, [_reg(2, "/tmp/c.new", 77, 0)], {"tmp/c.new": b"42\n"})
-    assert unrestorable(folder, []) == ["/tmp/c.new (3 bytes, 0 at the dump)"]
+    assert unrestorable(folder, folder / 'x.tar', []) == ["/tmp/c.new (3 bytes, 0 at the dump)"]
 
 
 def test_what_criu_restores_itself_or_does_not_check_passes(tmp_path):
@@ -82,13 +85,28 @@ def test_what_criu_restores_itself_or_does_not_check_passes(tmp_path):
     folder = _folder(tmp_path, [_reg(1, "/tmp/ghost", 77, 5), _reg(2, "/var/log/app.log", 77, None),
                                 _reg(3, "/app", 77, 3), _reg(4, "/tmp/c", 77, 3)],
                      {"tmp/c": b"41\n"}, remapped=(1,))
-    assert unrestorable(folder, [str(layer)]) == []
+    assert unrestorable(folder, folder / 'x.tar', [str(layer)]) == []
 
 
 def test_a_dot_file_in_the_diff_is_found_by_its_name(tmp_path):
     folder = _folder(tmp_path, [_reg(2, "/.cache/x", 77, 3)], {"./.cache/x": b"abc"})
-    assert unrestorable(folder, []) == []
+    assert unrestorable(folder, folder / 'x.tar', []) == []
 
 
-def test_no_rootfs_diff_no_verdict(tmp_path):
-    assert unrestorable(tmp_path, []) == []
+@pytest.mark.parametrize("suffix", [".tar", ".tar.zst"])
+def test_without_a_kept_rootfs_diff_the_export_is_read(tmp_path, suffix):
+    """Podman 5.8 removes rootfs-diff.tar after the export, --keep or not."""
+    folder = _folder(tmp_path, [_reg(2, "/tmp/c.new", 77, 0)], {"tmp/c": b"41\n"})
+    export = tmp_path / f"x{suffix}"
+    with tarfile.open(tmp_path / "x.tar", "w") as tar:
+        tar.add(tmp_path / "checkpoint", "checkpoint")
+        tar.add(tmp_path / "rootfs-diff.tar", "rootfs-diff.tar")
+    if suffix == ".tar.zst":
+        subprocess.run(["zstd", "-q", "--rm", str(tmp_path / "x.tar"), "-o", str(export)], check=True)
+    (tmp_path / "rootfs-diff.tar").unlink()
+    assert unrestorable(folder, export, []) == ["/tmp/c.new (gone)"]
+
+
+def test_no_images_is_an_error_not_a_pass(tmp_path):
+    with pytest.raises(ImageError, match="no CRIU images"):
+        unrestorable(tmp_path, tmp_path / "x.tar", [])
