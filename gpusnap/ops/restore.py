@@ -149,6 +149,12 @@ def _unpacked_size(path: Path) -> int:
     return size * 4 if is_zstd(path) else size
 
 
+def _criu_died(podman_said: str) -> bool:
+    """runc's words when CRIU's socket closed under it: CRIU was killed (with the
+    restored processes: runc moves it into their cgroup)."""
+    return "unixpacket" in podman_said and "EOF" in podman_said
+
+
 def import_archive(opener: ContextManager[ImportStream], contents: archive.CheckpointContents,
                    plan: Plan, name: str | None, keep: bool, tcp_established: bool,
                    source: str, size: int = 0) -> dict:
@@ -171,9 +177,10 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
             criu = criu_error(log)
             if criu and "log file:" in why:  # Podman said only where its log was: CRIU says why
                 why = f"podman container restore: {criu} (CRIU's log is kept in {log})"
-            elif not criu and ended_early(log):  # runc then says only "read unixpacket: EOF"
-                why = (f"CRIU stopped before the restore of {target} was complete (its log "
-                       f"ends mid-way, with no error: killed?; it is kept in {log})")
+            elif _criu_died(why) or (not criu and ended_early(log)):
+                said = criu or "its log ends mid-way, with no error: killed?"
+                why = (f"CRIU stopped before the restore of {target} was complete ({said}; "
+                       f"CRIU's log is kept in {log})")
                 hint = "the checkpoint needs nothing: run the same restore again"
             else:
                 why += f" ({criu + '; ' if criu else ''}CRIU's log is kept in {log})"

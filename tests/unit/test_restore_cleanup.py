@@ -43,3 +43,25 @@ def test_the_import_error_comes_first_and_the_leftover_is_named(tmp_path, monkey
     assert msg.startswith("podman container restore failed: CRIU restore failed"), msg
     assert "CRIU's log is kept in" in msg and "boom" in msg
     assert "the half-restored container r2-1 is left" in msg and "podman rm -f r2-1" in msg
+
+
+def test_a_criu_killed_mid_restore_is_named_with_its_first_error(tmp_path, monkeypatch):
+    """runc's 'read unixpacket: EOF' means CRIU died (on a GPU it dies with the
+    restored processes: runc moved it into their cgroup); the line says so, with
+    CRIU's own first error where its log has one, and to run the restore again."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+
+    def died(*a, **k):
+        raise GpusnapError("podman container restore: OCI runtime error: runc: read unixpacket @->@: EOF")
+
+    monkeypatch.setattr(podman, "restore", died)
+    monkeypatch.setattr(podman, "find", lambda name: _container(tmp_path))
+    monkeypatch.setattr(podman, "remove", lambda name: None)
+    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
+    with pytest.raises(GpusnapError) as err:
+        restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents,
+                               Plan([], [], False), "r2-1", False, False, "ARCHIVE")
+    msg = err.value.message
+    assert msg.startswith("CRIU stopped before the restore of r2-1 was complete"), msg
+    assert "boom" in msg and "unixpacket" not in msg and "ARCHIVE is unchanged" in msg
+    assert err.value.hint == "the checkpoint needs nothing: run the same restore again"
