@@ -61,17 +61,18 @@ def test_leave_running_keeps_counting(counter, tmp_path):
 
 
 def test_a_leave_running_export_restores_or_is_refused_in_one_line(name, tmp_path):
-    """A process holds /tmp/hN open and renames it every few ms: a --leave-running
+    """A process holds /tmp/hN open and renames it every ~10 ms: a --leave-running
     export then misses the name it had at the dump (Podman writes the root
     filesystem after the container ran on) and would not restore, unless CRIU
     caught the rename itself (it then keeps a link of its own). gpusnap takes
     the checkpoint again, up to three times: what it exports restores beside the
     running original, or it exports nothing and says so in one line, and the
-    hint's way (without --leave-running) gives an export that restores."""
+    hint's way (without --leave-running) gives an export that restores. (The loop
+    sleeps: one that forks without pause makes CRIU time out seizing it, CI sid + runc.)"""
     podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c",
            "cat /proc/sys/kernel/random/uuid > /tmp/born; : > /tmp/h0; exec 3</tmp/h0; i=0; "
            "while true; do j=$((i+1)); mv /tmp/h$i /tmp/h$j; i=$j; echo $i > /tmp/c.new; "
-           "mv /tmp/c.new /tmp/c; done")
+           "mv /tmp/c.new /tmp/c; sleep 0.01; done")
     wait_counter(name, 3)
     token, archive = born(name), tmp_path / "live.tar.zst"
     res = gpusnap("checkpoint", name, "--export", str(archive), "--leave-running")
