@@ -68,6 +68,14 @@ def messages(data: bytes) -> list[bytes]:
     return out
 
 
+def checked_messages(data: bytes, magic: int, kind: str, name: str = "") -> list[bytes]:
+    """The messages of a CRIU ``kind`` image (second magic ``magic``); an
+    ImageError, naming ``name`` where given, for anything else."""
+    if len(data) < 8 or struct.unpack_from("<II", data) != (IMG_COMMON_MAGIC, magic):
+        raise ImageError(f"{name + ' is ' if name else ''}not a CRIU {kind} image")
+    return messages(data)
+
+
 def parse_mountpoints(data: bytes) -> list[MountEntry]:
     if len(data) < 8:
         raise ImageError("not a CRIU image: too short")

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError, fields_of, messages
+from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError, checked_messages, fields_of
 from gpusnap.proto.wire import WireError, spans, varint
 
 MM_MAGIC = 0x57492820
@@ -61,9 +61,7 @@ class Vma:
 
 
 def parse(data: bytes) -> list[Vma]:
-    if len(data) < 8 or struct.unpack_from("<II", data) != (IMG_COMMON_MAGIC, MM_MAGIC):
-        raise ImageError("not a CRIU mm image")
-    entries = messages(data)
+    entries = checked_messages(data, MM_MAGIC, "mm")
     if len(entries) != 1:
         raise ImageError(f"an mm image holds one entry, this one {len(entries)}")
     vmas = []

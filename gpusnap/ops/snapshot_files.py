@@ -19,12 +19,11 @@ from __future__ import annotations
 import io
 import json
 import os
-import struct
 import tarfile
 from pathlib import Path
 from typing import Sequence
 
-from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError, fields_of, messages, read_mounts
+from gpusnap.criu.images import ImageError, checked_messages, fields_of, read_mounts
 from gpusnap.pages.file_pages import regular_files
 from gpusnap.tarstream import TarStream
 
@@ -37,11 +36,9 @@ def _remapped(images: Path) -> set[int]:
     path = images / "remap-fpath.img"
     if not path.is_file():
         return set()
-    data = path.read_bytes()
-    if len(data) < 8 or struct.unpack_from("<II", data) != (IMG_COMMON_MAGIC, REMAP_FPATH_MAGIC):
-        raise ImageError("remap-fpath.img is not a CRIU remap-fpath image")
     out = set()
-    for entry in messages(data):
+    for entry in checked_messages(path.read_bytes(), REMAP_FPATH_MAGIC, "remap-fpath",
+                                  path.name):
         f = {n: v for n, _, v in fields_of(entry)}
         if isinstance(f.get(1), int):
             out.add(f[1])

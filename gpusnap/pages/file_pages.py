@@ -27,12 +27,11 @@ import bisect
 import json
 import os
 import stat
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap.criu import mm, pagemap
-from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageError, fields_of, messages, read_mounts
+from gpusnap.criu.images import ImageError, checked_messages, fields_of, read_mounts
 
 FILES_MAGIC, REG_FILES_MAGIC = 0x56303138, 0x50363636
 FD_REG = 1  # fd_types.REG
@@ -68,10 +67,7 @@ def regular_files(folder: Path) -> dict[int, RegFile]:
         path = folder / name
         if not path.is_file():
             continue
-        data = path.read_bytes()
-        if len(data) < 8 or struct.unpack_from("<II", data) != (IMG_COMMON_MAGIC, magic):
-            raise ImageError(f"{name} is not a CRIU {name[:-4]} image")
-        for entry in messages(data):
+        for entry in checked_messages(path.read_bytes(), magic, name[:-4], name):
             if magic == REG_FILES_MAGIC:
                 rid, reg = _reg_file(entry)
                 out[rid] = reg
