@@ -208,23 +208,29 @@ def test_cli_killed_mid_checkpoint_leaves_it_restorable(counter, tmp_path):
     assert archive.stat().st_size > 0
 
 
+def _counter_holding_half_a_gib(name: str) -> int:
+    """The counter with half a GiB of anonymous memory beside it in the container's
+    tree (a dump and a restore long enough to land a kill in); its init's pid."""
+    podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c",
+           'busybox awk \'BEGIN { s = "x"; while (length(s) < 5e8) s = s s; '
+           'while (1) system("sleep 1") }\' & ' + COUNTER)
+    wait_counter(name, 3)
+    pid = int(podman("inspect", name, "--format", "{{.State.Pid}}").stdout)
+    deadline = time.monotonic() + 60
+    while rss_bytes(process_tree(pid)) < 400 << 20 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pid
+
+
 def test_criu_killed_mid_dump_leaves_the_container_running(name, tmp_path):
     """CRIU SIGKILLed once it seized the container: one line says what happened,
     and the container counts on (had the cgroup stayed frozen, as CRIU froze it
     to seize, gpusnap thaws it: no runtime does)."""
     from tests.faults.conftest import kill_criu_mid_dump
 
-    # half a GiB of anonymous memory in the container's tree: a dump long enough to land the kill in
     counter = name
-    podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c",
-           'busybox awk \'BEGIN { s = "x"; while (length(s) < 5e8) s = s s; '
-           'while (1) system("sleep 1") }\' & ' + COUNTER)
-    wait_counter(name, 3)
+    pid = _counter_holding_half_a_gib(counter)
     token = born(counter)
-    pid = int(podman("inspect", counter, "--format", "{{.State.Pid}}").stdout)
-    deadline = time.monotonic() + 60
-    while rss_bytes(process_tree(pid)) < 400 << 20 and time.monotonic() < deadline:
-        time.sleep(0.1)
     cli = subprocess.Popen([GPUSNAP, "checkpoint", counter, "--export", str(tmp_path / "x.tar.zst")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     kill_criu_mid_dump(pid, cli)
@@ -245,15 +251,8 @@ def test_criu_killed_mid_restore_restores_nothing_and_says_so(name, tmp_path):
     from tests.faults.conftest import kill_criu_mid_restore
 
     counter = name
-    podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c",
-           'busybox awk \'BEGIN { s = "x"; while (length(s) < 5e8) s = s s; '
-           'while (1) system("sleep 1") }\' & ' + COUNTER)
-    wait_counter(name, 3)
+    _counter_holding_half_a_gib(counter)
     token, archive = born(counter), tmp_path / "x.tar.zst"
-    pid = int(podman("inspect", counter, "--format", "{{.State.Pid}}").stdout)
-    deadline = time.monotonic() + 60
-    while rss_bytes(process_tree(pid)) < 400 << 20 and time.monotonic() < deadline:
-        time.sleep(0.1)
     before = read_counter(counter)
     gpusnap_json("checkpoint", counter, "--export", str(archive))
     podman("rm", counter)
