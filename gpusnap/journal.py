@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -23,6 +24,35 @@ def state_dir() -> Path:
 def state_subdir(name: str) -> Path:
     """A root-only folder of state_dir() (requests, containers, restores, actions)."""
     return private_dir(state_dir() / name)
+
+
+KEPT_LOGS = 20
+
+
+def keep_log(log: Path, verb: str, container: str) -> Path | None:
+    """A copy of CRIU's ``log`` in state_dir()/logs, named for the verb, the
+    container and the time: the runtime's copy goes with the container (or the
+    next dump overwrites it), and the log is what says why CRIU failed. None
+    where there is no log or no room for the copy."""
+    if not log.is_file():
+        return None
+    logs = state_subdir("logs")
+    kept = logs / f"{verb}-{container}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    try:
+        shutil.copyfile(log, kept)
+    except OSError:
+        return None
+    # /run is memory: the newest KEPT_LOGS stay, enough to report a failure
+    for old in sorted(logs.glob("*.log"), key=_mtime)[:-KEPT_LOGS]:
+        old.unlink(missing_ok=True)
+    return kept
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def record(event: str, **fields) -> None:

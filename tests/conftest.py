@@ -19,6 +19,30 @@ GPUSNAP = "/usr/local/bin/gpusnap"
 COUNTER = "cat /proc/sys/kernel/random/uuid > /tmp/born; i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.05; done"
 
 
+def _criu_log_excerpt(log: Path, tail: int = 60) -> str:
+    """CRIU's errors and the end of its log: at runc's and crun's log level
+    the end of a failed freeze lists the stacks of the tasks that would not freeze."""
+    lines = log.read_text(errors="replace").splitlines()
+    errors = [line for line in lines[:-tail] if "Error" in line or "Timeout" in line]
+    return "\n".join(errors[-20:] + ["..."] + lines[-tail:] if errors else lines[-tail:])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test shows the CRIU logs gpusnap kept while it ran (journal.keep_log):
+    a flake in CI leaves its cause in the CI log, not in a machine since gone."""
+    report = yield
+    if report.failed:
+        logs = Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap")) / "logs"
+        try:
+            kept = sorted(p for p in logs.glob("*.log") if p.stat().st_mtime >= call.start - 1)
+        except OSError:
+            kept = []
+        for log in kept[-3:]:
+            report.sections.append((f"CRIU log kept in {log}", _criu_log_excerpt(log)))
+    return report
+
+
 @pytest.fixture(scope="session", autouse=True)
 def permissive_trust_policy(tmp_path_factory) -> Path:
     """Restores from the test registries take unsigned checkpoints: a session

@@ -141,6 +141,15 @@ def drop_local(userdata: Path) -> None:
         (userdata / name).unlink(missing_ok=True)
 
 
+def _written_since(log: Path, since: float) -> Path | None:
+    """``log`` if this run wrote it: a failure before CRIU ran leaves the last
+    dump's log in place, whose error is not this one's."""
+    try:
+        return log if log.stat().st_mtime >= since - 1 else None
+    except OSError:
+        return None
+
+
 def _drop_stale_dump(ctr: podman.Container, since: float) -> None:
     """A dump this run wrote (kept for the export) of a container that runs on
     (--leave-running) is stale, and as large as its memory: free the space. An
@@ -259,12 +268,16 @@ def _run_once(p: CheckpointPlan) -> dict:
         else:
             where = f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}"
         cause = _action_failure(p.container.pid)
-        criu = criu_error(p.container.userdata / "dump.log")
+        log = _written_since(p.container.userdata / "dump.log", started_at)
+        criu = criu_error(log) if log else None
         message = (f"GPU quiesce failed: {cause}" if cause else
                    f"CRIU could not dump {p.container.name}: {criu}" if criu else
                    f"CRIU stopped before the dump of {p.container.name} was complete (its "
                    "log ends mid-way, with no error: killed?)"
-                   if ended_early(p.container.userdata / "dump.log") else exc.message)
+                   if log and ended_early(log) else exc.message)
+        kept = journal.keep_log(log, "dump", p.container.name) if log else None
+        if kept is not None:  # the next dump or `podman rm` takes Podman's copy
+            message += f" (CRIU's log is kept in {kept})"
         sockets = inet_sockets_problem(criu_version()) if criu and INET_SOCKETS_LOG in criu \
             else None
         if sockets:  # every container with a TCP or UDP socket: say why, and the fix

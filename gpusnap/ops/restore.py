@@ -222,14 +222,7 @@ def _drop_half_restored(name: str | None) -> tuple[Path | None, str | None]:
             return None, None
     except GpusnapError as exc:
         return None, exc.message
-    kept = None
-    log = ctr.userdata / "restore.log"
-    if log.is_file():
-        kept = journal.state_subdir("logs") / f"restore-{ctr.name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
-        try:
-            shutil.copyfile(log, kept)
-        except OSError:
-            kept = None
+    kept = journal.keep_log(ctr.userdata / "restore.log", "restore", ctr.name)
     try:
         podman.remove(name)
     except GpusnapError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -222,6 +223,13 @@ def _counter_holding_half_a_gib(name: str) -> int:
     return pid
 
 
+def _names_criu_log(stderr: str) -> None:
+    """The line names a copy of CRIU's log that outlives the container."""
+    found = re.search(r"CRIU's log is kept in (\S+?\.log)", stderr)
+    assert found, stderr
+    assert "CRIU run id" in Path(found.group(1)).read_text(errors="replace")
+
+
 def test_criu_killed_mid_dump_leaves_the_container_running(name, tmp_path):
     """CRIU SIGKILLed once it seized the container: one line says what happened,
     and the container counts on (had the cgroup stayed frozen, as CRIU froze it
@@ -237,6 +245,7 @@ def test_criu_killed_mid_dump_leaves_the_container_running(name, tmp_path):
     out, err = cli.communicate(timeout=300)
     res = subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
     assert_one_line_error(res, "CRIU stopped before the dump", "still running")
+    _names_criu_log(res.stderr)
     assert not (tmp_path / "x.tar.zst").exists()
     _still_counting(counter, token)
     assert json.loads(gpusnap("doctor", "--json").stdout)["stuck"] == []
@@ -263,6 +272,7 @@ def test_criu_killed_mid_restore_restores_nothing_and_says_so(name, tmp_path):
     res = subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
     assert_one_line_error(res, "CRIU stopped before the restore", "nothing was restored",
                           f"{archive} is unchanged", hint="run the same restore again")
+    _names_criu_log(res.stderr)
     assert podman("container", "exists", counter, check=False).returncode == 1, \
         "a half-restored container was left"
     gpusnap_json("restore", str(archive))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import stat
 import threading
@@ -119,3 +120,19 @@ def test_concurrent_records_do_not_interleave(state_dir):
     lines = (state_dir / "journal.jsonl").read_text().splitlines()
     assert len(lines) == 200
     assert all(json.loads(line)["event"] == "w" for line in lines)
+
+
+def test_keep_log_copies_crius_log_and_keeps_only_the_newest(state_dir, tmp_path, monkeypatch):
+    log = tmp_path / "dump.log"
+    assert journal.keep_log(log, "dump", "c") is None  # no log: nothing to keep
+    log.write_text("(00.000000) CRIU run id = x\n")
+    monkeypatch.setattr(journal, "KEPT_LOGS", 3)
+    old = state_dir / "logs"
+    old.mkdir(parents=True)
+    for i in range(4):  # older than anything kept now
+        (old / f"dump-old{i}-1.log").write_text("old")
+        os.utime(old / f"dump-old{i}-1.log", (i, i))
+    kept = journal.keep_log(log, "dump", "c")
+    assert kept is not None and kept.read_text() == log.read_text()
+    assert kept.name.startswith("dump-c-") and kept.parent == old
+    assert sorted(p.name for p in old.iterdir()) == sorted(["dump-old2-1.log", "dump-old3-1.log", kept.name])
