@@ -17,6 +17,13 @@ GPUSNAP = "/usr/local/bin/gpusnap"
 # Written to a new file and renamed: a reader never sees the file truncated and empty.
 # /tmp/born: a token written once at start; a restore keeps it, a restart replaces it.
 COUNTER = "cat /proc/sys/kernel/random/uuid > /tmp/born; i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.05; done"
+# COUNTER that also holds /tmp/hN open and renames it every ~10 ms: a
+# --leave-running export, whose root filesystem Podman writes after the
+# container ran on, misses the name CRIU recorded (ops/snapshot_files.py). The
+# loop sleeps: one that forks without pause makes CRIU time out seizing it.
+RENAMING_HOLDER = ("cat /proc/sys/kernel/random/uuid > /tmp/born; : > /tmp/h0; exec 3</tmp/h0; "
+                   "i=0; while true; do j=$((i+1)); mv /tmp/h$i /tmp/h$j; i=$j; "
+                   "echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.01; done")
 
 
 def _criu_log_excerpt(log: Path, tail: int = 60) -> str:

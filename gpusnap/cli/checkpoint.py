@@ -6,6 +6,7 @@ import click
 
 from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option, step
 from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
+from gpusnap.ops import advice
 from gpusnap.ops import checkpoint as ops
 
 
@@ -23,9 +24,8 @@ def _human(r: dict) -> None:
                       f"(quiesced by {gpu['quiesced_by']}, {gpu['timing']})")
     if r["leave_running"]:
         console.print("  the container keeps running")
-    if r.get("retaken"):
-        console.print(f"  taken {r['retaken']['tries']} times: a file open at the dump changed "
-                      f"before Podman exported the root filesystem ({r['retaken']['files'][0]})")
+    if advice.retaken(r):
+        console.print(f"  {advice.retaken(r)}")
 
 
 @click.command("checkpoint")

@@ -129,3 +129,12 @@ def after_push(r: dict, opts: RegistryOptions, trust: TrustOptions | None, here:
         r["prefetch_command"] = gpusnap_command(["pull", "--prefetch", r["pinned"]], opts)
     r["restore_refused"] = restore_refusal(r, opts)
     return r
+
+
+def retaken(r: dict) -> str | None:
+    """Why a --leave-running checkpoint was taken more than once, if it was."""
+    again = r.get("retaken")
+    if not again:
+        return None
+    return (f"taken {again['tries']} times: a file open at the dump changed before Podman "
+            f"exported the root filesystem ({again['files'][0]})")

@@ -51,6 +51,9 @@ class CheckpointPlan:
     # before the dump (pages_aside.prelink; pages/memory.py).
     pages_prelinked: bool = False
     gpu_bytes: int = 0  # of ``estimate_bytes``: what the driver moves into host memory first
+    # A --leave-running export that would not restore is taken again here; a
+    # push that uploads the export as Podman writes it takes it again itself.
+    retake_stale: bool = True
 
 
 def _free_bytes(path: Path) -> int:
@@ -193,12 +196,31 @@ class _Stale(Exception):
         self.files = files
 
 
+class StaleSnapshot(GpusnapError):
+    """A --leave-running checkpoint that would not restore, not taken again
+    here (CheckpointPlan.retake_stale): its taker decides."""
+
+    def __init__(self, name: str, files: list[str]) -> None:
+        refusal = stale_refusal(name, files, "it is not pushed", "push it again")
+        super().__init__(refusal.message, refusal.hint)
+        self.files = files
+
+
+def stale_refusal(name: str, files: list[str], undone: str, first_hint: str) -> GpusnapError:
+    """One line for a --leave-running checkpoint whose open files changed before
+    Podman wrote the root filesystem into its export."""
+    return GpusnapError(
+        f"the checkpoint of {name} would not restore: {', '.join(files[:3])}, open at the "
+        "dump, changed before Podman wrote the root filesystem into the export "
+        f"({SNAPSHOT_TRIES} tries); the container is still running, {undone}",
+        f"{first_hint} (it stops, its files stay as dumped), or at a moment it is not "
+        "renaming the files it holds open")
+
+
 def _stale_files(p: CheckpointPlan) -> list[str]:
     """What a --leave-running export lacks of the files open at its dump
-    (ops/snapshot_files.py). A push's export (the plain tar) is not checked:
-    it is uploaded as Podman writes it, so it cannot be taken again under the
-    upload."""
-    if not p.leave_running or p.export is None or p.export_level == 0:
+    (ops/snapshot_files.py)."""
+    if not p.leave_running or p.export is None:
         return []
     try:
         return unrestorable(p.container.userdata, p.export, p.container.lower_dirs)
@@ -209,7 +231,9 @@ def _stale_files(p: CheckpointPlan) -> list[str]:
 
 def run(p: CheckpointPlan) -> dict:
     """Checkpoint as planned; a --leave-running export whose open files changed
-    before Podman wrote the root filesystem is taken again (SNAPSHOT_TRIES)."""
+    before Podman wrote the root filesystem is taken again (SNAPSHOT_TRIES), or
+    refused with StaleSnapshot where the plan leaves that to its taker."""
+    changed: list[str] = []
     for attempt in range(1, SNAPSHOT_TRIES + 1):
         try:
             result = _run_once(p)
@@ -217,6 +241,8 @@ def run(p: CheckpointPlan) -> dict:
             journal.record("checkpoint-stale", container=p.container.id, files=stale.files,
                            attempt=attempt)
             drop_local(p.container.userdata)
+            if not p.retake_stale:
+                raise StaleSnapshot(p.container.name, stale.files) from None
             changed = stale.files
             continue
         if attempt > 1:
@@ -224,12 +250,8 @@ def run(p: CheckpointPlan) -> dict:
         return result
     if p.export is not None:
         p.export.unlink(missing_ok=True)
-    raise GpusnapError(
-        f"the export of {p.container.name} would not restore: {', '.join(changed[:3])}, open "
-        "at the dump, changed before Podman wrote the root filesystem into the export "
-        f"({SNAPSHOT_TRIES} tries); the container is still running, nothing was exported",
-        "checkpoint it without --leave-running (it stops, its files stay as dumped), or at a "
-        "moment it is not renaming the files it holds open")
+    raise stale_refusal(p.container.name, changed, "nothing was exported",
+                        "checkpoint it without --leave-running")
 
 
 def _run_once(p: CheckpointPlan) -> dict:

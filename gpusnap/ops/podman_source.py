@@ -74,6 +74,9 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         plan = ops_checkpoint.plan(source, str(export), leave_running, False,
                                    DEFAULT_LOCK_TIMEOUT_MS, skip_space_check=True,
                                    export_level=0, container=container)
+        # An export uploaded as Podman writes it cannot be taken again under the
+        # upload: a stale one is refused to push(), which takes it all again.
+        plan.retake_stale = not stream
         if sets_aside:
             aside, in_ram = _pages_folder(plan, work, root)
         if not in_ram:

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
@@ -23,6 +24,7 @@ from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.pages import early_pages, prefetch
 from gpusnap.ops import push_podman
+from gpusnap.ops.checkpoint import SNAPSHOT_TRIES, StaleSnapshot, stale_refusal
 from gpusnap.ops.push_source import PushSource
 from gpusnap.ops.sources import find_container, open_source
 from gpusnap.runtime.storage import image_repo_digests
@@ -298,6 +300,47 @@ def _annotations(b: fmt.Bundle, kind: str, pre_checkpoint: bool) -> dict[str, st
     return notes
 
 
+@dataclass
+class _PushJob:
+    """What push() settled before it touches the container: one attempt's inputs."""
+    source: str
+    ref: reference.Reference
+    opts: RegistryOptions
+    client: RegistryClient
+    sealing: PushTrust
+    container: object
+    cache: ChunkCache | None
+    leave_running: bool
+    pre_checkpoint: bool
+    image_format: str
+    level: int
+    workers: int
+    processes: int
+    containerd_address: str | None
+    on_checkpoint: Callable[[str], None] | None
+    on_checkpointed: Callable[[dict], None] | None
+    total: Callable[[int], None] | None
+    start: float
+
+
+class _Counted:
+    """The caller's progress, counting what one attempt reported, so that a
+    checkpoint taken again starts the bar where it started."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress, self.done = progress, 0
+
+    def __call__(self, raw: int, network: int) -> None:
+        self.done += raw
+        if self.progress:
+            self.progress(raw, network)
+
+    def rewind(self) -> None:
+        if self.progress and self.done:
+            self.progress(-self.done, 0)
+        self.done = 0
+
+
 def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bool = False,
          level: int = ZSTD_LEVEL, workers: int = WORKERS, cache_root: Path | None = None,
          progress: Progress | None = None, total: Callable[[int], None] | None = None,
@@ -312,7 +355,9 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     restore does not take it for the final round). ``on_checkpointed``: a
     container SOURCE's checkpoint is complete on local storage (stopped or
     resumed, GPU released), the upload goes on: {export, container,
-    init_pid, seconds, bytes (staged)}; called from the checkpoint's thread."""
+    init_pid, seconds, bytes (staged)}; called from the checkpoint's thread.
+    A --leave-running checkpoint that would not restore (ops/snapshot_files.py)
+    is refused before a reference is pushed, and taken again (SNAPSHOT_TRIES)."""
     leave_running = leave_running or pre_checkpoint
     from gpusnap.trust.remote import PushTrust  # cryptography: imported only when pushing
 
@@ -322,47 +367,70 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     container = find_container(source)  # a mistyped name is not reported as the registry's fault
     client = RegistryClient(ref, opts, push=True)
     client.ping()  # wrong credentials fail before a container is checkpointed
-    start = time.monotonic()
     if processes is None:
         processes = segments.default_workers(stopped=container is not None and not leave_running)
-    cache = ChunkCache.open(cache_root)
-    with open_source(source, leave_running, on_checkpoint,
-                     stream=image_format == "gpusnap",
-                     containerd_address=containerd_address, container=container,
-                     on_checkpointed=on_checkpointed) as src:
-        if total and src.known_bytes:
-            total(src.known_bytes)
-        if image_format == "podman":
-            return _push_podman(src, client, source, level, progress, start, sealing)
+    job = _PushJob(source, ref, opts, client, sealing, container, ChunkCache.open(cache_root),
+                   leave_running, pre_checkpoint, image_format, level, workers, processes,
+                   containerd_address, on_checkpoint, on_checkpointed, total, time.monotonic())
+    changed: list[str] = []
+    for attempt in range(1, SNAPSHOT_TRIES + 1):
+        counted = _Counted(progress)
+        try:
+            result = _push_once(job, counted)
+        except StaleSnapshot as stale:
+            counted.rewind()
+            changed = stale.files
+            continue
+        if attempt > 1:
+            result["retaken"] = {"tries": attempt, "files": changed}
+        return result
+    # push keeps a container running by default; --stop (migrate without -R) stops it
+    raise stale_refusal(source, changed, "no reference was pushed",
+                        "push it with --stop, or migrate it without --leave-running")
+
+
+def _push_once(job: _PushJob, progress: Progress) -> dict:
+    with open_source(job.source, job.leave_running, job.on_checkpoint,
+                     stream=job.image_format == "gpusnap",
+                     containerd_address=job.containerd_address, container=job.container,
+                     on_checkpointed=job.on_checkpointed) as src:
+        if job.total and src.known_bytes:
+            job.total(src.known_bytes)
+        if job.image_format == "podman":
+            return _push_podman(src, job.client, job.source, job.level, progress, job.start,
+                                job.sealing)
         scale = layer_scale(src.estimated_bytes)
-        uploader = Uploader(client, cache, level, workers, progress, cipher=sealing.cipher)
-        make_pool = None if sealing.cipher or processes < 2 else (
-            lambda: segments.SegmentPool(str(ref), opts, cache.root if cache else None, level,
-                                         processes))
+        uploader = Uploader(job.client, job.cache, job.level, job.workers, progress,
+                            cipher=job.sealing.cipher)
+        make_pool = None if job.sealing.cipher or job.processes < 2 else (
+            lambda: segments.SegmentPool(str(job.ref), job.opts,
+                                         job.cache.root if job.cache else None, job.level,
+                                         job.processes))
         parts = _Parts(uploader, make_pool)
         try:
-            files, contents, prefetched = _upload_files(src, parts, scale, str(ref))
-            src.finish()
-            b = _bundle(source, files, contents, scale, level)
-            config = sealing.seal_config(b.to_json())
+            files, contents, prefetched = _upload_files(src, parts, scale, str(job.ref))
+            src.finish()  # the checkpoint's end: a stale one is refused before the manifest
+            b = _bundle(job.source, files, contents, scale, job.level)
+            config = job.sealing.seal_config(b.to_json())
             config_digest = uploader.put_small(config)
         finally:
             parts.close()
             uploader.close()
-        notes = _annotations(b, src.kind, pre_checkpoint)
+        notes = _annotations(b, src.kind, job.pre_checkpoint)
         image = (b.summary.get("container") or {}).get("image")
         if b.summary.get("engine") == "containerd":
             image = None  # Podman's repo digests (the subject) do not describe containerd's images
-        manifest = sealing.finish_manifest(
-            fmt.build_manifest(b, config_digest, len(config), notes, _subject(client, image)))
-        digest = client.put_manifest(manifest, fmt.OCI_MANIFEST, ref.target)
-        signed_by = sealing.sign(client, digest, len(manifest))
-    if cache:
-        cache.prune()
-    seconds = time.monotonic() - start
+        manifest = job.sealing.finish_manifest(
+            fmt.build_manifest(b, config_digest, len(config), notes, _subject(job.client, image)))
+        digest = job.client.put_manifest(manifest, fmt.OCI_MANIFEST, job.ref.target)
+        signed_by = job.sealing.sign(job.client, digest, len(manifest))
+    if job.cache:
+        job.cache.prune()
+    seconds = time.monotonic() - job.start
     stats = uploader.stats
+    ref = job.ref
     return {"reference": str(ref), "digest": digest, "pinned": str(ref.with_digest(digest)),
-            "source": source, "source_kind": src.kind, "container": src.container,
+            "source": job.source, "source_kind": src.kind, "container": src.container,
             "files": len(b.files), "bytes": b.total_bytes,
             "chunks": stats.chunks, "layers": len(b.unique_blobs()),
             "chunks_sent": stats.chunks_transferred, "bytes_sent": stats.network_bytes,
@@ -373,8 +441,8 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "gpu": b.summary.get("gpu") is not None, "annotations": notes,
-            "pre_checkpoint": pre_checkpoint,
-            "trust": sealing.facts(signed_by)}
+            "pre_checkpoint": job.pre_checkpoint,
+            "trust": job.sealing.facts(signed_by)}
 
 
 def _push_podman(src: PushSource, client: RegistryClient, source: str, level: int,

@@ -121,6 +121,11 @@ class Registry:
                 and (self.storage / "docker/registry/v2/blobs/sha256" / p.name[:2] / p.name
                      / "data").is_file()}
 
+    def tags(self, repository: str) -> set[str]:
+        """The tags the repository has (its tag links in storage)."""
+        tags = self.storage / "docker/registry/v2/repositories" / repository / "_manifests/tags"
+        return {p.name for p in tags.iterdir()} if tags.is_dir() else set()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

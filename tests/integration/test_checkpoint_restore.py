@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from tests.conftest import (DEMO_IMAGE, assert_continued, assert_one_line_error, born, gpusnap,
-                            gpusnap_json, podman, read_counter, run, wait_counter)
+from tests.conftest import (DEMO_IMAGE, RENAMING_HOLDER, assert_continued, assert_one_line_error,
+                            born, gpusnap, gpusnap_json, podman, read_counter, run, wait_counter)
 
 from gpusnap import MANIFEST_NAME
 
@@ -67,12 +67,9 @@ def test_a_leave_running_export_restores_or_is_refused_in_one_line(name, tmp_pat
     caught the rename itself (it then keeps a link of its own). gpusnap takes
     the checkpoint again, up to three times: what it exports restores beside the
     running original, or it exports nothing and says so in one line, and the
-    hint's way (without --leave-running) gives an export that restores. (The loop
-    sleeps: one that forks without pause makes CRIU time out seizing it, CI sid + runc.)"""
+    hint's way (without --leave-running) gives an export that restores."""
     podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c",
-           "cat /proc/sys/kernel/random/uuid > /tmp/born; : > /tmp/h0; exec 3</tmp/h0; i=0; "
-           "while true; do j=$((i+1)); mv /tmp/h$i /tmp/h$j; i=$j; echo $i > /tmp/c.new; "
-           "mv /tmp/c.new /tmp/c; sleep 0.01; done")
+           RENAMING_HOLDER)
     wait_counter(name, 3)
     token, archive = born(name), tmp_path / "live.tar.zst"
     res = gpusnap("checkpoint", name, "--export", str(archive), "--leave-running")
@@ -87,7 +84,7 @@ def test_a_leave_running_export_restores_or_is_refused_in_one_line(name, tmp_pat
             run(["podman", "rm", "-f", "-t", "0", other])
         print(f"exported on try {tries}, restored beside the original")
         return
-    assert_one_line_error(res, f"the export of {name} would not restore", "/tmp/h",
+    assert_one_line_error(res, f"the checkpoint of {name} would not restore", "/tmp/h",
                           "3 tries", "still running", hint="without --leave-running")
     assert not archive.exists()
     before = read_counter(name)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (DEMO_IMAGE, GPUSNAP, COUNTER, assert_continued, assert_one_line_error,
-                            born, gpusnap_json, podman, read_counter, run, wait_counter)
+from tests.conftest import (DEMO_IMAGE, GPUSNAP, COUNTER, RENAMING_HOLDER, assert_continued,
+                            assert_one_line_error, born, gpusnap_json, podman, read_counter, run,
+                            wait_counter)
 from tests.integration.oci_registry import PASSWORD, USER, Registry, make_registry
 
 
@@ -37,6 +38,43 @@ def gs_json(*args: str, password: str = PASSWORD) -> dict:
 
 def unique_ref(registry: Registry, tag: str = "v1") -> str:
     return registry.ref(f"ckpt/test-{uuid.uuid4().hex[:8]}:{tag}")
+
+
+def test_a_leave_running_push_restores_or_is_refused_before_a_reference(name, registry):
+    """push -R uploads Podman's export as Podman writes it, so a checkpoint whose
+    open file was renamed before Podman wrote the root filesystem cannot be
+    taken again under the upload: the push refuses it before the manifest and
+    takes it all again, up to three times. What it tags restores beside the
+    running original; else no tag exists, one line says so, the container runs
+    on, and the hint's way (--stop: push keeps a container running by default)
+    restores."""
+    podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c",
+           RENAMING_HOLDER)
+    wait_counter(name, 3)
+    token, ref = born(name), unique_ref(registry)
+    repo, tag = ref.split("/", 1)[1].rsplit(":", 1)
+    res = gs("push", name, ref, "--leave-running", *registry.flags())
+    if res.returncode == 0:  # a try CRIU saw through, or one that missed no rename
+        other = f"{name}-copy"
+        try:
+            gs_json("restore", ref, "--name", other, *registry.flags())
+            assert_continued(other, 0, token)
+        finally:
+            run(["podman", "rm", "-f", "-t", "0", other])
+        tries = re.search(r"taken (\d) times", res.stdout)
+        print(f"pushed on try {tries.group(1) if tries else 1}, restored beside the original")
+        return
+    assert_one_line_error(res, f"the checkpoint of {name} would not restore", "/tmp/h",
+                          "3 tries", "still running", "no reference was pushed",
+                          hint="push it with --stop")
+    assert tag not in registry.tags(repo)
+    before = read_counter(name)
+    assert wait_counter(name, before) > before  # running on
+    gs_json("push", name, ref, "--stop", *registry.flags())
+    podman("rm", "-f", "-t", "0", name)
+    gs_json("restore", ref, *registry.flags())
+    assert_continued(name, before, token)
+    print("refused after 3 tries; the hint's push restored")
 
 
 def export(container: str, path: Path) -> Path:

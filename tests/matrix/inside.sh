@@ -41,7 +41,7 @@ if command -v runc >/dev/null && runc --version | grep -q '^runc version 1\.1\.'
 fi
 sh packaging/demo-image.sh >/dev/null
 echo "matrix $DIST: $(podman --version), $(criu --version | head -1), $(python3 --version)"
-TESTS=${GPUSNAP_MATRIX_TESTS:-tests/integration/test_checkpoint_restore.py tests/integration/test_page_fill.py tests/integration/test_dump_ahead.py tests/integration/test_replicas.py tests/integration/test_sockets.py tests/integration/test_runtime_config.py tests/integration/test_registry_podman.py}
+TESTS=${GPUSNAP_MATRIX_TESTS:-tests/integration/test_checkpoint_restore.py tests/integration/test_page_fill.py tests/integration/test_dump_ahead.py tests/integration/test_replicas.py tests/integration/test_sockets.py tests/integration/test_runtime_config.py tests/integration/test_registry_podman.py tests/integration/test_registry.py::test_a_leave_running_push_restores_or_is_refused_before_a_reference}
 mkdir -p /src/.matrix
 # One pytest run per runtime; tests that failed run once more, alone, and are
 # counted ("retried: N", docs/reliability.md; goal 0). A clean run prints its

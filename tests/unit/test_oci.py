@@ -16,7 +16,7 @@ import pytest
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import auth, bundle, chunker, reference, tarfiles
 from gpusnap.oci.cache import ChunkCache
-from gpusnap.ops.push import chunk_params, layer_scale
+from gpusnap.ops.push import _Counted, chunk_params, layer_scale
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -300,3 +300,14 @@ def test_podman_checkpoint_image_annotations_and_refusal():
     assert summary["container"]["name"] == "ctr" and summary["stored_bytes"] == 99
     with pytest.raises(GpusnapError, match="which OCI runtime"):
         podman_image.annotations({"name": "ctr"}, {"host": {}}, None)
+
+
+def test_a_push_taken_again_rewinds_the_bar_by_what_its_attempt_reported():
+    seen: list[tuple[int, int]] = []
+    first = _Counted(lambda raw, network: seen.append((raw, network)))
+    first(100, 40)
+    first(50, 0)
+    first.rewind()
+    first.rewind()  # once: the second has nothing to take back
+    assert seen == [(100, 40), (50, 0), (-150, 0)]
+    _Counted(None)(10, 10)  # no bar: counted, nothing called
