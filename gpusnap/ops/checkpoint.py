@@ -54,6 +54,9 @@ class CheckpointPlan:
     # A --leave-running export that would not restore is taken again here; a
     # push that uploads the export as Podman writes it takes it again itself.
     retake_stale: bool = True
+    # A pre-copy round only warms the target's cache, and is never restored:
+    # its open files need no check.
+    check_files: bool = True
 
 
 def _free_bytes(path: Path) -> int:
@@ -220,7 +223,7 @@ def stale_refusal(name: str, files: list[str], undone: str, first_hint: str) -> 
 def _stale_files(p: CheckpointPlan) -> list[str]:
     """What a --leave-running export lacks of the files open at its dump
     (ops/snapshot_files.py)."""
-    if not p.leave_running or p.export is None:
+    if not (p.check_files and p.leave_running) or p.export is None:
         return []
     try:
         return unrestorable(p.container.userdata, p.export, p.container.lower_dirs)

@@ -49,7 +49,8 @@ def _push_source(plan: ops_checkpoint.CheckpointPlan, export: Path, job: Future,
 @contextmanager
 def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str], None] | None,
                  stream: bool, container: podman.Container,
-                 on_checkpointed: Callable[[dict], None] | None) -> Iterator[PushSource]:
+                 on_checkpointed: Callable[[dict], None] | None,
+                 check_files: bool = True) -> Iterator[PushSource]:
     """``container`` checkpointed into a staged plain tar; with ``stream`` the
     push reads that tar while Podman still writes it (upload overlaps the
     dump), else once it is complete. ``on_checkpointed``: called once the
@@ -74,9 +75,8 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         plan = ops_checkpoint.plan(source, str(export), leave_running, False,
                                    DEFAULT_LOCK_TIMEOUT_MS, skip_space_check=True,
                                    export_level=0, container=container)
-        # An export uploaded as Podman writes it cannot be taken again under the
-        # upload: a stale one is refused to push(), which takes it all again.
-        plan.retake_stale = not stream
+        # streamed: not taken again under the upload, but refused to push(), which retakes it all
+        plan.retake_stale, plan.check_files = not stream, check_files
         if sets_aside:
             aside, in_ram = _pages_folder(plan, work, root)
         if not in_ram:

@@ -77,6 +77,23 @@ def test_a_leave_running_push_restores_or_is_refused_before_a_reference(name, re
     print("refused after 3 tries; the hint's push restored")
 
 
+def test_a_pre_copy_round_of_a_renaming_container_is_pushed_unchecked(name, registry):
+    """A pre-copy round (migrate -P) only warms the target's cache and is never
+    restored, so its open files are not checked: a container renaming what it
+    holds open is pushed on the first try, not refused."""
+    podman("run", "-d", "--name", name, "--network", "none", DEMO_IMAGE, "sh", "-c",
+           RENAMING_HOLDER)
+    wait_counter(name, 3)
+    cid = podman("inspect", name, "--format", "{{.Id}}").stdout.strip()
+    journal = Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap")) / "journal.jsonl"
+    gs_json("migrate", "-P", name, unique_ref(registry, "pre"), *registry.flags())
+    checked = [line for line in journal.read_text().splitlines()
+               if '"checkpoint-stale"' in line and cid in line]
+    assert not checked, checked
+    before = read_counter(name)
+    assert wait_counter(name, before) > before  # running on
+
+
 def export(container: str, path: Path) -> Path:
     gpusnap_json("checkpoint", container, "--export", str(path), "--leave-running")
     return path
