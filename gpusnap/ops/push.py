@@ -31,6 +31,7 @@ from gpusnap.runtime.storage import image_repo_digests
 from gpusnap.trust.options import TrustOptions
 
 if TYPE_CHECKING:  # cryptography: imported by push() itself
+    from gpusnap.runtime.podman import Container
     from gpusnap.trust.remote import PushTrust
 
 ZSTD_LEVEL = 3  # chunks cross a network: -3 is smaller than -1, still fast per core
@@ -308,7 +309,7 @@ class _PushJob:
     opts: RegistryOptions
     client: RegistryClient
     sealing: PushTrust
-    container: object
+    container: Container | None  # a Podman container SOURCE names
     cache: ChunkCache | None
     leave_running: bool
     pre_checkpoint: bool
