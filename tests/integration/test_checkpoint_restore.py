@@ -84,8 +84,9 @@ def test_a_leave_running_export_restores_or_is_refused_in_one_line(name, tmp_pat
             run(["podman", "rm", "-f", "-t", "0", other])
         print(f"exported on try {tries}, restored beside the original")
         return
-    assert_one_line_error(res, f"the checkpoint of {name} would not restore", "/tmp/h",
+    assert_one_line_error(res, f"the checkpoint of {name} would not restore",
                           "3 tries", "still running", hint="without --leave-running")
+    assert re.search(r"/tmp/(h\d+|c\.new) \(gone\)", res.stderr), res.stderr  # both renamed
     assert not archive.exists()
     before = read_counter(name)
     assert wait_counter(name, before) > before  # running on

@@ -64,9 +64,10 @@ def test_a_leave_running_push_restores_or_is_refused_before_a_reference(name, re
         tries = re.search(r"taken (\d) times", res.stdout)
         print(f"pushed on try {tries.group(1) if tries else 1}, restored beside the original")
         return
-    assert_one_line_error(res, f"the checkpoint of {name} would not restore", "/tmp/h",
+    assert_one_line_error(res, f"the checkpoint of {name} would not restore",
                           "3 tries", "still running", "no reference was pushed",
                           hint="push it with --stop")
+    assert re.search(r"/tmp/(h\d+|c\.new) \(gone\)", res.stderr), res.stderr  # both renamed
     assert tag not in registry.tags(repo)
     before = read_counter(name)
     assert wait_counter(name, before) > before  # running on
