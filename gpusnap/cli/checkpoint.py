@@ -24,8 +24,8 @@ def _human(r: dict) -> None:
                       f"(quiesced by {gpu['quiesced_by']}, {gpu['timing']})")
     if r["leave_running"]:
         console.print("  the container keeps running")
-    if advice.retaken(r):
-        console.print(f"  {advice.retaken(r)}")
+    if retaken := advice.retaken(r):
+        console.print(f"  {retaken}")
 
 
 @click.command("checkpoint")

@@ -47,8 +47,8 @@ def human_push(r: dict, target: bool = False) -> None:
     state = r.get("container_state")
     if state:
         console.print(f"  container {state['name']}: {state['says']}")
-    if advice.retaken(r):
-        console.print(f"  {advice.retaken(r)}")
+    if retaken := advice.retaken(r):
+        console.print(f"  {retaken}")
     if r.get("pre_checkpoint"):
         console.print(f"[bold]On the target host, warm its chunk cache now:[/]\n"
                       f"  {r['prefetch_command']}\n"

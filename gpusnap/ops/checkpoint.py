@@ -147,11 +147,11 @@ def drop_local(userdata: Path) -> None:
         (userdata / name).unlink(missing_ok=True)
 
 
-def _written_since(log: Path, since: float) -> Path | None:
-    """``log`` if this run wrote it: a failure before CRIU ran leaves the last
-    dump's log in place, whose error is not this one's."""
+def _written_since(path: Path, since: float) -> Path | None:
+    """``path`` if this run wrote it: a failure before CRIU ran leaves the last
+    dump's files in place (its log's error is not this one's)."""
     try:
-        return log if log.stat().st_mtime >= since - 1 else None
+        return path if path.stat().st_mtime >= since - 1 else None
     except OSError:
         return None
 
@@ -160,12 +160,8 @@ def _drop_stale_dump(ctr: podman.Container, since: float) -> None:
     """A dump this run wrote (kept for the export) of a container that runs on
     (--leave-running) is stale, and as large as its memory: free the space. An
     older local checkpoint, made on purpose, is left alone."""
-    inventory = ctr.checkpoint_dir / "inventory.img"
-    try:
-        if inventory.stat().st_mtime >= since - 1:
-            discard(ctr.checkpoint_dir, ctr.userdata)
-    except OSError:
-        pass
+    if _written_since(ctr.checkpoint_dir / "inventory.img", since):
+        discard(ctr.checkpoint_dir, ctr.userdata)
 
 
 def _read_ahead(p: CheckpointPlan) -> dict:
@@ -204,8 +200,8 @@ class StaleSnapshot(GpusnapError):
     here (CheckpointPlan.retake_stale): its taker decides."""
 
     def __init__(self, name: str, files: list[str]) -> None:
-        refusal = stale_refusal(name, files, "it is not pushed", "push it again")
-        super().__init__(refusal.message, refusal.hint)
+        super().__init__(f"the checkpoint of {name} would not restore: {', '.join(files[:3])}, "
+                         "open at the dump, changed before Podman wrote the root filesystem")
         self.files = files
 
 
