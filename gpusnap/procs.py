@@ -54,11 +54,18 @@ class ProcessGpuUse:
     gpu_minors: list[int] = field(default_factory=list)
     opens_nvidia: bool = False  # any /dev/nvidia* fd (nvidiactl and uvm too)
     maps_libcuda: bool = False  # the CUDA driver library is loaded
+    maps_nvidia: bool = False  # a /dev/nvidia* node is mapped (what CRIU cannot dump)
 
     @property
     def is_cuda(self) -> bool:
         # A checkpointed process has dropped its /dev/nvidia* fds but still maps libcuda.
         return self.opens_nvidia or self.maps_libcuda
+
+    @property
+    def holds_driver(self) -> bool:
+        """Holds an fd or a mapping of the driver's nodes: CRIU can dump neither,
+        so only a process the driver checkpoints (it drops both) can be dumped."""
+        return self.opens_nvidia or self.maps_nvidia
 
 
 def gpu_use(pid: int, proc: Path = PROC) -> ProcessGpuUse | None:
@@ -85,7 +92,9 @@ def gpu_use(pid: int, proc: Path = PROC) -> ProcessGpuUse | None:
         pass  # no permission or gone: maps may still tell
     try:
         with open(base / "maps", encoding="utf-8", errors="replace") as maps:
-            use.maps_libcuda = any("libcuda.so" in line for line in maps)
+            for line in maps:
+                use.maps_libcuda = use.maps_libcuda or "libcuda.so" in line
+                use.maps_nvidia = use.maps_nvidia or " /dev/nvidia" in line
     except OSError:
         pass
     use.gpu_minors = sorted(minors)

@@ -372,9 +372,12 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
         else:
             post_resume(init_pid, criu_pid, driver, by)
     except (GpusnapError, QuiesceError) as exc:
+        # a refusal (GpusnapError) keeps its hint apart: the CLI says it as its own
         journal.record("failed", action=action, init_pid=os.environ.get("CRTOOLS_INIT_PID"),
-                       error=str(exc))
-        print(f"gpusnap: {action}: {exc}", file=sys.stderr)
+                       error=getattr(exc, "message", str(exc)), hint=getattr(exc, "hint", None),
+                       refused=isinstance(exc, GpusnapError))
+        # CRIU logs what its scripts print: "Error" makes it the log's first error
+        print(f"Error (gpusnap): {action}: {exc}", file=sys.stderr)
         return 1
     except (KeyError, ValueError) as exc:
         print(f"gpusnap: {action}: CRIU did not pass {exc}", file=sys.stderr)

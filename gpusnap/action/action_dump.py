@@ -25,7 +25,8 @@ from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import mps_active, read_inventory
-from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS, Timing, quiesce, require_driver
+from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, Timing, quiesce, refuse_unmanaged,
+                                  require_driver)
 from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, ns_pid, process_tree
 
@@ -73,6 +74,7 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
         before = {pid: dump_ahead.mapped(pid) for pid in pids} if ahead else {}
         timing = Timing()
         driver = require_driver()
+        refuse_unmanaged(driver, procs)
         changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
         manifest.timing = timing.phases
         guardian = _start_guardian(criu_pid, changed)

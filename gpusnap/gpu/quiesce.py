@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Protocol
 
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import CudaDriver, ProcessState
+from gpusnap.procs import ProcessGpuUse
 
 # How long the driver waits for a process's CUDA work to finish before its lock
 # fails: the checkpoint, freeze and move verbs take it as --lock-timeout/--timeout.
@@ -93,6 +94,37 @@ def states(driver: Driver, pids: Iterable[int]) -> dict[int, ProcessState]:
         except Exception:  # CudaError: not a CUDA process for the driver
             continue
     return found
+
+
+def refuse_unmanaged(driver: Driver, procs: list[ProcessGpuUse]) -> None:
+    """Refuse, before anything is quiesced, a tree with processes that hold the
+    driver's files or mappings but that the driver does not manage.
+
+    A child forked from a CUDA process inherits its /dev/nvidia* fds and
+    mappings, and the driver answers CUDA_ERROR_NOT_INITIALIZED for it (driver
+    580): it cannot checkpoint it, and CRIU can dump neither. torch.compile's
+    compile workers are such children, and so are DataLoader workers forked
+    after CUDA started. An NVML-only or cuInit-only process is managed.
+    """
+    managed = states(driver, [p.pid for p in procs])
+    outside = [p for p in procs if p.holds_driver and p.pid not in managed]
+    if not outside:
+        return
+    pids = [str(p.pid) for p in outside]
+    comms = ", ".join(sorted({p.comm for p in outside}))
+    if len(pids) == 1:
+        who, verb, own, them = f"process {pids[0]} ({comms})", "holds", "its", "it"
+    else:
+        more = " and more" if len(pids) > 3 else ""
+        who = f"{len(pids)} processes ({', '.join(pids[:3])}{more}; {comms})"
+        verb, own, them = "hold", "their", "them"
+    raise GpusnapError(
+        f"{who} {verb} the GPU driver's files without a CUDA context of {own} own, as a "
+        f"child forked from a CUDA process does: the driver cannot checkpoint {them} and "
+        "CRIU cannot dump those files; nothing was quiesced",
+        "end such processes before the checkpoint: after torch.compile, call "
+        "torch._inductor.async_compile.shutdown_compile_workers() (or set "
+        "TORCHINDUCTOR_COMPILE_THREADS=1); give a DataLoader multiprocessing_context='spawn'")
 
 
 def quiesce(driver: Driver, pids: list[int], lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,

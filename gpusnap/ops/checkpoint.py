@@ -108,12 +108,38 @@ def require_space(targets: list[Path], needed: int) -> None:
                 "free space or export elsewhere (--skip-space-check tries anyway)")
 
 
-def _action_failure(init_pid: int) -> str | None:
-    """What the CRIU action script said, when it was what stopped the dump."""
+def _action_failure(init_pid: int) -> dict | None:
+    """What the CRIU action script said (its journal event), when it was what
+    stopped the dump."""
     for event in reversed(journal.read(50)):
         if event.get("event") == "failed" and str(event.get("init_pid")) == str(init_pid):
-            return event.get("error")
+            return event
     return None
+
+
+def _why_dump_failed(p: CheckpointPlan, said: str, hint: str | None,
+                     started_at: float) -> tuple[str, str | None, str | None]:
+    """The failure in words, the hint to give, and CRIU's first error where it
+    had one. ``said``: Podman's error, the cause where neither the action
+    script nor CRIU failed (a full disk): CRIU's log is then not named."""
+    action = _action_failure(p.container.pid)
+    log = _written_since(p.container.userdata / "dump.log", started_at)
+    criu = criu_error(log) if log else None
+    if action and action.get("refused"):  # pre-dump said no before anything was touched
+        return action["error"], action.get("hint") or hint, None
+    if action:
+        message = f"GPU quiesce failed: {action['error']}"
+    elif criu:
+        message = f"CRIU could not dump {p.container.name}: {criu}"
+    elif log and ended_early(log):
+        message = (f"CRIU stopped before the dump of {p.container.name} was complete (its "
+                   "log ends mid-way, with no error: killed?)")
+    else:
+        return said, hint, None
+    kept = journal.keep_log(log, "dump", p.container.name) if log else None
+    if kept is not None:  # the next dump or `podman rm` takes Podman's copy
+        message += f" (CRIU's log is kept in {kept})"
+    return message, hint, criu
 
 
 def _dump(p: CheckpointPlan) -> None:
@@ -288,17 +314,7 @@ def _run_once(p: CheckpointPlan) -> dict:
             hint = f"`gpusnap restore {p.container.name}` brings it back; " + (hint or "")
         else:
             where = f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}"
-        cause = _action_failure(p.container.pid)
-        log = _written_since(p.container.userdata / "dump.log", started_at)
-        criu = criu_error(log) if log else None
-        message = (f"GPU quiesce failed: {cause}" if cause else
-                   f"CRIU could not dump {p.container.name}: {criu}" if criu else
-                   f"CRIU stopped before the dump of {p.container.name} was complete (its "
-                   "log ends mid-way, with no error: killed?)"
-                   if log and ended_early(log) else exc.message)
-        kept = journal.keep_log(log, "dump", p.container.name) if log else None
-        if kept is not None:  # the next dump or `podman rm` takes Podman's copy
-            message += f" (CRIU's log is kept in {kept})"
+        message, hint, criu = _why_dump_failed(p, exc.message, hint, started_at)
         sockets = inet_sockets_problem(criu_version()) if criu and INET_SOCKETS_LOG in criu \
             else None
         if sockets:  # every container with a TCP or UDP socket: say why, and the fix

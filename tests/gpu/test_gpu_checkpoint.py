@@ -9,6 +9,7 @@ import time
 import pytest
 
 from gpusnap.gpu.cuda import CudaDriver, ProcessState
+from gpusnap.gpu.quiesce import states
 from tests.conftest import assert_one_line_error, gpusnap, gpusnap_json, podman
 from tests.gpu import harness
 
@@ -123,6 +124,37 @@ def test_checkpoint_aborted_by_lock_timeout_keeps_container_running(cuda_ctr, tm
     assert_one_line_error(res, "still running")
     assert _status(cuda_ctr.name) == "running"
     cuda_ctr.wait_running(above=cuda_ctr.iterations(), timeout=60)
+    cuda_ctr.verify()
+
+
+def test_a_child_forked_from_a_cuda_process_is_refused_before_anything(cuda_ctr, tmp_path):
+    """torch.compile's compile workers (and DataLoader workers forked after CUDA
+    started) are children that hold the driver's files: the driver cannot
+    checkpoint them and CRIU cannot dump them. Refused in one line before the
+    GPU is touched; once the child is gone the same checkpoint goes through."""
+    fork = cuda_ctr.status / "fork"
+    fork.write_text("1")
+    forked = cuda_ctr.status / "w0.forked"
+    deadline = time.monotonic() + 30
+    while not forked.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    archive = tmp_path / "x.tar.zst"
+    res = gpusnap("checkpoint", cuda_ctr.name, "--export", str(archive))
+    assert_one_line_error(res, "forked from a CUDA process", "nothing was quiesced",
+                          "still running", hint="shutdown_compile_workers()")
+    assert not archive.exists()
+    assert _status(cuda_ctr.name) == "running"
+    managed = states(CudaDriver(), harness.host_pids(cuda_ctr.name))  # the child: not managed
+    assert list(managed.values()) == [ProcessState.RUNNING], managed
+    fork.unlink()
+    deadline = time.monotonic() + 30
+    while forked.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gpusnap_json("checkpoint", cuda_ctr.name, "--export", str(archive))
+    podman("rm", cuda_ctr.name)
+    its = cuda_ctr.iterations()
+    gpusnap_json("restore", str(archive))
+    cuda_ctr.wait_running(above=its)
     cuda_ctr.verify()
 
 

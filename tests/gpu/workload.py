@@ -12,7 +12,9 @@ test read at the start (not its own) and compares every element with its
 tensor, writing "<token> ok|bad" to /status/w<i>.verified: only the tensor the
 original run made, as it was at the checkpoint, passes. When /status/busy
 exists it runs one long kernel (about 8 s) so that a lock with a short timeout
-must fail.
+must fail. While /status/fork exists, worker 0 keeps a forked child (its pid in
+/status/w0.forked), as torch.compile's compile workers are: it inherits the
+worker's driver files and the driver does not manage it.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ def worker(index: int, gib: float) -> None:
     # randint's temporaries stay in PyTorch's cache (a 2 GiB tensor left 7.7 GB in
     # use): give them back, so that the process holds about GIB of GPU memory.
     torch.cuda.empty_cache()
-    it, done_token = 0, None
+    it, done_token, forked = 0, None, None
     while True:
         it += 1
+        if index == 0:
+            forked = _fork_child(forked)
         ok = x.sum(dtype=torch.int64).item() == ref
         _write(f"w{index}", f"{it} {'ok' if ok else 'bad'}")
         try:
@@ -72,6 +76,22 @@ def worker(index: int, gib: float) -> None:
             torch.cuda.synchronize()
             os.unlink(os.path.join(STATUS, "busy"))
         time.sleep(0.2)
+
+
+def _fork_child(forked: int | None) -> int | None:
+    """A forked child while /status/fork exists; ``forked``: the last one's pid."""
+    wanted = os.path.exists(os.path.join(STATUS, "fork"))
+    if forked is not None and os.waitpid(forked, os.WNOHANG)[0]:
+        os.unlink(os.path.join(STATUS, "w0.forked"))
+        forked = None
+    if wanted and forked is None:
+        forked = os.fork()
+        if forked == 0:  # CUDA is unusable here; the driver's files are inherited
+            while os.path.exists(os.path.join(STATUS, "fork")):
+                time.sleep(0.2)
+            os._exit(0)
+        _write("w0.forked", str(forked))
+    return forked
 
 
 def main() -> None:

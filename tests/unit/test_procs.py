@@ -209,3 +209,19 @@ def test_alive(spawn):
     child.kill()
     child.wait()
     assert not procs.alive(child.pid)
+
+
+def test_gpu_use_sees_a_mapping_of_a_driver_node(tmp_path: Path):
+    # what a child forked from a CUDA process inherits: CRIU cannot dump it
+    maps = ("7f00-7f01 r-xp 0 0:0 0 /usr/lib/libcuda.so.1\n"
+            "7f7741231000-7f7741241000 -w-s 00000000 00:24 11                 /dev/nvidia0\n")
+    fake_proc(tmp_path, 55, 1, maps=maps)
+    use = procs.gpu_use(55, tmp_path)
+    assert (use.maps_nvidia, use.opens_nvidia, use.holds_driver) == (True, False, True)
+
+
+def test_a_process_that_only_maps_libcuda_holds_nothing_of_the_driver(tmp_path: Path):
+    fake_proc(tmp_path, 56, 1, maps="7f00-7f01 r-xp 0 0:0 0 /usr/lib/libcuda.so.1\n"
+                                    "7f02-7f03 r--p 0 0:0 0 /opt/nvidia-tools/x.so\n")
+    use = procs.gpu_use(56, tmp_path)
+    assert use.is_cuda and not use.holds_driver

@@ -7,7 +7,9 @@ import threading
 import pytest
 
 from gpusnap.gpu.cuda import ProcessState
-from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume, states
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, refuse_unmanaged, resume, states
+from gpusnap.procs import ProcessGpuUse
 from tests.unit.fakes import FakeDriver
 
 R, L, C, F = (ProcessState.RUNNING, ProcessState.LOCKED, ProcessState.CHECKPOINTED,
@@ -257,3 +259,45 @@ def test_states_keeps_running_processes_although_running_is_zero():
     # ProcessState.RUNNING == 0 is falsy: a truth test would drop it.
     driver = FakeDriver({1: R})
     assert states(driver, [1]) == {1: R}
+
+
+# --- refuse_unmanaged: what CRIU could not dump, refused before anything is locked ------------
+
+def _use(pid: int, comm: str = "python3", fds: bool = True, maps: bool = True) -> ProcessGpuUse:
+    return ProcessGpuUse(pid=pid, comm=comm, opens_nvidia=fds, maps_libcuda=True, maps_nvidia=maps)
+
+
+def test_a_forked_child_the_driver_does_not_know_is_refused_by_pid_and_name():
+    # a child forked after cuInit inherits the fds and mappings: NOT_INITIALIZED for it
+    driver = FakeDriver(all_running(10), fail={("state", 11): "CUDA_ERROR_NOT_INITIALIZED"})
+    with pytest.raises(GpusnapError) as err:
+        refuse_unmanaged(driver, [_use(10), _use(11, "pt_compile")])
+    e = err.value
+    assert e.message.startswith("process 11 (pt_compile) holds the GPU driver's files without "
+                                "a CUDA context of its own, as a child forked from a CUDA "
+                                "process does:"), e.message
+    assert "nothing was quiesced" in e.message and "shutdown_compile_workers()" in e.hint
+    assert [c for c, _ in driver.calls if c != "state"] == [], "nothing is locked before"
+
+
+def test_many_forked_children_are_counted_and_three_named():
+    fail = {("state", pid): "CUDA_ERROR_NOT_INITIALIZED" for pid in range(20, 31)}
+    driver = FakeDriver(all_running(10), fail=fail)
+    with pytest.raises(GpusnapError) as err:
+        refuse_unmanaged(driver, [_use(10)] + [_use(pid) for pid in range(20, 31)])
+    assert err.value.message.startswith("11 processes (20, 21, 22 and more; python3) hold the "
+                                        "GPU driver's files without a CUDA context of their own")
+
+
+def test_a_mapping_alone_is_refused_too():
+    driver = FakeDriver({})
+    with pytest.raises(GpusnapError, match="process 5 "):
+        refuse_unmanaged(driver, [_use(5, fds=False, maps=True)])
+
+
+def test_processes_the_driver_manages_or_that_hold_nothing_pass():
+    # managed: the driver drops their files at its checkpoint (NVML-only and
+    # cuInit-only processes are, on driver 580); libcuda mapped alone holds nothing
+    driver = FakeDriver({1: R, 2: C})
+    refuse_unmanaged(driver, [_use(1), _use(2), _use(3, fds=False, maps=False)])
+    refuse_unmanaged(driver, [])
