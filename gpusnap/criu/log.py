@@ -73,3 +73,23 @@ def ended_early(log: Path) -> bool:
         return False
     return bool(lines) and not any(map(_error, lines)) \
         and "finished successfully" not in lines[-1]
+
+
+# compel gives up on a task that stayed in D after its freeze and its interrupt.
+_UNSEIZABLE = re.compile(r"Unseizable non-zombie (\d+) found, state D")
+
+
+def seize_blocked(log: Path) -> int | None:
+    """The task CRIU could not seize because it stayed uninterruptible through
+    the freeze: most often one waiting in vfork() for its child to exec, the
+    child frozen before it could (busybox 1.38's sh and posix_spawn run
+    commands so). A race of a few milliseconds, failed after CRIU's 10 s."""
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                m = _UNSEIZABLE.search(line)
+                if m:
+                    return int(m.group(1))
+    except OSError:
+        pass
+    return None

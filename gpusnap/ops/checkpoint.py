@@ -12,7 +12,7 @@ from pathlib import Path
 from gpusnap import MANIFEST_NAME, archive, journal, requests
 from gpusnap.pages import pages_aside
 from gpusnap.criu.freezer import thaw
-from gpusnap.criu.log import ended_early, first_error as criu_error
+from gpusnap.criu.log import ended_early, first_error as criu_error, seize_blocked
 from gpusnap.criu.runtimes import TRUST_ENV, runs_action_script, why_not
 from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, cuda_plugin_path,
                                   inet_sockets_problem, require_supported)
@@ -118,15 +118,15 @@ def _action_failure(init_pid: int) -> dict | None:
 
 
 def _why_dump_failed(p: CheckpointPlan, said: str, hint: str | None,
-                     started_at: float) -> tuple[str, str | None, str | None]:
-    """The failure in words, the hint to give, and CRIU's first error where it
-    had one. ``said``: Podman's error, the cause where neither the action
-    script nor CRIU failed (a full disk): CRIU's log is then not named."""
+                     log: Path | None) -> tuple[str, str | None, str | None, Path | None]:
+    """The failure in words, the hint to give, CRIU's first error where it had
+    one, and where its log is kept. ``said``: Podman's error, the cause where
+    neither the action script nor CRIU failed (a full disk): CRIU's log is then
+    neither kept nor named. ``log``: CRIU's log of this dump."""
     action = _action_failure(p.container.pid)
-    log = _written_since(p.container.userdata / "dump.log", started_at)
     criu = criu_error(log) if log else None
     if action and action.get("refused"):  # pre-dump said no before anything was touched
-        return action["error"], action.get("hint") or hint, None
+        return action["error"], action.get("hint") or hint, None, None
     if action:
         message = f"GPU quiesce failed: {action['error']}"
     elif criu:
@@ -135,11 +135,11 @@ def _why_dump_failed(p: CheckpointPlan, said: str, hint: str | None,
         message = (f"CRIU stopped before the dump of {p.container.name} was complete (its "
                    "log ends mid-way, with no error: killed?)")
     else:
-        return said, hint, None
+        return said, hint, None, None
     kept = journal.keep_log(log, "dump", p.container.name) if log else None
     if kept is not None:  # the next dump or `podman rm` takes Podman's copy
         message += f" (CRIU's log is kept in {kept})"
-    return message, hint, criu
+    return message, hint, criu, kept
 
 
 def _dump(p: CheckpointPlan) -> None:
@@ -221,14 +221,33 @@ class _Stale(Exception):
         self.files = files
 
 
-class StaleSnapshot(GpusnapError):
-    """A --leave-running checkpoint that would not restore, not taken again
-    here (CheckpointPlan.retake_stale): its taker decides."""
+class TakeAgain(GpusnapError):
+    """A checkpoint that met a race another try is likely to miss; the container
+    is still running. Not taken again here where the plan leaves that to its
+    taker (CheckpointPlan.retake_stale: a push that streams the export)."""
+
+
+class StaleSnapshot(TakeAgain):
+    """A --leave-running checkpoint that would not restore."""
 
     def __init__(self, name: str, files: list[str]) -> None:
         super().__init__(f"the checkpoint of {name} would not restore: {', '.join(files[:3])}, "
                          "open at the dump, changed before Podman wrote the root filesystem")
         self.files = files
+
+
+class SeizeBlocked(TakeAgain):
+    """CRIU could not seize a task that stayed uninterruptible through its
+    freeze (criu.log.seize_blocked); nothing was dumped."""
+
+    def __init__(self, name: str, pid: int, kept: Path | None) -> None:
+        log = f" (CRIU's log is kept in {kept})" if kept else ""
+        super().__init__(
+            f"CRIU could not seize {name}: process {pid} stayed uninterruptible through the "
+            "freeze, as a shell waiting in vfork() for a child that had not run exec yet "
+            f"does (busybox 1.38's sh, posix_spawn){log}; the container is still running",
+            "checkpoint it again: the window is a few milliseconds wide")
+        self.pid = pid
 
 
 def stale_refusal(name: str, files: list[str], undone: str, first_hint: str) -> GpusnapError:
@@ -255,10 +274,12 @@ def _stale_files(p: CheckpointPlan) -> list[str]:
 
 
 def run(p: CheckpointPlan) -> dict:
-    """Checkpoint as planned; a --leave-running export whose open files changed
-    before Podman wrote the root filesystem is taken again (SNAPSHOT_TRIES), or
-    refused with StaleSnapshot where the plan leaves that to its taker."""
+    """Checkpoint as planned. A race another try is likely to miss (TakeAgain: a
+    --leave-running export whose open files changed before Podman wrote the
+    root filesystem, a task CRIU could not seize) takes it again, up to
+    SNAPSHOT_TRIES, or is raised where the plan leaves that to its taker."""
     changed: list[str] = []
+    last: TakeAgain | None = None
     for attempt in range(1, SNAPSHOT_TRIES + 1):
         try:
             result = _run_once(p)
@@ -266,15 +287,26 @@ def run(p: CheckpointPlan) -> dict:
             journal.record("checkpoint-stale", container=p.container.id, files=stale.files,
                            attempt=attempt)
             drop_local(p.container.userdata)
-            if not p.retake_stale:
-                raise StaleSnapshot(p.container.name, stale.files) from None
+            last = StaleSnapshot(p.container.name, stale.files)
             changed = stale.files
-            continue
-        if attempt > 1:
-            result["retaken"] = {"tries": attempt, "files": changed}
-        return result
+        except SeizeBlocked as blocked:
+            journal.record("checkpoint-unseizable", container=p.container.id, pid=blocked.pid,
+                           attempt=attempt)
+            last = blocked
+        else:
+            if attempt > 1:
+                result["retaken"] = {"tries": attempt, "files": changed}
+            return result
+        if not p.retake_stale:
+            raise last from None
+    return _gave_up(p, last, changed)
+
+
+def _gave_up(p: CheckpointPlan, last: TakeAgain | None, changed: list[str]) -> dict:
     if p.export is not None:
         p.export.unlink(missing_ok=True)
+    if isinstance(last, SeizeBlocked):
+        raise GpusnapError(f"{last.message} ({SNAPSHOT_TRIES} tries)", last.hint) from None
     raise stale_refusal(p.container.name, changed, "nothing was exported",
                         "checkpoint it without --leave-running")
 
@@ -314,13 +346,17 @@ def _run_once(p: CheckpointPlan) -> dict:
             hint = f"`gpusnap restore {p.container.name}` brings it back; " + (hint or "")
         else:
             where = f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}"
-        message, hint, criu = _why_dump_failed(p, exc.message, hint, started_at)
+        log = _written_since(p.container.userdata / "dump.log", started_at)
+        message, hint, criu, kept = _why_dump_failed(p, exc.message, hint, log)
+        blocked = seize_blocked(log) if log and state == "running" else None
         sockets = inet_sockets_problem(criu_version()) if criu and INET_SOCKETS_LOG in criu \
             else None
         if sockets:  # every container with a TCP or UDP socket: say why, and the fix
             hint = f"{sockets}: run `make deps` (CRIU 4.2); {hint or ''}"
         journal.record("checkpoint-failed", container=p.container.id, error=message,
                        resumed=resumed)
+        if blocked is not None:
+            raise SeizeBlocked(p.container.name, blocked, kept) from None
         raise GpusnapError(f"{message}; {where}", (hint or "").rstrip("; ") or None) from None
     requests.drop(p.container.pid, "pages")  # not taken: no action script ran post-dump
     stale = _stale_files(p)

@@ -24,7 +24,7 @@ from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.pages import early_pages, prefetch
 from gpusnap.ops import push_podman
-from gpusnap.ops.checkpoint import SNAPSHOT_TRIES, StaleSnapshot, stale_refusal
+from gpusnap.ops.checkpoint import SNAPSHOT_TRIES, StaleSnapshot, TakeAgain, stale_refusal
 from gpusnap.ops.push_source import PushSource
 from gpusnap.ops.sources import find_container, open_source
 from gpusnap.runtime.storage import image_repo_digests
@@ -374,17 +374,21 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
                    leave_running, pre_checkpoint, image_format, level, workers, processes,
                    containerd_address, on_checkpoint, on_checkpointed, total, time.monotonic())
     changed: list[str] = []
+    last: TakeAgain | None = None
     for attempt in range(1, SNAPSHOT_TRIES + 1):
         counted = _Counted(progress)
         try:
             result = _push_once(job, counted)
-        except StaleSnapshot as stale:
+        except TakeAgain as again:  # the container still runs: nothing was tagged
             counted.rewind()
-            changed = stale.files
+            last = again
+            changed = again.files if isinstance(again, StaleSnapshot) else changed
             continue
         if attempt > 1:
             result["retaken"] = {"tries": attempt, "files": changed}
         return result
+    if not isinstance(last, StaleSnapshot):
+        raise GpusnapError(f"{last.message} ({SNAPSHOT_TRIES} tries)", last.hint)
     # push keeps a container running by default; --stop (migrate without -R) stops it
     raise stale_refusal(source, changed, "no reference was pushed",
                         "push it with --stop, or migrate it without --leave-running")

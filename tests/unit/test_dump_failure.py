@@ -5,10 +5,13 @@ with (a GPU run quoted the log of a dump that had succeeded)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
+import pytest
+
 from gpusnap import journal
+from gpusnap.criu.log import seize_blocked
+from gpusnap.errors import GpusnapError
 from gpusnap.ops import checkpoint
 from gpusnap.runtime import podman
 
@@ -30,10 +33,11 @@ def test_a_refusal_of_pre_dump_is_said_with_its_hint_and_no_log(tmp_path, monkey
     p = _plan(tmp_path, "(00.1) Error (gpusnap): pre-dump: process 11 holds ...\n")
     journal.record("failed", action="pre-dump", init_pid=str(INIT), refused=True,
                    error="process 11 (python3) holds the GPU driver's files", hint="end it")
-    message, hint, criu = checkpoint._why_dump_failed(p, "podman: criu failed", "see dump.log",
-                                                      time.time())
-    assert (message, hint, criu) == ("process 11 (python3) holds the GPU driver's files",
-                                     "end it", None)
+    log = p.container.userdata / "dump.log"
+    message, hint, criu, kept = checkpoint._why_dump_failed(p, "podman: criu failed",
+                                                            "see dump.log", log)
+    assert (message, hint, criu, kept) == ("process 11 (python3) holds the GPU driver's files",
+                                           "end it", None, None)
 
 
 def test_a_quiesce_failure_names_the_kept_log(tmp_path, monkeypatch):
@@ -41,17 +45,83 @@ def test_a_quiesce_failure_names_the_kept_log(tmp_path, monkeypatch):
     p = _plan(tmp_path, "(00.1) Error (gpusnap): pre-dump: lock failed\n")
     journal.record("failed", action="pre-dump", init_pid=str(INIT), refused=False,
                    error="lock failed for 1 process(es): pid 7: CUDA_ERROR_TIMEOUT", hint=None)
-    message, hint, _ = checkpoint._why_dump_failed(p, "podman: criu failed", "see dump.log",
-                                                   time.time())
+    log = p.container.userdata / "dump.log"
+    message, hint, _, kept = checkpoint._why_dump_failed(p, "podman: criu failed",
+                                                         "see dump.log", log)
     assert message.startswith("GPU quiesce failed: lock failed for 1 process(es)"), message
-    assert "CRIU's log is kept in" in message and hint == "see dump.log"
+    assert f"CRIU's log is kept in {kept}" in message and hint == "see dump.log"
 
 
 def test_a_full_disk_is_said_as_podman_said_it_without_crius_log(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
     p = _plan(tmp_path, "(00.1) Dumping finished successfully\n")
     said = "writing x.tar.zst failed: the disk is full"
-    message, hint, criu = checkpoint._why_dump_failed(p, said, "free space", time.time())
-    assert (message, hint, criu) == (said, "free space", None)
+    message, hint, criu, kept = checkpoint._why_dump_failed(p, said, "free space",
+                                                            p.container.userdata / "dump.log")
+    assert (message, hint, criu, kept) == (said, "free space", None, None)
     assert not (tmp_path / "state" / "logs").exists() or not any(
         (tmp_path / "state" / "logs").iterdir()), "no log kept for a failure not CRIU's"
+
+
+# CRIU's end when a task stayed in D through the freeze (the sid matrix leg, busybox 1.38's
+# sh in vfork() for its child's exec: docs/reliability.md)
+UNSEIZABLE = """(00.138168) freezing cgroup /sys/fs/cgroup/libpod_parent/libpod-9c6e: 100 x 100ms attempts, timeout: 10s
+(00.238596) freezing processes: 1 attempts done
+(00.238662) SEIZE 22748 (comm sh): success
+(00.238702) SEIZE 23267 (comm sh): success
+(10.138333) Error (criu/cr-dump.c:1655): Timeout reached. Try to interrupt: 0
+(10.138566) Error (compel/src/lib/infect.c:262): Unseizable non-zombie 22748 found, state D, err -1/4
+(10.138681) Error (criu/cr-dump.c:1975): Dumping FAILED.
+"""
+
+
+def test_seize_blocked_names_the_task_left_in_d(tmp_path):
+    log = tmp_path / "dump.log"
+    log.write_text(UNSEIZABLE)
+    assert seize_blocked(log) == 22748
+    log.write_text(UNSEIZABLE.replace("state D", "state R"))
+    assert seize_blocked(log) is None
+    assert seize_blocked(tmp_path / "absent.log") is None
+
+
+def _tries(monkeypatch, tmp_path, outcomes: list) -> tuple[checkpoint.CheckpointPlan, list]:
+    """checkpoint.run over _run_once answering from ``outcomes`` (an exception raises)."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    p = _plan(tmp_path, None)
+    calls = []
+
+    def once(plan):
+        calls.append(plan)
+        out = outcomes[len(calls) - 1]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    monkeypatch.setattr(checkpoint, "_run_once", once)
+    return p, calls
+
+
+def test_a_task_criu_could_not_seize_is_taken_again(monkeypatch, tmp_path):
+    p, calls = _tries(monkeypatch, tmp_path,
+                      [checkpoint.SeizeBlocked("job", 22748, None), {"ok": True}])
+    assert checkpoint.run(p) == {"ok": True, "retaken": {"tries": 2, "files": []}}
+    assert len(calls) == 2
+    assert [e["pid"] for e in journal.read(10) if e["event"] == "checkpoint-unseizable"] == [22748]
+
+
+def test_three_unseizable_tries_say_so_in_one_line(monkeypatch, tmp_path):
+    p, _ = _tries(monkeypatch, tmp_path, [checkpoint.SeizeBlocked("job", 7, None)] * 3)
+    with pytest.raises(GpusnapError) as err:
+        checkpoint.run(p)
+    assert err.value.message.startswith("CRIU could not seize job: process 7 stayed "
+                                        "uninterruptible through the freeze"), err.value.message
+    assert err.value.message.endswith("the container is still running (3 tries)")
+    assert "again" in err.value.hint
+
+
+def test_a_streamed_push_gets_the_race_back_to_take_again_itself(monkeypatch, tmp_path):
+    p, calls = _tries(monkeypatch, tmp_path, [checkpoint.SeizeBlocked("job", 7, None)])
+    p.retake_stale = False
+    with pytest.raises(checkpoint.SeizeBlocked):
+        checkpoint.run(p)
+    assert len(calls) == 1
