@@ -376,8 +376,8 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
         journal.record("failed", action=action, init_pid=os.environ.get("CRTOOLS_INIT_PID"),
                        error=getattr(exc, "message", str(exc)), hint=getattr(exc, "hint", None),
                        refused=isinstance(exc, GpusnapError))
-        # CRIU logs what its scripts print: "Error" makes it the log's first error
-        print(f"Error (gpusnap): {action}: {exc}", file=sys.stderr)
+        # CRIU logs what its scripts print; criu.log.first_error takes this line
+        print(f"gpusnap: {action}: {exc}", file=sys.stderr)
         return 1
     except (KeyError, ValueError) as exc:
         print(f"gpusnap: {action}: CRIU did not pass {exc}", file=sys.stderr)
