@@ -26,6 +26,28 @@ RENAMING_HOLDER = ("cat /proc/sys/kernel/random/uuid > /tmp/born; : > /tmp/h0; e
                    "echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.01; done")
 
 
+def journal_path() -> Path:
+    return Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap")) / "journal.jsonl"
+
+
+def journal_mark() -> int:
+    """Where the journal ends now: journal_since(mark) reads what came after."""
+    try:
+        return journal_path().stat().st_size
+    except OSError:
+        return 0  # a fresh host has none yet
+
+
+def journal_since(mark: int) -> list[dict]:
+    """The journal's events after ``mark`` (journal_mark); none where nothing was recorded."""
+    try:
+        with open(journal_path(), "rb") as f:
+            f.seek(mark)
+            return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
 def _criu_log_excerpt(log: Path, tail: int = 60) -> str:
     """CRIU's errors and the end of its log: at runc's and crun's log level
     the end of a failed freeze lists the stacks of the tasks that would not freeze."""

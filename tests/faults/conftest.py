@@ -97,20 +97,6 @@ def sigkill(proc: subprocess.Popen) -> None:
         stream.close()
 
 
-def journal_since(mark: int) -> list[dict]:
-    path = Path("/run/gpusnap/journal.jsonl")
-    with open(path, "rb") as f:
-        f.seek(mark)
-        return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
-
-
-def journal_mark() -> int:
-    try:
-        return Path("/run/gpusnap/journal.jsonl").stat().st_size
-    except OSError:
-        return 0
-
-
 def cached_blobs(cache: Path) -> int:
     return sum(1 for p in (cache / "blobs/sha256").glob("*/*") if p.is_file())
 

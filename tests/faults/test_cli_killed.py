@@ -14,10 +14,9 @@ import shutil
 from pathlib import Path
 
 from gpusnap.runtime.fifo_pump import referenced
-from tests.conftest import (assert_continued, born, gpusnap_json, podman, read_counter, run,
-                            wait_counter)
-from tests.faults.conftest import (cached_blobs, doctor, doctor_fix, journal_mark, journal_since,
-                                   say, settled, sigkill, start_cli, status, tag_exists,
+from tests.conftest import (assert_continued, born, gpusnap_json, journal_mark, journal_since,
+                            podman, read_counter, run, wait_counter)
+from tests.faults.conftest import (cached_blobs, doctor, doctor_fix, say, settled, sigkill, start_cli, status, tag_exists,
                                    unique_repo, wait_quiet, when)
 
 STAGING = (Path("/var/tmp"), Path("/var/lib/containers"))

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from gpusnap.ops.uploads import alive
 from tests.conftest import assert_continued, assert_one_line_error, born, gpusnap, gpusnap_json, \
-    podman, read_counter, wait_counter
-from tests.faults.conftest import doctor_fix, journal_mark, journal_since, status, unique_repo
+    journal_mark, journal_since, podman, read_counter, wait_counter
+from tests.faults.conftest import doctor_fix, status, unique_repo
 
 
 def _until(cond, what: str, timeout: float = 120) -> None:

@@ -10,31 +10,17 @@ import json
 import os
 import subprocess
 import uuid
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import GPUSNAP, run
+from tests.conftest import GPUSNAP, journal_mark, journal_path, journal_since, run
 from tests.integration.oci_registry import PASSWORD, make_registry
-
-JOURNAL = Path("/run/gpusnap/journal.jsonl")
-
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
     reg = make_registry(tmp_path_factory.mktemp("registry"))
     yield reg
     reg.stop()
-
-
-def _mark() -> int:
-    return JOURNAL.stat().st_size if JOURNAL.exists() else 0
-
-
-def _events(mark: int) -> list[dict]:
-    with open(JOURNAL) as f:
-        f.seek(mark)
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _last(events: list[dict], kind: str) -> dict:
@@ -49,41 +35,41 @@ def test_migrate_reads_gpu_memory_ahead_and_the_restored_copy_has_it(cuda_ctr, r
     from the registry has every element. A push that leaves the container
     running is dumped by CRIU (nothing to write back before it runs on)."""
     its = cuda_ctr.wait_running()
-    mark = _mark()
+    mark = journal_mark()
     ref = registry.ref(f"gpu/ahead-{uuid.uuid4().hex[:8]}:v1")
     env = {**os.environ, "GPUSNAP_PAGES_RAM": "1"}
     res = run([GPUSNAP, "push", cuda_ctr.name, f"{ref}-running", *registry.flags(), "--json"],
               input=PASSWORD + "\n", env=env)
     assert res.returncode == 0, (res.stdout, res.stderr)
-    assert "pages-read-ahead" not in [e["event"] for e in _events(mark)]
+    assert "pages-read-ahead" not in [e["event"] for e in journal_since(mark)]
     cuda_ctr.wait_running(above=its)
     cuda_ctr.verify()
 
-    mark = _mark()
+    mark = journal_mark()
     res = run([GPUSNAP, "migrate", cuda_ctr.name, ref, *registry.flags(), "--json"],
               input=PASSWORD + "\n", env=env)
     assert res.returncode == 0, (res.stdout, res.stderr)
     pinned = json.loads(res.stdout)["pinned"]
-    events = _events(mark)
+    events = journal_since(mark)
     taken = _last(events, "pages-read-ahead")
     assert taken["bytes"] >= 2 << 30, taken  # the 2 GiB tensor, in the driver's copy
     assert _last(events, "pages-composed")["how"] == ["in place"]
     its = cuda_ctr.iterations()
     subprocess.run(["podman", "rm", "-f", "-t", "0", cuda_ctr.name], check=True,
                    capture_output=True)
-    mark = _mark()
+    mark = journal_mark()
     res = run([GPUSNAP, "restore", pinned, *registry.flags(), "--json"], input=PASSWORD + "\n")
     assert res.returncode == 0, (res.stdout, res.stderr)
     cuda_ctr.wait_running(above=its)
     cuda_ctr.verify()  # every element of the restored copy compared
     # The later CRIU steps ran in the agent (gpusnap/action/agent.py), the driver
     # loaded ahead, and the OCI hook took the agent's NVML read.
-    events = _events(mark)
+    events = journal_since(mark)
     assert _last(events, "pages-filled")["by"] == "agent"
     resumed = _last(events, "resumed")
     assert (resumed["by"], resumed["driver_ahead"]) == ("agent", True), resumed
     cid = subprocess.run(["podman", "inspect", "--format", "{{.Id}}", cuda_ctr.name],
                          capture_output=True, text=True, check=True).stdout.strip()
-    assignment = json.loads((JOURNAL.parent / "containers" / f"{cid}.json").read_text())
+    assignment = json.loads((journal_path().parent / "containers" / f"{cid}.json").read_text())
     assert assignment["inventory_read_by"] == "agent", assignment
     assert assignment["gpus"][0]["uuid"], assignment

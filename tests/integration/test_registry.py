@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (DEMO_IMAGE, GPUSNAP, COUNTER, RENAMING_HOLDER, assert_continued,
-                            assert_one_line_error, born, gpusnap_json, podman, read_counter, run,
-                            wait_counter)
+                            assert_one_line_error, born, gpusnap_json, journal_mark, journal_since,
+                            podman, read_counter, run, wait_counter)
 from tests.integration.oci_registry import PASSWORD, USER, Registry, make_registry
 
 
@@ -86,10 +86,10 @@ def test_a_pre_copy_round_of_a_renaming_container_is_pushed_unchecked(name, regi
            RENAMING_HOLDER)
     wait_counter(name, 3)
     cid = podman("inspect", name, "--format", "{{.Id}}").stdout.strip()
-    journal = Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap")) / "journal.jsonl"
+    mark = journal_mark()
     gs_json("migrate", "-P", name, unique_ref(registry, "pre"), *registry.flags())
-    checked = [line for line in journal.read_text().splitlines()
-               if '"checkpoint-stale"' in line and cid in line]
+    checked = [e for e in journal_since(mark)
+               if e["event"] == "checkpoint-stale" and e.get("container") == cid]
     assert not checked, checked
     before = read_counter(name)
     assert wait_counter(name, before) > before  # running on

@@ -5,8 +5,6 @@ version matrix's Debian sid root), not crun 1.21 with libcriu 4.1 (trixie)."""
 
 from __future__ import annotations
 
-import json
-import os
 import uuid
 from pathlib import Path
 
@@ -14,8 +12,8 @@ from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.runtime import podman as podman_rt
 from gpusnap.runtime.storage import storage_root
 from tests.conftest import (COUNTER, DEMO_IMAGE, assert_continued, assert_one_line_error, born,
-                            gpusnap, gpusnap_json, podman, read_counter, run, wait_counter,
-                            with_gpu_manifest)
+                            gpusnap, gpusnap_json, journal_mark, journal_since, podman,
+                            read_counter, run, wait_counter, with_gpu_manifest)
 
 
 def test_criu_runs_the_action_script_exactly_where_gpusnap_says_it_does():
@@ -65,17 +63,14 @@ def test_gpu_checkpoint_is_refused_where_nothing_would_bring_the_gpu_back(tmp_pa
         else:
             assert_one_line_error(res, "holds CUDA processes", f"under {runtime}", "nothing was changed")
         if runtime == "runc" or runs_action_script(runtime):
-            journal = Path(os.environ.get("GPUSNAP_STATE_DIR", "/run/gpusnap")) / "journal.jsonl"
-            seen = journal.stat().st_size if journal.exists() else 0
+            seen = journal_mark()
             res = podman("container", "restore", "--import", str(archive), "--name", restored[1],
                          check=False)
             assert res.returncode != 0, res.stdout
             if runtime == "runc":  # runc prints what its hook said
                 assert "gpusnap: cannot restore here" in res.stderr, res.stderr
             else:  # crun quotes CRIU's first "Error" line: on this host a harmless rlimit one
-                with journal.open() as f:
-                    f.seek(seen)
-                    refusals = [json.loads(line) for line in f if '"refused-restore"' in line]
+                refusals = [e for e in journal_since(seen) if e["event"] == "refused-restore"]
                 assert refusals and "cannot restore here" in refusals[0]["error"], refusals
         for other in restored:
             state = podman("ps", "-a", "--filter", f"name=^{other}$", "--format", "{{.Status}}").stdout

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GPUSNAP, assert_one_line_error, run
+from tests.conftest import GPUSNAP, assert_one_line_error, journal_mark, journal_since, run
 from tests.integration.oci_registry import PASSWORD, make_large_checkpoint
 
 pytestmark = pytest.mark.usefixtures("cache_dir")
@@ -152,23 +152,8 @@ _BIG_MEMORY = ("mkfifo /tmp/w; exec 3<>/tmp/w; "
                "mv /tmp/sum.new /tmp/sum; fi; read -t 0.05 _ <&3; done")
 
 
-_JOURNAL = Path("/run/gpusnap/journal.jsonl")
-
-
-def _journal_size() -> int:
-    return _JOURNAL.stat().st_size if _JOURNAL.exists() else 0  # a fresh host has none yet
-
-
-def _journal_since(mark: int) -> list[dict]:
-    if not _JOURNAL.exists():
-        return []  # nothing recorded (a runtime that runs no action script)
-    with open(_JOURNAL) as f:
-        f.seek(mark)
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _events_since(mark: int) -> list[str]:
-    return [e["event"] for e in _journal_since(mark)]
+    return [e["event"] for e in journal_since(mark)]
 
 
 def _md5_of_memory(name: str) -> str:
@@ -204,7 +189,7 @@ def test_big_process_memory_moves_beside_podmans_tars_and_comes_back_whole(regis
     import time
 
     before = _start_big_memory(name)
-    mark = _journal_size()
+    mark = journal_mark()
     ref = registry.ref(f"ckpt/big-memory-{uuid.uuid4().hex[:8]}:v1")
     res = run([GPUSNAP, "migrate", name, ref, *registry.flags(), "--json"], input=PASSWORD + "\n")
     assert res.returncode == 0, (res.stdout, res.stderr)
@@ -254,7 +239,7 @@ def test_pages_prepared_by_a_prefetch_are_the_parent_of_the_final_round_and_link
         assert res.returncode == 0, (res.stdout, res.stderr)
         final = json.loads(res.stdout)["pinned"]
         subprocess.run(["podman", "rm", name], check=True, capture_output=True)
-        mark = _journal_size()
+        mark = journal_mark()
         res = run([GPUSNAP, "restore", final, *flags], input=PASSWORD + "\n")
         assert res.returncode == 0, (res.stdout, res.stderr)
         assert "pages-filled" in _events_since(mark)  # read by page_fill through two parents
