@@ -93,3 +93,15 @@ def seize_blocked(log: Path) -> int | None:
     except OSError:
         pass
     return None
+
+
+def unseizable_words(pid: int, container: str | None = None) -> str:
+    """What a checkpoint that met seize_blocked says, wherever it is said (the
+    shim's answer, gpusnap's line): UNSEIZABLE_MARK is what callers look for."""
+    of = f" of {container}" if container else ""
+    return (f"CRIU could not seize process {pid}{of}: it stayed uninterruptible through the "
+            "freeze, as a shell waiting in vfork() for its child's exec does (busybox 1.38's "
+            "sh, posix_spawn); nothing was dumped")
+
+
+UNSEIZABLE_MARK = "CRIU could not seize process"

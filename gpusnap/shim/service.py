@@ -24,6 +24,7 @@ from gpusnap.private import open_private, private_dir
 from gpusnap.procs import cuda_processes
 from gpusnap.proto import load
 from gpusnap.shim import bundle as bundle_state
+from gpusnap.shim import checkpoint as shim_checkpoint
 from gpusnap.shim import mounts
 from gpusnap.shim.events import Publisher
 from gpusnap.shim.logbinary import BinaryLogger, LoggerError
@@ -424,20 +425,12 @@ class TaskService:
         # The CRIU action script (/etc/criu/runc.conf) quiesces CUDA processes
         # and writes the GPU manifest into req.path before CRIU dumps.
         try:
-            runc.checkpoint(c.id, CheckpointOpts(
+            shim_checkpoint.dump(runc, c.id, CheckpointOpts(
                 image_path=req.path, work_path=work, leave_running=not o.exit, tcp_established=o.open_tcp,
                 ext_unix_sk=o.external_unix_sockets, shell_job=o.terminal, file_locks=o.file_locks,
-                empty_ns=list(o.empty_namespaces)))
+                empty_ns=list(o.empty_namespaces)), os.path.join(c.bundle, "criu-dump.log"),
+                frozen_by_client=p.status == "paused" and not thawed)
             dumped = True
-        except RuncError as e:
-            dump_log = os.path.join(c.bundle, "criu-dump.log")
-            try:
-                with open(os.path.join(work, "dump.log"), "rb") as src, \
-                        open_private(dump_log, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-            except OSError:
-                pass
-            raise RuncError(f"{e} (CRIU log: {dump_log})") from None
         finally:
             if not o.work_path:
                 shutil.rmtree(work, ignore_errors=True)

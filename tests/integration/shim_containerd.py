@@ -285,3 +285,19 @@ def binary_log_uri(directory: Path, prefix: str) -> str:
         logger.write_text(LOGGER)
         logger.chmod(0o755)
     return f"binary://{logger}?out={directory / prefix}"
+
+
+def checkpoint_as_a_user(api, *args, **kwargs):
+    """ops.containerd_api.checkpoint_to_dir (what nerdctl does), again where the
+    shim answers that the client's pause caught a task in vfork() and to
+    checkpoint again (gpusnap/shim/checkpoint.py; busybox 1.38's sh in the sid
+    leg): what a user does on that answer. Any other failure is raised."""
+    from gpusnap.criu.log import UNSEIZABLE_MARK
+    from gpusnap.ops.containerd_api import ContainerdError, checkpoint_to_dir
+    for attempt in range(3):
+        try:
+            return checkpoint_to_dir(api, *args, **kwargs)
+        except ContainerdError as e:
+            if UNSEIZABLE_MARK not in str(e) or attempt == 2:
+                raise
+            print(f"checkpoint again: {e}")

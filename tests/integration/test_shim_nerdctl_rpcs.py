@@ -19,7 +19,8 @@ from gpusnap.ops.containerd_api import (
     restore_from_dir, runc_checkpoint_options)
 from tests.conftest import DEMO_IMAGE
 from tests.integration.shim_containerd import (
-    RUNTIME, STAMPED_COUNTER, binary_log_uri, private_containerd, read_tmp_c, remove, tasks, wait_counter, wait_status)
+    RUNTIME, STAMPED_COUNTER, binary_log_uri, checkpoint_as_a_user, private_containerd, read_tmp_c, remove,
+    tasks, wait_counter, wait_status)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_checkpoint_create_then_start_checkpoint_continues(containerd, tmp_path:
     dest = tmp_path / "checkpoints" / "ck1"
     dest.parent.mkdir()
     with Client(c.address, c.namespace) as api:
-        descs = checkpoint_to_dir(api, "nc1", dest)
+        descs = checkpoint_as_a_user(api, "nc1", dest)
         assert [d.media_type for d in descs] == [CHECKPOINT_MEDIA, CHECKPOINT_CONFIG_MEDIA]
         assert (dest / "inventory.img").is_file() and list(dest.glob("pages-*.img")), sorted(dest.iterdir())
         # nerdctl sent no options (not runc.v2): the task is resumed, as with --leave-running.
@@ -79,7 +80,7 @@ def test_checkpoint_with_exit_stops_the_task_and_restores(containerd, tmp_path: 
     pid = tasks(c)["nc2"][0]
     before = read_tmp_c(pid)
     with Client(c.address, c.namespace) as api:
-        checkpoint_to_dir(api, "nc2", tmp_path / "ck", options=runc_checkpoint_options(exit_after=True))
+        checkpoint_as_a_user(api, "nc2", tmp_path / "ck", options=runc_checkpoint_options(exit_after=True))
         wait_status(c, "nc2", "STOPPED")
         assert not Path(f"/proc/{pid}").exists()
         c.ctr("tasks", "delete", "nc2")

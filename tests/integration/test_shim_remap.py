@@ -19,11 +19,12 @@ import pytest
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME
 from gpusnap.gpu.nodes import DeviceRemap, NodeChange
-from gpusnap.ops.containerd_api import Client, ContainerdError, checkpoint_to_dir, restore_from_dir
+from gpusnap.ops.containerd_api import Client, ContainerdError, restore_from_dir
 from gpusnap.shim.remap import BACKUP, DEVICE_REMAP_ENV
 from tests.conftest import DEMO_IMAGE, foreign_h100_manifest
 from tests.integration.shim_containerd import (
-    RUNTIME, STAMPED_COUNTER, private_containerd, read_tmp_c, remove, tasks, wait_counter, wait_status)
+    RUNTIME, STAMPED_COUNTER, checkpoint_as_a_user, private_containerd, read_tmp_c, remove, tasks,
+    wait_counter, wait_status)
 
 FULL_TO_ZERO = DeviceRemap(nodes=(NodeChange("/dev/full", "/dev/full", (1, 7), (1, 5)),), container_paths="keep")
 
@@ -47,7 +48,7 @@ def _checkpointed(c, name: str, dest: Path) -> tuple[int, Path]:
     before = read_tmp_c(tasks(c)[name][0])
     bundle = Path(c.server_of(name)["bundle"])
     with Client(c.address, c.namespace) as api:
-        checkpoint_to_dir(api, name, dest)
+        checkpoint_as_a_user(api, name, dest)
     c.ctr("tasks", "kill", "-s", "KILL", name)
     wait_status(c, name, "STOPPED")
     c.ctr("tasks", "delete", name)

@@ -1,0 +1,50 @@
+"""The shim's CRIU dump: runc checkpoint, CRIU's log kept beside the bundle on
+failure, and a dump CRIU gave up on at its seize taken again where a new freeze
+can miss the race.
+
+A task caught in vfork() by the freeze (criu.log.seize_blocked) is a race of
+milliseconds. Where CRIU froze the task itself (it was running, or the shim
+thawed it for the CUDA driver) another try freezes it at another moment. A
+task the client paused before Checkpoint (ctr, nerdctl) stays frozen as it was
+caught: only the client can resume and pause it again, after which its rw
+layer must be diffed again too, so the answer says to checkpoint again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from gpusnap.criu.log import seize_blocked, unseizable_words
+from gpusnap.private import open_private
+from gpusnap.shim.runc import CheckpointOpts, Runc, RuncError
+
+log = logging.getLogger("gpusnap.shim")
+
+TRIES = 3  # as ops/checkpoint.SNAPSHOT_TRIES: a third miss is not chance
+
+
+def dump(runc: Runc, cid: str, opts: CheckpointOpts, dump_log: str, frozen_by_client: bool) -> None:
+    """runc checkpoint CID; on failure CRIU's log is copied to DUMP_LOG (runc's
+    work folder goes) and named in the error."""
+    for attempt in range(1, TRIES + 1):
+        try:
+            runc.checkpoint(cid, opts)
+            return
+        except RuncError as e:
+            try:
+                with open(os.path.join(opts.work_path, "dump.log"), "rb") as src, \
+                        open_private(dump_log, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            except OSError:
+                pass
+            pid = seize_blocked(Path(dump_log))
+            if pid is None:
+                raise RuncError(f"{e} (CRIU log: {dump_log})") from None
+            if frozen_by_client or attempt == TRIES:
+                again = ("checkpoint again (the task stays paused as it was caught until "
+                         "resumed)" if frozen_by_client else f"{TRIES} tries; checkpoint again")
+                raise RuncError(f"{unseizable_words(pid)}; {again} (CRIU log: {dump_log})") from None
+            log.warning("checkpoint of %s: CRIU could not seize %d, taking it again", cid, pid)
