@@ -12,7 +12,8 @@ from pathlib import Path
 from gpusnap import MANIFEST_NAME, archive, journal, requests
 from gpusnap.pages import pages_aside
 from gpusnap.criu.freezer import thaw
-from gpusnap.criu.log import ended_early, first_error as criu_error, seize_blocked
+from gpusnap.criu.log import (ended_early, first_error as criu_error, seize_blocked,
+                              unseizable_words)
 from gpusnap.criu.runtimes import TRUST_ENV, runs_action_script, why_not
 from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, cuda_plugin_path,
                                   inet_sockets_problem, require_supported)
@@ -231,8 +232,7 @@ class StaleSnapshot(TakeAgain):
     """A --leave-running checkpoint that would not restore."""
 
     def __init__(self, name: str, files: list[str]) -> None:
-        super().__init__(f"the checkpoint of {name} would not restore: {', '.join(files[:3])}, "
-                         "open at the dump, changed before Podman wrote the root filesystem")
+        super().__init__(f"the checkpoint of {name} would not restore: {_stale_words(files)}")
         self.files = files
 
 
@@ -242,11 +242,8 @@ class SeizeBlocked(TakeAgain):
 
     def __init__(self, name: str, pid: int, kept: Path | None) -> None:
         log = f" (CRIU's log is kept in {kept})" if kept else ""
-        super().__init__(
-            f"CRIU could not seize {name}: process {pid} stayed uninterruptible through the "
-            "freeze, as a shell waiting in vfork() for a child that had not run exec yet "
-            f"does (busybox 1.38's sh, posix_spawn){log}; the container is still running",
-            "checkpoint it again: the window is a few milliseconds wide")
+        super().__init__(f"{unseizable_words(pid, name)}{log}; the container is still running",
+                         "checkpoint it again: the window is a few milliseconds wide")
         self.pid = pid
 
 
@@ -254,11 +251,19 @@ def stale_refusal(name: str, files: list[str], undone: str, first_hint: str) -> 
     """One line for a --leave-running checkpoint whose open files changed before
     Podman wrote the root filesystem into its export."""
     return GpusnapError(
-        f"the checkpoint of {name} would not restore: {', '.join(files[:3])}, open at the "
-        "dump, changed before Podman wrote the root filesystem into the export "
+        f"the checkpoint of {name} would not restore: {_stale_words(files)} "
         f"({SNAPSHOT_TRIES} tries); the container is still running, {undone}",
         f"{first_hint} (it stops, its files stay as dumped), or at a moment it is not "
         "renaming the files it holds open")
+
+
+def _stale_words(files: list[str]) -> str:
+    """ops/snapshot_files.py's findings in words: open files by their paths, and
+    a root filesystem Podman archived damaged as it is."""
+    opened = [f for f in files if f.startswith("/")]
+    words = [f"{', '.join(opened[:3])}, open at the dump, changed before Podman wrote the "
+             "root filesystem"] if opened else []
+    return "; ".join(words + [f for f in files if not f.startswith("/")])
 
 
 def _stale_files(p: CheckpointPlan) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Sequence
 
 from gpusnap.criu.images import ImageError, checked_messages, fields_of, read_mounts
 from gpusnap.pages.file_pages import regular_files
-from gpusnap.tarstream import TarStream
+from gpusnap.tarstream import DamagedStream, TarStream
 
 REMAP_FPATH_MAGIC = 0x59133954
 
@@ -99,7 +99,13 @@ def unrestorable(userdata: Path, export: Path, lower_dirs: Sequence[str]) -> lis
         raise ImageError(f"no CRIU images in {images} to check the export against")
     roots = {m.mnt_id for m in read_mounts(images) if m.mountpoint == "/"}
     remapped, deleted = _remapped(images), _deleted(userdata)
-    diff = _diff_sizes(userdata, export)
+    try:
+        diff = _diff_sizes(userdata, export)
+    except (tarfile.TarError, EOFError, DamagedStream) as exc:
+        # Podman's archiver logs a file that shrank under it and goes on: its tar
+        # ends damaged, and Podman's restore fails on it
+        return [f"the root filesystem in the export (damaged: {exc}; a file changed size "
+                "while Podman archived it)"]
     wrong = []
     for fid, reg in sorted(regular_files(images).items()):
         if reg.mnt_id not in roots or fid in remapped or reg.size is None:

@@ -30,7 +30,7 @@ def _plan(tmp_path: Path, log: str | None) -> checkpoint.CheckpointPlan:
 
 def test_a_refusal_of_pre_dump_is_said_with_its_hint_and_no_log(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
-    p = _plan(tmp_path, "(00.1) Error (gpusnap): pre-dump: process 11 holds ...\n")
+    p = _plan(tmp_path, "gpusnap: pre-dump: process 11 holds ...\n")
     journal.record("failed", action="pre-dump", init_pid=str(INIT), refused=True,
                    error="process 11 (python3) holds the GPU driver's files", hint="end it")
     log = p.container.userdata / "dump.log"
@@ -42,7 +42,7 @@ def test_a_refusal_of_pre_dump_is_said_with_its_hint_and_no_log(tmp_path, monkey
 
 def test_a_quiesce_failure_names_the_kept_log(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
-    p = _plan(tmp_path, "(00.1) Error (gpusnap): pre-dump: lock failed\n")
+    p = _plan(tmp_path, "gpusnap: pre-dump: lock failed\n")
     journal.record("failed", action="pre-dump", init_pid=str(INIT), refused=False,
                    error="lock failed for 1 process(es): pid 7: CUDA_ERROR_TIMEOUT", hint=None)
     log = p.container.userdata / "dump.log"
@@ -113,7 +113,7 @@ def test_three_unseizable_tries_say_so_in_one_line(monkeypatch, tmp_path):
     p, _ = _tries(monkeypatch, tmp_path, [checkpoint.SeizeBlocked("job", 7, None)] * 3)
     with pytest.raises(GpusnapError) as err:
         checkpoint.run(p)
-    assert err.value.message.startswith("CRIU could not seize job: process 7 stayed "
+    assert err.value.message.startswith("CRIU could not seize process 7 of job: it stayed "
                                         "uninterruptible through the freeze"), err.value.message
     assert err.value.message.endswith("the container is still running (3 tries)")
     assert "again" in err.value.hint
@@ -125,3 +125,11 @@ def test_a_streamed_push_gets_the_race_back_to_take_again_itself(monkeypatch, tm
     with pytest.raises(checkpoint.SeizeBlocked):
         checkpoint.run(p)
     assert len(calls) == 1
+
+
+def test_stale_words_say_open_files_and_a_damaged_diff_each_as_they_are():
+    words = checkpoint._stale_words(["/tmp/h3 (gone)", "the root filesystem in the export (damaged: x)"])
+    assert words == ("/tmp/h3 (gone), open at the dump, changed before Podman wrote the root "
+                     "filesystem; the root filesystem in the export (damaged: x)")
+    assert checkpoint._stale_words(["the root filesystem in the export (damaged: x)"]) == \
+        "the root filesystem in the export (damaged: x)"

@@ -110,3 +110,14 @@ def test_without_a_kept_rootfs_diff_the_export_is_read(tmp_path, suffix):
 def test_no_images_is_an_error_not_a_pass(tmp_path):
     with pytest.raises(ImageError, match="no CRIU images"):
         unrestorable(tmp_path, tmp_path / "x.tar", [])
+
+
+def test_a_damaged_rootfs_diff_is_a_finding_not_a_skip(tmp_path):
+    """containers/storage's archiver logs a file that shrank while it copied it and
+    goes on: the tar it leaves ends mid-member, and Podman's restore fails on it
+    (a host push of a container rewriting /tmp/c: 'unexpected end of data')."""
+    folder = _folder(tmp_path, [_reg(2, "/tmp/c", 77, 3)], {"tmp/c": b"41\n", "tmp/d": b"x" * 4096})
+    diff = tmp_path / "rootfs-diff.tar"
+    diff.write_bytes(diff.read_bytes()[:2048])  # cut in the second member's data, as Go's writer stops
+    found = unrestorable(folder, tmp_path / "x.tar", [])
+    assert len(found) == 1 and found[0].startswith("the root filesystem in the export (damaged: "), found
