@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 
 from gpusnap.gpu.cuda import CudaDriver, ProcessState
-from tests.conftest import assert_one_line_error, gpusnap, gpusnap_json, podman
-from tests.faults.conftest import (cached_blobs, finished, journal_mark, journal_since,
-                                   kept_in, kill_criu_mid_dump,
+from tests.conftest import (assert_one_line_error, gpusnap, gpusnap_json, journal_mark,
+                            journal_since, podman)
+from tests.faults.conftest import (cached_blobs, finished, kept_in, kill_criu_mid_dump,
                                    migrate_until_the_registry_dies, sigkill, start_cli,
                                    unique_repo, wait_quiet, when)
 from tests.faults.netreg import make_registry

@@ -17,11 +17,11 @@ import uuid
 import pytest
 
 from gpusnap.criu.runtimes import runs_action_script
-from tests.conftest import GPUSNAP, assert_one_line_error, run, wait_counter
+from tests.conftest import (GPUSNAP, assert_one_line_error, journal_mark, journal_since, run,
+                            wait_counter)
 from tests.integration.oci_registry import PASSWORD
 from tests.integration.test_page_fill import _runtime
-from tests.integration.test_segments import (_events_since, _journal_since, _journal_size,
-                                             _md5_of_memory, _start_big_memory)
+from tests.integration.test_segments import _events_since, _md5_of_memory, _start_big_memory
 
 pytestmark = pytest.mark.usefixtures("cache_dir")
 
@@ -55,9 +55,9 @@ def test_memory_read_ahead_is_in_the_pushed_images_and_restores_whole(registry, 
     dumps the rest, post-dump composes the pages file in place; the restored
     shell's memory is what it was."""
     before = _start_big_memory(name)
-    mark = _journal_size()
+    mark = journal_mark()
     pushed = _gs(registry, "migrate", name, _ref(registry))
-    events = _journal_since(mark)
+    events = journal_since(mark)
     if runs_action_script(_runtime()):
         taken = _event(events, "pages-read-ahead")
         assert taken["bytes"] >= 256 << 20, taken
@@ -76,7 +76,7 @@ def test_a_container_that_runs_on_is_dumped_by_criu(registry, name):
     memory would have to go back before the process runs on; the restored
     copy and the source have the memory."""
     before = _start_big_memory(name)
-    mark = _journal_size()
+    mark = journal_mark()
     pushed = _gs(registry, "push", name, _ref(registry))
     events = _events_since(mark)
     assert "pages-read-ahead" not in events, events
@@ -97,7 +97,7 @@ def test_a_failure_after_the_memory_was_taken_leaves_the_container_as_it_was(
     resumes the shell, the guardian puts its memory back; one line says so."""
     before = _start_big_memory(name)
     monkeypatch.setenv("GPUSNAP_DUMP_AHEAD_TEST_FAULT", "compose")
-    mark = _journal_size()
+    mark = journal_mark()
     res = run([GPUSNAP, "migrate", name, _ref(registry), *registry.flags()], input=PASSWORD + "\n")
     if not runs_action_script(_runtime()):  # nothing read ahead (trixie's crun 1.21): nothing fails
         assert res.returncode == 0, (res.stdout, res.stderr)
@@ -105,6 +105,6 @@ def test_a_failure_after_the_memory_was_taken_leaves_the_container_as_it_was(
         return
     assert_one_line_error(res, "still running")
     assert "pages-read-ahead" in _events_since(mark)
-    assert _event(_journal_since(mark), "guardian-wrote-back")
+    assert _event(journal_since(mark), "guardian-wrote-back")
     assert _md5_of_memory(name) == before
     wait_counter(name, 3, timeout=30)

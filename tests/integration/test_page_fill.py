@@ -18,8 +18,8 @@ from pathlib import Path
 from gpusnap.pages.fill_plan import thp_available
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.procs import process_tree
-from tests.integration.test_segments import (_journal_since, _journal_size, _md5_of_memory,
-                                             _start_big_memory)
+from tests.conftest import journal_mark, journal_since
+from tests.integration.test_segments import _md5_of_memory, _start_big_memory
 
 
 def _runtime() -> str:
@@ -33,11 +33,11 @@ def test_a_plain_podman_import_of_big_memory_is_filled_by_threads_and_whole(name
     subprocess.run(["podman", "container", "checkpoint", "--export", str(archive), name],
                    check=True, capture_output=True)
     subprocess.run(["podman", "rm", name], check=True, capture_output=True)
-    mark = _journal_size()
+    mark = journal_mark()
     res = subprocess.run(["podman", "container", "restore", "--import", str(archive)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    events = _journal_since(mark)
+    events = journal_since(mark)
     filled = [e for e in events if e["event"] == "pages-filled"]
     planned = [e for e in events if e["event"] == "pages-fill-planned"]
     if runs_action_script(_runtime()):
