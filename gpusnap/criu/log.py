@@ -77,6 +77,9 @@ def ended_early(log: Path) -> bool:
 
 # compel gives up on a task that stayed in D after its freeze and its interrupt.
 _UNSEIZABLE = re.compile(r"Unseizable non-zombie (\d+) found, state D")
+# How often a dump that met seize_blocked is taken again in all: a race of
+# milliseconds, so a third miss is not chance.
+SEIZE_TRIES = 3
 
 
 def seize_blocked(log: Path) -> int | None:

@@ -8,6 +8,7 @@ import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from gpusnap import MANIFEST_NAME, archive, journal, requests
 from gpusnap.pages import pages_aside
@@ -246,6 +247,10 @@ class SeizeBlocked(TakeAgain):
                          "checkpoint it again: the window is a few milliseconds wide")
         self.pid = pid
 
+    def refusal(self) -> GpusnapError:
+        """This one line once SNAPSHOT_TRIES tries met it (checkpoint's and push's)."""
+        return GpusnapError(f"{self.message} ({SNAPSHOT_TRIES} tries)", self.hint)
+
 
 def stale_refusal(name: str, files: list[str], undone: str, first_hint: str) -> GpusnapError:
     """One line for a --leave-running checkpoint whose open files changed before
@@ -304,14 +309,14 @@ def run(p: CheckpointPlan) -> dict:
             return result
         if not p.retake_stale:
             raise last from None
-    return _gave_up(p, last, changed)
+    _gave_up(p, last, changed)
 
 
-def _gave_up(p: CheckpointPlan, last: TakeAgain | None, changed: list[str]) -> dict:
+def _gave_up(p: CheckpointPlan, last: TakeAgain | None, changed: list[str]) -> NoReturn:
     if p.export is not None:
         p.export.unlink(missing_ok=True)
     if isinstance(last, SeizeBlocked):
-        raise GpusnapError(f"{last.message} ({SNAPSHOT_TRIES} tries)", last.hint) from None
+        raise last.refusal() from None
     raise stale_refusal(p.container.name, changed, "nothing was exported",
                         "checkpoint it without --leave-running")
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from google.protobuf import any_pb2
 
-from gpusnap.criu.log import UNSEIZABLE_MARK
+from gpusnap.criu.log import SEIZE_TRIES, UNSEIZABLE_MARK
 from gpusnap.ops.containerd_api import (
     CHECKPOINT_CONFIG_MEDIA, CHECKPOINT_MEDIA, Client, ContainerdError, extract_tar, restore_from_dir,
     runc_checkpoint_options)
@@ -107,18 +107,16 @@ def checkpoint_container(c: Client, container_id: str, image: str, exit_after: b
         status = None
     if status != c.pb.task_types.RUNNING:
         raise ContainerdError(f"container {container_id} has no running task")
-    for attempt in range(1, TRIES + 1):
+    for attempt in range(1, SEIZE_TRIES + 1):
         try:
             _checkpoint_paused(c, ctr, container_id, image, exit_after)
             return
         except ContainerdError as e:
             # The pause caught a task in vfork() (criu.log.unseizable_words): resumed,
             # it runs on past it; paused again, its rw layer is diffed again too.
-            if UNSEIZABLE_MARK not in str(e) or attempt == TRIES:
+            if UNSEIZABLE_MARK not in str(e) or attempt == SEIZE_TRIES:
                 raise
 
-
-TRIES = 3  # as ops/checkpoint.SNAPSHOT_TRIES
 
 
 def _checkpoint_paused(c: Client, ctr: Any, container_id: str, image: str, exit_after: bool) -> None:

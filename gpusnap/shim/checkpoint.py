@@ -17,19 +17,16 @@ import os
 import shutil
 from pathlib import Path
 
-from gpusnap.criu.log import seize_blocked, unseizable_words
+from gpusnap.criu.log import SEIZE_TRIES, seize_blocked, unseizable_words
 from gpusnap.private import open_private
 from gpusnap.shim.runc import CheckpointOpts, Runc, RuncError
 
 log = logging.getLogger("gpusnap.shim")
 
-TRIES = 3  # as ops/checkpoint.SNAPSHOT_TRIES: a third miss is not chance
-
-
 def dump(runc: Runc, cid: str, opts: CheckpointOpts, dump_log: str, frozen_by_client: bool) -> None:
     """runc checkpoint CID; on failure CRIU's log is copied to DUMP_LOG (runc's
     work folder goes) and named in the error."""
-    for attempt in range(1, TRIES + 1):
+    for attempt in range(1, SEIZE_TRIES + 1):
         try:
             runc.checkpoint(cid, opts)
             return
@@ -43,8 +40,8 @@ def dump(runc: Runc, cid: str, opts: CheckpointOpts, dump_log: str, frozen_by_cl
             pid = seize_blocked(Path(dump_log))
             if pid is None:
                 raise RuncError(f"{e} (CRIU log: {dump_log})") from None
-            if frozen_by_client or attempt == TRIES:
+            if frozen_by_client or attempt == SEIZE_TRIES:
                 again = ("checkpoint again (the task stays paused as it was caught until "
-                         "resumed)" if frozen_by_client else f"{TRIES} tries; checkpoint again")
+                         "resumed)" if frozen_by_client else f"{SEIZE_TRIES} tries; checkpoint again")
                 raise RuncError(f"{unseizable_words(pid)}; {again} (CRIU log: {dump_log})") from None
             log.warning("checkpoint of %s: CRIU could not seize %d, taking it again", cid, pid)

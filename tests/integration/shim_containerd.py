@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.criu.log import SEIZE_TRIES, UNSEIZABLE_MARK
+from gpusnap.ops.containerd_api import ContainerdError, checkpoint_to_dir
 from tests.conftest import COUNTER, DEMO_IMAGE, run
 
 RUNTIME = "io.containerd.gpusnap.v1"
@@ -292,12 +294,10 @@ def checkpoint_as_a_user(api, *args, **kwargs):
     shim answers that the client's pause caught a task in vfork() and to
     checkpoint again (gpusnap/shim/checkpoint.py; busybox 1.38's sh in the sid
     leg): what a user does on that answer. Any other failure is raised."""
-    from gpusnap.criu.log import UNSEIZABLE_MARK
-    from gpusnap.ops.containerd_api import ContainerdError, checkpoint_to_dir
-    for attempt in range(3):
+    for attempt in range(1, SEIZE_TRIES + 1):
         try:
             return checkpoint_to_dir(api, *args, **kwargs)
         except ContainerdError as e:
-            if UNSEIZABLE_MARK not in str(e) or attempt == 2:
+            if UNSEIZABLE_MARK not in str(e) or attempt == SEIZE_TRIES:
                 raise
             print(f"checkpoint again: {e}")
