@@ -1,6 +1,7 @@
 """Cold start against restore: how soon a warmed-up GPU inference server answers.
 
     bench/coldstart.py --gib 8 --out coldstart.json [--network bridge|none] [--no-tcp]
+                       [--server plain|compiled]
 
 One run on a GPU machine prepared by tests/gpu/prepare.sh (about 5 minutes at
 8 GiB). The server is tests/gpu/jobs.py's *serve*: it imports PyTorch, reads
@@ -19,6 +20,12 @@ not just write them):
   d  2 at once  `gpusnap restore REF --name r3` and `--name r4` together, as (c)
   e  cache only `--name r5` with (b)'s kept pages set aside and
                 GPUSNAP_KEEP_PAGES=0: the pages written anew from the chunk cache
+
+--server compiled runs jobs.py's *serve-compiled* instead: at start-up it also
+torch.compiles its forward pass and captures a CUDA graph per batch size, with
+inductor's and Triton's caches in a host folder. (a) is then two cold starts:
+(a0) with that folder empty, (a1) with what (a0) left in it; (a1) is the
+source, and each replica's speed-up is given against both.
 
 REF is `gpusnap push` of (a)'s container once it answers (it keeps running:
 the source of every replica). Every replica must answer requests 0-9 exactly
@@ -159,26 +166,39 @@ class Server:
         sh("podman", "rm", "-f", "-t", "0", self.name, check=False)
 
 
-def cold_start(image: str, name: str, network: str, gib: float, tcp: bool
-               ) -> tuple[Server, dict]:
+def compile_cache_args(folder: Path) -> list[str]:
+    """A compiled server's inductor and Triton caches in a host folder, kept
+    between its runs as a careful operator keeps them."""
+    return ["-v", f"{folder}:/cache", "-e", "TORCHINDUCTOR_CACHE_DIR=/cache/inductor",
+            "-e", "TRITON_CACHE_DIR=/cache/triton"]
+
+
+def cold_start(image: str, name: str, network: str, gib: float, tcp: bool,
+               job: str = "serve", extra: tuple[str, ...] = (),
+               case: str = "a cold podman run") -> tuple[Server, dict]:
     drop_caches()
     t0 = time.time()
     sh("podman", "run", "-d", "--name", name, "--network", network,
        *(["-e", "SERVE_TCP=1"] if tcp else []),
        *harness.gpu_device_args([0]), *harness.mount_args(),
-       "-v", f"{GPU_DIR}:/work:ro",
+       "-v", f"{GPU_DIR}:/work:ro", *extra,
        "-e", f"LD_LIBRARY_PATH={harness.DRIVER_DIR}/lib64:{harness.DRIVER_DIR}/lib",
-       "-e", "PYTHONUNBUFFERED=1", image, harness.PYTHON, "/work/jobs.py", "serve", "/weights")
+       "-e", "PYTHONUNBUFFERED=1", image, harness.PYTHON, "/work/jobs.py", job, "/weights")
     started = time.time()
     srv = Server(name)
-    _, first = srv.ask(["0"])
+    _, first = srv.ask(["0"], timeout=1800)  # an empty compile cache: minutes of autotuning
     p = srv.phases()
-    row = {"case": "a cold podman run", "first_answer_s": round(first - t0, 3),
-           "phases": {"podman run": round(started - t0, 3),
-                      "import torch + CUDA context": round(p["imported"] - p["started"], 3),
-                      f"load {gib:g} GiB of weights": round(p["loaded"] - p["imported"], 3),
-                      "warm-up": round(p["warm"] - p["loaded"], 3),
-                      "first answer": round(first - p["warm"], 3)},
+    steps = [("import torch + CUDA context", "started", "imported"),
+             (f"load {gib:g} GiB of weights", "imported", "loaded")]
+    if "compiled" in p:
+        steps += [("compile", "loaded", "compiled"), ("capture CUDA graphs", "compiled", "captured"),
+                  ("warm-up", "captured", "warm")]
+    else:
+        steps += [("warm-up", "loaded", "warm")]
+    phases = {"podman run": round(started - t0, 3)}
+    phases.update({label: round(p[b] - p[a], 3) for label, a, b in steps})
+    phases["first answer"] = round(first - p["warm"], 3)
+    row = {"case": case, "first_answer_s": round(first - t0, 3), "phases": phases,
            "gpu_bytes": harness.gpu_memory_used(0)}
     return srv, row
 
@@ -269,13 +289,31 @@ def run(args) -> dict:
     servers: list[Server] = []
     rows: list[dict] = []
     prepared = None
+    compile_cache = Path(tempfile.mkdtemp(prefix="gpusnap-compile-cache-", dir="/var/lib"))
     try:
-        src, row = cold_start(image, f"{tag}-source", network, args.gib, args.tcp)
+        if args.server == "compiled":
+            # (a0) an empty compile cache, (a1) the cache (a0) filled: the source
+            first, row = cold_start(image, f"{tag}-cold0", network, args.gib, args.tcp,
+                                    "serve-compiled", tuple(compile_cache_args(compile_cache)),
+                                    "a0 cold, empty compile cache")
+            first_answers, _ = first.ask([str(n) for n in REQUESTS])
+            first.remove()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            src, row = cold_start(image, f"{tag}-source", network, args.gib, args.tcp,
+                                  "serve-compiled", tuple(compile_cache_args(compile_cache)),
+                                  "a1 cold, warm compile cache")
+        else:
+            src, row = cold_start(image, f"{tag}-source", network, args.gib, args.tcp)
         servers.append(src)
         rows.append(row)
         print(json.dumps(row), flush=True)
         expected, _ = src.ask([str(n) for n in REQUESTS])
         check(src, expected, args.tcp)
+        if args.server == "compiled" and first_answers != expected:
+            # the same kernels from the cache: the same answers, else the cache is not what ran
+            print(f"note: the two cold starts answered differently ({first_answers[:2]} against "
+                  f"{expected[:2]}): autotuning chose other kernels", flush=True)
         ref = reg.ref(f"bench/serve-{args.gib:g}:warm")
         push = timed([GPUSNAP, "push", src.name, ref, "--plain-http", "--json"],
                      env={**os.environ, "GPUSNAP_CACHE_DIR": str(cache / "source")})
@@ -326,20 +364,27 @@ def run(args) -> dict:
         for key in ("name", "id") + (("ip", "mac") if network == "bridge" else ()):
             if len({i[key] for i in ids}) != len(ids):
                 raise SystemExit(f"replicas share a {key}: {ids}")
-        cold = rows[0]["first_answer_s"]
+        colds = [r for r in rows if r["case"].startswith("a")]
+        cold = colds[0]["first_answer_s"]
+        replicas = rows[len(colds):]
         return {"gib": args.gib, "network": network, "tcp": args.tcp, "image": image,
+                "server": args.server,
                 "reference": pinned,
                 "push_seconds": round(push.seconds, 3), "checkpoint_bytes": pushed["bytes"],
                 "gpu_bytes_3_running": harness.gpu_memory_used(0),
                 "running_together": ids, "rows": rows, "criu_log_row": logged,
                 "speedup_vs_cold": {r["case"]: round(cold / r["first_answer_s"], 2)
-                                    for r in rows[1:]}}
+                                    for r in replicas},
+                **({"speedup_vs_warm_compile_cache": {
+                    r["case"]: round(colds[1]["first_answer_s"] / r["first_answer_s"], 2)
+                    for r in replicas}} if len(colds) > 1 else {})}
     finally:
         for s in servers:
             s.remove()
         reg.stop()
         shutil.rmtree(reg.root, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
+        shutil.rmtree(compile_cache, ignore_errors=True)
         if prepared:  # the pages (b) kept: GBs of RAM
             shutil.rmtree(prepared["folder"], ignore_errors=True)
 
@@ -394,6 +439,8 @@ def report(result: dict) -> None:
         print(f"  {r['case']:<24} first answer {r['first_answer_s']:7.2f} s  ({phases}{extra})")
     for case, x in result["speedup_vs_cold"].items():
         print(f"  {case}: {x}x faster than a cold start")
+    for case, x in result.get("speedup_vs_warm_compile_cache", {}).items():
+        print(f"  {case}: {x}x faster than a cold start with a warm compile cache")
 
 
 def main() -> int:
@@ -401,6 +448,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=8)
+    ap.add_argument("--server", default="plain", choices=("plain", "compiled"),
+                    help="compiled: torch.compile + CUDA graphs at start-up, cold-started "
+                         "with an empty and with a warm compile cache")
     ap.add_argument("--network", default="bridge", choices=("bridge", "none"))
     ap.add_argument("--no-tcp", dest="tcp", action="store_false",
                     help="the server's unix socket only (CRIU < 4.2 cannot dump TCP sockets "

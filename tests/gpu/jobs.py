@@ -4,6 +4,7 @@
     python jobs.py train GIB     # fp32 weights + Adam moments, all rewritten every step
     python jobs.py train GIB --reference STEPS   # the same run, uninterrupted, unpaced: loss lines
     python jobs.py serve DIR     # an inference server: weights from DIR's files, warm-up, a socket
+    python jobs.py serve-compiled DIR   # the same, compiled, with CUDA graphs per batch size
     python jobs.py weights DIR GIB   # (on the host) the weight files a serve image holds
 
 Both write, under /status (a host folder):
@@ -146,10 +147,14 @@ class Server:
             del host
         self.sums = [self._sum(w) for w in self.layers]
         _phase("loaded")
+        self.prepare()
         for n in range(WARMUP):
             self.answer(n % 97)
         torch.cuda.synchronize()
         _phase("warm")
+
+    def prepare(self) -> None:
+        """What a server does between loading its weights and warming up: nothing here."""
 
     def _sum(self, w) -> str:
         return float(w.float().sum(dtype=self.torch.float64).item()).hex()
@@ -190,6 +195,58 @@ class Server:
 
 
 WARMUP = 200
+BATCHES = (1, 2, 4, 8)  # the batch sizes a compiled server captures a CUDA graph for
+
+
+class CompiledServer(Server):
+    """*serve-compiled*: *serve* as servers are run for speed. Between load and
+    warm-up it compiles its forward pass through every layer (torch.compile,
+    mode SERVE_COMPILE_MODE, default "max-autotune-no-cudagraphs": inductor's
+    Triton kernels, the matrix products autotuned), then captures one CUDA graph
+    per batch size in BATCHES itself, as inference servers do. Inductor and
+    Triton keep what they compiled where TORCHINDUCTOR_CACHE_DIR and
+    TRITON_CACHE_DIR say: a host folder kept between runs is a warm compile
+    cache. Request N runs a batch of BATCHES[N % 4] rows drawn from N's seed
+    through the graph; the answer is the sum of its output (a float's hex)."""
+
+    def prepare(self) -> None:
+        t = self.torch
+        t.set_grad_enabled(False)  # serving: no autograd state, in the graphs or out
+        nn = t.nn.functional
+
+        def forward(x, layers):
+            for w in layers:
+                x = x + nn.gelu(nn.layer_norm(x @ w, (D,)))
+            return x.float().sum(dim=1)
+
+        mode = os.environ.get("SERVE_COMPILE_MODE", "max-autotune-no-cudagraphs")
+        compiled = t.compile(forward, mode=mode, dynamic=False)
+        for b in BATCHES:  # compiles (and autotunes) once per shape
+            compiled(t.zeros(b, D, device="cuda", dtype=t.bfloat16), self.layers)
+        t.cuda.synchronize()
+        _phase("compiled")
+        self.graphs = {}
+        for b in BATCHES:
+            x = t.zeros(b, D, device="cuda", dtype=t.bfloat16)
+            side = t.cuda.Stream()
+            side.wait_stream(t.cuda.current_stream())
+            with t.cuda.stream(side):  # capture wants its first run off the default stream
+                compiled(x, self.layers)
+            t.cuda.current_stream().wait_stream(side)
+            graph = t.cuda.CUDAGraph()
+            with t.cuda.graph(graph):
+                out = compiled(x, self.layers)
+            self.graphs[b] = (graph, x, out)
+        t.cuda.synchronize()
+        _phase("captured")
+
+    def answer(self, request: int) -> str:
+        t = self.torch
+        graph, x, out = self.graphs[BATCHES[request % len(BATCHES)]]
+        g = t.Generator(device="cuda").manual_seed(10**7 + request)
+        x.copy_(t.randn(x.shape, device="cuda", generator=g).to(t.bfloat16))
+        graph.replay()
+        return float(out.double().sum().item()).hex()
 
 
 def _phase(name: str) -> None:
@@ -232,8 +289,8 @@ def run(kind: str, gib: float, reference: int | None) -> None:
 
 def main() -> None:
     args = sys.argv[1:]
-    if args[:1] == ["serve"] and len(args) == 2:
-        Server(args[1]).serve()
+    if args[:1] in (["serve"], ["serve-compiled"]) and len(args) == 2:
+        (Server if args[0] == "serve" else CompiledServer)(args[1]).serve()
         return
     if args[:1] == ["weights"] and len(args) == 3:
         weights(args[1], float(args[2]))
