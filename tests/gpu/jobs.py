@@ -202,8 +202,9 @@ class CompiledServer(Server):
     """*serve-compiled*: *serve* as servers are run for speed. Between load and
     warm-up it compiles its forward pass through every layer (torch.compile,
     mode SERVE_COMPILE_MODE, default "max-autotune-no-cudagraphs": inductor's
-    Triton kernels, the matrix products autotuned), then captures one CUDA graph
-    per batch size in BATCHES itself, as inference servers do. Inductor and
+    Triton kernels, the matrix products autotuned) and shuts its compile workers
+    down, then captures one CUDA graph per batch size in BATCHES itself, as
+    inference servers do. Inductor and
     Triton keep what they compiled where TORCHINDUCTOR_CACHE_DIR and
     TRITON_CACHE_DIR say: a host folder kept between runs is a warm compile
     cache. Request N runs a batch of BATCHES[N % 4] rows drawn from N's seed
@@ -224,6 +225,10 @@ class CompiledServer(Server):
         for b in BATCHES:  # compiles (and autotunes) once per shape
             compiled(t.zeros(b, D, device="cuda", dtype=t.bfloat16), self.layers)
         t.cuda.synchronize()
+        # Idle from now on, and children forked from a CUDA process, which the
+        # driver cannot checkpoint: gpusnap refuses the dump while they run.
+        from torch._inductor import async_compile
+        async_compile.shutdown_compile_workers()
         _phase("compiled")
         self.graphs = {}
         for b in BATCHES:
