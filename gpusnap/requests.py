@@ -13,6 +13,13 @@ from gpusnap.journal import state_subdir
 from gpusnap.private import write_private
 
 
+# The kind of request gpusnap's containerd client leaves when it quiesced the
+# task's GPU before pausing it (ops/containerd_gpu.py): {"manifest": {...},
+# "pids": [...]}. The shim then keeps the task paused for the dump, and
+# pre-dump writes that manifest and quiesces nothing.
+QUIESCED = "quiesced"
+
+
 def _path(init_pid: int, kind: str = ""):
     """``kind``: a request for another step than pre-dump ("pages": post-dump's)."""
     return state_subdir("requests") / f"{init_pid}{'.' + kind if kind else ''}.json"

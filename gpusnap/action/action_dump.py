@@ -24,9 +24,9 @@ from gpusnap.action import step_state
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
-from gpusnap.gpu.inventory import mps_active, read_inventory
+from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, Timing, quiesce, refuse_unmanaged,
-                                  require_driver)
+                                  refuse_unsupported, require_driver)
 from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, ns_pid, process_tree
 
@@ -49,6 +49,8 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
         from gpusnap.pages import pages_aside  # pre-dump only: not every step's start-up
         pages_aside.drop_stale_parent(Path(image_dir))
     step_state.ahead(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
+    if _quiesced_before_the_pause(init_pid, image_dir):
+        return
     push = requests.peek(init_pid, "pages")
     ahead = bool(push.get("read_ahead")) and bool(image_dir)
     procs = cuda_processes(init_pid)
@@ -57,14 +59,7 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
             _read_ahead_test(init_pid, criu_pid, push)
         return
     inventory = read_inventory()
-    used = {m for p in procs for m in p.gpu_minors}
-    mig = [g for g in inventory.gpus if g.minor in used and g.mig_enabled]
-    if mig:
-        raise GpusnapError(f"GPU {mig[0].index} ({mig[0].uuid}) is in MIG mode, which the "
-                           "driver cannot checkpoint", "run the container on a GPU without MIG")
-    if mps_active():
-        raise GpusnapError("an MPS daemon is running: the driver cannot checkpoint MPS clients",
-                           "stop MPS (echo quit | nvidia-cuda-mps-control) before checkpointing")
+    refuse_unsupported(procs, inventory)
     plugin = cuda_plugin_path()
     by = "criu-cuda-plugin" if plugin else "gpusnap"
     manifest = gpu_manifest.build(procs, inventory, criu_version(), by)
@@ -85,6 +80,28 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     # ``at``: when the GPU was free for the next job (its memory is in host memory now)
     journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
                    at=round(time.time(), 3))
+
+
+def _quiesced_before_the_pause(init_pid: int, image_dir: str) -> bool:
+    """The containerd client quiesced the GPU before its pause (requests.QUIESCED):
+    the manifest it built then goes into the images; nothing is quiesced here.
+    A process that took the GPU since holds the driver's files, which CRIU
+    cannot dump: refused in words rather than by CRIU."""
+    first = requests.peek(init_pid, requests.QUIESCED)
+    if not first.get("manifest"):
+        return False
+    late = [p for p in cuda_processes(init_pid) if p.holds_driver]
+    if late:
+        who = ("process " if len(late) == 1 else "processes ") + ", ".join(
+            f"{p.pid} ({p.comm})" for p in late[:3])
+        raise GpusnapError(f"{who} took the GPU after gpusnap had quiesced the "
+                           "container's GPU processes; nothing was dumped",
+                           "checkpoint again")
+    if image_dir:
+        gpu_manifest.write(gpu_manifest.Manifest.from_dict(first["manifest"]), image_dir)
+    journal.record("gpu-manifest-written", init_pid=init_pid, pids=first.get("pids", []),
+                   quiesced="before the client's pause")
+    return True
 
 
 def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,

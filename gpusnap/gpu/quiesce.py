@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Protocol
 
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import CudaDriver, ProcessState
+from gpusnap.gpu.inventory import Inventory, mps_active
 from gpusnap.procs import ProcessGpuUse
 
 # How long the driver waits for a process's CUDA work to finish before its lock
@@ -94,6 +95,18 @@ def states(driver: Driver, pids: Iterable[int]) -> dict[int, ProcessState]:
         except Exception:  # CudaError: not a CUDA process for the driver
             continue
     return found
+
+
+def refuse_unsupported(procs: list[ProcessGpuUse], inventory: Inventory) -> None:
+    """Refuse what the driver cannot checkpoint at all: a GPU in MIG mode, MPS clients."""
+    used = {m for p in procs for m in p.gpu_minors}
+    mig = [g for g in inventory.gpus if g.minor in used and g.mig_enabled]
+    if mig:
+        raise GpusnapError(f"GPU {mig[0].index} ({mig[0].uuid}) is in MIG mode, which the "
+                           "driver cannot checkpoint", "run the container on a GPU without MIG")
+    if mps_active():
+        raise GpusnapError("an MPS daemon is running: the driver cannot checkpoint MPS clients",
+                           "stop MPS (echo quit | nvidia-cuda-mps-control) before checkpointing")
 
 
 def refuse_unmanaged(driver: Driver, procs: list[ProcessGpuUse]) -> None:

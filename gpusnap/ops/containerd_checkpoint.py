@@ -39,6 +39,7 @@ from gpusnap.criu.log import SEIZE_TRIES, UNSEIZABLE_MARK
 from gpusnap.ops.containerd_api import (
     CHECKPOINT_CONFIG_MEDIA, CHECKPOINT_MEDIA, Client, ContainerdError, extract_tar, restore_from_dir,
     runc_checkpoint_options)
+from gpusnap.ops.containerd_gpu import quiesced_first
 from gpusnap.private import open_private, write_private
 
 FORMAT = "gpusnap.containerd-checkpoint.v1"
@@ -95,27 +96,29 @@ def checkpoint_container(c: Client, container_id: str, image: str, exit_after: b
     """`ctr c checkpoint --task --rw CONTAINER_ID IMAGE`: the running container checkpointed into a new image.
 
     As ctr: the task is paused while its read-write layer is diffed and CRIU
-    dumps it, then stopped (EXIT_AFTER: runc's CheckpointOptions{exit}, which
+    dumps it (its GPU quiesced before the pause: containerd_gpu.py), then stopped (EXIT_AFTER: runc's CheckpointOptions{exit}, which
     runc.v2 and our shim honour) or resumed. The image holds the checkpoint
     until it is deleted, so a stopped container stays restorable from it
     whatever happens to a copy made from it (export_image).
     """
     ctr = c.call("containers", "Containers", "Get", id=container_id).container
     try:
-        status = c.call("tasks", "Tasks", "Get", container_id=container_id).process.status
+        task = c.call("tasks", "Tasks", "Get", container_id=container_id).process
     except ContainerdError:
-        status = None
-    if status != c.pb.task_types.RUNNING:
+        task = None
+    if task is None or task.status != c.pb.task_types.RUNNING:
         raise ContainerdError(f"container {container_id} has no running task")
-    for attempt in range(1, SEIZE_TRIES + 1):
-        try:
-            _checkpoint_paused(c, ctr, container_id, image, exit_after)
-            return
-        except ContainerdError as e:
-            # The pause caught a task in vfork() (criu.log.unseizable_words): resumed,
-            # it runs on past it; paused again, its rw layer is diffed again too.
-            if UNSEIZABLE_MARK not in str(e) or attempt == SEIZE_TRIES:
-                raise
+    # The GPU first, so that the task stays paused from its rw diff to the end of the dump
+    with quiesced_first(task.pid):
+        for attempt in range(1, SEIZE_TRIES + 1):
+            try:
+                _checkpoint_paused(c, ctr, container_id, image, exit_after)
+                return
+            except ContainerdError as e:
+                # The pause caught a task in vfork() (criu.log.unseizable_words): resumed,
+                # it runs on past it; paused again, its rw layer is diffed again too.
+                if UNSEIZABLE_MARK not in str(e) or attempt == SEIZE_TRIES:
+                    raise
 
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 import grpc
 from google.protobuf import any_pb2, empty_pb2, timestamp_pb2
 
+from gpusnap import requests
 from gpusnap.errors import GpusnapError
 from gpusnap.private import open_private, private_dir
 from gpusnap.procs import cuda_processes
@@ -417,8 +418,11 @@ class TaskService:
         # containerd's client (ctr, nerdctl) pauses the task before Checkpoint, but
         # the CUDA driver's lock (the action script's pre-dump) needs the processes
         # running: thaw a paused task that uses CUDA for the dump (CRIU freezes it
-        # itself) and pause it again afterwards unless it exited.
-        thawed = p.status == "paused" and _uses_cuda(p.pid)
+        # itself) and pause it again afterwards unless it exited. gpusnap's own
+        # client quiesces the GPU before its pause (requests.QUIESCED): that task
+        # stays paused from the rw diff to the end of the dump.
+        thawed = (p.status == "paused" and _uses_cuda(p.pid)
+                  and not requests.peek(p.pid, requests.QUIESCED))
         if thawed:
             runc.resume(c.id)
         dumped = False

@@ -8,6 +8,8 @@ through containerd's API the way nerdctl drives them
 unpacked into a directory, then Tasks.Create with it re-tarred and Start, at
 which the shim plans the GPUs, edits the bundle and the image and runs
 `runc restore`; the CRIU action script quiesces and resumes the CUDA processes.
+gpusnap's own containerd checkpoint (a push's) quiesces them before its pause
+instead (ops/containerd_gpu.py), and the last test holds it to that.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import pytest
 from gpusnap import MANIFEST_NAME, PLAN_NAME
 from gpusnap.procs import process_tree
 from gpusnap.ops.containerd_api import Client, checkpoint_to_dir, restore_from_dir, runc_checkpoint_options
+from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image, import_dir
 from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
 from gpusnap.shim.remap import BACKUP
+from tests.conftest import RENAMING_HOLDER, journal_mark, journal_since
 from tests.gpu import harness
 from tests.integration.shim_containerd import RUNTIME, PrivateContainerd, private_containerd, tasks, wait_status
 
@@ -50,7 +54,8 @@ def _ctr_mounts() -> list[str]:
 
 
 def _run_cuda(c: PrivateContainerd, gpus: list[int], annotations: dict[str, str] | None = None,
-              gib: float = 2.0) -> harness.CudaContainer:
+              gib: float = 2.0, beside: str = "") -> harness.CudaContainer:
+    """The CUDA workload under the shim; BESIDE: a shell loop its init runs too."""
     name = f"gpusnap-shim-{uuid.uuid4().hex[:8]}"
     status = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/var/tmp"))
     args = ["run", "-d", "--runtime", RUNTIME, *harness.gpu_device_args(gpus)]  # ctr's --device, as Podman's
@@ -59,8 +64,9 @@ def _run_cuda(c: PrivateContainerd, gpus: list[int], annotations: dict[str, str]
     args += [*_ctr_mounts(), "--mount", f"type=bind,src={status},dst=/status,options=rbind:rw",
              "--mount", f"type=bind,src={harness.HERE},dst=/work,options=rbind:ro",
              "--env", f"LD_LIBRARY_PATH={harness.DRIVER_DIR}/lib64:{harness.DRIVER_DIR}/lib",
-             "--env", "PYTHONUNBUFFERED=1", harness.IMAGE, name,
-             harness.PYTHON, "/work/workload.py", "1", str(gib)]
+             "--env", "PYTHONUNBUFFERED=1", harness.IMAGE, name]
+    workload = [harness.PYTHON, "/work/workload.py", "1", str(gib)]
+    args += ["sh", "-c", f"({beside}) & exec {' '.join(workload)}"] if beside else workload
     c.ctr(*args)
     ctr = harness.CudaContainer(name, status, 1)
     ctr.wait_running()
@@ -107,13 +113,17 @@ def _restore(c: PrivateContainerd, ctr: harness.CudaContainer, src: Path) -> flo
     return time.monotonic() - t0
 
 
-def _cleanup(c: PrivateContainerd, ctr: harness.CudaContainer) -> None:
-    c.ctr("tasks", "kill", "-s", "KILL", ctr.name, check=False)
+def _cleanup_task(c: PrivateContainerd, name: str) -> None:
+    c.ctr("tasks", "kill", "-s", "KILL", name, check=False)
     deadline = time.monotonic() + 20
-    while tasks(c).get(ctr.name, (0, "STOPPED"))[1] != "STOPPED" and time.monotonic() < deadline:
+    while tasks(c).get(name, (0, "STOPPED"))[1] != "STOPPED" and time.monotonic() < deadline:
         time.sleep(0.2)
-    c.ctr("tasks", "delete", ctr.name, check=False)
-    c.ctr("containers", "delete", ctr.name, check=False)
+    c.ctr("tasks", "delete", name, check=False)
+    c.ctr("containers", "delete", name, check=False)
+
+
+def _cleanup(c: PrivateContainerd, ctr: harness.CudaContainer) -> None:
+    _cleanup_task(c, ctr.name)
     shutil.rmtree(ctr.status, ignore_errors=True)
 
 
@@ -157,4 +167,43 @@ def test_restore_onto_the_other_gpu_by_annotation(containerd, tmp_path):
         assert [d["path"] for d in spec["linux"]["devices"] if d["path"].startswith("/dev/nvidia")
                 and d["path"][11:].isdigit()] == ["/dev/nvidia1"]
     finally:
+        _cleanup(c, ctr)
+
+
+def test_gpusnaps_own_checkpoint_keeps_a_cuda_task_paused_from_its_rw_diff_to_its_dump(
+        containerd, tmp_path):
+    """ctr and nerdctl pause the task, diff its rw layer, then ask the shim to
+    checkpoint; the shim thaws a CUDA task for the driver's lock, and a file
+    renamed while the driver copies GPU memory out is in CRIU's images but not
+    in the layer. gpusnap's client quiesces the GPU before its pause
+    (ops/containerd_gpu.py): a leave-running checkpoint of a CUDA task that
+    renames a file it holds open restores, and the source runs on, its GPU back."""
+    c = containerd
+    ctr = _run_cuda(c, [0], beside=RENAMING_HOLDER)
+    copy = f"{ctr.name}-copy"
+    image = f"gpusnap-test/{ctr.name}:ck"
+    try:
+        born, its = ctr.born(), ctr.iterations()
+        mark = journal_mark()
+        with Client(c.address, c.namespace) as api:
+            checkpoint_container(api, ctr.name, image, exit_after=False)
+            export_image(api, image, tmp_path / "ck")
+        events = [e for e in journal_since(mark) if e["event"] in (
+            "quiesced", "gpu-manifest-written", "resumed", "guardian-resumed")]
+        assert [e["event"] for e in events] == ["quiesced", "gpu-manifest-written", "resumed"], events
+        assert events[0]["before"] == "the client's pause"
+        manifest = json.loads((tmp_path / "ck" / "checkpoint" / MANIFEST_NAME).read_text())
+        assert manifest["processes"] and manifest["gpus"][0]["index"] == 0, manifest
+        assert tasks(c)[ctr.name][1] == "RUNNING"
+        ctr.wait_running(above=ctr.iterations())  # the source counts on, its GPU back
+        ctr.verify()
+        _cleanup_task(c, ctr.name)
+        (ctr.status / "w0").unlink()  # the copy's own count, not the source's last
+        with Client(c.address, c.namespace) as api:
+            import_dir(api, tmp_path / "ck", copy, stdout=f"file://{ctr.status}/out.log",
+                       stderr=f"file://{ctr.status}/out.log")
+        ctr.assert_restored(born, its)  # the renamed file was where CRIU found it
+    finally:
+        _cleanup_task(c, copy)
+        c.ctr("images", "rm", image, check=False)
         _cleanup(c, ctr)
