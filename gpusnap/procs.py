@@ -132,6 +132,20 @@ def parent_of(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def traced_by_criu(pid: int, proc: Path = PROC) -> bool:
+    """CRIU holds it under ptrace, mid-dump (TracerPid's comm is criu; a
+    debugger or strace is not a dump in flight)."""
+    try:
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("TracerPid:"):
+                tracer = line.split()[1]
+                return tracer != "0" and \
+                    (proc / tracer / "comm").read_text().strip() == "criu"
+    except (OSError, IndexError):
+        pass
+    return False
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22):
     with the pid, it names one process, not whichever reuses the number later."""

@@ -11,13 +11,20 @@ import json
 
 from gpusnap.journal import state_subdir
 from gpusnap.private import write_private
+from gpusnap.procs import start_time
 
 
-# The kind of request gpusnap's containerd client leaves when it quiesced the
-# task's GPU before pausing it (ops/containerd_gpu.py): {"manifest": {...},
-# "pids": [...]}. The shim then keeps the task paused for the dump, and
-# pre-dump writes that manifest and quiesces nothing.
+# Bound requests (put_bound) about one containerd task, by its init's pid:
+# QUIESCED: gpusnap's containerd client quiesced the task's GPU before pausing
+# it (ops/containerd_gpu.py): {"manifest": {...}, "pids": [...]}. The shim then
+# keeps the task paused for the dump; pre-dump takes it, writes that manifest
+# and quiesces nothing.
 QUIESCED = "quiesced"
+# HELD: the shim thawed a task the client had paused, for the driver's lock,
+# and pauses it again after the dump for the client, which resumes it (the rw
+# diff may come after the dump). The guardian gives the GPUs back only once
+# the shim's Resume has dropped it.
+HELD = "held"
 
 
 def _path(init_pid: int, kind: str = ""):
@@ -50,3 +57,19 @@ def peek(init_pid: int, kind: str = "") -> dict:
 
 def drop(init_pid: int, kind: str = "") -> None:
     _path(init_pid, kind).unlink(missing_ok=True)
+
+
+def put_bound(init_pid: int, kind: str, **data) -> None:
+    """A request bound to the process that has ``init_pid`` now (its start time)."""
+    put(init_pid, kind, started=start_time(init_pid), **data)
+
+
+def bound(init_pid: int, kind: str, consume: bool = False) -> dict:
+    """A put_bound request of this very process: one left for an earlier
+    process under the same pid (its writer killed before it could drop it) is
+    dropped, not obeyed. ``consume``: taken (the writer may check it was)."""
+    found = take(init_pid, kind) if consume else peek(init_pid, kind)
+    if found and found.get("started") != start_time(init_pid):
+        drop(init_pid, kind)
+        return {}
+    return found

@@ -72,7 +72,7 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
         refuse_unmanaged(driver, procs)
         changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
         manifest.timing = timing.phases
-        guardian = _start_guardian(criu_pid, changed)
+        guardian = _start_guardian(criu_pid, changed, init_pid)
         if ahead and guardian is not None:
             _read_ahead(criu_pid, guardian, push,
                         {pid: dump_ahead.staging(pid, before[pid]) for pid in changed})
@@ -87,7 +87,7 @@ def _quiesced_before_the_pause(init_pid: int, image_dir: str) -> bool:
     the manifest it built then goes into the images; nothing is quiesced here.
     A process that took the GPU since holds the driver's files, which CRIU
     cannot dump: refused in words rather than by CRIU."""
-    first = requests.peek(init_pid, requests.QUIESCED)
+    first = requests.bound(init_pid, requests.QUIESCED, consume=True)  # the client checks
     if not first.get("manifest"):
         return False
     late = [p for p in cuda_processes(init_pid) if p.holds_driver]
@@ -152,7 +152,7 @@ def _read_ahead_test(init_pid: int, criu_pid: int, push: dict) -> None:
     still, read ahead as a GPU process's would be (``ahead_test_min`` bytes)."""
     from gpusnap.pages import dump_ahead  # tests only: not every step's start-up
     pids = process_tree(init_pid)
-    guardian = _start_guardian(criu_pid, [], force=True)
+    guardian = _start_guardian(criu_pid, [], init_pid, force=True)
     _read_ahead(criu_pid, guardian, push,
                 {pid: dump_ahead.big_anonymous(pid, int(push["ahead_test_min"])) for pid in pids})
 
@@ -204,14 +204,15 @@ def _compose_ahead(init_pid: int, image_dir: str, criu_pid: int, request: dict) 
                    seconds=round(time.monotonic() - started, 3))
 
 
-def _start_guardian(criu_pid: int, pids: list[int], force: bool = False) -> socket.socket | None:
+def _start_guardian(criu_pid: int, pids: list[int], init_pid: int,
+                    force: bool = False) -> socket.socket | None:
     """The guardian of ``pids``; the socket it reads what pre-dump read ahead from."""
     if not pids and not force:
         return None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     with theirs:
         subprocess.Popen([sys.executable, "-m", "gpusnap.action.guardian", str(criu_pid),
-                          *map(str, pids)],
+                          *map(str, pids), "--init", str(init_pid)],
                          stdin=theirs.fileno(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     return ours

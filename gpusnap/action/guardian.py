@@ -10,7 +10,18 @@ the files that hold it) is written back first: the driver restores from it.
 A process whose memory cannot be written back is left locked, not restored
 from memory that is not its own, and the journal says so.
 
-Usage: python -m gpusnap.action.guardian CRIU_PID PID...
+Where the containerd shim thawed a task its client had paused and pauses it
+again for the client (requests.HELD, under the init's pid), the GPUs come
+back once the client's Resume has dropped that request, however long that
+takes: the guardian thaws nothing the client holds.
+
+gpusnap's containerd client starts one too, over the processes it quiesced
+before its pause (ops/containerd_gpu.py), watching the client instead of
+CRIU: if the client dies first, a dump it left in flight is waited for (CRIU
+traces the processes, however long) and its request is dropped
+(--drop-request).
+
+Usage: python -m gpusnap.action.guardian CRIU_PID PID... [--init INIT_PID [--drop-request]]
 """
 
 from __future__ import annotations
@@ -19,12 +30,13 @@ import os
 import select
 import sys
 import time
+from typing import Callable
 
-from gpusnap import journal
+from gpusnap import journal, requests
 from gpusnap.criu.freezer import is_frozen, thaw
 from gpusnap.gpu.cuda import CudaDriver
 from gpusnap.gpu.quiesce import QuiesceError, resume
-from gpusnap.procs import alive
+from gpusnap.procs import alive, traced_by_criu
 
 THAW_WAIT_S = 120.0
 # CRIU thaws the cgroup as it ends; frozen this long after CRIU is gone, no one will
@@ -42,13 +54,21 @@ def wait_exit(pid: int) -> None:
         os.close(fd)
 
 
-def survivors_to_resume(pids: list[int], deadline: float,
-                        grace: float = THAW_GRACE_S) -> list[int]:
+def survivors_to_resume(pids: list[int], deadline: float, grace: float = THAW_GRACE_S,
+                        held: Callable[[], bool] = lambda: False,
+                        dump_in_flight_bounded: bool = True) -> list[int]:
     """The surviving pids, once none of them is frozen; a freeze that outlives CRIU
-    by ``grace`` is thawed here (or the deadline passed)."""
+    by ``grace`` is thawed here (or the deadline passed). While ``held()`` (the
+    client holds the task paused) or CRIU still traces them, the grace waits."""
     thaw_at = time.monotonic() + grace
     while True:
         living = [p for p in pids if alive(p)]
+        dumping = any(traced_by_criu(p) for p in living) and \
+            (time.monotonic() < deadline or not dump_in_flight_bounded)
+        if living and (held() or dumping):
+            thaw_at = time.monotonic() + grace  # the grace counts from when they let go
+            time.sleep(0.25)
+            continue
         frozen = [p for p in living if is_frozen(p)]
         if not frozen or time.monotonic() > deadline:
             return living
@@ -93,11 +113,21 @@ def write_back(taken: list) -> set[int]:
 
 
 def main(argv: list[str]) -> int:
+    init, client = None, "--drop-request" in argv
+    argv = [a for a in argv if a != "--drop-request"]
+    if "--init" in argv:
+        at = argv.index("--init")
+        init, argv = int(argv[at + 1]), argv[:at] + argv[at + 2:]
     criu_pid, pids = int(argv[0]), [int(p) for p in argv[1:]]
     wait_exit(criu_pid)
+    if client and init is not None:  # its client is gone: no later dump may obey it
+        requests.drop(init, requests.QUIESCED)
     taken = _handed_over()
     watched = sorted(set(pids) | {task.pid for task, _ in taken})
-    living = survivors_to_resume(watched, time.monotonic() + THAW_WAIT_S)
+    held = (lambda: bool(requests.bound(init, requests.HELD))) if init is not None else \
+        (lambda: False)
+    living = survivors_to_resume(watched, time.monotonic() + THAW_WAIT_S, held=held,
+                                 dump_in_flight_bounded=not client)
     failed = write_back(taken) if taken and living else set()
     living = [p for p in living if p in pids and p not in failed]
     if not living:

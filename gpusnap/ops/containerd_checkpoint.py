@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from google.protobuf import any_pb2
 
@@ -109,10 +109,13 @@ def checkpoint_container(c: Client, container_id: str, image: str, exit_after: b
     if task is None or task.status != c.pb.task_types.RUNNING:
         raise ContainerdError(f"container {container_id} has no running task")
     # The GPU first, so that the task stays paused from its rw diff to the end of the dump
-    with quiesced_first(task.pid):
+    with quiesced_first(task.pid) as gpu:
         for attempt in range(1, SEIZE_TRIES + 1):
             try:
-                _checkpoint_paused(c, ctr, container_id, image, exit_after)
+                if gpu is not None:
+                    gpu.ask()
+                _checkpoint_paused(c, ctr, container_id, image, exit_after,
+                                   gpu.seen if gpu is not None else None)
                 return
             except ContainerdError as e:
                 # The pause caught a task in vfork() (criu.log.unseizable_words): resumed,
@@ -122,13 +125,17 @@ def checkpoint_container(c: Client, container_id: str, image: str, exit_after: b
 
 
 
-def _checkpoint_paused(c: Client, ctr: Any, container_id: str, image: str, exit_after: bool) -> None:
+def _checkpoint_paused(c: Client, ctr: Any, container_id: str, image: str, exit_after: bool,
+                       check: Callable[[], None] | None) -> None:
+    """Pause, the rw diff, the dump, ``check`` (before any image is made), the image, Resume."""
     with c.leased():
         c.call("tasks", "Tasks", "Pause", container_id=container_id)
         try:
             rw = _rw_diff(c, ctr)
             descs = list(c.call("tasks", "Tasks", "Checkpoint", container_id=container_id, timeout=3600,
                                 options=runc_checkpoint_options(exit_after)).descriptors)
+            if check is not None:
+                check()
             target = _write_checkpoint_index(c, ctr, descs + ([rw] if rw is not None else []))
             c.call("images", "Images", "Create", image=c.pb.images.Image(
                 name=image, target=target, labels={"containerd.io/checkpoint": "true"}))

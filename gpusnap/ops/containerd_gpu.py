@@ -12,7 +12,10 @@ the action script writes that manifest instead of quiescing.
 
 Whatever happens to the dump, the processes that survive it get their GPUs
 back once the client has resumed the task. A guardian watching this process
-does it if the client is killed first (thawing a task left paused).
+does it if the client is killed first: it waits for a dump in flight (CRIU
+traces the processes), thaws a task left paused (the shim's Resume accepts
+such a task later) and drops the request. A push's read-ahead of GPU memory
+(Podman's path) has no part here.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from gpusnap import journal, requests
+from gpusnap.criu.freezer import is_frozen
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, Driver, QuiesceError, Timing, quiesce,
                                   refuse_unmanaged, refuse_unsupported, require_driver, resume)
 from gpusnap.ops.containerd_api import ContainerdError
-from gpusnap.procs import alive, cuda_processes
+from gpusnap.procs import cuda_processes, start_time
 
 
 @dataclass
@@ -41,16 +45,36 @@ class Quiesced:
     """The CUDA processes of one task, quiesced by the client."""
 
     init_pid: int
-    pids: list[int]  # the ones this quiesce changed: the ones to give back
+    started: dict[int, int | None]  # the ones this quiesce changed, by start time: to give back
     driver: Driver
-    guardian: subprocess.Popen | None
+    manifest: dict
+    guardian: subprocess.Popen | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return list(self.started)
+
+    def ask(self) -> None:
+        """The request the shim and pre-dump read; again before each try (pre-dump takes it)."""
+        requests.put_bound(self.init_pid, requests.QUIESCED, manifest=self.manifest,
+                           pids=self.pids)
+
+    def seen(self) -> None:
+        """After a dump: pre-dump took the request, so the images hold the manifest
+        built here. Left untaken, pre-dump read another state folder
+        (GPUSNAP_STATE_DIR) and the dump went on without it."""
+        if requests.peek(self.init_pid, requests.QUIESCED):  # not bound(): the init may be gone
+            raise ContainerdError("the CRIU action script did not see gpusnap's quiesce "
+                                  "(GPUSNAP_STATE_DIR differs between this command and "
+                                  "runc's?): the checkpoint lacks its GPU manifest")
 
 
 @contextmanager
 def quiesced_first(init_pid: int, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS
                    ) -> Iterator[Quiesced | None]:
     """The task's CUDA processes quiesced for the block; None where there are
-    none, or where CRIU's cuda_plugin quiesces them itself during the dump."""
+    none, or where CRIU's cuda_plugin quiesces them itself during the dump.
+    The block calls ``ask()`` before each dump and ``seen()`` after it."""
     procs = cuda_processes(init_pid)
     if not procs or cuda_plugin_path():
         yield None
@@ -66,11 +90,13 @@ def quiesced_first(init_pid: int, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS
     except QuiesceError as exc:  # rolled back: the task runs on, on its GPUs
         raise ContainerdError(f"GPU quiesce failed: {exc}; the task runs on") from None
     manifest.timing = timing.phases
-    q = Quiesced(init_pid, changed, driver, _guardian(changed))
-    requests.put(init_pid, requests.QUIESCED, manifest=json.loads(manifest.to_json()), pids=changed)
-    journal.record("quiesced", init_pid=init_pid, pids=[p.pid for p in procs], by="gpusnap",
-                   before="the client's pause", timing=manifest.timing, at=round(time.time(), 3))
-    try:
+    q = Quiesced(init_pid, {pid: start_time(pid) for pid in changed}, driver,
+                 json.loads(manifest.to_json()))
+    try:  # from here on, whatever fails gives the GPUs back
+        q.guardian = _guardian(q)
+        journal.record("quiesced", init_pid=init_pid, pids=[p.pid for p in procs], by="gpusnap",
+                       before="the client's pause", timing=manifest.timing,
+                       at=round(time.time(), 3))
         yield q
     except BaseException:
         _give_back(q, quiet=True)  # the dump's own failure is what the caller must see
@@ -78,21 +104,31 @@ def quiesced_first(init_pid: int, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS
     _give_back(q, quiet=False)
 
 
-def _guardian(pids: list[int]) -> subprocess.Popen | None:
-    """The action script's guardian, watching this process instead of CRIU."""
-    if not pids:
+def _guardian(q: Quiesced) -> subprocess.Popen | None:
+    """The action script's guardian, watching this process instead of CRIU: it
+    waits for a dump in flight, drops the request and gives the GPUs back."""
+    if not q.pids:
         return None
     return subprocess.Popen([sys.executable, "-m", "gpusnap.action.guardian", str(os.getpid()),
-                             *map(str, pids)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+                             *map(str, q.pids), "--init", str(q.init_pid), "--drop-request"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
 
 
 def _give_back(q: Quiesced, quiet: bool) -> None:
     """The surviving processes' GPUs back (restore + unlock); the guardian
-    stops once that is done, and stays for this process's exit if it failed."""
+    stops once that is done, and stays for this process's exit otherwise."""
     requests.drop(q.init_pid, requests.QUIESCED)
-    living = [p for p in q.pids if alive(p)]  # with exit_after, CRIU killed them
+    # with exit_after CRIU killed them: their pids may be reused already
+    living = [p for p, born in q.started.items() if born is not None and start_time(p) == born]
+    if any(is_frozen(p) for p in living):  # the client's Resume failed: a restore would wait
+        journal.record("resume-deferred", init_pid=q.init_pid, pids=living,
+                       why="the task is still paused")
+        if quiet:
+            return
+        raise ContainerdError("the task stayed paused after its checkpoint, its GPU quiesced: "
+                              "gpusnap's guardian resumes it and gives the GPU back once this "
+                              "command has ended")
     try:
         changed = resume(q.driver, living)
     except QuiesceError as exc:

@@ -1,6 +1,6 @@
-"""The shim's CRIU dump: runc checkpoint, CRIU's log kept beside the bundle on
-failure, and a dump CRIU gave up on at its seize taken again where a new freeze
-can miss the race.
+"""The shim's CRIU dump: whether a paused task must run for it (CUDA), runc
+checkpoint, CRIU's log kept beside the bundle on failure, and a dump CRIU gave
+up on at its seize taken again where a new freeze can miss the race.
 
 A task caught in vfork() by the freeze (criu.log.seize_blocked) is a race of
 milliseconds. Where CRIU froze the task itself (it was running, or the shim
@@ -17,11 +17,33 @@ import os
 import shutil
 from pathlib import Path
 
+from gpusnap import requests
 from gpusnap.criu.log import SEIZE_TRIES, seize_blocked, unseizable_words
 from gpusnap.private import open_private
+from gpusnap.procs import cuda_processes
 from gpusnap.shim.runc import CheckpointOpts, Runc, RuncError
 
 log = logging.getLogger("gpusnap.shim")
+
+def thaw_for_the_driver(status: str, pid: int) -> bool:
+    """Whether a task must run for its dump: a paused one that uses CUDA, whose
+    GPU the driver's lock (pre-dump) needs running, unless gpusnap's client
+    quiesced that GPU before its pause (requests.QUIESCED)."""
+    return (status == "paused" and bool(pid) and bool(cuda_processes(pid))
+            and not requests.bound(pid, requests.QUIESCED))
+
+
+def thaw_held(runc: Runc, cid: str, pid: int) -> None:
+    """Thaw a task its client paused, for the dump, marked held first
+    (requests.HELD): the guardian gives its GPUs back after the client's Resume,
+    once the shim has paused it again for the client."""
+    requests.put_bound(pid, requests.HELD)
+    try:
+        runc.resume(cid)
+    except BaseException:
+        requests.drop(pid, requests.HELD)
+        raise
+
 
 def dump(runc: Runc, cid: str, opts: CheckpointOpts, dump_log: str, frozen_by_client: bool) -> None:
     """runc checkpoint CID; on failure CRIU's log is copied to DUMP_LOG (runc's

@@ -22,7 +22,6 @@ from google.protobuf import any_pb2, empty_pb2, timestamp_pb2
 from gpusnap import requests
 from gpusnap.errors import GpusnapError
 from gpusnap.private import open_private, private_dir
-from gpusnap.procs import cuda_processes
 from gpusnap.proto import load
 from gpusnap.shim import bundle as bundle_state
 from gpusnap.shim import checkpoint as shim_checkpoint
@@ -55,10 +54,6 @@ def _unpack(anyv: any_pb2.Any, name: str, cls):
     if anyv is not None and anyv.value and anyv.type_url.rsplit("/", 1)[-1] == name:
         msg.ParseFromString(anyv.value)
     return msg
-
-
-def _uses_cuda(pid: int) -> bool:
-    return bool(pid) and bool(cuda_processes(pid))
 
 
 def rpc(fn: Callable) -> Callable:
@@ -403,8 +398,14 @@ class TaskService:
     @rpc
     def Resume(self, req, context):
         c, p = self._running_init(req.id)
-        self._runc(c).resume(c.id)
+        try:
+            self._runc(c).resume(c.id)
+        except RuncError:
+            # thawed under the shim (gpusnap's guardian, its client killed): it runs
+            if p.status != "paused" or self._runc(c).state(c.id).get("status") != "running":
+                raise
         p.status = "running"
+        requests.drop(p.pid, requests.HELD)  # the guardian may give the GPUs back now
         self._publish("TaskResumed", container_id=c.id)
         return empty_pb2.Empty()
 
@@ -418,13 +419,12 @@ class TaskService:
         # containerd's client (ctr, nerdctl) pauses the task before Checkpoint, but
         # the CUDA driver's lock (the action script's pre-dump) needs the processes
         # running: thaw a paused task that uses CUDA for the dump (CRIU freezes it
-        # itself) and pause it again afterwards unless it exited. gpusnap's own
-        # client quiesces the GPU before its pause (requests.QUIESCED): that task
-        # stays paused from the rw diff to the end of the dump.
-        thawed = (p.status == "paused" and _uses_cuda(p.pid)
-                  and not requests.peek(p.pid, requests.QUIESCED))
+        # itself). gpusnap's own client quiesces the GPU before its pause
+        # (requests.QUIESCED): that task stays paused from the rw diff to the end
+        # of the dump.
+        thawed = shim_checkpoint.thaw_for_the_driver(p.status, p.pid)
         if thawed:
-            runc.resume(c.id)
+            shim_checkpoint.thaw_held(runc, c.id, p.pid)
         dumped = False
         # The CRIU action script (/etc/criu/runc.conf) quiesces CUDA processes
         # and writes the GPU manifest into req.path before CRIU dumps.
@@ -438,14 +438,30 @@ class TaskService:
         finally:
             if not o.work_path:
                 shutil.rmtree(work, ignore_errors=True)
-            if thawed and not (dumped and o.exit):
-                try:
-                    runc.pause(c.id)
-                except RuncError as e:  # the dump's own outcome is what the client must see
-                    log.warning("re-pausing %s after its checkpoint: %s", c.id, e)
+            if thawed:
+                self._pause_again(c, p, runc, exited=dumped and o.exit)
         log.info("checkpoint of %s into %s took %.2fs", c.id, req.path, time.monotonic() - t0)
         self._publish("TaskCheckpointed", container_id=c.id, checkpoint=req.path)
         return empty_pb2.Empty()
+
+    def _pause_again(self, c: Container, p: Proc, runc: Runc, exited: bool) -> None:
+        """A task thawed for its dump is paused again, as its client left it: a Go
+        client diffs the rw layer after Checkpoint, then resumes it (or not, if
+        it was paused before). The guardian gives its GPUs back once Resume has
+        dropped requests.HELD; where the pause fails it runs, and says so."""
+        if not exited:
+            try:
+                runc.pause(c.id)
+                return
+            except RuncError as e:  # the dump's own outcome is what the client must see
+                log.warning("re-pausing %s after its checkpoint: %s", c.id, e)
+            with self.lock:
+                runs = p.status == "paused" and not p.exited.is_set()
+                if runs:
+                    p.status = "running"
+            if runs:
+                self._publish("TaskResumed", container_id=c.id)
+        requests.drop(p.pid, requests.HELD)
 
     @rpc
     def Update(self, req, context):

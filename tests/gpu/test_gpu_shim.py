@@ -113,13 +113,14 @@ def _restore(c: PrivateContainerd, ctr: harness.CudaContainer, src: Path) -> flo
     return time.monotonic() - t0
 
 
-def _cleanup_task(c: PrivateContainerd, name: str) -> None:
+def _cleanup_task(c: PrivateContainerd, name: str, container: bool = True) -> None:
     c.ctr("tasks", "kill", "-s", "KILL", name, check=False)
     deadline = time.monotonic() + 20
     while tasks(c).get(name, (0, "STOPPED"))[1] != "STOPPED" and time.monotonic() < deadline:
         time.sleep(0.2)
     c.ctr("tasks", "delete", name, check=False)
-    c.ctr("containers", "delete", name, check=False)
+    if container:
+        c.ctr("containers", "delete", name, check=False)
 
 
 def _cleanup(c: PrivateContainerd, ctr: harness.CudaContainer) -> None:
@@ -206,4 +207,32 @@ def test_gpusnaps_own_checkpoint_keeps_a_cuda_task_paused_from_its_rw_diff_to_it
     finally:
         _cleanup_task(c, copy)
         c.ctr("images", "rm", image, check=False)
+        _cleanup(c, ctr)
+
+
+def test_a_cuda_task_checkpointed_in_nerdctls_order_and_left_running_gets_its_gpu_back(
+        containerd, tmp_path):
+    """nerdctl's and ctr's order: Pause, Checkpoint leaving the task running,
+    Resume. The shim thaws the paused CUDA task for the driver's lock, pauses
+    it again after the dump for the client, and the guardian gives its GPU
+    back only after the client's Resume (requests.HELD; before, the task read
+    PAUSED after the checkpoint). It reads RUNNING, counts on with its GPU
+    data intact, and the checkpoint restores."""
+    c = containerd
+    ctr = _run_cuda(c, [0])
+    try:
+        born, its = ctr.born(), ctr.iterations()
+        mark = journal_mark()
+        with Client(c.address, c.namespace) as api:
+            checkpoint_to_dir(api, ctr.name, tmp_path / "ck", exit_after=False)
+        assert tasks(c)[ctr.name][1] == "RUNNING"
+        ctr.wait_running(above=ctr.iterations())
+        events = [e["event"] for e in journal_since(mark)]
+        assert "guardian-resumed" in events and "guardian-thawed" not in events, events
+        ctr.verify()
+        _cleanup_task(c, ctr.name, container=False)
+        (ctr.status / "w0").unlink()  # the restored task's own count, not the source's last
+        _restore(c, ctr, tmp_path / "ck")
+        ctr.assert_restored(born, its)
+    finally:
         _cleanup(c, ctr)

@@ -19,6 +19,7 @@ from gpusnap.gpu.manifest import MANIFEST_NAME
 from gpusnap.ops import containerd_gpu
 from gpusnap.ops.containerd_api import ContainerdError
 from gpusnap.procs import ProcessGpuUse
+from gpusnap.shim import checkpoint as shim_checkpoint
 from tests.unit.fakes import UUID0, FakeDriver, gpu, inventory
 
 R, C = ProcessState.RUNNING, ProcessState.CHECKPOINTED
@@ -43,29 +44,36 @@ def _use(pid: int, holds: bool = True) -> ProcessGpuUse:
 
 @pytest.fixture
 def host(tmp_path, monkeypatch):
-    """A task whose init (700) and worker (701) use GPU 0, the driver faked."""
+    """A task whose init (700) and worker (701) use GPU 0, the driver faked;
+    ``born`` holds each pid's start time (a pid missing from it is gone)."""
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
     driver = FakeDriver({INIT: R, INIT + 1: R})
     guardians: list[FakeGuardian] = []
-    gone: set[int] = set()
+    born = {INIT: 1000, INIT + 1: 1001}
+    frozen: set[int] = set()
     monkeypatch.setattr(containerd_gpu, "cuda_processes", lambda pid: [_use(INIT), _use(INIT + 1)])
     monkeypatch.setattr(containerd_gpu, "read_inventory", lambda: inventory(gpu(0, UUID0)))
     monkeypatch.setattr(containerd_gpu, "require_driver", lambda: driver)
     monkeypatch.setattr(containerd_gpu, "cuda_plugin_path", lambda: None)
     monkeypatch.setattr(containerd_gpu, "criu_version", lambda: "4.2.1")
-    monkeypatch.setattr(containerd_gpu, "alive", lambda pid: pid not in gone)
+    monkeypatch.setattr(containerd_gpu, "start_time", born.get)
+    monkeypatch.setattr(requests, "start_time", born.get)
+    monkeypatch.setattr(containerd_gpu, "is_frozen", lambda pid: pid in frozen)
     monkeypatch.setattr(containerd_gpu, "_guardian",
-                        lambda pids: guardians.append(FakeGuardian()) or guardians[-1])
-    return driver, guardians, gone
+                        lambda q: guardians.append(FakeGuardian()) or guardians[-1])
+    return driver, guardians, born, frozen
 
 
 def test_the_gpu_is_quiesced_before_the_block_and_given_back_after(host):
-    driver, guardians, _ = host
+    driver, guardians, _, _ = host
     with containerd_gpu.quiesced_first(INIT) as q:
         assert driver.states == {INIT: C, INIT + 1: C}  # before the client's pause
-        request = requests.peek(INIT, requests.QUIESCED)
-        assert request["pids"] == [INIT, INIT + 1] == q.pids
+        q.ask()
+        request = requests.bound(INIT, requests.QUIESCED)
+        assert request["pids"] == [INIT, INIT + 1] == q.pids and request["started"] == 1000
         assert [g["uuid"] for g in request["manifest"]["gpus"]] == [UUID0]  # built while held
+        assert requests.bound(INIT, requests.QUIESCED, consume=True)  # as pre-dump takes it
+        q.seen()
         assert not guardians[0].killed
     assert driver.states == {INIT: R, INIT + 1: R}
     assert requests.peek(INIT, requests.QUIESCED) == {}
@@ -73,7 +81,7 @@ def test_the_gpu_is_quiesced_before_the_block_and_given_back_after(host):
 
 
 def test_a_task_without_cuda_processes_is_left_to_the_usual_path(host, monkeypatch):
-    driver, guardians, _ = host
+    driver, guardians, _, _ = host
     monkeypatch.setattr(containerd_gpu, "cuda_processes", lambda pid: [])
     with containerd_gpu.quiesced_first(INIT) as q:
         assert q is None and requests.peek(INIT, requests.QUIESCED) == {}
@@ -81,23 +89,27 @@ def test_a_task_without_cuda_processes_is_left_to_the_usual_path(host, monkeypat
 
 
 def test_a_failed_dump_gives_the_gpu_back_and_says_its_own_error(host):
-    driver, guardians, _ = host
+    driver, guardians, _, _ = host
     with pytest.raises(ContainerdError, match="criu failed"):
-        with containerd_gpu.quiesced_first(INIT):
+        with containerd_gpu.quiesced_first(INIT) as q:
+            q.ask()
             raise ContainerdError("criu failed")
     assert driver.states == {INIT: R, INIT + 1: R} and guardians[0].killed
     assert requests.peek(INIT, requests.QUIESCED) == {}
 
 
-def test_processes_the_dump_stopped_are_not_given_back(host):
-    driver, guardians, gone = host
+def test_processes_the_dump_stopped_are_not_given_back_nor_their_pids_reused(host):
+    driver, guardians, born, _ = host
     with containerd_gpu.quiesced_first(INIT):
-        gone.update({INIT, INIT + 1})  # exit_after: CRIU killed them
+        del born[INIT]  # exit_after: CRIU killed them
+        born[INIT + 1] = 5000  # and another process has the pid now
+        driver.states[INIT + 1] = C  # mid-checkpoint of its own
     assert driver.called("restore") == [] and guardians[0].killed
+    assert driver.states[INIT + 1] == C
 
 
 def test_a_gpu_that_cannot_be_given_back_is_said_and_the_guardian_stays(host):
-    driver, guardians, _ = host
+    driver, guardians, _, _ = host
     driver.fail[("restore", INIT + 1)] = "CUDA_ERROR_OUT_OF_MEMORY"
     with pytest.raises(ContainerdError) as err:
         with containerd_gpu.quiesced_first(INIT):
@@ -108,7 +120,7 @@ def test_a_gpu_that_cannot_be_given_back_is_said_and_the_guardian_stays(host):
 
 
 def test_a_lock_that_fails_leaves_the_task_running_and_no_request(host):
-    driver, guardians, _ = host
+    driver, guardians, _, _ = host
     driver.fail[("lock", INIT + 1)] = "CUDA_ERROR_TIMEOUT"
     with pytest.raises(ContainerdError, match="GPU quiesce failed: lock failed"):
         with containerd_gpu.quiesced_first(INIT):
@@ -118,12 +130,62 @@ def test_a_lock_that_fails_leaves_the_task_running_and_no_request(host):
 
 
 def test_a_forked_child_is_refused_before_the_gpu_is_touched(host):
-    driver, _, _ = host
+    driver, _, _, _ = host
     driver.fail[("state", INIT + 1)] = "CUDA_ERROR_NOT_INITIALIZED"
     with pytest.raises(GpusnapError, match="forked from a CUDA process"):
         with containerd_gpu.quiesced_first(INIT):
             pytest.fail("refused first")
     assert driver.called("lock") == []
+
+
+def test_a_failure_right_after_the_quiesce_gives_the_gpu_back(host, monkeypatch):
+    driver, _, _, _ = host
+
+    def no_guardian(q):
+        raise OSError("fork failed")
+    monkeypatch.setattr(containerd_gpu, "_guardian", no_guardian)
+    with pytest.raises(OSError, match="fork failed"):
+        with containerd_gpu.quiesced_first(INIT):
+            pytest.fail("the block never runs")
+    assert driver.states == {INIT: R, INIT + 1: R}
+
+
+def test_a_task_still_paused_is_left_to_the_guardian_not_restored_under_its_freeze(host):
+    driver, guardians, _, frozen = host
+    with pytest.raises(ContainerdError, match="stayed paused after its checkpoint"):
+        with containerd_gpu.quiesced_first(INIT):
+            frozen.update({INIT, INIT + 1})  # the client's Resume failed
+    assert driver.called("restore") == [] and not guardians[0].killed
+
+
+@pytest.mark.parametrize("exit_after", [False, True])
+def test_a_request_pre_dump_never_took_is_said(host, exit_after):
+    _, _, born, _ = host
+    with pytest.raises(ContainerdError, match="did not see gpusnap's quiesce"):
+        with containerd_gpu.quiesced_first(INIT) as q:
+            q.ask()
+            if exit_after:  # the dump stopped the task: its init is gone
+                born.clear()
+            q.seen()
+    assert requests.peek(INIT, requests.QUIESCED) == {}
+
+
+def test_a_request_left_for_an_earlier_process_of_the_same_pid_is_dropped(host):
+    _, _, born, _ = host
+    requests.put_bound(INIT, requests.QUIESCED, manifest={"gpus": []}, pids=[INIT])
+    born[INIT] = 2000  # the client died; a new process has the pid
+    assert requests.bound(INIT, requests.QUIESCED) == {} and requests.peek(INIT, requests.QUIESCED) == {}
+
+
+def test_the_shim_thaws_a_paused_cuda_task_unless_the_client_quiesced_it(host, monkeypatch):
+    _, _, born, _ = host
+    monkeypatch.setattr(shim_checkpoint, "cuda_processes", lambda pid: [_use(pid)])
+    assert shim_checkpoint.thaw_for_the_driver("paused", INIT)
+    assert not shim_checkpoint.thaw_for_the_driver("running", INIT)
+    requests.put_bound(INIT, requests.QUIESCED, manifest={"gpus": []}, pids=[INIT])
+    assert not shim_checkpoint.thaw_for_the_driver("paused", INIT)
+    born[INIT] = 2000  # that request was another process's
+    assert shim_checkpoint.thaw_for_the_driver("paused", INIT)
 
 
 # --- the action script's pre-dump, after the client quiesced ---------------------------------
@@ -135,7 +197,8 @@ def _manifest() -> dict:
 
 def test_pre_dump_writes_the_manifest_the_client_built_and_quiesces_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
-    requests.put(INIT, requests.QUIESCED, manifest=_manifest(), pids=[INIT])
+    monkeypatch.setattr(requests, "start_time", lambda pid: 1000)
+    requests.put_bound(INIT, requests.QUIESCED, manifest=_manifest(), pids=[INIT])
     checkpointed = ProcessGpuUse(pid=INIT, comm="python3", maps_libcuda=True)  # no fds, no maps
     monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [checkpointed])
     monkeypatch.setattr(action_dump, "require_driver",
@@ -146,12 +209,14 @@ def test_pre_dump_writes_the_manifest_the_client_built_and_quiesces_nothing(tmp_
     written = json.loads((images / MANIFEST_NAME).read_text())
     assert written["gpus"][0]["uuid"] == UUID0 and written["processes"][0]["pid"] == INIT
     assert journal.read()[-1]["event"] == "gpu-manifest-written"
+    assert requests.bound(INIT, requests.QUIESCED) == {}  # taken: the client knows it was seen
 
 
 def test_pre_dump_refuses_a_process_that_took_the_gpu_after_the_client_quiesced(tmp_path,
                                                                                monkeypatch):
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
-    requests.put(INIT, requests.QUIESCED, manifest=_manifest(), pids=[INIT])
+    monkeypatch.setattr(requests, "start_time", lambda pid: 1000)
+    requests.put_bound(INIT, requests.QUIESCED, manifest=_manifest(), pids=[INIT])
     monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [
         ProcessGpuUse(pid=INIT, comm="python3", maps_libcuda=True), _use(705)])
     images = tmp_path / "images"

@@ -1,0 +1,61 @@
+"""action/guardian.py: no process left without its GPU. A dump still in flight
+(CRIU traces the processes) is waited for before any thaw, and so is a task
+the containerd shim holds paused for its client (requests.HELD); the
+containerd client's guardian drops the client's request once it is gone."""
+
+from __future__ import annotations
+
+import time
+
+from gpusnap import requests
+from gpusnap.action import guardian
+
+
+def test_a_freeze_is_not_thawed_while_criu_still_traces_the_processes(monkeypatch):
+    traced_until = time.monotonic() + 0.3
+    thawed: list[int] = []
+    monkeypatch.setattr(guardian, "alive", lambda pid: True)
+    monkeypatch.setattr(guardian, "traced_by_criu", lambda pid: time.monotonic() < traced_until)
+    monkeypatch.setattr(guardian, "is_frozen", lambda pid: pid not in thawed)
+    monkeypatch.setattr(guardian, "thaw", lambda pid: thawed.append(pid) or True)
+    monkeypatch.setattr(guardian.journal, "record", lambda *a, **k: None)
+    living = guardian.survivors_to_resume([7], time.monotonic() + 10, grace=0.1)
+    assert living == [7] and thawed == [7]
+    assert time.monotonic() >= traced_until + 0.1  # the grace counted from the dump's end
+
+
+def test_the_clients_guardian_drops_its_request_once_the_client_is_gone(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(requests, "start_time", lambda pid: 1)
+    requests.put_bound(700, requests.QUIESCED, manifest={"gpus": []}, pids=[701])
+    monkeypatch.setattr(guardian, "wait_exit", lambda pid: None)
+    monkeypatch.setattr(guardian, "_handed_over", lambda: [])
+    monkeypatch.setattr(guardian, "survivors_to_resume", lambda pids, deadline, **kw: [])
+    assert guardian.main(["9999", "701", "--init", "700", "--drop-request"]) == 0
+    assert requests.peek(700, requests.QUIESCED) == {}
+
+
+def test_a_task_the_shim_holds_paused_for_its_client_is_not_thawed_nor_restored(monkeypatch):
+    """The shim paused it again after the dump; the client resumes it (after its
+    rw diff) and only then may the driver restore run, however long after."""
+    held_until = time.monotonic() + 0.4
+    thawed: list[int] = []
+    monkeypatch.setattr(guardian, "alive", lambda pid: True)
+    monkeypatch.setattr(guardian, "traced_by_criu", lambda pid: False)
+    monkeypatch.setattr(guardian, "is_frozen", lambda pid: time.monotonic() < held_until)
+    monkeypatch.setattr(guardian, "thaw", lambda pid: thawed.append(pid) or True)
+    living = guardian.survivors_to_resume([7], time.monotonic() + 0.1, grace=0.05,
+                                          held=lambda: time.monotonic() < held_until)
+    assert living == [7] and thawed == []  # the client's Resume thawed it, not the guardian
+    assert time.monotonic() >= held_until
+
+
+def test_a_debugger_is_no_dump_in_flight(tmp_path):
+    from gpusnap.procs import traced_by_criu
+    for pid, comm, tracer in ((10, "python3", 20), (11, "python3", 21), (12, "python3", 0)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "status").write_text(f"Name:\t{comm}\nTracerPid:\t{tracer}\n")
+    for pid, comm in ((20, "criu"), (21, "gdb")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "comm").write_text(comm + "\n")
+    assert [traced_by_criu(p, tmp_path) for p in (10, 11, 12)] == [True, False, False]
