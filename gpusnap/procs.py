@@ -132,6 +132,16 @@ def parent_of(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def age_s(pid: int) -> float | None:
+    """Seconds since the process started (its start time against /proc/uptime)."""
+    started = start_time(pid)
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if started is None else uptime - started / os.sysconf("SC_CLK_TCK")
+
+
 def traced_by_criu(pid: int, proc: Path = PROC) -> bool:
     """CRIU holds it under ptrace, mid-dump (TracerPid's comm is criu; a
     debugger or strace is not a dump in flight)."""

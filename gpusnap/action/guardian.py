@@ -65,8 +65,11 @@ def survivors_to_resume(pids: list[int], deadline: float, grace: float = THAW_GR
         living = [p for p in pids if alive(p)]
         dumping = any(traced_by_criu(p) for p in living) and \
             (time.monotonic() < deadline or not dump_in_flight_bounded)
-        if living and (held() or dumping):
+        is_held = held()
+        if living and (is_held or dumping):
             thaw_at = time.monotonic() + grace  # the grace counts from when they let go
+            if is_held or not dump_in_flight_bounded:  # and so does the deadline
+                deadline = max(deadline, time.monotonic() + grace + THAW_WAIT_S)
             time.sleep(0.25)
             continue
         frozen = [p for p in living if is_frozen(p)]

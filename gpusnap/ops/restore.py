@@ -187,20 +187,25 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
         if left:  # the cause above stays the message; the leftover is what to clean up
             why += f"; the half-restored container {target} is left ({left}): `podman rm -f {target}`"
         raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged", hint) from None
-    seconds = time.monotonic() - start
+    done = time.monotonic()
     ctr = podman.inspect(target or source)
     hostname = None
     if name:  # a copy under a new name: its own hostname, not the checkpoint's
         hostname = identity.follow_new_id(ctr, (contents.json_file("config.dump") or {}).get("id", ""))
-    return restored(ctr, source, seconds, plan, hostname=hostname)
+    return restored(ctr, source, done - start, plan, hostname=hostname,
+                    after={"inspect": round(time.monotonic() - done, 3)})
 
 
 def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
-             hostname: str | None = None) -> dict:
-    """The restored container's report (and journal record), its GPU processes checked."""
+             hostname: str | None = None, after: dict | None = None) -> dict:
+    """The restored container's report (and journal record), its GPU processes
+    checked; ``after``: what the restore spent once Podman was done, by step
+    (a replica's time counts to here)."""
+    checked = time.monotonic()
     gpu = _gpu_report(ctr.pid)
+    after = {**(after or {}), "gpu_check": round(time.monotonic() - checked, 3)}
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),
-                   moves=plan.describe() if plan.needs_remap else None)
+                   moves=plan.describe() if plan.needs_remap else None, after=after)
     result = {"container": {"id": ctr.id, "name": ctr.name, "status": ctr.status, "pid": ctr.pid},
               "source": source, "seconds": round(seconds, 3), "gpu_processes": gpu}
     if hostname:

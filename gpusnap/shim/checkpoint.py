@@ -45,6 +45,22 @@ def thaw_held(runc: Runc, cid: str, pid: int) -> None:
         raise
 
 
+def pause_again(runc: Runc, cid: str, pid: int, exited: bool) -> bool:
+    """Pause a task thawed for its dump again, as its client left it: a Go client
+    diffs the rw layer after Checkpoint, then resumes it (or not, if it was
+    paused before), and the guardian gives its GPUs back once that Resume has
+    dropped requests.HELD. False where it exited or the pause failed (it
+    runs): HELD is dropped then."""
+    if not exited:
+        try:
+            runc.pause(cid)
+            return True
+        except RuncError as e:  # the dump's own outcome is what the client must see
+            log.warning("re-pausing %s after its checkpoint: %s", cid, e)
+    requests.drop(pid, requests.HELD)
+    return False
+
+
 def dump(runc: Runc, cid: str, opts: CheckpointOpts, dump_log: str, frozen_by_client: bool) -> None:
     """runc checkpoint CID; on failure CRIU's log is copied to DUMP_LOG (runc's
     work folder goes) and named in the error."""

@@ -65,6 +65,7 @@ class Container:
     no_new_keyring: bool = False
     criu_work: str = ""
     execs: dict[str, Proc] = field(default_factory=dict)
+    dumping: bool = False  # a Checkpoint runs: a Resume must wait for its end
 
     def process(self, exec_id: str) -> Proc:
         if not exec_id:

@@ -132,6 +132,8 @@ class TaskService:
                 if e.status in ("running", "paused"):
                     e.published.wait()
         p.set_exited(ex.status, ex.at_ns)
+        if p is c.init:
+            requests.drop(p.pid, requests.HELD)  # bound to it: stale from now on anyway
         if p.io is not None:
             p.io.close_stdin()
         self._publish("TaskExit", container_id=c.id, id=p.id, pid=ex.pid, exit_status=ex.status,
@@ -398,6 +400,8 @@ class TaskService:
     @rpc
     def Resume(self, req, context):
         c, p = self._running_init(req.id)
+        if c.dumping:  # it may run for the driver now, and is paused again after
+            raise precondition(f"container {c.id} is being checkpointed: resume it after")
         try:
             self._runc(c).resume(c.id)
         except RuncError:
@@ -416,19 +420,17 @@ class TaskService:
         work = o.work_path or os.path.join(c.bundle, "criu-work")
         runc = self._runc(c)
         t0 = time.monotonic()
-        # containerd's client (ctr, nerdctl) pauses the task before Checkpoint, but
-        # the CUDA driver's lock (the action script's pre-dump) needs the processes
-        # running: thaw a paused task that uses CUDA for the dump (CRIU freezes it
-        # itself). gpusnap's own client quiesces the GPU before its pause
-        # (requests.QUIESCED): that task stays paused from the rw diff to the end
-        # of the dump.
-        thawed = shim_checkpoint.thaw_for_the_driver(p.status, p.pid)
-        if thawed:
-            shim_checkpoint.thaw_held(runc, c.id, p.pid)
-        dumped = False
-        # The CRIU action script (/etc/criu/runc.conf) quiesces CUDA processes
-        # and writes the GPU manifest into req.path before CRIU dumps.
+        # ctr and nerdctl pause the task first, but the driver's lock (pre-dump) needs
+        # a CUDA task running: thawed for the dump, held, paused again after it
+        # (shim/checkpoint.py). gpusnap's own client quiesces the GPU before its
+        # pause (requests.QUIESCED): that task stays paused throughout.
+        thawed, dumped, c.dumping = False, False, True
         try:
+            if shim_checkpoint.thaw_for_the_driver(p.status, p.pid):
+                shim_checkpoint.thaw_held(runc, c.id, p.pid)
+                thawed = True
+            # The CRIU action script (/etc/criu/runc.conf) quiesces CUDA processes
+            # and writes the GPU manifest into req.path before CRIU dumps.
             shim_checkpoint.dump(runc, c.id, CheckpointOpts(
                 image_path=req.path, work_path=work, leave_running=not o.exit, tcp_established=o.open_tcp,
                 ext_unix_sk=o.external_unix_sockets, shell_job=o.terminal, file_locks=o.file_locks,
@@ -438,30 +440,22 @@ class TaskService:
         finally:
             if not o.work_path:
                 shutil.rmtree(work, ignore_errors=True)
-            if thawed:
-                self._pause_again(c, p, runc, exited=dumped and o.exit)
+            if thawed and not shim_checkpoint.pause_again(runc, c.id, p.pid, dumped and o.exit):
+                self._runs_after_all(c, p)
+            c.dumping = False
         log.info("checkpoint of %s into %s took %.2fs", c.id, req.path, time.monotonic() - t0)
         self._publish("TaskCheckpointed", container_id=c.id, checkpoint=req.path)
         return empty_pb2.Empty()
 
-    def _pause_again(self, c: Container, p: Proc, runc: Runc, exited: bool) -> None:
-        """A task thawed for its dump is paused again, as its client left it: a Go
-        client diffs the rw layer after Checkpoint, then resumes it (or not, if
-        it was paused before). The guardian gives its GPUs back once Resume has
-        dropped requests.HELD; where the pause fails it runs, and says so."""
-        if not exited:
-            try:
-                runc.pause(c.id)
-                return
-            except RuncError as e:  # the dump's own outcome is what the client must see
-                log.warning("re-pausing %s after its checkpoint: %s", c.id, e)
-            with self.lock:
-                runs = p.status == "paused" and not p.exited.is_set()
-                if runs:
-                    p.status = "running"
+    def _runs_after_all(self, c: Container, p: Proc) -> None:
+        """A task that was not paused again and did not exit runs: said so."""
+        with self.lock:
+            runs = p.status == "paused" and not p.exited.is_set() and \
+                os.path.exists(f"/proc/{p.pid}")
             if runs:
-                self._publish("TaskResumed", container_id=c.id)
-        requests.drop(p.pid, requests.HELD)
+                p.status = "running"
+        if runs:
+            self._publish("TaskResumed", container_id=c.id)
 
     @rpc
     def Update(self, req, context):

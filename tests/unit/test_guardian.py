@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from gpusnap import requests
 from gpusnap.action import guardian
 
@@ -59,3 +61,31 @@ def test_a_debugger_is_no_dump_in_flight(tmp_path):
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "comm").write_text(comm + "\n")
     assert [traced_by_criu(p, tmp_path) for p in (10, 11, 12)] == [True, False, False]
+
+
+def test_the_guardian_restores_a_held_task_only_once_the_shims_resume_dropped_the_mark(
+        tmp_path, monkeypatch):
+    """pre-dump starts it with --init; the shim's HELD mark, under that pid, holds it."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(requests, "start_time", lambda pid: 1)
+    requests.put_bound(700, requests.HELD)
+    resumed_at: list[float] = []
+    dropped_at = time.monotonic() + 0.5
+    monkeypatch.setattr(guardian, "wait_exit", lambda pid: None)
+    monkeypatch.setattr(guardian, "_handed_over", lambda: [])
+    monkeypatch.setattr(guardian, "alive", lambda pid: True)
+    monkeypatch.setattr(guardian, "traced_by_criu", lambda pid: False)
+    # not frozen: as between CRIU's end and the shim's pause again, the riskiest moment
+    monkeypatch.setattr(guardian, "is_frozen", lambda pid: False)
+    monkeypatch.setattr(guardian, "thaw", lambda pid: pytest.fail("the client's to thaw"))
+    monkeypatch.setattr(guardian, "CudaDriver", lambda: None)
+    monkeypatch.setattr(guardian, "resume",
+                        lambda driver, pids: resumed_at.append(time.monotonic()) or pids)
+
+    def the_shims_resume():
+        time.sleep(max(0.0, dropped_at - time.monotonic()))
+        requests.drop(700, requests.HELD)
+    import threading
+    threading.Thread(target=the_shims_resume).start()
+    assert guardian.main(["9999", "701", "--init", "700"]) == 0
+    assert resumed_at and resumed_at[0] >= dropped_at

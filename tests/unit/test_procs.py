@@ -225,3 +225,12 @@ def test_a_process_that_only_maps_libcuda_holds_nothing_of_the_driver(tmp_path: 
                                     "7f02-7f03 r--p 0 0:0 0 /opt/nvidia-tools/x.so\n")
     use = procs.gpu_use(56, tmp_path)
     assert use.is_cuda and not use.holds_driver
+
+
+def test_age_is_the_seconds_since_a_process_started():
+    import os
+
+    from gpusnap.procs import age_s
+    age = age_s(os.getpid())
+    assert age is not None and 0 <= age < 7 * 86400
+    assert age_s(2**22 + 1) is None  # above pid_max: no such process

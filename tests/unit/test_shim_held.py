@@ -7,6 +7,8 @@ shim says so; a task thawed under the shim can still be resumed."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 from google.protobuf import any_pb2
@@ -19,7 +21,7 @@ from gpusnap.shim.runc import RuncError
 from gpusnap.shim.service import TaskService
 from gpusnap.shim.stdio import Paths
 
-INIT = 4242
+INIT = os.getpid()  # a live process: the shim looks for it in /proc
 
 
 class Events:
@@ -145,3 +147,47 @@ def test_resume_of_a_running_task_is_still_refused(shim):
     p.status = "running"
     with pytest.raises(grpc.RpcError, match="not paused"):
         svc.Resume(Request(), Context())
+
+
+def _exit_options(svc: TaskService) -> any_pb2.Any:
+    opts = any_pb2.Any()
+    opts.Pack(svc.pb.runc_options.CheckpointOptions(exit=True))
+    return opts
+
+
+def test_a_dump_with_exit_neither_pauses_again_nor_stays_held(shim):
+    svc, p, _, _ = shim
+    runc = _runc(svc)
+    req = Request()
+    req.options = _exit_options(svc)
+    svc.Checkpoint(req, Context())
+    assert runc.calls == ["resume"]  # CRIU killed the task: nothing to pause
+    assert requests.bound(INIT, requests.HELD) == {}
+
+
+def test_a_failed_dump_with_exit_is_paused_again_and_held(shim):
+    svc, p, _, seen = shim
+    runc = _runc(svc)
+    seen["fail"] = True
+    req = Request()
+    req.options = _exit_options(svc)
+    with pytest.raises(grpc.RpcError, match="criu failed"):
+        svc.Checkpoint(req, Context())
+    assert runc.calls == ["resume", "pause"] and p.status == "paused"
+    assert requests.bound(INIT, requests.HELD)
+
+
+def test_a_resume_during_the_dump_waits_for_its_end(shim, monkeypatch):
+    svc, p, _, seen = shim
+    runc = _runc(svc)
+    answers = []
+
+    def dump(runc_, cid, opts, log, frozen_by_client):
+        with pytest.raises(grpc.RpcError, match="being checkpointed") as err:
+            svc.Resume(Request(), Context())
+        answers.append(str(err.value))
+    monkeypatch.setattr(service.shim_checkpoint, "dump", dump)
+    svc.Checkpoint(Request(), Context())
+    assert answers and runc.frozen and requests.bound(INIT, requests.HELD)
+    svc.Resume(Request(), Context())  # after it: as usual
+    assert p.status == "running" and requests.bound(INIT, requests.HELD) == {}
