@@ -27,6 +27,9 @@ DEFAULTS: dict[str, float] = {
     "STOP": 15.0,             # a program asked to stop, before it is killed
     "REGISTRY": 120.0,        # a registry's answer, each try (oci/registry.py)
     "RUNC": 3600.0,           # a runc command the containerd shim runs (shim/runc.py)
+    # the GPUs of a container's last checkpoint given back (gpu/turn.py): the
+    # guardian's own bound on a freeze CRIU left (120 s), then the driver's restore
+    "GPU_TURN": 180.0,
 }
 # Bytes a second below which a big restore or checkpoint counts as hung: a
 # twentieth of the slowest disk the benches saw, so only a stall reaches it.

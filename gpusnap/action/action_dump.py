@@ -25,6 +25,7 @@ from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import read_inventory
+from gpusnap.gpu.turn import Turn, wait_turn
 from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, Timing, quiesce, refuse_unmanaged,
                                   refuse_unsupported, require_driver)
 from gpusnap.private import write_private
@@ -49,14 +50,20 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
         from gpusnap.pages import pages_aside  # pre-dump only: not every step's start-up
         pages_aside.drop_stale_parent(Path(image_dir))
     step_state.ahead(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
-    if _quiesced_before_the_pause(init_pid, image_dir):
+    if _quiesced_before_the_pause(init_pid, image_dir):  # its client holds the turn
         return
+    with wait_turn(init_pid, f"pre-dump of the container whose init is pid {init_pid}") as turn:
+        _pre_dump(init_pid, image_dir, criu_pid, turn)
+
+
+def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn) -> None:
+    """Quiesce and write the manifest; a guardian started here holds ``turn`` on."""
     push = requests.peek(init_pid, "pages")
     ahead = bool(push.get("read_ahead")) and bool(image_dir)
     procs = cuda_processes(init_pid)
     if not procs:
         if ahead and push.get("ahead_test_min"):
-            _read_ahead_test(init_pid, criu_pid, push)
+            _read_ahead_test(init_pid, criu_pid, push, turn)
         return
     inventory = read_inventory()
     refuse_unsupported(procs, inventory)
@@ -72,7 +79,7 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
         refuse_unmanaged(driver, procs)
         changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
         manifest.timing = timing.phases
-        guardian = _start_guardian(criu_pid, changed, init_pid)
+        guardian = _start_guardian(criu_pid, changed, init_pid, turn)
         if ahead and guardian is not None:
             _read_ahead(criu_pid, guardian, push,
                         {pid: dump_ahead.staging(pid, before[pid]) for pid in changed})
@@ -147,12 +154,12 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
                        read_s=read_s, seconds=round(time.monotonic() - started, 3))
 
 
-def _read_ahead_test(init_pid: int, criu_pid: int, push: dict) -> None:
+def _read_ahead_test(init_pid: int, criu_pid: int, push: dict, turn: Turn) -> None:
     """Tests only: a CPU container's big anonymous memory, which its test keeps
     still, read ahead as a GPU process's would be (``ahead_test_min`` bytes)."""
     from gpusnap.pages import dump_ahead  # tests only: not every step's start-up
     pids = process_tree(init_pid)
-    guardian = _start_guardian(criu_pid, [], init_pid, force=True)
+    guardian = _start_guardian(criu_pid, [], init_pid, turn, force=True)
     _read_ahead(criu_pid, guardian, push,
                 {pid: dump_ahead.big_anonymous(pid, int(push["ahead_test_min"])) for pid in pids})
 
@@ -204,15 +211,18 @@ def _compose_ahead(init_pid: int, image_dir: str, criu_pid: int, request: dict) 
                    seconds=round(time.monotonic() - started, 3))
 
 
-def _start_guardian(criu_pid: int, pids: list[int], init_pid: int,
+def _start_guardian(criu_pid: int, pids: list[int], init_pid: int, turn: Turn,
                     force: bool = False) -> socket.socket | None:
-    """The guardian of ``pids``; the socket it reads what pre-dump read ahead from."""
+    """The guardian of ``pids``, holding ``turn`` until it has given their GPUs
+    back; the socket it reads what pre-dump read ahead from."""
     if not pids and not force:
         return None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     with theirs:
         subprocess.Popen([sys.executable, "-m", "gpusnap.action.guardian", str(criu_pid),
-                          *map(str, pids), "--init", str(init_pid)],
+                          *map(str, pids), "--init", str(init_pid), "--turn-fd", str(turn.fd)],
                          stdin=theirs.fileno(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+                         pass_fds=(turn.fd,))
+    turn.hand_over()
     return ours

@@ -21,7 +21,12 @@ CRIU: if the client dies first, a dump it left in flight is waited for (CRIU
 traces the processes, however long) and its request is dropped
 (--drop-request).
 
-Usage: python -m gpusnap.action.guardian CRIU_PID PID... [--init INIT_PID [--drop-request]]
+It holds the container's turn (gpu/turn.py, ``--turn-fd``, from pre-dump)
+until the GPUs are back, so a second checkpoint waits rather than dumping
+processes this guardian is about to unlock.
+
+Usage: python -m gpusnap.action.guardian CRIU_PID PID... [--init INIT_PID [--drop-request]
+       [--turn-fd FD]]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from gpusnap import journal, requests
 from gpusnap.criu.freezer import is_frozen, thaw
 from gpusnap.gpu.cuda import CudaDriver
 from gpusnap.gpu.quiesce import QuiesceError, resume
+from gpusnap.gpu.turn import release_fd
 from gpusnap.procs import alive, traced_by_criu
 
 THAW_WAIT_S = 120.0
@@ -115,12 +121,27 @@ def write_back(taken: list) -> set[int]:
     return failed
 
 
+def _option(argv: list[str], name: str) -> tuple[int | None, list[str]]:
+    """``name VALUE`` taken out of ``argv``: (VALUE, the rest)."""
+    if name not in argv:
+        return None, argv
+    at = argv.index(name)
+    return int(argv[at + 1]), argv[:at] + argv[at + 2:]
+
+
 def main(argv: list[str]) -> int:
-    init, client = None, "--drop-request" in argv
+    client = "--drop-request" in argv
     argv = [a for a in argv if a != "--drop-request"]
-    if "--init" in argv:
-        at = argv.index("--init")
-        init, argv = int(argv[at + 1]), argv[:at] + argv[at + 2:]
+    init, argv = _option(argv, "--init")
+    turn_fd, argv = _option(argv, "--turn-fd")
+    try:
+        return _guard(argv, init, client)
+    finally:  # the GPUs are back (or cannot be): the next checkpoint may quiesce
+        if turn_fd is not None and init is not None:
+            release_fd(init, turn_fd)
+
+
+def _guard(argv: list[str], init: int | None, client: bool) -> int:
     criu_pid, pids = int(argv[0]), [int(p) for p in argv[1:]]
     wait_exit(criu_pid)
     if client and init is not None:  # its client is gone: no later dump may obey it

@@ -343,7 +343,7 @@ def _run_once(p: CheckpointPlan) -> dict:
         if state == "running" and thaw(p.container.pid):
             # a CRIU killed mid-dump leaves the cgroup frozen, and the runtime does not thaw it
             journal.record("thawed", container=p.container.id, why="CRIU ended with it frozen")
-        resumed = ensure_running([c.pid for c in p.cuda])
+        resumed = ensure_running(p.container.pid, [c.pid for c in p.cuda])
         restorable = has_checkpoint(p.container)
         hint = exc.hint
         if state == "running":

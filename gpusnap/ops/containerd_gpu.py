@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from gpusnap import journal, requests
@@ -36,6 +36,7 @@ from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, Driver, QuiesceError, Timing, quiesce,
                                   refuse_unmanaged, refuse_unsupported, require_driver, resume)
+from gpusnap.gpu.turn import Turn, wait_turn
 from gpusnap.ops.containerd_api import ContainerdError
 from gpusnap.procs import cuda_processes, start_time
 
@@ -48,7 +49,9 @@ class Quiesced:
     started: dict[int, int | None]  # the ones this quiesce changed, by start time: to give back
     driver: Driver
     manifest: dict
+    all_pids: list[int] = field(default_factory=list)  # every CUDA process, changed or not
     guardian: subprocess.Popen | None = None
+    turn: Turn | None = None  # held until the GPUs are back, by the guardian where there is one
 
     @property
     def pids(self) -> list[int]:
@@ -74,11 +77,37 @@ def quiesced_first(init_pid: int, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS
                    ) -> Iterator[Quiesced | None]:
     """The task's CUDA processes quiesced for the block; None where there are
     none, or where CRIU's cuda_plugin quiesces them itself during the dump.
-    The block calls ``ask()`` before each dump and ``seen()`` after it."""
-    procs = cuda_processes(init_pid)
-    if not procs or cuda_plugin_path():
+    The block calls ``ask()`` before each dump and ``seen()`` after it.
+    A guardian still giving back the GPUs of an earlier checkpoint is waited
+    for first (gpu/turn.py)."""
+    turn = wait_turn(init_pid, f"checkpoint of the task whose init is pid {init_pid}")
+    try:
+        q = _quiesce(init_pid, lock_timeout_ms)
+    except BaseException:
+        turn.release()
+        raise
+    if q is None:
+        turn.release()  # nothing asked of pre-dump, which then takes the turn itself
         yield None
         return
+    with turn:  # held to the end: pre-dump, asked by the block, does not wait for it
+        q.turn = turn
+        try:  # from here on, whatever fails gives the GPUs back
+            q.guardian = _guardian(q)
+            journal.record("quiesced", init_pid=init_pid, pids=q.all_pids, by="gpusnap",
+                           before="the client's pause", timing=q.manifest.get("timing"),
+                           at=round(time.time(), 3))
+            yield q
+        except BaseException:
+            _give_back(q, quiet=True)  # the dump's own failure is what the caller must see
+            raise
+        _give_back(q, quiet=False)
+
+
+def _quiesce(init_pid: int, lock_timeout_ms: int) -> Quiesced | None:
+    procs = cuda_processes(init_pid)
+    if not procs or cuda_plugin_path():
+        return None
     inventory = read_inventory()
     refuse_unsupported(procs, inventory)
     manifest = gpu_manifest.build(procs, inventory, criu_version(), "gpusnap")
@@ -90,18 +119,8 @@ def quiesced_first(init_pid: int, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS
     except QuiesceError as exc:  # rolled back: the task runs on, on its GPUs
         raise ContainerdError(f"GPU quiesce failed: {exc}; the task runs on") from None
     manifest.timing = timing.phases
-    q = Quiesced(init_pid, {pid: start_time(pid) for pid in changed}, driver,
-                 json.loads(manifest.to_json()))
-    try:  # from here on, whatever fails gives the GPUs back
-        q.guardian = _guardian(q)
-        journal.record("quiesced", init_pid=init_pid, pids=[p.pid for p in procs], by="gpusnap",
-                       before="the client's pause", timing=manifest.timing,
-                       at=round(time.time(), 3))
-        yield q
-    except BaseException:
-        _give_back(q, quiet=True)  # the dump's own failure is what the caller must see
-        raise
-    _give_back(q, quiet=False)
+    return Quiesced(init_pid, {pid: start_time(pid) for pid in changed}, driver,
+                    json.loads(manifest.to_json()), all_pids=[p.pid for p in procs])
 
 
 def _guardian(q: Quiesced) -> subprocess.Popen | None:
@@ -109,10 +128,15 @@ def _guardian(q: Quiesced) -> subprocess.Popen | None:
     waits for a dump in flight, drops the request and gives the GPUs back."""
     if not q.pids:
         return None
-    return subprocess.Popen([sys.executable, "-m", "gpusnap.action.guardian", str(os.getpid()),
-                             *map(str, q.pids), "--init", str(q.init_pid), "--drop-request"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    turn = ["--turn-fd", str(q.turn.fd)] if q.turn is not None else []
+    guardian = subprocess.Popen(
+        [sys.executable, "-m", "gpusnap.action.guardian", str(os.getpid()), *map(str, q.pids),
+         "--init", str(q.init_pid), "--drop-request", *turn],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True, pass_fds=(q.turn.fd,) if turn else ())
+    if q.turn is not None:
+        q.turn.hand_over()
+    return guardian
 
 
 def _give_back(q: Quiesced, quiet: bool) -> None:
@@ -143,3 +167,5 @@ def _give_back(q: Quiesced, quiet: bool) -> None:
     if q.guardian is not None:
         q.guardian.kill()
         q.guardian.wait()
+        if q.turn is not None:  # the GPUs are back: leaving, this process lets go
+            q.turn.take_back()

@@ -17,6 +17,7 @@ from gpusnap.gpu.compat import MIN_CHECKPOINT_DRIVER, driver_major
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import resume, states
+from gpusnap.gpu import turn
 from gpusnap.criu.freezer import is_frozen
 from gpusnap.ops import leftovers
 from gpusnap.pages import prepared_pages
@@ -156,6 +157,29 @@ def stuck_processes() -> list[dict]:
             and not is_frozen(c.pid)]
 
 
+def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
+    """CUDA processes an unfinished checkpoint left off their GPUs; ``fix``
+    gives them back, unless a guardian is still at it (gpu/turn.py): two
+    resumes of one process at once would fail each other. Also returns the
+    stuck processes and the pids fixed."""
+    stuck = stuck_processes()
+    busy = turn.held() if stuck else {}
+    fixed: list[int] = []
+    if stuck and fix and not busy:
+        driver = load_driver()
+        fixed = resume(driver, [s["pid"] for s in stuck]) if driver else []
+    detail = "none held by an unfinished checkpoint" if not stuck else \
+        ", ".join(f"pid {s['pid']} ({s['comm']}) {s['state']}" for s in stuck)
+    if busy:
+        detail += "; gpusnap is still giving GPUs back (" + ", ".join(
+            f"pid {who or '?'} for the container whose init is {init}"
+            for init, who in sorted(busy.items())) + ")"
+    hint = "" if not stuck or fixed else (
+        "wait for it, then run `gpusnap doctor` again" if busy else
+        "run `gpusnap doctor --fix` to restore and unlock them (or `gpusnap thaw`)")
+    return Check("gpu processes", not stuck or bool(fixed), detail, hint), stuck, fixed
+
+
 def _pages_check() -> Check:
     """Which tmpfs takes CRIU's pages in RAM (pages/memory.py): gpusnap's
     huge-page one, or /dev/shm where the kernel's tmpfs has no huge pages."""
@@ -189,16 +213,8 @@ def run(fix: bool) -> dict:
                                                                         _prepared_check()]
     checks.append(Check("kernel", True, f"{platform.release()} {platform.machine()}",
                         required=False))
-    stuck = stuck_processes()
-    fixed: list[int] = []
-    if stuck and fix:
-        driver = load_driver()
-        fixed = resume(driver, [s["pid"] for s in stuck]) if driver else []
-    checks.append(Check("gpu processes", not stuck or bool(fixed),
-                        "none held by an unfinished checkpoint" if not stuck else
-                        ", ".join(f"pid {s['pid']} ({s['comm']}) {s['state']}" for s in stuck),
-                        "" if not stuck or fixed else
-                        "run `gpusnap doctor --fix` to restore and unlock them (or `gpusnap thaw`)"))
+    gpu_check, stuck, fixed = _gpu_processes_check(fix)
+    checks.append(gpu_check)
     ok = all(c.ok for c in checks if c.required)
     left = leftovers.find()
     removed = leftovers.remove(left) if fix else []

@@ -1,6 +1,8 @@
 """Freeze/thaw: release a container's GPU memory in place and take it back (no CRIU).
 
 The processes keep running on the CPU; their CUDA calls block until thaw.
+Each waits for the guardian of a checkpoint just taken (gpu/turn.py), which
+would otherwise undo a freeze, or find a thaw's processes mid-restore.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from gpusnap import journal
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume
+from gpusnap.gpu.turn import wait_turn
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import require_running
 from gpusnap.procs import cuda_processes
@@ -42,7 +45,8 @@ def freeze(name: str, lock_timeout_ms: int) -> dict:
     before = _gpu_used()
     timing = Timing()
     try:
-        changed = quiesce(driver, [p.pid for p in procs], lock_timeout_ms, timing)
+        with wait_turn(ctr.pid, f"freeze of {ctr.name}"):
+            changed = quiesce(driver, [p.pid for p in procs], lock_timeout_ms, timing)
     except QuiesceError as exc:
         raise GpusnapError(f"freeze of {ctr.name} failed, nothing changed: {exc}",
                            "a process may be stuck in a long kernel; retry with a longer "
@@ -56,7 +60,8 @@ def thaw(name: str) -> dict:
     ctr, procs, driver = cuda_targets(name, "be thawed", "thaw")
     timing = Timing()
     try:
-        changed = resume(driver, [p.pid for p in procs], timing=timing)
+        with wait_turn(ctr.pid, f"thaw of {ctr.name}"):
+            changed = resume(driver, [p.pid for p in procs], timing=timing)
     except QuiesceError as exc:
         raise GpusnapError(f"thaw of {ctr.name} failed: {exc}",
                            "check free GPU memory with `gpusnap gpus`, then thaw again") from None

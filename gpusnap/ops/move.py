@@ -19,6 +19,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume, resume_onto
+from gpusnap.gpu.turn import wait_turn
 from gpusnap.oci.spec import SpecError, rewrite_spec
 from gpusnap.ops.freeze import cuda_targets
 from gpusnap.ops.gpu_plan import plan_here
@@ -42,6 +43,13 @@ def gpu_map_for(index: int | None, gpu_map: str | None, used: list[dict]) -> str
 def move(name: str, index: int | None, gpu_map: str | None, lock_timeout_ms: int,
          dry_run: bool = False) -> dict:
     ctr, procs, driver = cuda_targets(name, "be moved", "move")
+    # a checkpoint's guardian still giving the GPUs back would plan on the wrong memory
+    with wait_turn(ctr.pid, f"move of {ctr.name}"):
+        return _move(ctr, procs, driver, index, gpu_map, lock_timeout_ms, dry_run)
+
+
+def _move(ctr, procs, driver, index: int | None, gpu_map: str | None, lock_timeout_ms: int,
+          dry_run: bool) -> dict:
     manifest = gpu_manifest.build(procs, read_inventory(), criu_version(), "gpusnap")
     plan = plan_here(manifest, gpu_map_for(index, gpu_map, manifest.gpus),
                      refusal_hint="`gpusnap gpus` lists this host's GPUs; nothing was changed")

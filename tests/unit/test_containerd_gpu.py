@@ -7,6 +7,8 @@ the dump whatever its outcome. The real path runs on a GPU
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -15,11 +17,13 @@ from gpusnap.action import action_dump
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu import manifest as gpu_manifest
+from gpusnap.gpu import turn as turns
 from gpusnap.gpu.manifest import MANIFEST_NAME
 from gpusnap.ops import containerd_gpu
 from gpusnap.ops.containerd_api import ContainerdError
 from gpusnap.procs import ProcessGpuUse
 from gpusnap.shim import checkpoint as shim_checkpoint
+from gpusnap.waits import WaitExpired
 from tests.unit.fakes import UUID0, FakeDriver, gpu, inventory
 
 R, C = ProcessState.RUNNING, ProcessState.CHECKPOINTED
@@ -59,8 +63,13 @@ def host(tmp_path, monkeypatch):
     monkeypatch.setattr(containerd_gpu, "start_time", born.get)
     monkeypatch.setattr(requests, "start_time", born.get)
     monkeypatch.setattr(containerd_gpu, "is_frozen", lambda pid: pid in frozen)
-    monkeypatch.setattr(containerd_gpu, "_guardian",
-                        lambda q: guardians.append(FakeGuardian()) or guardians[-1])
+
+
+    def guardian(q):  # holds the turn on, as the real one does
+        q.turn.hand_over()
+        guardians.append(FakeGuardian())
+        return guardians[-1]
+    monkeypatch.setattr(containerd_gpu, "_guardian", guardian)
     return driver, guardians, born, frozen
 
 
@@ -78,6 +87,7 @@ def test_the_gpu_is_quiesced_before_the_block_and_given_back_after(host):
     assert driver.states == {INIT: R, INIT + 1: R}
     assert requests.peek(INIT, requests.QUIESCED) == {}
     assert guardians[0].killed  # its job is done
+    assert turns.try_take(INIT) is not None  # and the next checkpoint's turn has come
 
 
 def test_a_task_without_cuda_processes_is_left_to_the_usual_path(host, monkeypatch):
@@ -85,6 +95,9 @@ def test_a_task_without_cuda_processes_is_left_to_the_usual_path(host, monkeypat
     monkeypatch.setattr(containerd_gpu, "cuda_processes", lambda pid: [])
     with containerd_gpu.quiesced_first(INIT) as q:
         assert q is None and requests.peek(INIT, requests.QUIESCED) == {}
+        turn = turns.try_take(INIT)  # pre-dump, asked nothing, takes the turn itself
+        assert turn is not None
+        turn.release()
     assert driver.calls == [] and guardians == []
 
 
@@ -226,3 +239,55 @@ def test_pre_dump_refuses_a_process_that_took_the_gpu_after_the_client_quiesced(
     assert err.value.message.startswith("process 705 (python3) took the GPU after gpusnap had "
                                         "quiesced"), err.value.message
     assert err.value.hint == "checkpoint again" and not (images / MANIFEST_NAME).exists()
+
+
+# --- one at a time: a checkpoint waits for the guardian of the last one (gpu/turn.py) -------
+
+HOLDER = ("import sys; from gpusnap.gpu import turn; t = turn.try_take(int(sys.argv[1])); "
+          "print('held' if t else 'busy', flush=True); sys.stdin.read()")
+
+
+@pytest.fixture
+def guardian_at_work(monkeypatch):
+    """A process holding the task's turn, as a guardian still giving back the
+    GPUs of the last checkpoint does; the wait for it bounded at 0.3 s."""
+    monkeypatch.setenv("GPUSNAP_WAIT_GPU_TURN", "0.3")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(INIT)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    yield holder
+    holder.stdin.close()
+    holder.wait(timeout=10)
+
+
+def test_a_checkpoint_waits_for_the_guardian_of_the_last_one_and_touches_nothing(
+        host, guardian_at_work):
+    driver, guardians, _, _ = host
+    with pytest.raises(WaitExpired, match=f"still being given back by gpusnap \\(pid "
+                                          f"{guardian_at_work.pid}\\)"):
+        with containerd_gpu.quiesced_first(INIT):
+            pytest.fail("nothing runs before the last guardian is done")
+    assert driver.calls == [] and guardians == []
+
+
+def test_pre_dump_waits_for_the_guardian_of_the_last_checkpoint(host, guardian_at_work,
+                                                                monkeypatch):
+    monkeypatch.setattr(action_dump, "cuda_processes",
+                        lambda pid: pytest.fail("nothing is read before the turn"))
+    with pytest.raises(WaitExpired, match="pre-dump of the container whose init is pid 700"):
+        action_dump.pre_dump(INIT, "", 9999)
+
+
+def test_pre_dump_inside_the_clients_quiesce_does_not_wait_for_the_clients_turn(
+        host, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_WAIT_GPU_TURN", "0.3")
+    monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [
+        ProcessGpuUse(pid=INIT, comm="python3", maps_libcuda=True)])
+    images = tmp_path / "images"
+    images.mkdir()
+    with containerd_gpu.quiesced_first(INIT) as q:
+        q.ask()
+        action_dump.pre_dump(INIT, str(images), 9999)
+        q.seen()
+        assert turns.try_take(INIT) is None  # still the client's
+    assert (images / MANIFEST_NAME).exists()

@@ -5,6 +5,7 @@ containerd client's guardian drops the client's request once it is gone."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -89,3 +90,28 @@ def test_the_guardian_restores_a_held_task_only_once_the_shims_resume_dropped_th
     threading.Thread(target=the_shims_resume).start()
     assert guardian.main(["9999", "701", "--init", "700"]) == 0
     assert resumed_at and resumed_at[0] >= dropped_at
+
+
+def test_the_guardian_lets_go_of_the_turn_once_the_gpus_are_back(tmp_path, monkeypatch):
+    """pre-dump handed it the container's turn (gpu/turn.py): the next
+    checkpoint may quiesce once the resume has returned, not before."""
+    from gpusnap.gpu import turn as turns
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path))
+    turn = turns.try_take(700)
+    resumed: list[list[int]] = []
+    monkeypatch.setattr(guardian, "wait_exit", lambda pid: None)
+    monkeypatch.setattr(guardian, "_handed_over", lambda: [])
+    monkeypatch.setattr(guardian, "survivors_to_resume", lambda pids, deadline, **kw: pids)
+    monkeypatch.setattr(guardian, "CudaDriver", lambda: None)
+
+    def resume(driver, pids):
+        assert turns.try_take(700) is None  # held all through the resume
+        resumed.append(pids)
+        return pids
+    monkeypatch.setattr(guardian, "resume", resume)
+    monkeypatch.setattr(guardian.journal, "record", lambda *a, **k: None)
+    assert guardian.main(["9999", "701", "--init", "700", "--turn-fd", str(turn.fd)]) == 0
+    assert resumed == [[701]]
+    with pytest.raises(OSError):
+        os.fstat(turn.fd)  # its copy is closed
+    assert turns.try_take(700) is not None

@@ -1,0 +1,149 @@
+"""One process at a time changes the GPU state of a container's CUDA processes.
+
+A leave-running checkpoint ends with its guardian giving the GPUs back
+(action/guardian.py), seconds after CRIU is done at GBs of GPU memory, and
+later still where the containerd shim holds the task paused for its client.
+A second checkpoint in that window would find the processes already
+checkpointed, quiesce nothing and start no guardian, and the first guardian
+would unlock them under the second dump. So pre-dump, gpusnap's containerd
+client, freeze and thaw each wait for their turn, keyed by the container's
+init pid; whoever quiesces hands the turn to its guardian, which holds it
+until its resume has returned.
+
+The turn is an flock on a file of the state folder: the kernel drops it when
+its last holder exits, however that happens, so a killed guardian never
+leaves a container locked out. Its holder's pid is written in it, for the
+line that names who is still at work.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from dataclasses import dataclass
+
+from gpusnap.journal import state_subdir
+from gpusnap.waits import Bound
+
+POLL_S = 0.1
+
+
+@dataclass
+class Turn:
+    """A held turn: ``fd`` keeps it, in this process and any it is passed to."""
+
+    init_pid: int
+    fd: int
+    handed: bool = False
+
+    def hand_over(self) -> None:
+        """``fd`` was passed to a process that holds the turn on: leaving, this
+        process closes its copy rather than letting go."""
+        self.handed = True
+
+    def take_back(self) -> None:
+        """The process it was handed to is gone: leaving, this one lets go."""
+        self.handed = False
+
+    def release(self) -> None:
+        """Let go: the next taker may change the processes' GPU state."""
+        release_fd(self.init_pid, self.fd)
+
+    def close(self) -> None:
+        """This process's copy only, once handed to a process that holds it on."""
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "Turn":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close() if self.handed else self.release()
+
+
+def _path(init_pid: int):
+    return state_subdir("turns") / f"{init_pid}.lock"
+
+
+def holder(init_pid: int) -> int | None:
+    """The pid written by the turn's last taker, where the file is there."""
+    try:
+        return int(_path(init_pid).read_text().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def try_take(init_pid: int) -> Turn | None:
+    """The turn if no one holds it now, else None."""
+    path = _path(init_pid)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    try:  # its last holder removed the file after this open: that lock guards nothing
+        same = os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        return try_take(init_pid)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return Turn(init_pid, fd)
+
+
+def wait_turn(init_pid: int, what: str, bound: Bound | None = None) -> Turn:
+    """The turn, once whoever holds it has let go; WaitExpired after ``bound``.
+    ``what``: the step waiting, named in the line ("pre-dump of container 42")."""
+    bound = bound or Bound.of("GPU_TURN")
+    deadline = time.monotonic() + bound.seconds
+    while True:
+        turn = try_take(init_pid)
+        if turn is not None:
+            return turn
+        if time.monotonic() > deadline:
+            who = holder(init_pid)
+            raise bound.expired(
+                f"{what}: the container's GPUs are still being given back by gpusnap "
+                f"(pid {who or '?'}) after its last checkpoint",
+                "nothing was changed; a container its client keeps paused gets its GPUs back "
+                "once it is resumed: resume it, then try again (`gpusnap doctor` shows what "
+                "is still checkpointed)")
+        time.sleep(POLL_S)
+
+
+def held() -> dict[int, int | None]:
+    """Turns held now: holder's pid by the container's init pid. A file no one
+    holds (its holder closed it without letting go) is removed on the way."""
+    found: dict[int, int | None] = {}
+    for path in state_subdir("turns").glob("*.lock"):
+        try:
+            init_pid = int(path.stem)
+        except ValueError:
+            continue
+        turn = try_take(init_pid)
+        if turn is None:
+            found[init_pid] = holder(init_pid)
+        else:
+            turn.release()
+    return found
+
+
+def release_fd(init_pid: int, fd: int) -> None:
+    """Let go of a turn held through ``fd`` (one passed to this process, say).
+    The file goes first, while still held, so no later taker locks a file
+    that is about to vanish (try_take checks it locked the one named)."""
+    try:
+        if os.stat(_path(init_pid)).st_ino == os.fstat(fd).st_ino:
+            _path(init_pid).unlink(missing_ok=True)
+    except OSError:
+        pass
+    try:
+        os.close(fd)
+    except OSError:
+        pass
