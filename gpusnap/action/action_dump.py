@@ -86,7 +86,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn) -> None:
     gpu_manifest.write(manifest, image_dir)
     # ``at``: when the GPU was free for the next job (its memory is in host memory now)
     journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
-                   at=round(time.time(), 3))
+                   at=round(time.time(), 3), turn_waited_s=turn.waited_s)
 
 
 def _quiesced_before_the_pause(init_pid: int, image_dir: str) -> bool:

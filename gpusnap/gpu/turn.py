@@ -36,6 +36,7 @@ class Turn:
     init_pid: int
     fd: int
     handed: bool = False
+    waited_s: float = 0.0  # how long wait_turn waited for the last holder
 
     def hand_over(self) -> None:
         """``fd`` was passed to a process that holds the turn on: leaving, this
@@ -101,10 +102,12 @@ def wait_turn(init_pid: int, what: str, bound: Bound | None = None) -> Turn:
     """The turn, once whoever holds it has let go; WaitExpired after ``bound``.
     ``what``: the step waiting, named in the line ("pre-dump of container 42")."""
     bound = bound or Bound.of("GPU_TURN")
-    deadline = time.monotonic() + bound.seconds
+    started = time.monotonic()
+    deadline = started + bound.seconds
     while True:
         turn = try_take(init_pid)
         if turn is not None:
+            turn.waited_s = round(time.monotonic() - started, 3)
             return turn
         if time.monotonic() > deadline:
             who = holder(init_pid)

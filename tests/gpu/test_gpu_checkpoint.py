@@ -10,7 +10,8 @@ import pytest
 
 from gpusnap.gpu.cuda import CudaDriver, ProcessState
 from gpusnap.gpu.quiesce import states
-from tests.conftest import assert_one_line_error, gpusnap, gpusnap_json, podman
+from tests.conftest import (assert_one_line_error, gpusnap, gpusnap_json, journal_mark,
+                            journal_since, podman)
 from tests.gpu import harness
 
 GIB = 1 << 30
@@ -81,6 +82,37 @@ def test_leave_running_gives_the_gpu_back(cuda_ctr, tmp_path):
     cuda_ctr.verify()
     driver = CudaDriver()
     assert all(driver.state(p) == ProcessState.RUNNING for p in harness.host_pids(cuda_ctr.name))
+
+
+def test_a_checkpoint_right_after_a_leave_running_one_waits_for_the_gpus_to_come_back(
+        cuda_ctr, tmp_path):
+    """The first checkpoint's guardian restores the GPU memory after CRIU is
+    done. A second checkpoint started at once waits for it (gpu/turn.py) and
+    quiesces the processes itself: without the wait it quiesced nothing, and
+    the first guardian unlocked them under the second dump. Its archive
+    restores with the GPU data as it was."""
+    first, second = tmp_path / "first.tar.zst", tmp_path / "second.tar.zst"
+    mark = journal_mark()
+    gpusnap_json("checkpoint", cuda_ctr.name, "--export", str(first), "--leave-running")
+    gpusnap_json("checkpoint", cuda_ctr.name, "--export", str(second), "--leave-running")
+    cuda_ctr.wait_running(above=cuda_ctr.iterations(), timeout=60)
+    cuda_ctr.verify()  # the source runs on with its GPU back
+    deadline = time.monotonic() + 30  # the second guardian records once its resume returned
+    while True:
+        events = [e for e in journal_since(mark)
+                  if e.get("event") in ("quiesced", "guardian-resumed", "guardian-failed")]
+        if len(events) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    kinds = [e["event"] for e in events]
+    assert kinds[:4] == ["quiesced", "guardian-resumed", "quiesced", "guardian-resumed"], events
+    print(f"second pre-dump waited {events[2].get('turn_waited_s')} s for the first guardian")
+    podman("rm", "-f", cuda_ctr.name)
+    its = cuda_ctr.iterations()
+    restored = gpusnap_json("restore", str(second))
+    assert [p["state"] for p in restored["gpu_processes"]] == ["RUNNING"], restored
+    cuda_ctr.wait_running(above=its)
+    cuda_ctr.verify()
 
 
 def test_freeze_releases_gpu_memory_and_thaw_brings_it_back(cuda_ctr):
