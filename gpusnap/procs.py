@@ -172,3 +172,19 @@ def ns_pid(pid: int) -> int:
         if line.startswith("NSpid:"):
             return int(line.split()[-1])
     return pid
+
+
+def ns_init(pid: int) -> int | None:
+    """The host pid of the first ancestor that is pid 1 of its namespace: a
+    container process's init (a host process's is 1). None when it is gone."""
+    for _ in range(64):  # far deeper than any process tree between a task and its init
+        try:
+            if ns_pid(pid) == 1:
+                return pid
+        except OSError:
+            return None
+        parent = parent_of(pid)
+        if not parent:
+            return None
+        pid = parent
+    return None

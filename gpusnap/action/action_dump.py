@@ -25,7 +25,7 @@ from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import read_inventory
-from gpusnap.gpu.turn import Turn, wait_turn
+from gpusnap.gpu.turn import Turn, try_take, wait_turn
 from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, Timing, quiesce, refuse_unmanaged,
                                   refuse_unsupported, require_driver)
 from gpusnap.private import write_private
@@ -52,12 +52,25 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     step_state.ahead(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
     if _quiesced_before_the_pause(init_pid, image_dir):  # its client holds the turn
         return
-    with wait_turn(init_pid, f"pre-dump of the container whose init is pid {init_pid}") as turn:
+    if requests.bound(init_pid, requests.HELD):
+        # The shim holds the task for its client. A guardian of an earlier try
+        # (CRIU could not seize the task) holds the turn until the client's
+        # Resume, which the shim refuses during this dump: waiting would only
+        # time out. The processes stay checkpointed until that guardian is done.
+        turn = try_take(init_pid, "pre-dump")
+        if turn is None:
+            _pre_dump(init_pid, image_dir, criu_pid, None)
+            return
+    else:
+        turn = wait_turn(init_pid, f"pre-dump of the container whose init is pid {init_pid}",
+                         "pre-dump")
+    with turn:
         _pre_dump(init_pid, image_dir, criu_pid, turn)
 
 
-def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn) -> None:
-    """Quiesce and write the manifest; a guardian started here holds ``turn`` on."""
+def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -> None:
+    """Quiesce and write the manifest; a guardian started here holds ``turn``
+    on, through CRIU, until the GPUs are back."""
     push = requests.peek(init_pid, "pages")
     ahead = bool(push.get("read_ahead")) and bool(image_dir)
     procs = cuda_processes(init_pid)
@@ -83,10 +96,15 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn) -> None:
         if ahead and guardian is not None:
             _read_ahead(criu_pid, guardian, push,
                         {pid: dump_ahead.staging(pid, before[pid]) for pid in changed})
+    elif turn is not None:  # the plugin quiesces and resumes inside CRIU: held till it exits
+        guardian = _start_guardian(criu_pid, [], init_pid, turn, force=True)
+        if guardian is not None:
+            guardian.close()
     gpu_manifest.write(manifest, image_dir)
     # ``at``: when the GPU was free for the next job (its memory is in host memory now)
     journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
-                   at=round(time.time(), 3), turn_waited_s=turn.waited_s)
+                   at=round(time.time(), 3),
+                   turn_waited_s=turn.waited_s if turn is not None else None)
 
 
 def _quiesced_before_the_pause(init_pid: int, image_dir: str) -> bool:
@@ -154,7 +172,7 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
                        read_s=read_s, seconds=round(time.monotonic() - started, 3))
 
 
-def _read_ahead_test(init_pid: int, criu_pid: int, push: dict, turn: Turn) -> None:
+def _read_ahead_test(init_pid: int, criu_pid: int, push: dict, turn: Turn | None) -> None:
     """Tests only: a CPU container's big anonymous memory, which its test keeps
     still, read ahead as a GPU process's would be (``ahead_test_min`` bytes)."""
     from gpusnap.pages import dump_ahead  # tests only: not every step's start-up
@@ -211,18 +229,20 @@ def _compose_ahead(init_pid: int, image_dir: str, criu_pid: int, request: dict) 
                    seconds=round(time.monotonic() - started, 3))
 
 
-def _start_guardian(criu_pid: int, pids: list[int], init_pid: int, turn: Turn,
+def _start_guardian(criu_pid: int, pids: list[int], init_pid: int, turn: Turn | None,
                     force: bool = False) -> socket.socket | None:
     """The guardian of ``pids``, holding ``turn`` until it has given their GPUs
     back; the socket it reads what pre-dump read ahead from."""
     if not pids and not force:
         return None
+    held = ["--turn-fd", str(turn.fd)] if turn is not None else []
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     with theirs:
         subprocess.Popen([sys.executable, "-m", "gpusnap.action.guardian", str(criu_pid),
-                          *map(str, pids), "--init", str(init_pid), "--turn-fd", str(turn.fd)],
+                          *map(str, pids), "--init", str(init_pid), *held],
                          stdin=theirs.fileno(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
-                         pass_fds=(turn.fd,))
-    turn.hand_over()
+                         pass_fds=(turn.fd,) if turn is not None else ())
+    if turn is not None:
+        turn.hand_over()
     return ours

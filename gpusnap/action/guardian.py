@@ -41,7 +41,7 @@ from gpusnap import journal, requests
 from gpusnap.criu.freezer import is_frozen, thaw
 from gpusnap.gpu.cuda import CudaDriver
 from gpusnap.gpu.quiesce import QuiesceError, resume
-from gpusnap.gpu.turn import release_fd
+from gpusnap.gpu.turn import claim, release_fd
 from gpusnap.procs import alive, traced_by_criu
 
 THAW_WAIT_S = 120.0
@@ -134,6 +134,9 @@ def main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--drop-request"]
     init, argv = _option(argv, "--init")
     turn_fd, argv = _option(argv, "--turn-fd")
+    if turn_fd is not None:  # named as the holder now that pre-dump is gone; no child gets it
+        os.set_inheritable(turn_fd, False)
+        claim(turn_fd, "guardian")
     try:
         return _guard(argv, init, client)
     finally:  # the GPUs are back (or cannot be): the next checkpoint may quiesce

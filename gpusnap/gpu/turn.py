@@ -6,14 +6,14 @@ later still where the containerd shim holds the task paused for its client.
 A second checkpoint in that window would find the processes already
 checkpointed, quiesce nothing and start no guardian, and the first guardian
 would unlock them under the second dump. So pre-dump, gpusnap's containerd
-client, freeze and thaw each wait for their turn, keyed by the container's
-init pid; whoever quiesces hands the turn to its guardian, which holds it
-until its resume has returned.
+client, freeze, thaw, move and doctor --fix each wait for their turn, keyed
+by the container's init pid; whoever quiesces hands the turn to its guardian,
+which holds it through CRIU and until its resume has returned.
 
 The turn is an flock on a file of the state folder: the kernel drops it when
 its last holder exits, however that happens, so a killed guardian never
-leaves a container locked out. Its holder's pid is written in it, for the
-line that names who is still at work.
+leaves a container locked out. Its holder writes its pid and role in it, for
+the line that names who is still at work.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import fcntl
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpusnap.journal import state_subdir
 from gpusnap.waits import Bound
@@ -65,20 +66,29 @@ class Turn:
         self.close() if self.handed else self.release()
 
 
-def _path(init_pid: int):
+def _path(init_pid: int) -> Path:
     return state_subdir("turns") / f"{init_pid}.lock"
 
 
-def holder(init_pid: int) -> int | None:
-    """The pid written by the turn's last taker, where the file is there."""
+def claim(fd: int, role: str) -> None:
+    """Write this process as the holder of the turn held through ``fd``
+    (a guardian, once pre-dump has handed it the turn and exited)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {role}\n".encode(), 0)
+
+
+def holder(init_pid: int) -> tuple[int | None, str]:
+    """(pid, role) written by the turn's holder, where the file is there."""
     try:
-        return int(_path(init_pid).read_text().strip() or 0) or None
+        pid, _, role = _path(init_pid).read_text().strip().partition(" ")
+        return int(pid), role
     except (OSError, ValueError):
-        return None
+        return None, ""
 
 
-def try_take(init_pid: int) -> Turn | None:
-    """The turn if no one holds it now, else None."""
+def try_take(init_pid: int, role: str) -> Turn | None:
+    """The turn if no one holds it now, else None. ``role``: what this process
+    does with it ("pre-dump", "freeze"), named to whoever waits."""
     path = _path(init_pid)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -92,44 +102,54 @@ def try_take(init_pid: int) -> Turn | None:
         same = False
     if not same:
         os.close(fd)
-        return try_take(init_pid)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return try_take(init_pid, role)
+    claim(fd, role)
     return Turn(init_pid, fd)
 
 
-def wait_turn(init_pid: int, what: str, bound: Bound | None = None) -> Turn:
+def _busy_line(init_pid: int) -> str:
+    pid, role = holder(init_pid)
+    who = f"pid {pid}" if pid else "pid unknown"
+    if role == "guardian":
+        return (f"gpusnap's guardian ({who}) still holds the container's GPUs: it gives them "
+                "back once the last checkpoint's dump is over")
+    return f"gpusnap's {role or 'step'} ({who}) is still changing the container's GPU state"
+
+
+def wait_turn(init_pid: int, what: str, role: str, bound: Bound | None = None) -> Turn:
     """The turn, once whoever holds it has let go; WaitExpired after ``bound``.
-    ``what``: the step waiting, named in the line ("pre-dump of container 42")."""
+    ``what``: the step waiting, named in the line ("freeze of CTR")."""
     bound = bound or Bound.of("GPU_TURN")
     started = time.monotonic()
     deadline = started + bound.seconds
     while True:
-        turn = try_take(init_pid)
+        turn = try_take(init_pid, role)
         if turn is not None:
             turn.waited_s = round(time.monotonic() - started, 3)
             return turn
         if time.monotonic() > deadline:
-            who = holder(init_pid)
             raise bound.expired(
-                f"{what}: the container's GPUs are still being given back by gpusnap "
-                f"(pid {who or '?'}) after its last checkpoint",
-                "nothing was changed; a container its client keeps paused gets its GPUs back "
-                "once it is resumed: resume it, then try again (`gpusnap doctor` shows what "
-                "is still checkpointed)")
+                f"{what}: {_busy_line(init_pid)}",
+                "nothing was changed; try again once it is done (a containerd task its client "
+                "keeps paused gets its GPUs back once it is resumed; `gpusnap doctor` shows "
+                f"what is still checkpointed; a slow host: GPUSNAP_WAIT_{bound.name}=SECONDS)")
         time.sleep(POLL_S)
 
 
-def held() -> dict[int, int | None]:
-    """Turns held now: holder's pid by the container's init pid. A file no one
-    holds (its holder closed it without letting go) is removed on the way."""
-    found: dict[int, int | None] = {}
-    for path in state_subdir("turns").glob("*.lock"):
+def held() -> dict[int, tuple[int | None, str]]:
+    """Turns held now: (holder's pid, role) by the container's init pid. A
+    file no one holds (its holder closed it without letting go) is removed."""
+    found: dict[int, tuple[int | None, str]] = {}
+    try:
+        paths = list(state_subdir("turns").glob("*.lock"))
+    except OSError:  # no state folder to read (not root): nothing known held
+        return found
+    for path in paths:
         try:
             init_pid = int(path.stem)
         except ValueError:
             continue
-        turn = try_take(init_pid)
+        turn = try_take(init_pid, "doctor")
         if turn is None:
             found[init_pid] = holder(init_pid)
         else:

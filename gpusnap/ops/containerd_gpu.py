@@ -80,7 +80,8 @@ def quiesced_first(init_pid: int, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS
     The block calls ``ask()`` before each dump and ``seen()`` after it.
     A guardian still giving back the GPUs of an earlier checkpoint is waited
     for first (gpu/turn.py)."""
-    turn = wait_turn(init_pid, f"checkpoint of the task whose init is pid {init_pid}")
+    turn = wait_turn(init_pid, f"checkpoint of the task whose init is pid {init_pid}",
+                     "containerd client")
     try:
         q = _quiesce(init_pid, lock_timeout_ms)
     except BaseException:

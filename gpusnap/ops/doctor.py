@@ -22,7 +22,7 @@ from gpusnap.criu.freezer import is_frozen
 from gpusnap.ops import leftovers
 from gpusnap.pages import prepared_pages
 from gpusnap.ops.gpu_state import load_driver
-from gpusnap.procs import PROC, gpu_use
+from gpusnap.procs import PROC, gpu_use, ns_init
 from gpusnap.runtime import podman
 from gpusnap.pages import memory
 from gpusnap.waits import Bound
@@ -159,21 +159,30 @@ def stuck_processes() -> list[dict]:
 
 def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
     """CUDA processes an unfinished checkpoint left off their GPUs; ``fix``
-    gives them back, unless a guardian is still at it (gpu/turn.py): two
-    resumes of one process at once would fail each other. Also returns the
-    stuck processes and the pids fixed."""
+    gives them back, each container's under its turn (gpu/turn.py): one whose
+    guardian is still at it is left to it, since two resumes of one process
+    at once fail each other. Also returns the stuck processes and the pids fixed."""
     stuck = stuck_processes()
-    busy = turn.held() if stuck else {}
     fixed: list[int] = []
-    if stuck and fix and not busy:
-        driver = load_driver()
-        fixed = resume(driver, [s["pid"] for s in stuck]) if driver else []
+    busy: dict[int, tuple[int | None, str]] = {}
+    driver = load_driver() if stuck and fix else None
+    by_init: dict[int, list[int]] = {}
+    for s in stuck:
+        by_init.setdefault(ns_init(s["pid"]) or s["pid"], []).append(s["pid"])
+    for init, pids in sorted(by_init.items()):
+        held = turn.try_take(init, "doctor --fix") if driver is not None else None
+        if driver is not None and held is None:
+            busy[init] = turn.holder(init)
+            continue
+        if held is not None:
+            with held:
+                fixed += resume(driver, pids)
     detail = "none held by an unfinished checkpoint" if not stuck else \
         ", ".join(f"pid {s['pid']} ({s['comm']}) {s['state']}" for s in stuck)
     if busy:
-        detail += "; gpusnap is still giving GPUs back (" + ", ".join(
-            f"pid {who or '?'} for the container whose init is {init}"
-            for init, who in sorted(busy.items())) + ")"
+        detail += "; left to gpusnap's " + ", ".join(
+            f"{role or 'step'} (pid {who or '?'}) of the container whose init is {init}"
+            for init, (who, role) in sorted(busy.items()))
     hint = "" if not stuck or fixed else (
         "wait for it, then run `gpusnap doctor` again" if busy else
         "run `gpusnap doctor --fix` to restore and unlock them (or `gpusnap thaw`)")

@@ -7,10 +7,13 @@ would otherwise undo a freeze, or find a thaw's processes mid-restore.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 from gpusnap import journal
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
-from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume
+from gpusnap.gpu.quiesce import Driver, QuiesceError, Timing, quiesce, resume
 from gpusnap.gpu.turn import wait_turn
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import require_running
@@ -18,12 +21,8 @@ from gpusnap.procs import cuda_processes
 from gpusnap.runtime import podman
 
 
-def cuda_targets(name: str, verb: str, command: str):
-    """The running container, its CUDA processes and the driver; one line if any
-    is missing. ``verb``: what it must be able to do ("be frozen"); ``command``:
-    the gpusnap command asked for, named in the hint."""
-    ctr = podman.inspect(name)
-    require_running(ctr, verb)
+def cuda_of(ctr: podman.Container, verb: str, command: str) -> tuple[list, Driver]:
+    """The container's CUDA processes and the driver; one line if either is missing."""
     procs = cuda_processes(ctr.pid)
     if not procs:
         raise GpusnapError(f"container {ctr.name} has no CUDA processes, so it cannot {verb}",
@@ -33,7 +32,19 @@ def cuda_targets(name: str, verb: str, command: str):
     if driver is None:
         raise GpusnapError("the NVIDIA driver's checkpoint API is not available",
                            "install driver r570 or newer")
-    return ctr, procs, driver
+    return procs, driver
+
+
+@contextmanager
+def gpu_turn(name: str, verb: str, command: str) -> Iterator[tuple]:
+    """The running container, its CUDA processes and the driver, read once the
+    container's turn has come (gpu/turn.py): a guardian still giving the GPUs
+    back changes both. ``verb``: what it must be able to do ("be frozen");
+    ``command``: the gpusnap command asked for, named in the lines."""
+    ctr = podman.inspect(name)
+    require_running(ctr, verb)
+    with wait_turn(ctr.pid, f"{command} of {ctr.name}", command):
+        yield (ctr, *cuda_of(ctr, verb, command))
 
 
 def _gpu_used() -> dict[str, int]:
@@ -41,12 +52,15 @@ def _gpu_used() -> dict[str, int]:
 
 
 def freeze(name: str, lock_timeout_ms: int) -> dict:
-    ctr, procs, driver = cuda_targets(name, "be frozen", "freeze")
+    with gpu_turn(name, "be frozen", "freeze") as (ctr, procs, driver):
+        return _freeze(ctr, procs, driver, lock_timeout_ms)
+
+
+def _freeze(ctr: podman.Container, procs: list, driver: Driver, lock_timeout_ms: int) -> dict:
     before = _gpu_used()
     timing = Timing()
     try:
-        with wait_turn(ctr.pid, f"freeze of {ctr.name}"):
-            changed = quiesce(driver, [p.pid for p in procs], lock_timeout_ms, timing)
+        changed = quiesce(driver, [p.pid for p in procs], lock_timeout_ms, timing)
     except QuiesceError as exc:
         raise GpusnapError(f"freeze of {ctr.name} failed, nothing changed: {exc}",
                            "a process may be stuck in a long kernel; retry with a longer "
@@ -57,11 +71,14 @@ def freeze(name: str, lock_timeout_ms: int) -> dict:
 
 
 def thaw(name: str) -> dict:
-    ctr, procs, driver = cuda_targets(name, "be thawed", "thaw")
+    with gpu_turn(name, "be thawed", "thaw") as (ctr, procs, driver):
+        return _thaw(ctr, procs, driver)
+
+
+def _thaw(ctr: podman.Container, procs: list, driver: Driver) -> dict:
     timing = Timing()
     try:
-        with wait_turn(ctr.pid, f"thaw of {ctr.name}"):
-            changed = resume(driver, [p.pid for p in procs], timing=timing)
+        changed = resume(driver, [p.pid for p in procs], timing=timing)
     except QuiesceError as exc:
         raise GpusnapError(f"thaw of {ctr.name} failed: {exc}",
                            "check free GPU memory with `gpusnap gpus`, then thaw again") from None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
+from gpusnap import journal
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.quiesce import Driver, require_driver, resume, states
-from gpusnap.gpu.turn import wait_turn
+from gpusnap.gpu.turn import holder, try_take
 from gpusnap.procs import alive
-from gpusnap.waits import WaitExpired
 
 
 def load_driver() -> Driver | None:
@@ -18,23 +20,31 @@ def load_driver() -> Driver | None:
         return None
 
 
-def ensure_running(init_pid: int, pids: list[int]) -> list[int]:
-    """After a failed dump: once CRIU's guardian has given the GPUs back (or
-    there was none: gpu/turn.py), resume what is still held.
+def ensure_running(init_pid: int, pids: list[int], wait_s: float = 60.0) -> list[int]:
+    """After a failed dump: give CRIU's guardian time, then resume what is still
+    held, under the container's turn (gpu/turn.py). A guardian still holding
+    the turn then is left to it: two resumes of one process fail each other.
 
-    Returns the pids this call had to resume itself; none where the guardian
-    still works past the wait's bound (it holds on; doctor shows what is left).
+    Returns the pids this call had to resume itself.
     """
     if not pids:
         return []
     driver = load_driver()
     if driver is None:
         return []
-    try:
-        turn = wait_turn(init_pid, "the GPUs given back after the failed dump")
-    except WaitExpired:
-        return []
-    with turn:
+    deadline = time.monotonic() + wait_s
+    while True:
         held = [p for p, s in states(driver, [p for p in pids if alive(p)]).items()
                 if s != ProcessState.RUNNING]
-        return resume(driver, held) if held else []
+        if not held:
+            return []
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    turn = try_take(init_pid, "checkpoint's clean-up")
+    if turn is None:
+        who, role = holder(init_pid)
+        journal.record("resume-left", init_pid=init_pid, pids=held, holder=who, role=role)
+        return []
+    with turn:
+        return resume(driver, held)

@@ -18,11 +18,11 @@ from gpusnap.criu.version import criu_version
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import read_inventory
-from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, resume, resume_onto
-from gpusnap.gpu.turn import wait_turn
+from gpusnap.gpu.quiesce import Driver, QuiesceError, Timing, quiesce, resume, resume_onto
 from gpusnap.oci.spec import SpecError, rewrite_spec
-from gpusnap.ops.freeze import cuda_targets
+from gpusnap.ops.freeze import gpu_turn
 from gpusnap.ops.gpu_plan import plan_here
+from gpusnap.runtime import podman
 from gpusnap.runtime.livedev import plan_live
 
 
@@ -42,14 +42,13 @@ def gpu_map_for(index: int | None, gpu_map: str | None, used: list[dict]) -> str
 
 def move(name: str, index: int | None, gpu_map: str | None, lock_timeout_ms: int,
          dry_run: bool = False) -> dict:
-    ctr, procs, driver = cuda_targets(name, "be moved", "move")
     # a checkpoint's guardian still giving the GPUs back would plan on the wrong memory
-    with wait_turn(ctr.pid, f"move of {ctr.name}"):
+    with gpu_turn(name, "be moved", "move") as (ctr, procs, driver):
         return _move(ctr, procs, driver, index, gpu_map, lock_timeout_ms, dry_run)
 
 
-def _move(ctr, procs, driver, index: int | None, gpu_map: str | None, lock_timeout_ms: int,
-          dry_run: bool) -> dict:
+def _move(ctr: podman.Container, procs: list, driver: Driver, index: int | None,
+          gpu_map: str | None, lock_timeout_ms: int, dry_run: bool) -> dict:
     manifest = gpu_manifest.build(procs, read_inventory(), criu_version(), "gpusnap")
     plan = plan_here(manifest, gpu_map_for(index, gpu_map, manifest.gpus),
                      refusal_hint="`gpusnap gpus` lists this host's GPUs; nothing was changed")

@@ -7,8 +7,7 @@ the dump whatever its outcome. The real path runs on a GPU
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import time
 
 import pytest
 
@@ -24,6 +23,7 @@ from gpusnap.ops.containerd_api import ContainerdError
 from gpusnap.procs import ProcessGpuUse
 from gpusnap.shim import checkpoint as shim_checkpoint
 from gpusnap.waits import WaitExpired
+from tests.unit import turn_holder
 from tests.unit.fakes import UUID0, FakeDriver, gpu, inventory
 
 R, C = ProcessState.RUNNING, ProcessState.CHECKPOINTED
@@ -87,7 +87,7 @@ def test_the_gpu_is_quiesced_before_the_block_and_given_back_after(host):
     assert driver.states == {INIT: R, INIT + 1: R}
     assert requests.peek(INIT, requests.QUIESCED) == {}
     assert guardians[0].killed  # its job is done
-    assert turns.try_take(INIT) is not None  # and the next checkpoint's turn has come
+    assert turns.try_take(INIT, "test") is not None  # and the next checkpoint's turn has come
 
 
 def test_a_task_without_cuda_processes_is_left_to_the_usual_path(host, monkeypatch):
@@ -95,7 +95,7 @@ def test_a_task_without_cuda_processes_is_left_to_the_usual_path(host, monkeypat
     monkeypatch.setattr(containerd_gpu, "cuda_processes", lambda pid: [])
     with containerd_gpu.quiesced_first(INIT) as q:
         assert q is None and requests.peek(INIT, requests.QUIESCED) == {}
-        turn = turns.try_take(INIT)  # pre-dump, asked nothing, takes the turn itself
+        turn = turns.try_take(INIT, "test")  # pre-dump, asked nothing, takes the turn itself
         assert turn is not None
         turn.release()
     assert driver.calls == [] and guardians == []
@@ -243,28 +243,20 @@ def test_pre_dump_refuses_a_process_that_took_the_gpu_after_the_client_quiesced(
 
 # --- one at a time: a checkpoint waits for the guardian of the last one (gpu/turn.py) -------
 
-HOLDER = ("import sys; from gpusnap.gpu import turn; t = turn.try_take(int(sys.argv[1])); "
-          "print('held' if t else 'busy', flush=True); sys.stdin.read()")
-
-
 @pytest.fixture
 def guardian_at_work(monkeypatch):
     """A process holding the task's turn, as a guardian still giving back the
     GPUs of the last checkpoint does; the wait for it bounded at 0.3 s."""
     monkeypatch.setenv("GPUSNAP_WAIT_GPU_TURN", "0.3")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(INIT)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    yield holder
-    holder.stdin.close()
-    holder.wait(timeout=10)
+    with turn_holder.holding(INIT) as holder:
+        yield holder
 
 
 def test_a_checkpoint_waits_for_the_guardian_of_the_last_one_and_touches_nothing(
         host, guardian_at_work):
     driver, guardians, _, _ = host
-    with pytest.raises(WaitExpired, match=f"still being given back by gpusnap \\(pid "
-                                          f"{guardian_at_work.pid}\\)"):
+    with pytest.raises(WaitExpired, match=f"gpusnap's guardian \\(pid {guardian_at_work.pid}\\) "
+                                          "still holds the container's GPUs"):
         with containerd_gpu.quiesced_first(INIT):
             pytest.fail("nothing runs before the last guardian is done")
     assert driver.calls == [] and guardians == []
@@ -289,5 +281,49 @@ def test_pre_dump_inside_the_clients_quiesce_does_not_wait_for_the_clients_turn(
         q.ask()
         action_dump.pre_dump(INIT, str(images), 9999)
         q.seen()
-        assert turns.try_take(INIT) is None  # still the client's
+        assert turns.try_take(INIT, "test") is None  # still the client's
     assert (images / MANIFEST_NAME).exists()
+
+
+def test_pre_dump_of_a_task_the_shim_holds_does_not_wait_for_its_earlier_trys_guardian(
+        host, guardian_at_work, monkeypatch):
+    """CRIU could not seize the task on the shim's first try: that try's
+    guardian holds the turn until the client's Resume, which the shim refuses
+    during the dump. The next try's pre-dump goes on: the processes are still
+    checkpointed, and that guardian gives them back after the Resume."""
+    requests.put_bound(INIT, requests.HELD)
+    checkpointed = ProcessGpuUse(pid=INIT, comm="python3", maps_libcuda=True)
+    monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [checkpointed])
+    monkeypatch.setattr(action_dump, "read_inventory", lambda: inventory(gpu(0, UUID0)))
+    monkeypatch.setattr(action_dump, "cuda_plugin_path", lambda: None)
+    monkeypatch.setattr(action_dump, "criu_version", lambda: "4.2.1")
+    driver = FakeDriver({INIT: C})
+    monkeypatch.setattr(action_dump, "require_driver", lambda: driver)
+    monkeypatch.setattr(action_dump.subprocess, "Popen",
+                        lambda *a, **k: pytest.fail("nothing changed: no second guardian"))
+    action_dump.pre_dump(INIT, "", 9999)
+    assert set(driver.calls) == {("state", INIT)}  # read, not changed
+    assert driver.states == {INIT: C} and turns.try_take(INIT, "test") is None
+    assert journal.read()[-1]["turn_waited_s"] is None
+
+
+def test_the_clients_real_guardian_holds_the_turn_it_was_handed(host, monkeypatch):
+    """containerd_gpu._guardian as it runs (pass_fds, --turn-fd): the guardian
+    names itself the holder, and its end lets go."""
+    monkeypatch.undo()  # the real _guardian, over the host fixture's fakes
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(turns.state_subdir("turns").parent))
+    turn = turns.try_take(INIT, "containerd client")
+    q = containerd_gpu.Quiesced(INIT, {INIT + 1: None}, FakeDriver({}), {}, turn=turn)
+    q.guardian = containerd_gpu._guardian(q)
+    try:
+        assert turn.handed
+        deadline = time.monotonic() + 10
+        while turns.holder(INIT) != (q.guardian.pid, "guardian"):
+            assert time.monotonic() < deadline, turns.holder(INIT)
+            time.sleep(0.02)
+        turn.close()  # the client is gone: the guardian holds on
+        assert turns.try_take(INIT, "test") is None
+    finally:
+        q.guardian.kill()
+        q.guardian.wait(timeout=10)
+    assert turns.try_take(INIT, "test") is not None

@@ -97,7 +97,8 @@ def test_the_guardian_lets_go_of_the_turn_once_the_gpus_are_back(tmp_path, monke
     checkpoint may quiesce once the resume has returned, not before."""
     from gpusnap.gpu import turn as turns
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path))
-    turn = turns.try_take(700)
+    turn = turns.try_take(700, "pre-dump")
+    real_guard = guardian._guard
     resumed: list[list[int]] = []
     monkeypatch.setattr(guardian, "wait_exit", lambda pid: None)
     monkeypatch.setattr(guardian, "_handed_over", lambda: [])
@@ -105,13 +106,16 @@ def test_the_guardian_lets_go_of_the_turn_once_the_gpus_are_back(tmp_path, monke
     monkeypatch.setattr(guardian, "CudaDriver", lambda: None)
 
     def resume(driver, pids):
-        assert turns.try_take(700) is None  # held all through the resume
+        assert turns.try_take(700, "test") is None  # held all through the resume
         resumed.append(pids)
         return pids
     monkeypatch.setattr(guardian, "resume", resume)
     monkeypatch.setattr(guardian.journal, "record", lambda *a, **k: None)
+    monkeypatch.setattr(guardian, "_guard", lambda *a: (
+        turns.holder(700) == (os.getpid(), "guardian") or pytest.fail("not named the holder"))
+        and real_guard(*a))
     assert guardian.main(["9999", "701", "--init", "700", "--turn-fd", str(turn.fd)]) == 0
     assert resumed == [[701]]
     with pytest.raises(OSError):
         os.fstat(turn.fd)  # its copy is closed
-    assert turns.try_take(700) is not None
+    assert turns.try_take(700, "test") is not None

@@ -1,6 +1,8 @@
 """gpu/turn.py: one process at a time changes a container's GPU state. Real
 flocks held by real processes: a second taker waits, a turn handed to a
-child is held until the child lets go, and a killed holder frees it."""
+child (a real guardian, started as pre-dump starts it) is held until the
+child lets go, a killed holder frees it, and doctor --fix leaves a
+container whose guardian is at work to it."""
 
 from __future__ import annotations
 
@@ -13,13 +15,12 @@ import time
 
 import pytest
 
+from gpusnap import journal
 from gpusnap.gpu import turn as turns
 from gpusnap.waits import Bound, WaitExpired
+from tests.unit import turn_holder
 
 INIT = 4242
-# a child that takes the turn, says so, and holds it until stdin closes
-HOLDER = ("import sys; from gpusnap.gpu import turn; t = turn.try_take(int(sys.argv[1])); "
-          "print('held' if t else 'busy', flush=True); sys.stdin.read()")
 # a child handed a turn's fd: lets go once told to
 HANDED = ("import sys; from gpusnap.gpu import turn; sys.stdin.readline(); "
           "turn.release_fd(int(sys.argv[1]), int(sys.argv[2])); print('released', flush=True); "
@@ -31,68 +32,87 @@ def state(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
 
 
-def _child(code: str, *args: object) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+def _until(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.02)
 
 
 def test_a_second_taker_waits_until_the_first_lets_go():
-    first = turns.try_take(INIT)
-    assert first is not None and turns.try_take(INIT) is None
+    first = turns.try_take(INIT, "freeze")
+    assert first is not None and turns.try_take(INIT, "thaw") is None
     threading.Timer(0.3, first.release).start()
-    started = time.monotonic()
-    with turns.wait_turn(INIT, "test", Bound("GPU_TURN", 10)):
-        assert time.monotonic() - started >= 0.25
+    with turns.wait_turn(INIT, "thaw of c", "thaw", Bound("GPU_TURN", 10)) as turn:
+        assert turn.waited_s >= 0.25
     assert not turns._path(INIT).exists()  # let go: nothing left in the state folder
 
 
 def test_a_turn_held_past_its_bound_is_one_line_naming_its_holder():
-    holder = _child(HOLDER, INIT)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with turn_holder.holding(INIT, "freeze") as holder:
         with pytest.raises(WaitExpired) as err:
-            turns.wait_turn(INIT, "pre-dump of the container whose init is pid 4242",
+            turns.wait_turn(INIT, "pre-dump of the container whose init is pid 4242", "pre-dump",
                             Bound("GPU_TURN", 0.3))
-        assert err.value.message.startswith("pre-dump of the container whose init is pid 4242: "
-                                            "the container's GPUs are still being given back")
-        assert f"(pid {holder.pid})" in err.value.message and "resume it" in err.value.hint
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=10)
-    assert turns.try_take(INIT) is not None  # its exit let go
+        assert err.value.message == (
+            f"pre-dump of the container whose init is pid 4242: gpusnap's freeze (pid "
+            f"{holder.pid}) is still changing the container's GPU state: no answer within 0 s")
+        assert err.value.hint.startswith("nothing was changed; try again once it is done")
+        assert "GPUSNAP_WAIT_GPU_TURN=SECONDS" in err.value.hint
+    assert turns.try_take(INIT, "test") is not None  # its exit let go
 
 
 def test_a_turn_handed_to_another_process_is_held_until_that_process_lets_go():
-    with turns.wait_turn(INIT, "test") as turn:
+    with turns.wait_turn(INIT, "test", "pre-dump") as turn:
         child = subprocess.Popen([sys.executable, "-c", HANDED, str(INIT), str(turn.fd)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  pass_fds=(turn.fd,))
         turn.hand_over()
     try:
-        assert turns.try_take(INIT) is None  # this process left; the child holds on
+        assert turns.try_take(INIT, "test") is None  # this process left; the child holds on
         child.stdin.write("go\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == "released"
-        assert turns.try_take(INIT) is not None
+        assert turns.try_take(INIT, "test") is not None
     finally:
         child.stdin.close()
         child.wait(timeout=10)
 
 
+def test_pre_dumps_real_guardian_holds_the_turn_through_criu_and_names_itself():
+    """_start_guardian as pre-dump runs it (pass_fds, --turn-fd): pre-dump
+    leaves, the guardian holds the turn while "CRIU" (a child here) runs, says
+    it is the holder, and lets go once CRIU is gone and nothing is left to resume."""
+    from gpusnap.action import action_dump
+    criu = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    try:
+        with turns.wait_turn(INIT, "pre-dump", "pre-dump") as turn:
+            sock = action_dump._start_guardian(criu.pid, [], INIT, turn, force=True)
+            sock.close()
+        _until(lambda: turns.holder(INIT)[1] == "guardian")
+        guardian_pid = turns.holder(INIT)[0]
+        assert guardian_pid not in (None, os.getpid())
+        time.sleep(0.3)
+        assert turns.try_take(INIT, "test") is None  # CRIU still runs
+    finally:
+        criu.stdin.close()
+        criu.wait(timeout=10)
+    _until(lambda: turns.try_take(INIT, "test") is not None)
+
+
 def test_a_holder_killed_frees_the_turn():
-    holder = _child(HOLDER, INIT)
-    assert holder.stdout.readline().strip() == "held"
-    assert turns.try_take(INIT) is None
+    holder = turn_holder.start(INIT)
+    assert turns.try_take(INIT, "test") is None
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait(timeout=10)
-    assert turns.try_take(INIT) is not None
+    assert turns.try_take(INIT, "test") is not None
 
 
 def test_a_taker_that_opened_the_file_before_its_holder_removed_it_takes_a_fresh_one(
         monkeypatch):
     """The holder lets go (removes the file, then unlocks) between a taker's
     open and its flock: the taker's lock is on a file no one else will open."""
-    first = turns.try_take(INIT)
+    first = turns.try_take(INIT, "test")
     real_flock, raced = turns.fcntl.flock, []
 
     def flock_after_the_release(fd, how):
@@ -101,30 +121,50 @@ def test_a_taker_that_opened_the_file_before_its_holder_removed_it_takes_a_fresh
             first.release()
         return real_flock(fd, how)
     monkeypatch.setattr(turns.fcntl, "flock", flock_after_the_release)
-    second = turns.try_take(INIT)
+    second = turns.try_take(INIT, "test")
     assert second is not None and raced
     assert os.fstat(second.fd).st_ino == os.stat(turns._path(INIT)).st_ino
     monkeypatch.setattr(turns.fcntl, "flock", real_flock)
-    assert turns.try_take(INIT) is None  # whoever comes next sees it held
+    assert turns.try_take(INIT, "test") is None  # whoever comes next sees it held
 
 
-def test_doctor_fix_leaves_gpu_processes_to_a_guardian_still_at_work(monkeypatch):
+def test_doctor_fix_leaves_only_the_container_whose_guardian_is_at_work(monkeypatch):
     from gpusnap.ops import doctor
-    stuck = [{"pid": 701, "comm": "python3", "state": "CHECKPOINTED"}]
+    other = INIT + 100
+    stuck = [{"pid": INIT + 1, "comm": "python3", "state": "CHECKPOINTED"},
+             {"pid": other + 1, "comm": "python3", "state": "LOCKED"}]
     monkeypatch.setattr(doctor, "stuck_processes", lambda: stuck)
+    monkeypatch.setattr(doctor, "ns_init", lambda pid: pid - 1)  # each one's container init
     monkeypatch.setattr(doctor, "load_driver", lambda: object())
     resumed: list[list[int]] = []
-    monkeypatch.setattr(doctor, "resume", lambda driver, pids: resumed.append(pids) or pids)
-    holder = _child(HOLDER, INIT)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        check, _, _ = doctor._gpu_processes_check(fix=True)
-        assert resumed == [] and not check.ok
-        assert f"gpusnap is still giving GPUs back (pid {holder.pid} for the container whose " \
-               f"init is {INIT})" in check.detail and check.fix.startswith("wait for it")
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=10)
+
+    def resume(driver, pids):
+        assert turns.try_take(pids[0] - 1, "test") is None  # under its container's turn
+        resumed.append(pids)
+        return pids
+    monkeypatch.setattr(doctor, "resume", resume)
+    with turn_holder.holding(INIT) as holder:
+        check, _, fixed = doctor._gpu_processes_check(fix=True)
+        assert resumed == [[other + 1]] and fixed == [other + 1] and check.ok
+        assert f"left to gpusnap's guardian (pid {holder.pid}) of the container whose init " \
+               f"is {INIT}" in check.detail
+    resumed.clear()
     check, _, fixed = doctor._gpu_processes_check(fix=True)  # its guardian gone: --fix does it
-    assert resumed == [[701]] and fixed == [701] and check.ok
+    assert [INIT + 1] in resumed and check.ok
     assert list(turns.state_subdir("turns").iterdir()) == []  # no file left behind
+
+
+def test_a_failed_dumps_clean_up_leaves_processes_to_a_guardian_still_at_work(monkeypatch):
+    from gpusnap.ops import gpu_state
+    from tests.unit.fakes import FakeDriver
+    from gpusnap.gpu.cuda import ProcessState
+    driver = FakeDriver({INIT + 1: ProcessState.CHECKPOINTED})
+    monkeypatch.setattr(gpu_state, "load_driver", lambda: driver)
+    monkeypatch.setattr(gpu_state, "alive", lambda pid: True)
+    with turn_holder.holding(INIT) as holder:
+        assert gpu_state.ensure_running(INIT, [INIT + 1], wait_s=0.2) == []
+        assert driver.called("restore") == []
+        left = journal.read()[-1]
+        assert left["event"] == "resume-left" and left["holder"] == holder.pid
+    assert gpu_state.ensure_running(INIT, [INIT + 1], wait_s=0.2) == [INIT + 1]
+    assert driver.states[INIT + 1] == ProcessState.RUNNING
