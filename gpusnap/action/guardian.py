@@ -135,8 +135,11 @@ def main(argv: list[str]) -> int:
     init, argv = _option(argv, "--init")
     turn_fd, argv = _option(argv, "--turn-fd")
     if turn_fd is not None:  # named as the holder now that pre-dump is gone; no child gets it
-        os.set_inheritable(turn_fd, False)
-        claim(turn_fd, "guardian")
+        try:
+            os.set_inheritable(turn_fd, False)
+            claim(turn_fd, "guardian")
+        except OSError as exc:  # only the name is lost: the turn is still held through it
+            journal.record("guardian-turn-unnamed", error=str(exc))
     try:
         return _guard(argv, init, client)
     finally:  # the GPUs are back (or cannot be): the next checkpoint may quiesce

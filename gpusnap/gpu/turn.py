@@ -90,7 +90,11 @@ def try_take(init_pid: int, role: str) -> Turn | None:
     """The turn if no one holds it now, else None. ``role``: what this process
     does with it ("pre-dump", "freeze"), named to whoever waits."""
     path = _path(init_pid)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    opened = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # never 0-2: CRIU runs the action script with those closed, and the
+    # guardian's stdin (its socket) would land on a turn handed to it there
+    fd = fcntl.fcntl(opened, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.close(opened)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -168,3 +168,17 @@ def test_a_failed_dumps_clean_up_leaves_processes_to_a_guardian_still_at_work(mo
         assert left["event"] == "resume-left" and left["holder"] == holder.pid
     assert gpu_state.ensure_running(INIT, [INIT + 1], wait_s=0.2) == [INIT + 1]
     assert driver.states[INIT + 1] == ProcessState.RUNNING
+
+
+def test_a_turn_never_takes_fds_0_to_2_where_criu_leaves_them_closed():
+    """The guardian gets its socket as stdin: a turn opened on a closed fd 0
+    and handed over would be overwritten by it."""
+    saved = os.dup(0)
+    os.close(0)
+    try:
+        turn = turns.try_take(INIT, "pre-dump")
+        assert turn.fd > 2
+        turn.release()
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
