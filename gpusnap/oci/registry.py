@@ -34,6 +34,20 @@ MANIFEST_LIMIT = 32 << 20
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 
+
+# requests' ConnectionError text, worded for the line the user reads
+_SOCKET_WHYS = (("network is unreachable", "network unreachable"), ("no route", "no route to host"),
+                ("connection reset", "connection reset"), ("broken pipe", "connection cut"),
+                ("connection aborted", "connection cut"), ("remotedisconnected", "connection cut"))
+
+
+def _socket_why(text: str, read_s: float) -> str | None:
+    low = text.lower()
+    if "timed out" in low or "timeouterror" in low:  # a blackholed link
+        return f"no answer within {read_s:.0f} s"
+    return next((why for cue, why in _SOCKET_WHYS if cue in low), None)
+
+
 class DigestMismatch(GpusnapError):
     pass
 
@@ -145,7 +159,7 @@ class RegistryClient:
         elif "Name or service not known" in text or "resolve" in text.lower():
             why = "unknown host"
         else:
-            why = type(exc).__name__
+            why = _socket_why(text, self._timeout[1]) or type(exc).__name__
         return TransientError(f"cannot reach registry {self.ref.registry}: {why} "
                               f"(after {self.opts.retries} tries)",
                               "check that the registry is up and the address is right")

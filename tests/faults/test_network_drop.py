@@ -1,10 +1,12 @@
-"""The network drops under a push: the registry runs in its own network namespace
-(the "registry host"), reached from this one over a veth pair built with
-pyroute2; the link goes down mid-upload.
+"""The network drops under a push and under a restore: the registry runs in its
+own network namespace (the "registry host"), reached from this one over a veth
+pair built with pyroute2; the link goes down mid-upload, or mid-download.
 
-A dead link answers nothing: a request in flight waits out the client's read
-timeout (120 s in gpusnap/oci/registry.py) before the push gives up, so this
-test takes about two and a half minutes.
+A dead link answers nothing (no reset: a down veth drops what is sent to it,
+as a blackholed route does): a request in flight waits out the client's read
+timeout (120 s in gpusnap/oci/registry.py) before the push gives up, so the
+push's test takes about two and a half minutes. The restore's test shortens
+that bound (GPUSNAP_WAIT_REGISTRY) to keep the suite short; the path is the same.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import time
 
 import pytest
 
-from tests.conftest import assert_one_line_error, born, gpusnap_json, read_counter, wait_counter
-from tests.faults.conftest import (finished, say, start_cli, status, tag_exists, unique_repo,
-                                   when)
+from tests.conftest import (assert_continued, assert_one_line_error, born, gpusnap_json, podman,
+                            read_counter, wait_counter)
+from tests.faults.conftest import (cached_blobs, finished, say, start_cli, status, tag_exists,
+                                   unique_repo, when)
 from tests.faults.netreg import VethLink, make_registry, make_veth_link
 
 GIVE_UP_S = 200  # the read timeout, plus the retries' backoff, plus slack
@@ -64,3 +67,29 @@ def test_link_down_mid_push_fails_in_one_line_and_the_push_resumes(far_registry,
                 f"re-push sent {again['chunks_sent']} of {again['chunks']} chunks")
     pulled = gpusnap_json("inspect", ref, *reg.flags())
     assert pulled["registry"]["chunks"] == again["chunks"]
+
+
+def test_link_down_mid_restore_restores_nothing_and_the_restore_resumes(
+        far_registry, link, loaded, cache_dir, monkeypatch, capsys):
+    reg = far_registry
+    ref = reg.ref(f"{unique_repo()}:v1")
+    before, token = read_counter(loaded), born(loaded)
+    gpusnap_json("migrate", loaded, ref, *reg.flags())
+    podman("rm", loaded)
+    monkeypatch.setenv("GPUSNAP_WAIT_REGISTRY", "20")  # read bound 20 s, connect 10 s, a try
+    cli = start_cli("restore", ref, *reg.flags())
+    when(lambda: cached_blobs(cache_dir) >= 10, cli, "10 chunks were fetched")
+    link.set_up(False)
+    down = time.monotonic()
+    res = finished(cli, timeout=240)
+    took = time.monotonic() - down
+    assert_one_line_error(res, f"cannot reach registry {reg.host}")
+    assert took < 150, f"the restore hung {took:.0f} s on a dead link"
+    assert status(loaded) == "gone", "restored from a partial download"
+    link.set_up(True)
+    again = gpusnap_json("restore", ref, *reg.flags())
+    assert again["pull"]["bytes_from_cache"] > 0  # what got through is not fetched again
+    say(capsys, f"link down mid-restore: failed after {took:.0f} s: "
+                f"{res.stderr.splitlines()[0]}; re-run: {again['pull']['bytes_from_cache']} "
+                f"bytes from the cache, {again['pull']['bytes_fetched']} fetched")
+    assert_continued(loaded, before, token)
