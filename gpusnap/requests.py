@@ -73,3 +73,16 @@ def bound(init_pid: int, kind: str, consume: bool = False) -> dict:
         drop(init_pid, kind)
         return {}
     return found
+
+
+def held(init_pid: int) -> bool:
+    """A HELD request of this very task whose holder (the shim that wrote it)
+    still runs: one whose shim died before its Resume is dropped, not waited on."""
+    found = bound(init_pid, HELD)
+    if not found:
+        return False
+    holder = found.get("holder")
+    if holder is not None and start_time(int(holder)) != found.get("holder_started"):
+        drop(init_pid, HELD)
+        return False
+    return True

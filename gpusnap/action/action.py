@@ -417,10 +417,21 @@ def run_step(action: str, criu_pid: int, by: str = "script", driver=None) -> int
     return code
 
 
+def _std_fds_open() -> None:
+    """CRIU may run this with fds 0-2 closed: a file opened next would land
+    there, and a child's stdin or stdout be set over it (gpu/turn.py's turn)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this one
+
+
 def main() -> int:
     action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
     if action not in ACTIONS:
         return 0
+    _std_fds_open()
     return run_step(action, os.getppid())
 
 

@@ -25,11 +25,11 @@ from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import read_inventory
-from gpusnap.gpu.turn import Turn, try_take, wait_turn
+from gpusnap.gpu.turn import Turn, wait_turn
 from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, Timing, quiesce, refuse_unmanaged,
                                   refuse_unsupported, require_driver)
 from gpusnap.private import write_private
-from gpusnap.procs import cuda_processes, ns_pid, process_tree
+from gpusnap.procs import alive, cuda_processes, ns_pid, process_tree
 
 
 def lock_timeout_ms(init_pid: int) -> int:
@@ -52,18 +52,16 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     step_state.ahead(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
     if _quiesced_before_the_pause(init_pid, image_dir):  # its client holds the turn
         return
-    if requests.bound(init_pid, requests.HELD):
-        # The shim holds the task for its client. A guardian of an earlier try
-        # (CRIU could not seize the task) holds the turn until the client's
-        # Resume, which the shim refuses during this dump: waiting would only
-        # time out. The processes stay checkpointed until that guardian is done.
-        turn = try_take(init_pid, "pre-dump")
-        if turn is None:
-            _pre_dump(init_pid, image_dir, criu_pid, None)
-            return
-    else:
-        turn = wait_turn(init_pid, f"pre-dump of the container whose init is pid {init_pid}",
-                         "pre-dump")
+    # The shim holds the task for its client, and an earlier try's guardian
+    # (CRIU could not seize the task) waits for that client's Resume, which the
+    # shim refuses during this dump: waiting would only time out. The
+    # processes stay checkpointed until that guardian gives them back.
+    turn = wait_turn(init_pid, f"pre-dump of the container whose init is pid {init_pid}",
+                     "pre-dump", go_on=lambda pid, role: role == "guardian-held" and
+                     pid is not None and alive(pid) and requests.held(init_pid))
+    if turn is None:
+        _pre_dump(init_pid, image_dir, criu_pid, None)
+        return
     with turn:
         _pre_dump(init_pid, image_dir, criu_pid, turn)
 

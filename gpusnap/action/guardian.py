@@ -134,30 +134,46 @@ def main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--drop-request"]
     init, argv = _option(argv, "--init")
     turn_fd, argv = _option(argv, "--turn-fd")
-    if turn_fd is not None:  # named as the holder now that pre-dump is gone; no child gets it
-        try:
-            os.set_inheritable(turn_fd, False)
-            claim(turn_fd, "guardian")
-        except OSError as exc:  # only the name is lost: the turn is still held through it
-            journal.record("guardian-turn-unnamed", error=str(exc))
+    if turn_fd is not None and init is not None:  # the holder now that pre-dump is gone
+        if not claim(init, turn_fd, "guardian"):  # not the turn's file: nothing to let go
+            journal.record("guardian-turn-lost", init_pid=init, fd=turn_fd)
+            turn_fd = None
     try:
-        return _guard(argv, init, client)
+        return _guard(argv, init, client, turn_fd)
+    except Exception as exc:  # noqa: BLE001 -- said where someone looks: the journal
+        journal.record("guardian-failed", init_pid=init, error=f"{type(exc).__name__}: {exc}")
+        return 1
     finally:  # the GPUs are back (or cannot be): the next checkpoint may quiesce
         if turn_fd is not None and init is not None:
             release_fd(init, turn_fd)
 
 
-def _guard(argv: list[str], init: int | None, client: bool) -> int:
+def _held(init: int | None, turn_fd: int | None) -> Callable[[], bool]:
+    """Whether the shim holds the task for its client (requests.held); the turn
+    says so while it does ("guardian-held"): pre-dump of the shim's next try
+    may go on without it, since this guardian waits for that client's Resume."""
+    if init is None:
+        return lambda: False
+    said = [False]
+
+    def held() -> bool:
+        now = requests.held(init)
+        if turn_fd is not None and now != said[0]:
+            claim(init, turn_fd, "guardian-held" if now else "guardian")
+            said[0] = now
+        return now
+    return held
+
+
+def _guard(argv: list[str], init: int | None, client: bool, turn_fd: int | None) -> int:
     criu_pid, pids = int(argv[0]), [int(p) for p in argv[1:]]
     wait_exit(criu_pid)
     if client and init is not None:  # its client is gone: no later dump may obey it
         requests.drop(init, requests.QUIESCED)
     taken = _handed_over()
     watched = sorted(set(pids) | {task.pid for task, _ in taken})
-    held = (lambda: bool(requests.bound(init, requests.HELD))) if init is not None else \
-        (lambda: False)
-    living = survivors_to_resume(watched, time.monotonic() + THAW_WAIT_S, held=held,
-                                 dump_in_flight_bounded=not client)
+    living = survivors_to_resume(watched, time.monotonic() + THAW_WAIT_S,
+                                 held=_held(init, turn_fd), dump_in_flight_bounded=not client)
     failed = write_back(taken) if taken and living else set()
     living = [p for p in living if p in pids and p not in failed]
     if not living:

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from gpusnap.journal import state_subdir
+from gpusnap.procs import ns_init, parent_of
 from gpusnap.waits import Bound
 
 POLL_S = 0.1
@@ -70,11 +73,20 @@ def _path(init_pid: int) -> Path:
     return state_subdir("turns") / f"{init_pid}.lock"
 
 
-def claim(fd: int, role: str) -> None:
-    """Write this process as the holder of the turn held through ``fd``
-    (a guardian, once pre-dump has handed it the turn and exited)."""
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} {role}\n".encode(), 0)
+def claim(init_pid: int, fd: int, role: str) -> bool:
+    """Write this process as the holder of the turn held through ``fd`` (a
+    guardian, once pre-dump has handed it the turn and exited). False, and
+    nothing written, where ``fd`` is not that turn's file."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or os.stat(_path(init_pid)).st_ino != st.st_ino:
+            return False
+        os.set_inheritable(fd, False)  # no child of the holder keeps the turn
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {role}\n".encode(), 0)
+    except OSError:
+        return False
+    return True
 
 
 def holder(init_pid: int) -> tuple[int | None, str]:
@@ -107,7 +119,7 @@ def try_take(init_pid: int, role: str) -> Turn | None:
     if not same:
         os.close(fd)
         return try_take(init_pid, role)
-    claim(fd, role)
+    claim(init_pid, fd, role)
     return Turn(init_pid, fd)
 
 
@@ -120,9 +132,12 @@ def _busy_line(init_pid: int) -> str:
     return f"gpusnap's {role or 'step'} ({who}) is still changing the container's GPU state"
 
 
-def wait_turn(init_pid: int, what: str, role: str, bound: Bound | None = None) -> Turn:
+def wait_turn(init_pid: int, what: str, role: str, bound: Bound | None = None,
+              go_on: Callable[[int | None, str], bool] | None = None) -> Turn | None:
     """The turn, once whoever holds it has let go; WaitExpired after ``bound``.
-    ``what``: the step waiting, named in the line ("freeze of CTR")."""
+    ``what``: the step waiting, named in the line ("freeze of CTR"). None, at
+    once, where ``go_on(holder's pid, role)`` says this step may go on beside
+    that holder."""
     bound = bound or Bound.of("GPU_TURN")
     started = time.monotonic()
     deadline = started + bound.seconds
@@ -131,6 +146,8 @@ def wait_turn(init_pid: int, what: str, role: str, bound: Bound | None = None) -
         if turn is not None:
             turn.waited_s = round(time.monotonic() - started, 3)
             return turn
+        if go_on is not None and go_on(*holder(init_pid)):
+            return None
         if time.monotonic() > deadline:
             raise bound.expired(
                 f"{what}: {_busy_line(init_pid)}",
@@ -140,25 +157,18 @@ def wait_turn(init_pid: int, what: str, role: str, bound: Bound | None = None) -
         time.sleep(POLL_S)
 
 
-def held() -> dict[int, tuple[int | None, str]]:
-    """Turns held now: (holder's pid, role) by the container's init pid. A
-    file no one holds (its holder closed it without letting go) is removed."""
-    found: dict[int, tuple[int | None, str]] = {}
-    try:
-        paths = list(state_subdir("turns").glob("*.lock"))
-    except OSError:  # no state folder to read (not root): nothing known held
-        return found
-    for path in paths:
-        try:
-            init_pid = int(path.stem)
-        except ValueError:
-            continue
-        turn = try_take(init_pid, "doctor")
-        if turn is None:
-            found[init_pid] = holder(init_pid)
-        else:
-            turn.release()
-    return found
+def key_for(pid: int) -> int:
+    """The init pid a turn of ``pid``'s container is keyed by: the nearest
+    ancestor (itself included) with a turn file, which pre-dump names by
+    runc's init pid whatever the pid namespaces; else that namespace's init."""
+    at: int | None = pid
+    for _ in range(64):  # far deeper than any tree between a task and its container's init
+        if at is None or at <= 1:
+            break
+        if _path(at).exists():
+            return at
+        at = parent_of(at)
+    return ns_init(pid) or pid
 
 
 def release_fd(init_pid: int, fd: int) -> None:

@@ -20,6 +20,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.waits import Bound
 from gpusnap.oci.auth import Credentials, find_credentials, parse_challenge
 from gpusnap.oci.lazy import need
+from gpusnap.oci.unreachable import socket_why
 from gpusnap.oci.reference import Reference
 from gpusnap.oci.registry_options import RegistryOptions, tls_verify
 
@@ -33,19 +34,6 @@ UPLOAD_PIECE = 4 << 20
 MANIFEST_LIMIT = 32 << 20
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
-
-
-# requests' ConnectionError text, worded for the line the user reads
-_SOCKET_WHYS = (("network is unreachable", "network unreachable"), ("no route", "no route to host"),
-                ("connection reset", "connection reset"), ("broken pipe", "connection cut"),
-                ("connection aborted", "connection cut"), ("remotedisconnected", "connection cut"))
-
-
-def _socket_why(text: str, read_s: float) -> str | None:
-    low = text.lower()
-    if "timed out" in low or "timeouterror" in low:  # a blackholed link
-        return f"no answer within {read_s:.0f} s"
-    return next((why for cue, why in _SOCKET_WHYS if cue in low), None)
 
 
 class DigestMismatch(GpusnapError):
@@ -156,10 +144,14 @@ class RegistryClient:
             why = f"no connection within {self._timeout[0]:.0f} s"
         elif isinstance(exc, self._exc.Timeout):
             why = f"it sent nothing for {self._timeout[1]:.0f} s"
+        elif isinstance(exc, self._exc.ProxyError):
+            return TransientError(f"cannot reach registry {self.ref.registry} through the proxy: "
+                                  f"{socket_why(text, self._timeout[1]) or 'the proxy failed'}",
+                                  "check HTTPS_PROXY / HTTP_PROXY and NO_PROXY")
         elif "Name or service not known" in text or "resolve" in text.lower():
             why = "unknown host"
         else:
-            why = _socket_why(text, self._timeout[1]) or type(exc).__name__
+            why = socket_why(text, self._timeout[1]) or type(exc).__name__
         return TransientError(f"cannot reach registry {self.ref.registry}: {why} "
                               f"(after {self.opts.retries} tries)",
                               "check that the registry is up and the address is right")

@@ -10,19 +10,20 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gpusnap import journal
 from gpusnap.criu.runtimes import runs_action_script, why_not
 from gpusnap.criu.version import (criu_version, cuda_plugin_path, inet_sockets_problem,
                                   is_supported)
 from gpusnap.gpu.compat import MIN_CHECKPOINT_DRIVER, driver_major
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
-from gpusnap.gpu.quiesce import resume, states
+from gpusnap.gpu.quiesce import QuiesceError, resume, states
 from gpusnap.gpu import turn
 from gpusnap.criu.freezer import is_frozen
 from gpusnap.ops import leftovers
 from gpusnap.pages import prepared_pages
 from gpusnap.ops.gpu_state import load_driver
-from gpusnap.procs import PROC, gpu_use, ns_init
+from gpusnap.procs import PROC, gpu_use
 from gpusnap.runtime import podman
 from gpusnap.pages import memory
 from gpusnap.waits import Bound
@@ -168,7 +169,7 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
     driver = load_driver() if stuck and fix else None
     by_init: dict[int, list[int]] = {}
     for s in stuck:
-        by_init.setdefault(ns_init(s["pid"]) or s["pid"], []).append(s["pid"])
+        by_init.setdefault(turn.key_for(s["pid"]), []).append(s["pid"])
     for init, pids in sorted(by_init.items()):
         held = turn.try_take(init, "doctor --fix") if driver is not None else None
         if driver is not None and held is None:
@@ -176,7 +177,10 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
             continue
         if held is not None:
             with held:
-                fixed += resume(driver, pids)
+                try:
+                    fixed += resume(driver, pids)
+                except QuiesceError as exc:  # said below as not fixed; the others go on
+                    journal.record("doctor-resume-failed", pids=pids, error=str(exc))
     detail = "none held by an unfinished checkpoint" if not stuck else \
         ", ".join(f"pid {s['pid']} ({s['comm']}) {s['state']}" for s in stuck)
     if busy:

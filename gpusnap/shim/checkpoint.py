@@ -20,7 +20,7 @@ from pathlib import Path
 from gpusnap import requests
 from gpusnap.criu.log import SEIZE_TRIES, seize_blocked, unseizable_words
 from gpusnap.private import open_private
-from gpusnap.procs import cuda_processes
+from gpusnap.procs import cuda_processes, start_time
 from gpusnap.shim.runc import CheckpointOpts, Runc, RuncError
 
 log = logging.getLogger("gpusnap.shim")
@@ -37,7 +37,8 @@ def thaw_held(runc: Runc, cid: str, pid: int) -> None:
     """Thaw a task its client paused, for the dump, marked held first
     (requests.HELD): the guardian gives its GPUs back after the client's Resume,
     once the shim has paused it again for the client."""
-    requests.put_bound(pid, requests.HELD)
+    # the shim that holds it: a HELD left by a shim that died is no hold (requests.held)
+    requests.put_bound(pid, requests.HELD, holder=os.getpid(), holder_started=start_time(os.getpid()))
     try:
         runc.resume(cid)
     except BaseException:

@@ -11,6 +11,7 @@ that bound (GPUSNAP_WAIT_REGISTRY) to keep the suite short; the path is the same
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -22,6 +23,9 @@ from tests.faults.conftest import (cached_blobs, finished, say, start_cli, statu
 from tests.faults.netreg import VethLink, make_registry, make_veth_link
 
 GIVE_UP_S = 200  # the read timeout, plus the retries' backoff, plus slack
+# what the line says the socket met (oci/unreachable.py), never an exception's class
+SAID = re.compile(r"cannot reach registry \S+: (no connection within \d+ s|no answer within "
+                  r"\d+ s|network unreachable|no route to host|connection (reset|cut))")
 
 
 @pytest.fixture
@@ -53,6 +57,7 @@ def test_link_down_mid_push_fails_in_one_line_and_the_push_resumes(far_registry,
     assert_one_line_error(res, f"cannot reach registry {reg.host}",
                           hint="then push again: chunks the registry already has are not sent again")
     assert took < GIVE_UP_S, f"the push hung {took:.0f} s on a dead link"
+    assert SAID.search(res.stderr), res.stderr
     assert status(loaded) == "running"  # --leave-running: the source never stopped
     assert wait_counter(loaded, before) > before
     assert born(loaded) == token
@@ -85,6 +90,7 @@ def test_link_down_mid_restore_restores_nothing_and_the_restore_resumes(
     took = time.monotonic() - down
     assert_one_line_error(res, f"cannot reach registry {reg.host}")
     assert took < 150, f"the restore hung {took:.0f} s on a dead link"
+    assert SAID.search(res.stderr), res.stderr
     assert status(loaded) == "gone", "restored from a partial download"
     link.set_up(True)
     again = gpusnap_json("restore", ref, *reg.flags())

@@ -285,8 +285,16 @@ def test_pre_dump_inside_the_clients_quiesce_does_not_wait_for_the_clients_turn(
     assert (images / MANIFEST_NAME).exists()
 
 
+@pytest.fixture
+def held_guardian(host, monkeypatch):
+    """An earlier try's guardian waiting for the client's Resume ("guardian-held")."""
+    monkeypatch.setenv("GPUSNAP_WAIT_GPU_TURN", "0.3")
+    with turn_holder.holding(INIT, "guardian-held") as holder:
+        yield holder
+
+
 def test_pre_dump_of_a_task_the_shim_holds_does_not_wait_for_its_earlier_trys_guardian(
-        host, guardian_at_work, monkeypatch):
+        host, held_guardian, monkeypatch):
     """CRIU could not seize the task on the shim's first try: that try's
     guardian holds the turn until the client's Resume, which the shim refuses
     during the dump. The next try's pre-dump goes on: the processes are still
@@ -327,3 +335,25 @@ def test_the_clients_real_guardian_holds_the_turn_it_was_handed(host, monkeypatc
         q.guardian.kill()
         q.guardian.wait(timeout=10)
     assert turns.try_take(INIT, "test") is not None
+
+
+@pytest.mark.parametrize("role", ["guardian", "freeze"])
+def test_pre_dump_of_a_held_task_waits_for_any_other_holder(host, monkeypatch, role):
+    """A guardian mid-resume (not waiting for the client) or a freeze would
+    change the processes under the dump: HELD or not, pre-dump waits for them."""
+    monkeypatch.setenv("GPUSNAP_WAIT_GPU_TURN", "0.3")
+    requests.put_bound(INIT, requests.HELD)
+    monkeypatch.setattr(action_dump, "cuda_processes",
+                        lambda pid: pytest.fail("nothing is read before the turn"))
+    with turn_holder.holding(INIT, role):
+        with pytest.raises(WaitExpired):
+            action_dump.pre_dump(INIT, "", 9999)
+
+
+def test_a_held_mark_whose_shim_died_is_no_hold(host):
+    _, _, born, _ = host
+    born[4321] = 777  # the shim that wrote it
+    requests.put_bound(INIT, requests.HELD, holder=4321, holder_started=777)
+    assert requests.held(INIT)
+    del born[4321]  # that shim is gone: no Resume will ever drop it
+    assert not requests.held(INIT) and requests.peek(INIT, requests.HELD) == {}

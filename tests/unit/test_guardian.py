@@ -119,3 +119,31 @@ def test_the_guardian_lets_go_of_the_turn_once_the_gpus_are_back(tmp_path, monke
     with pytest.raises(OSError):
         os.fstat(turn.fd)  # its copy is closed
     assert turns.try_take(700, "test") is not None
+
+
+def test_the_guardian_says_when_it_waits_for_the_clients_resume(tmp_path, monkeypatch):
+    """Its role in the turn flips to "guardian-held" while the shim holds the
+    task for its client (pre-dump of the shim's next try may go on) and back."""
+    from gpusnap.gpu import turn as turns
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path))
+    turn = turns.try_take(700, "pre-dump")
+    now = [True]
+    monkeypatch.setattr(guardian.requests, "held", lambda init: now[0])
+    held = guardian._held(700, turn.fd)
+    assert held() and turns.holder(700) == (os.getpid(), "guardian-held")
+    now[0] = False
+    assert not held() and turns.holder(700) == (os.getpid(), "guardian")
+    turn.release()
+
+
+def test_a_guardian_that_fails_says_so_and_lets_go(tmp_path, monkeypatch):
+    from gpusnap import journal
+    from gpusnap.gpu import turn as turns
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path))
+    turn = turns.try_take(700, "pre-dump")
+    monkeypatch.setattr(guardian, "wait_exit", lambda pid: None)
+    monkeypatch.setattr(guardian, "_handed_over", lambda: 1 / 0)
+    assert guardian.main(["9999", "701", "--init", "700", "--turn-fd", str(turn.fd)]) == 1
+    failed = journal.read()[-1]
+    assert failed["event"] == "guardian-failed" and "ZeroDivisionError" in failed["error"]
+    assert turns.try_take(700, "test") is not None

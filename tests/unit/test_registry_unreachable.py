@@ -1,12 +1,13 @@
-"""oci/registry.py: a registry that cannot be reached is named with a reason a
-user can act on, from the texts requests gives for a dead or cut link (these
-are the texts requests 2.32 / urllib3 2 give), not its exception's class name."""
+"""oci/unreachable.py: a registry that cannot be reached is named with a reason
+a user can act on, from the texts requests gives for a dead or cut link (these
+are the texts requests 2.32 / urllib3 2 give), not its exception's class name;
+a proxy that fails is named as the proxy."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpusnap.oci.registry import _socket_why
+from gpusnap.oci.unreachable import socket_why
 
 POOL = "HTTPConnectionPool(host='10.77.0.2', port=41115): Max retries exceeded with url: /v2/ "
 
@@ -17,7 +18,11 @@ POOL = "HTTPConnectionPool(host='10.77.0.2', port=41115): Max retries exceeded w
      "network unreachable"),
     (POOL + "(Caused by NewConnectionError('...: Failed to establish a new connection: "
             "[Errno 113] No route to host'))", "no route to host"),
-    ("('Connection aborted.', TimeoutError('timed out'))", "no answer within 120 s"),
+    ("('Connection aborted.', TimeoutError(110, 'Connection timed out'))",
+     "no answer within 120 s"),  # an upload's send timed out in the kernel
+    ("HTTPSConnectionPool(host='r', port=443): Max retries exceeded (Caused by ProxyError("
+     "'Unable to connect to proxy', ConnectTimeoutError(<...>, 'Connection to proxy timed out. "
+     "(connect timeout=10)')))", "no connection within 10 s"),
     ("('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer'))",
      "connection reset"),
     ("('Connection aborted.', RemoteDisconnected('Remote end closed connection without "
@@ -25,8 +30,23 @@ POOL = "HTTPConnectionPool(host='10.77.0.2', port=41115): Max retries exceeded w
     ("('Connection aborted.', BrokenPipeError(32, 'Broken pipe'))", "connection cut"),
 ])
 def test_a_dead_or_cut_link_is_named_for_what_happened(text, why):
-    assert _socket_why(text, 120.0) == why
+    assert socket_why(text, 120.0) == why
 
 
 def test_an_unknown_text_is_left_to_the_caller():
-    assert _socket_why("something else", 120.0) is None
+    assert socket_why("something else", 120.0) is None
+
+
+def test_a_proxy_that_fails_is_named_as_the_proxy():
+    requests = pytest.importorskip("requests")
+    from gpusnap.oci.reference import parse
+    from gpusnap.oci.registry import RegistryClient
+    from gpusnap.oci.registry_options import RegistryOptions
+    client = RegistryClient(parse("127.0.0.1:5000/a/b:v1"), RegistryOptions(plain_http=True))
+    err = client._unreachable(requests.exceptions.ProxyError(
+        "HTTPConnectionPool(host='proxy', port=3128): Max retries exceeded (Caused by "
+        "ProxyError('Unable to connect to proxy', ConnectTimeoutError(None, 'Connection to "
+        "proxy timed out. (connect timeout=10)')))"))
+    assert err.message == ("cannot reach registry 127.0.0.1:5000 through the proxy: "
+                           "no connection within 10 s")
+    assert "HTTPS_PROXY" in err.hint

@@ -97,7 +97,7 @@ def test_pre_dumps_real_guardian_holds_the_turn_through_criu_and_names_itself():
     finally:
         criu.stdin.close()
         criu.wait(timeout=10)
-    _until(lambda: turns.try_take(INIT, "test") is not None)
+    _until(lambda: not turns._path(INIT).exists())  # let go, and its file removed
 
 
 def test_a_holder_killed_frees_the_turn():
@@ -134,7 +134,7 @@ def test_doctor_fix_leaves_only_the_container_whose_guardian_is_at_work(monkeypa
     stuck = [{"pid": INIT + 1, "comm": "python3", "state": "CHECKPOINTED"},
              {"pid": other + 1, "comm": "python3", "state": "LOCKED"}]
     monkeypatch.setattr(doctor, "stuck_processes", lambda: stuck)
-    monkeypatch.setattr(doctor, "ns_init", lambda pid: pid - 1)  # each one's container init
+    monkeypatch.setattr(doctor.turn, "key_for", lambda pid: pid - 1)  # each one's container init
     monkeypatch.setattr(doctor, "load_driver", lambda: object())
     resumed: list[list[int]] = []
 
@@ -182,3 +182,32 @@ def test_a_turn_never_takes_fds_0_to_2_where_criu_leaves_them_closed():
     finally:
         os.dup2(saved, 0)
         os.close(saved)
+
+
+def test_a_turn_is_keyed_by_the_nearest_ancestor_that_has_one(tmp_path):
+    """doctor --fix finds a stuck process's turn under the init pid pre-dump
+    keyed it by (runc's init, whatever the pid namespaces), up its parents."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        with turns.wait_turn(os.getpid(), "test", "pre-dump"):
+            assert turns.key_for(child.pid) == os.getpid()
+        assert turns.key_for(child.pid) != os.getpid()  # no turn file above it now
+    finally:
+        child.stdin.close()
+        child.wait(timeout=10)
+
+
+def test_a_claim_on_a_file_that_is_not_the_turns_writes_nothing(tmp_path):
+    turn = turns.try_take(INIT, "pre-dump")
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+    r, w = os.pipe()
+    try:
+        assert not turns.claim(INIT, other, "guardian") and os.fstat(other).st_size == 0
+        assert not turns.claim(INIT, r, "guardian")  # a socket or pipe on its fd
+        assert turns.claim(INIT, turn.fd, "guardian")
+        assert turns.holder(INIT) == (os.getpid(), "guardian")
+    finally:
+        for fd in (other, r, w):
+            os.close(fd)
+        turn.release()
