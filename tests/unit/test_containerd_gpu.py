@@ -7,6 +7,7 @@ the dump whatever its outcome. The real path runs on a GPU
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -318,8 +319,9 @@ def test_pre_dump_of_a_task_the_shim_holds_does_not_wait_for_its_earlier_trys_gu
 def test_the_clients_real_guardian_holds_the_turn_it_was_handed(host, monkeypatch):
     """containerd_gpu._guardian as it runs (pass_fds, --turn-fd): the guardian
     names itself the holder, and its end lets go."""
+    state = os.environ["GPUSNAP_STATE_DIR"]  # the test's own, not the host's
     monkeypatch.undo()  # the real _guardian, over the host fixture's fakes
-    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(turns.state_subdir("turns").parent))
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", state)
     turn = turns.try_take(INIT, "containerd client")
     q = containerd_gpu.Quiesced(INIT, {INIT + 1: None}, FakeDriver({}), {}, turn=turn)
     q.guardian = containerd_gpu._guardian(q)
@@ -334,7 +336,9 @@ def test_the_clients_real_guardian_holds_the_turn_it_was_handed(host, monkeypatc
     finally:
         q.guardian.kill()
         q.guardian.wait(timeout=10)
-    assert turns.try_take(INIT, "test") is not None
+    after = turns.try_take(INIT, "test")
+    assert after is not None
+    after.release()
 
 
 @pytest.mark.parametrize("role", ["guardian", "freeze"])
