@@ -98,7 +98,8 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
         guardian = _start_guardian(criu_pid, [], init_pid, turn, force=True)
         if guardian is not None:
             guardian.close()
-    gpu_manifest.write(manifest, image_dir)
+    if image_dir:  # CRIU always names one; never the working folder
+        gpu_manifest.write(manifest, image_dir)
     # ``at``: when the GPU was free for the next job (its memory is in host memory now)
     journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
                    at=round(time.time(), 3),

@@ -295,7 +295,7 @@ def held_guardian(host, monkeypatch):
 
 
 def test_pre_dump_of_a_task_the_shim_holds_does_not_wait_for_its_earlier_trys_guardian(
-        host, held_guardian, monkeypatch):
+        host, held_guardian, monkeypatch, tmp_path):
     """CRIU could not seize the task on the shim's first try: that try's
     guardian holds the turn until the client's Resume, which the shim refuses
     during the dump. The next try's pre-dump goes on: the processes are still
@@ -310,7 +310,10 @@ def test_pre_dump_of_a_task_the_shim_holds_does_not_wait_for_its_earlier_trys_gu
     monkeypatch.setattr(action_dump, "require_driver", lambda: driver)
     monkeypatch.setattr(action_dump.subprocess, "Popen",
                         lambda *a, **k: pytest.fail("nothing changed: no second guardian"))
-    action_dump.pre_dump(INIT, "", 9999)
+    images = tmp_path / "images"
+    images.mkdir()
+    action_dump.pre_dump(INIT, str(images), 9999)
+    assert (images / MANIFEST_NAME).exists()
     assert set(driver.calls) == {("state", INIT)}  # read, not changed
     assert driver.states == {INIT: C} and turns.try_take(INIT, "test") is None
     assert journal.read()[-1]["turn_waited_s"] is None
