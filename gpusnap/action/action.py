@@ -43,10 +43,10 @@ from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 from gpusnap.action import agent_files, step_state
 from gpusnap.action.action_dump import post_dump, pre_dump
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu import manifest as gpu_manifest
+from gpusnap.gpu import manifest as gpu_manifest, turn
 from gpusnap.gpu.quiesce import QuiesceError, Timing, require_driver, resume_onto
 from gpusnap.private import write_private
-from gpusnap.procs import cuda_processes, ns_pid, process_tree, start_time
+from gpusnap.procs import cuda_processes, ns_pid, parent_of, process_tree, start_time
 
 if TYPE_CHECKING:
     from gpusnap.pages.fill_plan import Settings
@@ -350,9 +350,11 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
             try:  # only keeps files for later and speeds the restore: never why it fails...
                 wanted = pre_restore(image_dir, criu_pid)
                 # The agent takes post-restore's fill and post-resume from here; for a
-                # GPU checkpoint it loads the driver and reads NVML ahead too (agent.py).
-                if wanted is not None and wanted.agent and step_state.fill(criu_pid).exists():
-                    gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
+                # GPU checkpoint it loads the driver and reads NVML ahead too, and
+                # holds the restore's turn (agent.py).
+                gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
+                if (wanted is None or wanted.agent) and \
+                        (gpu or (wanted is not None and step_state.fill(criu_pid).exists())):
                     _start_agent(criu_pid, driver=gpu)
             except (OSError, ValueError) as exc:
                 journal.record("failed", action=action, error=str(exc))
@@ -387,11 +389,25 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
 
 def _start_agent(criu_pid: int, driver: bool) -> None:
     """The agent that takes post-restore and post-resume (agent.py); a restore
-    goes on without it where it cannot start."""
+    goes on without it where it cannot start. For a GPU checkpoint it is handed
+    the restore's turn (gpu/turn.py, keyed by the runtime that started CRIU, the
+    restored tree's parent: runc restores it as CRIU's sibling), held until its
+    post-resume is done: the restored processes wait CHECKPOINTED meanwhile, and
+    `gpusnap doctor --fix` must leave them to the resume onto the plan's GPUs."""
+    held = None
+    if driver:
+        key = parent_of(criu_pid)
+        try:
+            held = turn.try_take(key, "restore") if key else None
+        except OSError as exc:
+            journal.record("restore-turn-not-taken", error=str(exc))
     try:
-        agent_files.start(criu_pid, driver)
+        agent_files.start(criu_pid, driver, held)
     except OSError as exc:
         journal.record("agent-not-started", error=str(exc))
+    finally:
+        if held is not None:
+            held.close()  # the agent's copy holds it; where none started, this lets go
 
 
 def run_step(action: str, criu_pid: int, by: str = "script", driver=None) -> int:

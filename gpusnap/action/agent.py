@@ -17,16 +17,17 @@ meanwhile, and packaging/bin/criu-action hands it post-restore and post-resume:
       reply.<n>       the script's FIFO: what the step printed, then its exit code
 
 Each step runs the same code as in the script (action.run_step, markers
-included). pre-restore starts it where it plans a fill, unless page-fill.json
-says {"agent": false}; for a GPU checkpoint with ``--driver``: libcuda loaded
-and cuInit called on a thread, and NVML read for gpusnap-hook, which takes it
-instead of its own read. Where the agent is not there, the script runs Python
+included). pre-restore starts it where it plans a fill or restores a GPU
+checkpoint, unless page-fill.json says {"agent": false}; for a GPU checkpoint
+with ``--driver``: libcuda loaded and cuInit called on a thread, NVML read for
+gpusnap-hook, which takes it instead of its own read, and with ``--turn``
+the restore's turn (gpu/turn.py), held until post-resume is done. Where the agent is not there, the script runs Python
 for the step itself; where it stops while a step is in its hands, the script fails the
 step (CRIU then stops the restore: the checkpoint is unchanged), since that
 step may be half done. The agent leaves when CRIU does, after post-resume, or
 after an hour.
 
-Usage: python -m gpusnap.action.agent CRIU_PID [--driver]
+Usage: python -m gpusnap.action.agent CRIU_PID [--driver] [--turn KEY:FD]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from gpusnap import journal
 from gpusnap.action import action
 from gpusnap.action.agent_files import INVENTORY, NO_INVENTORY, folder
 from gpusnap.gpu.cuda import CudaDriver
-from gpusnap.gpu import inventory as gpu_inventory
+from gpusnap.gpu import inventory as gpu_inventory, turn
 # Loaded as the agent starts, before the steps that use them are asked
 from gpusnap.pages import fill_plan, page_fill  # noqa: F401
 from gpusnap.private import write_private
@@ -161,11 +162,28 @@ def serve(criu_pid: int, driver: _Driver | None) -> None:
         shutil.rmtree(here, ignore_errors=True)
 
 
+def _held_turn(args: list[str]) -> tuple[int, int] | None:
+    """``--turn KEY:FD``: the restore's turn handed over by pre-restore, claimed
+    here (the agent names itself its holder); None where there is none."""
+    if "--turn" not in args or args.index("--turn") + 1 >= len(args):
+        return None
+    try:
+        key, fd = map(int, args[args.index("--turn") + 1].split(":"))
+    except ValueError:
+        return None
+    if not turn.claim(key, fd, "restore"):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        return None
+    return key, fd
+
+
 def main() -> int:
     try:
         criu_pid = int(sys.argv[1])
     except (IndexError, ValueError):
         return 2
+    held = _held_turn(sys.argv[2:])
     driver = None
     if "--driver" in sys.argv[2:]:
         threading.Thread(target=_read_inventory, args=(criu_pid,), name="gpusnap-agent-nvml",
@@ -175,6 +193,9 @@ def main() -> int:
         serve(criu_pid, driver)
     except OSError as exc:
         journal.record("agent-failed", criu_pid=criu_pid, error=str(exc))
+    finally:
+        if held is not None:  # post-resume done, or CRIU gone: the GPU state is settled
+            turn.release_fd(*held)
     return 0
 
 

@@ -160,37 +160,44 @@ def stuck_processes() -> list[dict]:
 
 def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
     """CUDA processes an unfinished checkpoint left off their GPUs; ``fix``
-    gives them back, each container's under its turn (gpu/turn.py): one whose
-    guardian is still at it is left to it, since two resumes of one process
-    at once fail each other. Also returns the stuck processes and the pids fixed."""
+    gives them back, each container's under its turn (gpu/turn.py). Those whose
+    turn is held are in the hands of gpusnap's guardian or restore, which bring
+    them back themselves: two resumes of one process at once fail each other,
+    and a restore resumes onto the GPUs of its plan. Also returns the stuck
+    processes and the pids fixed."""
     stuck = stuck_processes()
     fixed: list[int] = []
-    busy: dict[int, tuple[int | None, str]] = {}
+    busy: dict[int, tuple[int | None, str, list[int]]] = {}
     driver = load_driver() if stuck and fix else None
     by_init: dict[int, list[int]] = {}
     for s in stuck:
         by_init.setdefault(turn.key_for(s["pid"]), []).append(s["pid"])
     for init, pids in sorted(by_init.items()):
-        held = turn.try_take(init, "doctor --fix") if driver is not None else None
-        if driver is not None and held is None:
-            busy[init] = turn.holder(init)
+        try:
+            held = turn.try_take(init, "doctor --fix" if fix else "doctor")
+        except OSError:  # a state folder this user cannot write: nothing to fix from here
             continue
-        if held is not None:
-            with held:
-                try:
-                    fixed += resume(driver, pids)
-                except QuiesceError as exc:  # said below as not fixed; the others go on
-                    journal.record("doctor-resume-failed", pids=pids, error=str(exc))
+        if held is None:
+            busy[init] = (*turn.holder(init), pids)
+            continue
+        with held:
+            if driver is None:
+                continue
+            try:
+                fixed += resume(driver, pids)
+            except QuiesceError as exc:  # said below as not fixed; the others go on
+                journal.record("doctor-resume-failed", pids=pids, error=str(exc))
     detail = "none held by an unfinished checkpoint" if not stuck else \
         ", ".join(f"pid {s['pid']} ({s['comm']}) {s['state']}" for s in stuck)
     if busy:
         detail += "; left to gpusnap's " + ", ".join(
-            f"{role or 'step'} (pid {who or '?'}) of the container whose init is {init}"
-            for init, (who, role) in sorted(busy.items()))
-    hint = "" if not stuck or fixed else (
-        "wait for it, then run `gpusnap doctor` again" if busy else
-        "run `gpusnap doctor --fix` to restore and unlock them (or `gpusnap thaw`)")
-    return Check("gpu processes", not stuck or bool(fixed), detail, hint), stuck, fixed
+            f"{role or 'step'} (pid {who or '?'}), at work on pid {', '.join(map(str, pids))}"
+            for who, role, pids in busy.values())
+    at_work = {pid for *_, pids in busy.values() for pid in pids}
+    left = [s for s in stuck if s["pid"] not in at_work and s["pid"] not in fixed]
+    hint = "run `gpusnap doctor --fix` to restore and unlock them (or `gpusnap thaw`)" \
+        if left else ""
+    return Check("gpu processes", not left, detail, hint), stuck, fixed
 
 
 def _pages_check() -> Check:

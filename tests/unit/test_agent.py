@@ -177,6 +177,58 @@ def test_pre_restore_starts_the_agent_where_there_is_a_fill(tmp_path, state, mon
     fill_plan.undo(folder)
 
 
+
+def test_a_gpu_restores_agent_holds_its_turn_until_post_resume_so_doctor_leaves_it(
+        state, monkeypatch):
+    """pre-restore of a GPU checkpoint hands the agent the restore's turn, keyed by
+    the runtime that started CRIU (runc restores the tree as CRIU's sibling: here
+    this test's parent plays runc, this test CRIU, a child of it a restored task).
+    doctor --fix leaves the task alone until post-resume is done, then fixes it."""
+    from gpusnap.gpu import turn
+    from gpusnap.ops import doctor
+    from gpusnap.procs import parent_of
+    me, runtime = os.getpid(), parent_of(os.getpid())
+    task = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    resumed: list[list[int]] = []
+    monkeypatch.setattr(doctor, "stuck_processes",
+                        lambda: [{"pid": task.pid, "comm": "python3", "state": "CHECKPOINTED"}])
+    monkeypatch.setattr(doctor, "load_driver", lambda: object())
+    monkeypatch.setattr(doctor, "resume", lambda driver, pids: resumed.append(pids) or pids)
+    try:
+        action._start_agent(me, driver=True)
+        agent_pid = _ready(me)
+        assert turn.key_for(task.pid) == runtime
+        assert turn.holder(runtime) == (agent_pid, "restore")
+        check, _, fixed = doctor._gpu_processes_check(fix=True)
+        assert resumed == [] and fixed == [] and check.ok
+        assert f"left to gpusnap's restore (pid {agent_pid}), at work on pid {task.pid}" \
+            in check.detail
+        assert _script("post-resume", task.pid, state).returncode == 0  # no CUDA here: done
+        assert _gone(agent_files.folder(me))
+        _, _, fixed = doctor._gpu_processes_check(fix=True)
+        assert fixed == [task.pid]
+        assert list((state / "turns").iterdir()) == []
+    finally:
+        task.stdin.close()
+        task.wait(timeout=10)
+
+
+def test_pre_restore_of_a_gpu_checkpoint_starts_the_agent_without_a_fill(
+        tmp_path, state, monkeypatch):
+    started = []
+    monkeypatch.setattr(action, "_start_agent", lambda pid, driver: started.append((pid, driver)))
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / action.MANIFEST_NAME).write_text("{}")
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(folder))
+    assert action._run("pre-restore", 4325) == 0
+    assert started == [(4325, True)] and not step_state.fill(4325).exists()
+    fill_plan.SETTINGS.write_text('{"agent": false}')
+    assert action._run("pre-restore", 4326) == 0
+    assert started == [(4325, True)]
+
+
 INVENTORY = {"driver_version": "580.159.04", "cuda_driver_version": "13.0",
              "gpus": [{"index": 0, "uuid": "GPU-aaaa", "name": "NVIDIA H200", "minor": 0,
                        "pci_bus_id": "0000:01:00.0", "memory_total": 150 << 30,

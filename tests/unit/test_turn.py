@@ -146,8 +146,14 @@ def test_doctor_fix_leaves_only_the_container_whose_guardian_is_at_work(monkeypa
     with turn_holder.holding(INIT) as holder:
         check, _, fixed = doctor._gpu_processes_check(fix=True)
         assert resumed == [[other + 1]] and fixed == [other + 1] and check.ok
-        assert f"left to gpusnap's guardian (pid {holder.pid}) of the container whose init " \
-               f"is {INIT}" in check.detail
+        assert f"left to gpusnap's guardian (pid {holder.pid}), at work on pid {INIT + 1}" \
+            in check.detail
+        check, _, fixed = doctor._gpu_processes_check(fix=False)
+        assert not check.ok and "doctor --fix" in check.fix  # the other one is stuck
+    monkeypatch.setattr(doctor, "stuck_processes", lambda: stuck[:1])
+    with turn_holder.holding(INIT):
+        check, _, fixed = doctor._gpu_processes_check(fix=False)
+        assert check.ok and not check.fix and fixed == []  # at work, not stuck
     resumed.clear()
     check, _, fixed = doctor._gpu_processes_check(fix=True)  # its guardian gone: --fix does it
     assert [INIT + 1] in resumed and check.ok
