@@ -45,7 +45,7 @@ import time
 from gpusnap import journal
 from gpusnap.action import action
 from gpusnap.action.agent_files import INVENTORY, NO_INVENTORY, folder
-from gpusnap.gpu.cuda import CudaDriver
+from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.gpu import inventory as gpu_inventory, turn
 # Loaded as the agent starts, before the steps that use them are asked
 from gpusnap.pages import fill_plan, page_fill  # noqa: F401
@@ -67,30 +67,7 @@ def _read_inventory(criu_pid: int) -> None:
         write_private(here / NO_INVENTORY, inventory.error)
 
 
-class _Driver:
-    """The CUDA driver, loaded and initialised on a thread while CRIU works."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Event()
-        self._driver = None
-        threading.Thread(target=self._load, name="gpusnap-agent-cuda", daemon=True).start()
-
-    def _load(self) -> None:
-        try:
-            driver = CudaDriver()
-            driver.init()
-            self._driver = driver
-        except Exception:  # noqa: BLE001 -- post-resume loads it itself and says why
-            pass
-        finally:
-            self._ready.set()
-
-    def get(self):
-        self._ready.wait()
-        return self._driver
-
-
-def _answer(request: str, criu_pid: int, driver: _Driver | None) -> bool:
+def _answer(request: str, criu_pid: int, driver: DriverAhead | None) -> bool:
     """Run one step; False once the agent has nothing more to do."""
     step, init_pid, reply, image_dir = (request.split(" ", 3) + ["", "", "", ""])[:4]
     if step not in ("post-restore", "post-resume") or not reply:
@@ -130,7 +107,7 @@ def _send(reply: str, answer: bytes) -> None:
         os.close(fd)
 
 
-def serve(criu_pid: int, driver: _Driver | None) -> None:
+def serve(criu_pid: int, driver: DriverAhead | None) -> None:
     try:
         criu = os.pidfd_open(criu_pid)
     except OSError:
@@ -188,7 +165,7 @@ def main() -> int:
     if "--driver" in sys.argv[2:]:
         threading.Thread(target=_read_inventory, args=(criu_pid,), name="gpusnap-agent-nvml",
                          daemon=True).start()
-        driver = _Driver()
+        driver = DriverAhead()
     try:
         serve(criu_pid, driver)
     except OSError as exc:

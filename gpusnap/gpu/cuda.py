@@ -8,6 +8,7 @@ driver ABI (r570+); restore args carry GPU UUID pairs from r580 on.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import enum
 import os
@@ -161,3 +162,34 @@ class CudaDriver:
         self._init()
         self._check(self._lib.cuCheckpointProcessUnlock(pid, ctypes.byref(_ReservedArgs())),
                     "cuCheckpointProcessUnlock", pid)
+
+
+class DriverAhead:
+    """The driver, loaded and initialised (cuInit) on a thread while other work
+    goes on (CRIU's steps for the agent, Podman's import for the CLI): a step
+    that needs it later finds it ready instead of waiting for both."""
+
+    SETTLE_S = 30.0
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._driver: CudaDriver | None = None
+        # A process that exits early (a failed restore) waits for the load first:
+        # libcuda's exit handlers must not run under a cuInit still in flight.
+        atexit.register(self._ready.wait, self.SETTLE_S)
+        threading.Thread(target=self._load, name="gpusnap-cuda-ahead", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            driver = CudaDriver()
+            driver.init()
+            self._driver = driver
+        except Exception:  # noqa: BLE001 -- whoever calls get() loads it itself and says why
+            pass
+        finally:
+            self._ready.set()
+
+    def get(self) -> CudaDriver | None:
+        """The driver once loaded; None where it could not be (no driver here)."""
+        self._ready.wait()
+        return self._driver

@@ -12,7 +12,7 @@ from gpusnap.criu.log import ended_early, first_error as criu_error
 from gpusnap.criu.runtimes import require_gpu_restore
 from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.cuda import ProcessState
+from gpusnap.gpu.cuda import DriverAhead, ProcessState
 from gpusnap.gpu.plan import Plan
 from gpusnap.ops.engines import refuse_engine
 from gpusnap.ops.gpu_plan import plan_here
@@ -119,11 +119,12 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
     if archive_mode:
         return import_file(path, contents, plan, name, keep, tcp_established, source)
     start = time.monotonic()
+    ahead = DriverAhead() if plan.moves else None
     podman.restore(source, archive=False, name=name, keep=keep,
                    tcp_established=tcp_established, size=sum(contents.sizes.values()))
     seconds = time.monotonic() - start
     return restored(podman.inspect(name or (contents.json_file("config.dump") or {}).get("name")
-                                   or source), source, seconds, plan)
+                                   or source), source, seconds, plan, driver=ahead)
 
 
 def import_file(path: Path, contents: archive.CheckpointContents, plan: Plan,
@@ -164,6 +165,7 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
     target = name or (contents.json_file("config.dump") or {}).get("name")
     start = time.monotonic()
     journal.record("import-started", container=target)
+    ahead = DriverAhead() if plan.moves else None  # for the check once Podman is done
     try:
         with opener as stream:
             podman.restore(str(stream.path), archive=True, name=name, keep=keep,
@@ -193,16 +195,17 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
     if name:  # a copy under a new name: its own hostname, not the checkpoint's
         hostname = identity.follow_new_id(ctr, (contents.json_file("config.dump") or {}).get("id", ""))
     return restored(ctr, source, done - start, plan, hostname=hostname,
-                    after={"inspect": round(time.monotonic() - done, 3)})
+                    after={"inspect": round(time.monotonic() - done, 3)}, driver=ahead)
 
 
 def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
-             hostname: str | None = None, after: dict | None = None) -> dict:
+             hostname: str | None = None, after: dict | None = None,
+             driver: DriverAhead | None = None) -> dict:
     """The restored container's report (and journal record), its GPU processes
     checked; ``after``: what the restore spent once Podman was done, by step
-    (a replica's time counts to here)."""
+    (a replica's time counts to here); ``driver``: loaded while Podman worked."""
     checked = time.monotonic()
-    gpu = _gpu_report(ctr.pid)
+    gpu = _gpu_report(ctr.pid, driver)
     after = {**(after or {}), "gpu_check": round(time.monotonic() - checked, 3)}
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),
                    moves=plan.describe() if plan.needs_remap else None, after=after)
@@ -236,11 +239,11 @@ def _drop_half_restored(name: str | None) -> tuple[Path | None, str | None]:
     return kept, None
 
 
-def _gpu_report(pid: int) -> list[dict]:
+def _gpu_report(pid: int, ahead: DriverAhead | None = None) -> list[dict]:
     procs = cuda_processes(pid)
     if not procs:
         return []
-    driver = load_driver()
+    driver = (ahead.get() if ahead else None) or load_driver()
     report = []
     for p in procs:
         state, why = None, "no CUDA driver"
