@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 
 import pytest
@@ -13,6 +14,9 @@ from gpusnap.gpu.quiesce import states
 from tests.conftest import (assert_one_line_error, gpusnap, gpusnap_json, journal_mark,
                             journal_since, podman)
 from tests.gpu import harness
+from tests.unit import turn_holder
+
+HOLD_S = 8.0  # a guardian's hold, long beside the second checkpoint's start
 
 GIB = 1 << 30
 
@@ -84,16 +88,22 @@ def test_leave_running_gives_the_gpu_back(cuda_ctr, tmp_path):
     assert all(driver.state(p) == ProcessState.RUNNING for p in harness.host_pids(cuda_ctr.name))
 
 
-def test_a_checkpoint_right_after_a_leave_running_one_waits_for_the_gpus_to_come_back(
-        cuda_ctr, tmp_path):
-    """The first checkpoint's guardian restores the GPU memory after CRIU is
-    done. A second checkpoint started at once waits for it (gpu/turn.py) and
-    quiesces the processes itself: without the wait it quiesced nothing, and
-    the first guardian unlocked them under the second dump. Its archive
-    restores with the GPU data as it was."""
+def test_a_checkpoint_while_a_guardian_holds_the_turn_waits_for_it(cuda_ctr, tmp_path):
+    """A leave-running checkpoint's guardian restores the GPU memory after CRIU is
+    done, holding the container's turn (gpu/turn.py). Under Podman the export
+    usually outlasts it (run of 2026-11-29: the guardian was done 7 s before the
+    first command returned), so the second checkpoint starts here while a
+    process holds that turn as the guardian does, for HOLD_S: pre-dump waits for
+    it, then quiesces the processes itself. Without the wait it quiesced
+    nothing, and the guardian unlocked them under the second dump
+    (tests/unit/test_turn.py has that race with pre-dump's real guardian). The
+    second archive restores with the GPU data as it was."""
     first, second = tmp_path / "first.tar.zst", tmp_path / "second.tar.zst"
     mark = journal_mark()
     gpusnap_json("checkpoint", cuda_ctr.name, "--export", str(first), "--leave-running")
+    init = int(podman("inspect", "-f", "{{.State.Pid}}", cuda_ctr.name).stdout.strip())
+    holder = turn_holder.start(init, "guardian")
+    threading.Timer(HOLD_S, turn_holder.stop, [holder]).start()
     gpusnap_json("checkpoint", cuda_ctr.name, "--export", str(second), "--leave-running")
     cuda_ctr.wait_running(above=cuda_ctr.iterations(), timeout=60)
     cuda_ctr.verify()  # the source runs on with its GPU back
@@ -106,7 +116,7 @@ def test_a_checkpoint_right_after_a_leave_running_one_waits_for_the_gpus_to_come
         time.sleep(0.2)
     kinds = [e["event"] for e in events]
     assert kinds[:4] == ["quiesced", "guardian-resumed", "quiesced", "guardian-resumed"], events
-    print(f"second pre-dump waited {events[2].get('turn_waited_s')} s for the first guardian")
+    assert events[2]["turn_waited_s"] >= HOLD_S / 2, events[2]  # it waited for the holder
     podman("rm", "-f", cuda_ctr.name)
     its = cuda_ctr.iterations()
     restored = gpusnap_json("restore", str(second))
