@@ -41,15 +41,17 @@ from typing import TYPE_CHECKING
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 from gpusnap.action import agent_files, step_state
-from gpusnap.action.action_dump import post_dump, pre_dump
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu import manifest as gpu_manifest, turn
-from gpusnap.gpu.quiesce import QuiesceError, Timing, require_driver, resume_onto
+from gpusnap.gpu import turn
 from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, ns_pid, parent_of, process_tree, start_time
 
 if TYPE_CHECKING:
     from gpusnap.pages.fill_plan import Settings
+
+# The dump steps (action_dump.py) and the driver's side of post-resume
+# (gpu/quiesce.py, gpu/manifest.py) are imported where they run: pre-restore
+# starts Python in CRIU's stop and needs neither (~60 ms of imports).
 
 # The steps with work to do; packaging/bin/criu-action lets only these start Python.
 ACTIONS = ("pre-dump", "post-dump", "pre-restore", "post-restore", "post-resume")
@@ -263,6 +265,8 @@ def _runtime_of(criu_pid: int) -> str:
 def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -> None:
     """The restored CUDA processes' GPU state back, then unlocked; ``driver``:
     one the agent loaded ahead (else loaded here)."""
+    from gpusnap.gpu import manifest as gpu_manifest, quiesce  # see the imports above
+
     procs = cuda_processes(init_pid)
     state = step_state.restore(criu_pid)
     kept = json.loads(state.read_text()) if state.exists() else {}
@@ -272,14 +276,14 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
         if MANIFEST_NAME in kept else None
     if manifest is not None and manifest.quiesced_by == "criu-cuda-plugin":
         return  # CRIU's plugin brings them back itself
-    timing = Timing()
+    timing = quiesce.Timing()
     live = _live_remap(init_pid)
     choices = live[1].pair_choices() if live else _pair_choices(kept.get(PLAN_NAME))
     try:
         if live:
             live[0].apply()
-        label, changed, refused = resume_onto(driver or require_driver(), [p.pid for p in procs],
-                                              choices, timing)
+        label, changed, refused = quiesce.resume_onto(driver or quiesce.require_driver(),
+                                                      [p.pid for p in procs], choices, timing)
     except BaseException:
         if live:
             live[0].undo()
@@ -330,6 +334,7 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
     if action == "post-dump":
         # An optimisation: never the reason a dump fails (the pages then stay
         # where CRIU wrote them, and the push reads them from the export)...
+        from gpusnap.action.action_dump import post_dump  # see the imports above
         from gpusnap.pages.dump_ahead import AheadError  # post-dump only: not every step's start-up
 
         init_pid = os.environ.get("CRTOOLS_INIT_PID", "0")
@@ -364,10 +369,13 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
             print(f"Error (gpusnap): {exc}", file=sys.stderr)
             return 1
         return 0
+    from gpusnap.gpu.quiesce import QuiesceError  # see the imports above
+
     try:
         init_pid = int(os.environ["CRTOOLS_INIT_PID"])
         image_dir = os.environ["CRTOOLS_IMAGE_DIR"]
         if action == "pre-dump":
+            from gpusnap.action.action_dump import pre_dump  # see the imports above
             pre_dump(init_pid, image_dir, criu_pid)
         elif action == "post-restore":
             post_restore(init_pid, criu_pid, by)

@@ -9,6 +9,7 @@ import pytest
 from gpusnap import PLAN_NAME
 from gpusnap.action import action, step_state
 from gpusnap.errors import GpusnapError
+from gpusnap.gpu import quiesce
 from gpusnap.gpu.gpumap import parse_gpu_map
 from gpusnap.gpu.plan import plan_restore
 from tests.unit.fakes import UUID0, UUID1, gpu, inventory
@@ -81,7 +82,7 @@ def test_post_resume_falls_back_to_fewer_pairs_when_the_driver_refuses(tmp_path,
         driver.states[pid] = ProcessState.LOCKED
 
     monkeypatch.setattr(driver, "restore", restore)
-    monkeypatch.setattr(action, "require_driver", lambda: driver)
+    monkeypatch.setattr(quiesce, "require_driver", lambda: driver)
     monkeypatch.setattr(action, "cuda_processes",
                         lambda pid: [ProcessGpuUse(pid=77, comm="train", gpu_minors=[1])])
     action.post_resume(init_pid=70, criu_pid=4242)
