@@ -82,6 +82,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
     by = "criu-cuda-plugin" if plugin else "gpusnap"
     manifest = gpu_manifest.build(procs, inventory, criu_version(), by)
     pids = [p.pid for p in procs]
+    free_at = None  # when the GPU was free for the next job: its memory in host memory
     if plugin is None:
         from gpusnap.pages import dump_ahead  # GPU dumps only: not every step's start-up
         before = {pid: dump_ahead.mapped(pid) for pid in pids} if ahead else {}
@@ -89,6 +90,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
         driver = require_driver()
         refuse_unmanaged(driver, procs)
         changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
+        free_at = round(time.time(), 3)  # before the read-ahead below, which takes seconds at GBs
         manifest.timing = timing.phases
         guardian = _start_guardian(criu_pid, changed, init_pid, turn)
         if ahead and guardian is not None:
@@ -100,9 +102,9 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
             guardian.close()
     if image_dir:  # CRIU always names one; never the working folder
         gpu_manifest.write(manifest, image_dir)
-    # ``at``: when the GPU was free for the next job (its memory is in host memory now)
+    # ``at``: when the GPU was free (none where CRIU's plugin quiesces, later, inside CRIU)
     journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
-                   at=round(time.time(), 3),
+                   **({"at": free_at} if free_at is not None else {}),
                    turn_waited_s=turn.waited_s if turn is not None else None)
 
 

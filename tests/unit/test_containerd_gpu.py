@@ -319,6 +319,36 @@ def test_pre_dump_of_a_task_the_shim_holds_does_not_wait_for_its_earlier_trys_gu
     assert journal.read()[-1]["turn_waited_s"] is None
 
 
+def test_pre_dump_journals_the_gpu_free_once_the_quiesce_returned(host, monkeypatch, tmp_path):
+    """``quiesced``'s ``at`` (the GPU free for the next job: bench/gpu_scale.py,
+    `migrate --detach`) is when the driver's checkpoint returned, not when
+    pre-dump was done: the read-ahead and the manifest come after it, seconds
+    at 32 GiB."""
+    running = ProcessGpuUse(pid=INIT, comm="python3", maps_libcuda=True)
+    monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [running])
+    monkeypatch.setattr(action_dump, "read_inventory", lambda: inventory(gpu(0, UUID0)))
+    monkeypatch.setattr(action_dump, "cuda_plugin_path", lambda: None)
+    monkeypatch.setattr(action_dump, "criu_version", lambda: "4.2.1")
+    driver = FakeDriver({INIT: R})
+    monkeypatch.setattr(action_dump, "require_driver", lambda: driver)
+    monkeypatch.setattr(action_dump, "refuse_unmanaged", lambda driver, procs: None)
+    monkeypatch.setattr(action_dump, "_start_guardian", lambda *a, **k: None)
+    writing = []
+    write = gpu_manifest.write
+
+    def slow_write(manifest, folder):
+        writing.append(time.time())
+        time.sleep(0.5)
+        write(manifest, folder)
+    monkeypatch.setattr(action_dump.gpu_manifest, "write", slow_write)
+    images = tmp_path / "images"
+    images.mkdir()
+    action_dump.pre_dump(INIT, str(images), 9999)
+    quiesced = journal.read()[-1]
+    assert quiesced["event"] == "quiesced" and driver.states == {INIT: C}
+    assert quiesced["at"] <= writing[0] + 0.001, (quiesced["at"], writing)
+
+
 def test_the_clients_real_guardian_holds_the_turn_it_was_handed(host, monkeypatch):
     """containerd_gpu._guardian as it runs (pass_fds, --turn-fd): the guardian
     names itself the holder, and its end lets go."""
