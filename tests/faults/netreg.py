@@ -132,6 +132,15 @@ class VethLink:
             idx = ipr.link_lookup(ifname=self.host_if)[0]
             ipr.link("set", index=idx, state="up" if up else "down")
 
+    def lose(self, percent: float) -> None:
+        """Drop ``percent`` of the packets the registry host receives and of those
+        it sends, at random (iptables' statistic match in its namespace): a
+        lossy link, where a down one drops everything."""
+        for chain in ("INPUT", "OUTPUT"):
+            subprocess.run(["ip", "netns", "exec", self.netns, "iptables", "-A", chain, "-m",
+                            "statistic", "--mode", "random", "--probability",
+                            f"{percent / 100:.4f}", "-j", "DROP"], check=True, timeout=30)
+
     def remove(self) -> None:
         from pyroute2 import IPRoute, netns
 

@@ -1,6 +1,7 @@
 """The network drops under a push and under a restore: the registry runs in its
 own network namespace (the "registry host"), reached from this one over a veth
-pair built with pyroute2; the link goes down mid-upload, or mid-download.
+pair built with pyroute2; the link goes down mid-upload, or mid-download, or
+loses some of its packets all along.
 
 A dead link answers nothing (no reset: a down veth drops what is sent to it,
 as a blackholed route does): a request in flight waits out the client's read
@@ -18,8 +19,8 @@ import pytest
 
 from tests.conftest import (assert_continued, assert_one_line_error, born, gpusnap_json, podman,
                             read_counter, wait_counter)
-from tests.faults.conftest import (cached_blobs, finished, say, start_cli, status, tag_exists,
-                                   unique_repo, when)
+from tests.faults.conftest import (FILL_MIB, cached_blobs, finished, say, start_cli, status,
+                                   tag_exists, unique_repo, when)
 from tests.faults.netreg import VethLink, make_registry, make_veth_link
 
 GIVE_UP_S = 200  # the read timeout, plus the retries' backoff, plus slack
@@ -98,4 +99,32 @@ def test_link_down_mid_restore_restores_nothing_and_the_restore_resumes(
     say(capsys, f"link down mid-restore: failed after {took:.0f} s: "
                 f"{res.stderr.splitlines()[0]}; re-run: {again['pull']['bytes_from_cache']} "
                 f"bytes from the cache, {again['pull']['bytes_fetched']} fetched")
+    assert_continued(loaded, before, token)
+
+
+LOSS_PERCENT = 10  # each way; TCP resends what is lost, at a fraction of the speed
+
+
+def test_a_lossy_link_slows_migrate_and_restore_but_both_complete(far_registry, link, loaded,
+                                                                   cache_dir, capsys):
+    """A link that drops LOSS_PERCENT of its packets each way, all along: no bound
+    of gpusnap's takes the slow link for a dead one. The checkpoint goes
+    through, every chunk of the restore comes over that link, and the
+    container counts on from the checkpoint."""
+    reg, repo = far_registry, unique_repo()
+    ref = reg.ref(f"{repo}:v1")
+    before, token = read_counter(loaded), born(loaded)
+    link.lose(LOSS_PERCENT)
+    started = time.monotonic()
+    pushed = gpusnap_json("migrate", loaded, ref, *reg.flags())
+    push_s = time.monotonic() - started
+    assert tag_exists(reg, repo, "v1")
+    podman("rm", loaded)
+    started = time.monotonic()
+    restored = gpusnap_json("restore", ref, *reg.flags())
+    restore_s = time.monotonic() - started
+    assert restored["pull"]["bytes_fetched"] > FILL_MIB << 20, restored["pull"]  # all over the link
+    say(capsys, f"{LOSS_PERCENT}% lost each way: migrate {push_s:.0f} s "
+                f"({pushed.get('chunks_sent')} chunks sent), restore {restore_s:.0f} s "
+                f"({restored['pull']['bytes_fetched']} bytes fetched)")
     assert_continued(loaded, before, token)
