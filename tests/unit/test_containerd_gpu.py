@@ -294,6 +294,19 @@ def held_guardian(host, monkeypatch):
         yield holder
 
 
+def _pre_dump_on_gpu0(monkeypatch, state: ProcessState) -> FakeDriver:
+    """pre-dump's view of a task whose init is its one CUDA process, on GPU 0,
+    in ``state`` for the faked driver (returned)."""
+    process = ProcessGpuUse(pid=INIT, comm="python3", maps_libcuda=True)
+    monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [process])
+    monkeypatch.setattr(action_dump, "read_inventory", lambda: inventory(gpu(0, UUID0)))
+    monkeypatch.setattr(action_dump, "cuda_plugin_path", lambda: None)
+    monkeypatch.setattr(action_dump, "criu_version", lambda: "4.2.1")
+    driver = FakeDriver({INIT: state})
+    monkeypatch.setattr(action_dump, "require_driver", lambda: driver)
+    return driver
+
+
 def test_pre_dump_of_a_task_the_shim_holds_does_not_wait_for_its_earlier_trys_guardian(
         host, held_guardian, monkeypatch, tmp_path):
     """CRIU could not seize the task on the shim's first try: that try's
@@ -301,13 +314,7 @@ def test_pre_dump_of_a_task_the_shim_holds_does_not_wait_for_its_earlier_trys_gu
     during the dump. The next try's pre-dump goes on: the processes are still
     checkpointed, and that guardian gives them back after the Resume."""
     requests.put_bound(INIT, requests.HELD)
-    checkpointed = ProcessGpuUse(pid=INIT, comm="python3", maps_libcuda=True)
-    monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [checkpointed])
-    monkeypatch.setattr(action_dump, "read_inventory", lambda: inventory(gpu(0, UUID0)))
-    monkeypatch.setattr(action_dump, "cuda_plugin_path", lambda: None)
-    monkeypatch.setattr(action_dump, "criu_version", lambda: "4.2.1")
-    driver = FakeDriver({INIT: C})
-    monkeypatch.setattr(action_dump, "require_driver", lambda: driver)
+    driver = _pre_dump_on_gpu0(monkeypatch, C)
     monkeypatch.setattr(action_dump.subprocess, "Popen",
                         lambda *a, **k: pytest.fail("nothing changed: no second guardian"))
     images = tmp_path / "images"
@@ -324,13 +331,7 @@ def test_pre_dump_journals_the_gpu_free_once_the_quiesce_returned(host, monkeypa
     `migrate --detach`) is when the driver's checkpoint returned, not when
     pre-dump was done: the read-ahead and the manifest come after it, seconds
     at 32 GiB."""
-    running = ProcessGpuUse(pid=INIT, comm="python3", maps_libcuda=True)
-    monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [running])
-    monkeypatch.setattr(action_dump, "read_inventory", lambda: inventory(gpu(0, UUID0)))
-    monkeypatch.setattr(action_dump, "cuda_plugin_path", lambda: None)
-    monkeypatch.setattr(action_dump, "criu_version", lambda: "4.2.1")
-    driver = FakeDriver({INIT: R})
-    monkeypatch.setattr(action_dump, "require_driver", lambda: driver)
+    driver = _pre_dump_on_gpu0(monkeypatch, R)
     monkeypatch.setattr(action_dump, "refuse_unmanaged", lambda driver, procs: None)
     monkeypatch.setattr(action_dump, "_start_guardian", lambda *a, **k: None)
     writing = []
