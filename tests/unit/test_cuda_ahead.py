@@ -37,3 +37,14 @@ def test_a_process_that_exits_first_waits_for_the_load(tmp_path):
     res = subprocess.run([sys.executable, "-c", SLOW_LOAD, str(mark)], timeout=60)
     assert res.returncode == 3
     assert mark.read_text() == "loaded" and time.monotonic() - started >= 0.6
+
+
+def test_a_load_that_never_ends_is_waited_for_no_longer_than_its_bound(monkeypatch):
+    class Stuck:  # a cuInit that does not return
+        def __init__(self):
+            time.sleep(60)
+    monkeypatch.setattr(cuda, "CudaDriver", Stuck)
+    monkeypatch.setattr(cuda.DriverAhead, "SETTLE_S", 0.3)
+    started = time.monotonic()
+    assert cuda.DriverAhead().get() is None
+    assert time.monotonic() - started < 5
