@@ -177,7 +177,6 @@ def test_pre_restore_starts_the_agent_where_there_is_a_fill(tmp_path, state, mon
     fill_plan.undo(folder)
 
 
-
 def test_a_gpu_restores_agent_holds_its_turn_until_post_resume_so_doctor_leaves_it(
         state, monkeypatch):
     """pre-restore of a GPU checkpoint hands the agent the restore's turn, keyed by
