@@ -135,11 +135,15 @@ class VethLink:
     def lose(self, percent: float) -> None:
         """Drop ``percent`` of the packets the registry host receives and of those
         it sends, at random (iptables' statistic match in its namespace): a
-        lossy link, where a down one drops everything."""
+        lossy link, where a down one drops everything. Entered as the registry
+        is (pyroute2's setns in the child): no ip(8) needed."""
+        from pyroute2 import netns as ns
+
+        name = self.netns
         for chain in ("INPUT", "OUTPUT"):
-            subprocess.run(["ip", "netns", "exec", self.netns, "iptables", "-A", chain, "-m",
-                            "statistic", "--mode", "random", "--probability",
-                            f"{percent / 100:.4f}", "-j", "DROP"], check=True, timeout=30)
+            subprocess.run(["iptables", "-A", chain, "-m", "statistic", "--mode", "random",
+                            "--probability", f"{percent / 100:.4f}", "-j", "DROP"],
+                           check=True, timeout=30, preexec_fn=lambda: ns.setns(name))
 
     def remove(self) -> None:
         from pyroute2 import IPRoute, netns
