@@ -36,7 +36,8 @@ STAGING_PREFIXES = (PUSH_PREFIX, PULL_PREFIX, TRASH_PREFIX)
 STAGING_IDLE_S = 10
 
 
-def _staging_roots() -> set[Path]:
+def staging_roots() -> set[Path]:
+    """Where push, pull and trash staging folders are made."""
     root = storage_root()
     return {d for d in (root.parent if root else None, Path("/var/tmp"), *memory.roots())
             if d and d.is_dir()}
@@ -101,7 +102,7 @@ def find() -> list[Path]:
                 found.append(work)
     keep = {Path(k["export"]).parent for k in kept()} | _linked_from_checkpoints() | \
         uploads.live_work_dirs()
-    for d in sorted(_staging_roots()):
+    for d in sorted(staging_roots()):
         for work in sorted(w for prefix in STAGING_PREFIXES for w in d.glob(prefix + "*")):
             try:
                 idle = time.time() - work.stat().st_mtime >= STAGING_IDLE_S

@@ -34,8 +34,8 @@ from gpusnap.gpu.cuda import CudaDriver, ProcessState
 from tests.conftest import (assert_one_line_error, gpusnap, gpusnap_json, journal_mark,
                             journal_since, podman)
 from tests.faults.conftest import (cached_blobs, finished, kept_in, kill_criu_mid_dump,
-                                   migrate_until_the_registry_dies, sigkill, start_cli,
-                                   unique_repo, wait_quiet, when)
+                                   migrate_until_the_registry_dies, settled, sigkill,
+                                   staging_folders, start_cli, unique_repo, wait_quiet, when)
 from tests.faults.netreg import make_registry
 from tests.gpu import harness
 
@@ -67,7 +67,11 @@ def _gpu_pids() -> list[int]:
 
 def assert_gpu_clean() -> None:
     """No CUDA process locked or checkpointed, none holding GPU memory outside a
-    running container, and nothing left for `gpusnap doctor` after --fix."""
+    running container, and nothing left for `gpusnap doctor` after --fix.
+    Staging folders are first left idle as long as doctor takes for in use: a
+    push's pages folder in RAM, last written at its dump, can be younger than
+    that when the restore that read it returns."""
+    settled(staging_folders())
     gpusnap("doctor", "--fix", "--json")
     report = json.loads(gpusnap("doctor", "--json").stdout)
     assert report["stuck"] == [], report["stuck"]
@@ -318,12 +322,26 @@ def test_export_disk_full(source, tmp_path, capsys):
 def checkpoint(held, tmp_path_factory):
     """An 8 GiB container checkpointed to a file and removed: (container, archive,
     iterations at the checkpoint)."""
+    # The dump side is over: its container and what it holds on disk make room
+    # for this one's (the archive and Podman's images of 8 GiB: ~55 GB at once).
+    if "source" in held:
+        held.pop("source").remove()
     ctr = held["restored"] = harness.start(nproc=1, gib=GIB)
     archive = tmp_path_factory.mktemp("faults-archive") / "job.tar.zst"
     its = ctr.iterations()
-    gpusnap_json("checkpoint", ctr.name, "--export", str(archive))
+    res = gpusnap("checkpoint", ctr.name, "--export", str(archive), "--json")
+    assert res.returncode == 0, f"{res.stderr}\n{_disk_use()}"
     podman("rm", ctr.name)
     return ctr, archive, its
+
+
+def _disk_use() -> str:
+    """What holds the disk, for a failure that says it is full."""
+    where = ["/var/lib/containers", "/var/tmp", "/tmp", "/run/gpusnap"]
+    du = subprocess.run(["du", "-xsh", *where, *map(str, staging_folders())],
+                        capture_output=True, text=True, timeout=120)
+    df = subprocess.run(["df", "-h", "/", "/run"], capture_output=True, text=True, timeout=60)
+    return f"{df.stdout}{du.stdout}"
 
 
 @pytest.fixture
