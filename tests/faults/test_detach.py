@@ -15,7 +15,7 @@ from pathlib import Path
 from gpusnap.ops.uploads import alive
 from tests.conftest import assert_continued, assert_one_line_error, born, gpusnap, gpusnap_json, \
     journal_mark, journal_since, podman, read_counter, wait_counter
-from tests.faults.conftest import doctor_fix, status, unique_repo
+from tests.faults.conftest import doctor_fix, settled, status, unique_repo
 
 
 def _until(cond, what: str, timeout: float = 120) -> None:
@@ -109,11 +109,22 @@ def test_detached_upload_killed_halfway_leaves_a_checkpoint_that_restores(regist
                    for e in journal_since(mark))
         at = stopped_counter(loaded)
         assert at >= before
+        # The export links its pages into a folder of their own (in RAM where
+        # the host could spare it); the kill left it. doctor --fix keeps it
+        # while the export needs it: the restore below reads the pages there.
+        aside = [Path(e["aside"]) for e in journal_since(mark) if e.get("event") == "pages-aside"]
+        assert len(aside) == 1, aside
+        settled(aside)
+        assert str(aside[0]) not in doctor_fix()["removed"]
         podman("rm", loaded)
         gpusnap_json("restore", str(export))
         goes_on(loaded, at, token)
     finally:
         shutil.rmtree(export.parent, ignore_errors=True)
+    # The export gone, its pages folder is litter that doctor --fix removes.
+    settled(aside)
+    doctor_fix()
+    assert not aside[0].exists(), "doctor --fix left the pages of an export that is gone"
 
 
 def test_detach_refuses_a_file_source(registry, tmp_path):
