@@ -8,7 +8,7 @@ the upload killed (foreground and detached), the registry killed mid-push, the
 export's disk full. Restore side, on one checkpoint of such a container: the
 registry killed mid-restore, the agent killed mid-fill, the target GPU taken
 between the plan and the driver's restore, the restored container killed
-during the driver's restore.
+during the driver's restore; and `doctor --fix` run during the driver's restore.
 
 After each: the workers are the original ones (their seed) counting on from the
 checkpoint, every element of their GPU data equal to the checkpoint's; no CUDA
@@ -460,25 +460,28 @@ def _held_by_driver(pids: list[int]) -> bool:
     return False
 
 
+def _resuming(mark, before: set[str], found: list[int]):
+    """A probe: CRIU has restored the processes and filled their pages, and
+    post-resume (the driver's restore) is in the agent's hands, or the driver
+    still holds them; the new container's processes go into ``found``."""
+    def probe() -> bool:
+        if "pages-filled" not in {e.get("event") for e in journal_since(mark)}:
+            return False
+        new = [pids for cid, pids in _containers_now().items() if cid not in before]
+        if new and (_agent_asked() is not None or _held_by_driver(new[0])):
+            found.extend(new[0])
+            return True
+        return False
+    return probe
+
+
 def test_restored_container_killed_during_the_driver_restore(gone, capsys):
     ctr, archive, its = gone
     mark = journal_mark()
     before = set(_containers_now())
     cli = start_cli("restore", str(archive))
     killed: list[int] = []
-
-    def resuming() -> bool:
-        """CRIU has restored the processes and filled their pages; post-resume (the
-        driver's restore) is in the agent's hands, or the driver still holds them."""
-        if "pages-filled" not in {e.get("event") for e in journal_since(mark)}:
-            return False
-        new = [pids for cid, pids in _containers_now().items() if cid not in before]
-        if new and (_agent_asked() is not None or _held_by_driver(new[0])):
-            killed.extend(new[0])
-            return True
-        return False
-
-    when(resuming, cli, "the driver's restore had started", timeout=300)
+    when(_resuming(mark, before, killed), cli, "the driver's restore had started", timeout=300)
     for pid in killed:  # as a power cut takes it: every process at once
         try:
             os.kill(pid, signal.SIGKILL)
@@ -495,4 +498,27 @@ def test_restored_container_killed_during_the_driver_restore(gone, capsys):
     assert_gpu_clean()
     _restores_again(ctr, str(archive), its)
     say(capsys, f"killed during the driver's restore ({len(killed)} processes): {happened}")
+    assert_gpu_clean()
+
+
+def test_doctor_fix_during_the_driver_restore_leaves_it_to_the_restore(gone, capsys):
+    """The restored processes wait checkpointed from CRIU's restore until the
+    driver's; the restore's turn tells `doctor --fix` they are at work, so it
+    neither resumes them onto the GPUs they were dumped on nor removes what
+    the restore still reads."""
+    ctr, archive, its = gone
+    mark = journal_mark()
+    before = set(_containers_now())
+    cli = start_cli("restore", str(archive))
+    restoring: list[int] = []
+    when(_resuming(mark, before, restoring), cli, "the driver's restore had started",
+         timeout=300)
+    report = json.loads(gpusnap("doctor", "--fix", "--json").stdout)
+    res = finished(cli)
+    assert res.returncode == 0, res.stderr
+    gpu = next(c for c in report["checks"] if c["name"] == "gpu processes")
+    assert "left to gpusnap's restore" in gpu["detail"], gpu  # it ran inside the window
+    assert not set(report["fixed"]) & set(restoring), report["fixed"]
+    ctr.assert_restored(ctr.seeds, its)
+    say(capsys, f"doctor --fix during the driver's restore: {gpu['detail']}")
     assert_gpu_clean()
