@@ -8,7 +8,8 @@ the upload killed (foreground and detached), the registry killed mid-push, the
 export's disk full. Restore side, on one checkpoint of such a container: the
 registry killed mid-restore, the agent killed mid-fill, the target GPU taken
 between the plan and the driver's restore, the restored container killed
-during the driver's restore; and `doctor --fix` run during the driver's restore.
+during the driver's restore, `doctor --fix` run during it, and the CLI killed
+during it.
 
 After each: the workers are the original ones (their seed) counting on from the
 checkpoint, every element of their GPU data equal to the checkpoint's; no CUDA
@@ -521,4 +522,25 @@ def test_doctor_fix_during_the_driver_restore_leaves_it_to_the_restore(gone, cap
     assert not set(report["fixed"]) & set(restoring), report["fixed"]
     ctr.assert_restored(ctr.seeds, its)
     say(capsys, f"doctor --fix during the driver's restore: {gpu['detail']}")
+    assert_gpu_clean()
+
+
+def test_cli_killed_during_the_driver_restore(gone, capsys):
+    """A crash of `gpusnap restore` once the driver's restore is under way: the
+    agent and Podman go on without it, so the container comes up, or nothing
+    does and the archive restores again; either way no process is left locked."""
+    ctr, archive, its = gone
+    mark = journal_mark()
+    before = set(_containers_now())
+    cli = start_cli("restore", str(archive))
+    restoring: list[int] = []
+    when(_resuming(mark, before, restoring), cli, "the driver's restore had started",
+         timeout=300)
+    sigkill(cli)
+    was = _status(ctr.name)  # `podman inspect` waits for the restore's container lock
+    if was == "running":
+        ctr.assert_restored(ctr.seeds, its)
+    else:
+        _restores_again(ctr, str(archive), its)
+    say(capsys, f"CLI killed during the driver's restore: the container was {was} afterwards")
     assert_gpu_clean()
