@@ -476,13 +476,20 @@ def _resuming(mark, before: set[str], found: list[int]):
     return probe
 
 
-def test_restored_container_killed_during_the_driver_restore(gone, capsys):
-    ctr, archive, its = gone
+def _restore_until_the_driver_restores(archive: Path) -> tuple[subprocess.Popen, list[int]]:
+    """`gpusnap restore ARCHIVE` started and followed until the driver's restore
+    is under way: the CLI, and the restored container's processes."""
     mark = journal_mark()
     before = set(_containers_now())
     cli = start_cli("restore", str(archive))
-    killed: list[int] = []
-    when(_resuming(mark, before, killed), cli, "the driver's restore had started", timeout=300)
+    found: list[int] = []
+    when(_resuming(mark, before, found), cli, "the driver's restore had started", timeout=300)
+    return cli, found
+
+
+def test_restored_container_killed_during_the_driver_restore(gone, capsys):
+    ctr, archive, its = gone
+    cli, killed = _restore_until_the_driver_restores(archive)
     for pid in killed:  # as a power cut takes it: every process at once
         try:
             os.kill(pid, signal.SIGKILL)
@@ -508,12 +515,7 @@ def test_doctor_fix_during_the_driver_restore_leaves_it_to_the_restore(gone, cap
     neither resumes them onto the GPUs they were dumped on nor removes what
     the restore still reads."""
     ctr, archive, its = gone
-    mark = journal_mark()
-    before = set(_containers_now())
-    cli = start_cli("restore", str(archive))
-    restoring: list[int] = []
-    when(_resuming(mark, before, restoring), cli, "the driver's restore had started",
-         timeout=300)
+    cli, restoring = _restore_until_the_driver_restores(archive)
     report = json.loads(gpusnap("doctor", "--fix", "--json").stdout)
     res = finished(cli)
     assert res.returncode == 0, res.stderr
@@ -530,12 +532,7 @@ def test_cli_killed_during_the_driver_restore(gone, capsys):
     agent and Podman go on without it, so the container comes up, or nothing
     does and the archive restores again; either way no process is left locked."""
     ctr, archive, its = gone
-    mark = journal_mark()
-    before = set(_containers_now())
-    cli = start_cli("restore", str(archive))
-    restoring: list[int] = []
-    when(_resuming(mark, before, restoring), cli, "the driver's restore had started",
-         timeout=300)
+    cli, _ = _restore_until_the_driver_restores(archive)
     sigkill(cli)
     was = _status(ctr.name)  # `podman inspect` waits for the restore's container lock
     if was == "running":
