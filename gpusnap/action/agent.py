@@ -23,9 +23,9 @@ with ``--driver``: libcuda loaded and cuInit called on a thread, NVML read for
 gpusnap-hook, which takes it instead of its own read, and with ``--turn`` the
 restore's turn (gpu/turn.py), held until post-resume is done. Where the agent
 is not there, the script runs Python for the step itself; where it stops while
-a step is in its hands, the script fails the step (CRIU then stops the restore: the checkpoint is unchanged), since that
-step may be half done. The agent leaves when CRIU does, after post-resume, or
-after an hour.
+a step is in its hands, the script fails the step (CRIU then stops the restore:
+the checkpoint is unchanged), since that step may be half done. The agent
+leaves when CRIU does, after post-resume, or after an hour.
 
 Usage: python -m gpusnap.action.agent CRIU_PID [--driver] [--turn KEY:FD]
 """

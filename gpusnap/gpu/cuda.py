@@ -192,6 +192,6 @@ class DriverAhead:
     def get(self) -> CudaDriver | None:
         """The driver once loaded; None where it could not be (no driver here),
         or where the load outlasts SETTLE_S (cuInit takes well under a second):
-        the caller then loads it itself and says why, rather than wait here."""
+        the caller then loads it itself, rather than wait here."""
         self._ready.wait(self.SETTLE_S)
         return self._driver

@@ -36,11 +36,16 @@ STAGING_PREFIXES = (PUSH_PREFIX, PULL_PREFIX, TRASH_PREFIX)
 STAGING_IDLE_S = 10
 
 
-def staging_roots() -> set[Path]:
-    """Where push, pull and trash staging folders are made."""
+def _staging_roots() -> set[Path]:
     root = storage_root()
     return {d for d in (root.parent if root else None, Path("/var/tmp"), *memory.roots())
             if d and d.is_dir()}
+
+
+def staging_folders() -> list[Path]:
+    """Every push, pull and trash staging folder there is now, live or not."""
+    return [work for d in sorted(_staging_roots())
+            for work in sorted(w for prefix in STAGING_PREFIXES for w in d.glob(prefix + "*"))]
 
 
 def _busy(work: Path) -> bool:
@@ -102,14 +107,13 @@ def find() -> list[Path]:
                 found.append(work)
     keep = {Path(k["export"]).parent for k in kept()} | _linked_from_checkpoints() | \
         uploads.live_work_dirs()
-    for d in sorted(staging_roots()):
-        for work in sorted(w for prefix in STAGING_PREFIXES for w in d.glob(prefix + "*")):
-            try:
-                idle = time.time() - work.stat().st_mtime >= STAGING_IDLE_S
-            except OSError:
-                continue
-            if idle and work.is_dir() and work not in keep and not _busy(work):
-                found.append(work)
+    for work in staging_folders():
+        try:
+            idle = time.time() - work.stat().st_mtime >= STAGING_IDLE_S
+        except OSError:
+            continue
+        if idle and work.is_dir() and work not in keep and not _busy(work):
+            found.append(work)
     # A partial still being written belongs to a live export: leave it.
     return [p for p in found if not (p.suffix == ".partial" and referenced(str(p)))]
 

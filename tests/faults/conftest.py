@@ -118,13 +118,6 @@ def settled(paths) -> None:
             continue
 
 
-def staging_folders() -> list[Path]:
-    """Every push, pull and trash staging folder there is now."""
-    from gpusnap.ops.leftovers import STAGING_PREFIXES, staging_roots
-
-    return [w for d in staging_roots() for prefix in STAGING_PREFIXES for w in d.glob(prefix + "*")]
-
-
 def doctor_fix() -> dict:
     return json.loads(gpusnap("doctor", "--fix", "--json").stdout)
 

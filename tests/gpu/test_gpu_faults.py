@@ -32,11 +32,12 @@ from pathlib import Path
 import pytest
 
 from gpusnap.gpu.cuda import CudaDriver, ProcessState
+from gpusnap.ops.leftovers import staging_folders
 from tests.conftest import (assert_one_line_error, gpusnap, gpusnap_json, journal_mark,
                             journal_since, podman)
 from tests.faults.conftest import (cached_blobs, finished, kept_in, kill_criu_mid_dump,
                                    migrate_until_the_registry_dies, settled, sigkill,
-                                   staging_folders, start_cli, unique_repo, wait_quiet, when)
+                                   start_cli, unique_repo, wait_quiet, when)
 from tests.faults.netreg import make_registry
 from tests.gpu import harness
 
