@@ -179,6 +179,9 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
             continue
         if held is None:
             busy[init] = (*turn.holder(init), pids)
+            if fix:  # what --fix chose not to touch, and whose they were, for the record
+                journal.record("doctor-left", init_pid=init, pids=pids, holder=busy[init][0],
+                               role=busy[init][1])
             continue
         with held:
             if driver is None:
@@ -229,11 +232,14 @@ def _prepared_check() -> Check:
 
 
 def run(fix: bool) -> dict:
+    # The processes first: `podman info` below waits for every container's lock,
+    # which a restore holds until its end; read after it, a restore's processes
+    # would be seen only once it is over, and a stuck one resumed only then.
+    gpu_check, stuck, fixed = _gpu_processes_check(fix)
     checks = _criu_checks() + _integration_checks() + _gpu_checks() + [_pages_check(),
                                                                         _prepared_check()]
     checks.append(Check("kernel", True, f"{platform.release()} {platform.machine()}",
                         required=False))
-    gpu_check, stuck, fixed = _gpu_processes_check(fix)
     checks.append(gpu_check)
     ok = all(c.ok for c in checks if c.required)
     left = leftovers.find()

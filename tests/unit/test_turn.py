@@ -148,6 +148,9 @@ def test_doctor_fix_leaves_only_the_container_whose_guardian_is_at_work(monkeypa
         assert resumed == [[other + 1]] and fixed == [other + 1] and check.ok
         assert f"left to gpusnap's guardian (pid {holder.pid}), at work on pid {INIT + 1}" \
             in check.detail
+        left = [e for e in journal.read() if e["event"] == "doctor-left"]
+        assert [(e["pids"], e["holder"], e["role"]) for e in left] == \
+            [([INIT + 1], holder.pid, "guardian")]  # what --fix chose not to touch, recorded
         check, _, fixed = doctor._gpu_processes_check(fix=False)
         assert not check.ok and "doctor --fix" in check.fix  # the other one is stuck
     monkeypatch.setattr(doctor, "stuck_processes", lambda: stuck[:1])
@@ -217,3 +220,20 @@ def test_a_claim_on_a_file_that_is_not_the_turns_writes_nothing(tmp_path):
         for fd in (other, r, w):
             os.close(fd)
         turn.release()
+
+
+def test_doctor_reads_the_gpu_processes_before_it_asks_podman(monkeypatch):
+    """`podman info` waits for the lock of a container a restore holds: doctor
+    takes the processes' states before it, or sees a restore's only once it is over."""
+    from gpusnap.ops import doctor
+    asked: list[str] = []
+
+    def processes(fix):
+        asked.append("processes")
+        return doctor.Check("gpu processes", True, "none"), [], []
+    monkeypatch.setattr(doctor, "_gpu_processes_check", processes)
+    monkeypatch.setattr(doctor, "_criu_checks", lambda: asked.append("criu") or [])
+    monkeypatch.setattr(doctor.podman, "default_runtime", lambda: asked.append("podman") or "runc")
+    report = doctor.run(fix=False)
+    assert asked[0] == "processes" and "podman" in asked, asked
+    assert [c["name"] for c in report["checks"]].index("gpu processes") > 0  # shown where it was
