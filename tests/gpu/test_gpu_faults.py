@@ -510,18 +510,84 @@ def test_restored_container_killed_during_the_driver_restore(gone, capsys):
     assert_gpu_clean()
 
 
+# select(2) and pselect6(2) on x86_64 (glibc's select is either): where the
+# agent waits for CRIU's next step
+SELECT = {"23", "270"}
+
+
+def _agent_waiting_for_post_resume() -> int | None:
+    """The restore's agent, stopped (SIGSTOP) in its wait for CRIU's next step
+    once it has answered post-restore: the pid, or None where it is not there
+    yet (it is let go again where it was not in that wait)."""
+    for folder in (STATE / "actions").glob("*-agent"):
+        try:
+            pid = int((folder / "pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if any(folder.glob("reply.*")):
+            return None  # a step is in its hands: post-restore is not answered yet
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while _state(pid) != "T" and time.monotonic() < deadline:
+                time.sleep(0.001)
+            # stopped inside select(2) it has not read post-resume's request: the
+            # driver's restore has not begun (/proc/PID/syscall: its number first)
+            if Path(f"/proc/{pid}/syscall").read_text().split()[0] in SELECT:
+                return pid
+        except (OSError, IndexError):
+            pass
+        os.kill(pid, signal.SIGCONT)
+    return None
+
+
+def _state(pid: int) -> str:
+    """The process's state letter ("T": stopped), "" where it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def test_doctor_fix_during_the_driver_restore_leaves_it_to_the_restore(gone, capsys):
     """The restored processes wait checkpointed from CRIU's restore until the
     driver's; the restore's turn tells `doctor --fix` they are at work, so it
     neither resumes them onto the GPUs they were dumped on nor removes what
-    the restore still reads."""
+    the restore still reads. That wait lasts a second or two: the agent is
+    stopped once it has answered post-restore, so the processes wait under
+    its turn until doctor has left them (its 'doctor-left' event)."""
     ctr, archive, its = gone
-    cli, restoring = _restore_until_the_driver_restores(archive)
-    report = json.loads(gpusnap("doctor", "--fix", "--json").stdout)
+    mark = journal_mark()
+    before = set(_containers_now())
+    cli = start_cli("restore", str(archive))
+    agent: list[int] = []
+
+    def held() -> bool:
+        if not agent and "pages-filled" in {e.get("event") for e in journal_since(mark)}:
+            agent.extend(filter(None, [_agent_waiting_for_post_resume()]))
+        return bool(agent)
+    doctor = None
+    try:
+        when(held, cli, "the agent had answered post-restore", timeout=300)
+        restoring: list[int] = []
+
+        def checkpointed() -> bool:  # CRIU resumed them; the driver has not restored them
+            new = [pids for cid, pids in _containers_now().items() if cid not in before]
+            if new and _held_by_driver(new[0]):
+                restoring[:] = new[0]
+            return bool(restoring)
+        when(checkpointed, cli, "the restored processes waited for the driver", timeout=120)
+        doctor = start_cli("doctor", "--fix", "--json")
+        when(lambda: any(e.get("event") == "doctor-left" for e in journal_since(mark)), doctor,
+             "doctor had left the processes to the restore", timeout=120)
+    finally:
+        for pid in agent:
+            os.kill(pid, signal.SIGCONT)
+    report = json.loads(finished(doctor).stdout)
     res = finished(cli)
     assert res.returncode == 0, res.stderr
     gpu = next(c for c in report["checks"] if c["name"] == "gpu processes")
-    assert "left to gpusnap's restore" in gpu["detail"], gpu  # it ran inside the window
+    assert "left to gpusnap's restore" in gpu["detail"], gpu
     assert not set(report["fixed"]) & set(restoring), report["fixed"]
     ctr.assert_restored(ctr.seeds, its)
     say(capsys, f"doctor --fix during the driver's restore: {gpu['detail']}")
