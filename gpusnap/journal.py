@@ -30,18 +30,28 @@ KEPT_LOGS = 20
 
 
 def keep_log(log: Path, verb: str, container: str) -> Path | None:
+    """A copy of CRIU's ``log`` in state_dir()/logs (copy_log); None where there
+    is no log or no room for the copy."""
+    try:
+        return copy_log(log, verb, container)
+    except OSError:
+        return None
+
+
+def copy_log(log: Path, verb: str, container: str) -> Path:
     """A copy of CRIU's ``log`` in state_dir()/logs, named for the verb, the
     container and the time: the runtime's copy goes with the container (or the
-    next dump overwrites it), and the log is what says why CRIU failed. None
-    where there is no log or no room for the copy."""
+    next dump overwrites it), and the log is what says why CRIU failed. OSError
+    where there is no log (FileNotFoundError) or no room for the copy."""
     if not log.is_file():
-        return None
+        raise FileNotFoundError(2, "no log", str(log))
     logs = state_subdir("logs")
     kept = logs / f"{verb}-{container}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     try:
         shutil.copyfile(log, kept)
     except OSError:
-        return None
+        kept.unlink(missing_ok=True)  # a cut copy would read as a CRIU killed mid-way
+        raise
     # /run is memory: the newest KEPT_LOGS stay, enough to report a failure
     for old in sorted(logs.glob("*.log"), key=_mtime)[:-KEPT_LOGS]:
         old.unlink(missing_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager
 
@@ -18,6 +19,7 @@ from gpusnap.ops.engines import refuse_engine
 from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import has_checkpoint
+from gpusnap.partial import full_at
 from gpusnap.procs import cuda_processes
 from gpusnap.runtime import identity, podman
 from gpusnap.runtime.retarget import edit_members
@@ -176,16 +178,17 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
         log, left = _drop_half_restored(target)
         why, hint = exc.message, exc.hint
         if log is not None:  # Podman's "see restore.log" names a file removed with the container
-            criu = criu_error(log)
-            if criu and "log file:" in why:  # Podman said only where its log was: CRIU says why
-                why = f"podman container restore: {criu} (CRIU's log is kept in {log})"
-            elif _criu_died(why) or (not criu and ended_early(log)):
-                said = criu or "its log ends mid-way, with no error: killed?"
+            cause = log.error or log.full
+            if cause and "log file:" in why:  # Podman said only where its log was: CRIU says why
+                why = f"podman container restore: {cause} ({log.where()})"
+            elif _criu_died(why) or log.cut:
+                said = cause or "its log ends mid-way, with no error: killed?"
                 why = (f"CRIU stopped before the restore of {target} was complete ({said}; "
-                       f"CRIU's log is kept in {log})")
-                hint = "the checkpoint needs nothing: run the same restore again"
+                       f"{log.where()})")
+                hint = "the checkpoint needs nothing: run the same restore again" + (
+                    ", once the disk has room" if log.full else "")
             else:
-                why += f" ({criu + '; ' if criu else ''}CRIU's log is kept in {log})"
+                why += f" ({cause + '; ' if cause else ''}{log.where()})"
         if left:  # the cause above stays the message; the leftover is what to clean up
             why += f"; the half-restored container {target} is left ({left}): `podman rm -f {target}`"
         raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged", hint) from None
@@ -219,24 +222,52 @@ def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
     return result
 
 
-def _drop_half_restored(name: str | None) -> tuple[Path | None, str | None]:
+@dataclass(frozen=True)
+class CriuLog:
+    """CRIU's restore.log of a failed import, read before its container went."""
+    error: str | None  # its first error (criu.log.first_error)
+    cut: bool  # it ends mid-way with no error: CRIU was killed, or could not write
+    full: str  # disk_full's words where the disk holding it had no room left
+    kept: Path | None  # the copy in state_dir()/logs
+    not_kept: str = ""  # why there is no copy
+
+    def where(self) -> str:
+        return f"CRIU's log is kept in {self.kept}" if self.kept else \
+            f"CRIU's log could not be kept: {self.not_kept}"
+
+
+def _read_log(ctr: podman.Container) -> CriuLog | None:
+    log = ctr.userdata / "restore.log"
+    if not log.is_file():
+        return None
+    error, full = criu_error(log), full_at(log.parent)
+    try:
+        kept, not_kept = journal.copy_log(log, "restore", ctr.name), ""
+    except OSError as exc:
+        logs = journal.state_subdir("logs")
+        kept, not_kept = None, full_at(logs) or f"{exc.strerror or exc} in {logs}"
+    return CriuLog(error, not error and ended_early(log), full, kept, not_kept)
+
+
+def _drop_half_restored(name: str | None) -> tuple[CriuLog | None, str | None]:
     """An import that failed (a damaged archive) may leave a created container
     behind; the name was free before, so it is ours to remove. Its CRIU
-    restore.log goes with it: a copy is kept first. (the copy, why the container
-    could not be removed): a failed removal never hides why the import failed."""
+    restore.log goes with it: it is read and a copy kept first. (the log, why
+    the container could not be removed): a failed removal never hides why the
+    import failed."""
     try:
         ctr = podman.find(name) if name else None
         if ctr is None or ctr.running:
             return None, None
     except GpusnapError as exc:
         return None, exc.message
-    kept = journal.keep_log(ctr.userdata / "restore.log", "restore", ctr.name)
+    log = _read_log(ctr)
     try:
         podman.remove(name)
     except GpusnapError as exc:
         journal.record("half-restored-left", container=ctr.id, error=exc.message)
-        return kept, exc.message
-    return kept, None
+        return log, exc.message
+    return log, None
 
 
 def _gpu_report(pid: int, ahead: DriverAhead | None = None) -> list[dict]:

@@ -17,6 +17,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.timeout(300))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # a failed GPU test says what held the disk and the memory: a full one is
+    # a cause the message of the step that met it does not always name
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and HERE in Path(item.fspath).parents:
+        report.sections.append(("disk and memory", harness.room()))
+
+
 @pytest.fixture
 def cuda_ctr():
     """A running container with one CUDA process holding 2 GiB."""

@@ -211,3 +211,22 @@ def host_pids(name: str) -> list[int]:
     from gpusnap.procs import cuda_processes
     pid = int(_sh("podman", "inspect", name, "--format", "{{.State.Pid}}").stdout.strip())
     return [p.pid for p in cuda_processes(pid)]
+
+
+def room() -> str:
+    """What holds the disk and the memory (df, du, free): a GPU checkpoint is
+    several copies of the GPU memory at once, on disk and in tmpfs; said with
+    a failure, which may be a full one."""
+    from gpusnap.ops.leftovers import staging_folders
+
+    mounts = ["/", "/run", "/run/gpusnap/ram", "/dev/shm"]
+    where = ["/var/lib/containers", "/var/tmp", "/tmp", "/run/gpusnap"]
+    out = []
+    for cmd in (["df", "-h", *[m for m in mounts if os.path.isdir(m)]],
+                ["du", "-xsh", *where, *map(str, staging_folders())], ["free", "-g"]):
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            out.append(res.stdout)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            out.append(f"{cmd[0]}: {exc}\n")
+    return "".join(out)

@@ -332,18 +332,9 @@ def checkpoint(held, tmp_path_factory):
     archive = tmp_path_factory.mktemp("faults-archive") / "job.tar.zst"
     its = ctr.iterations()
     res = gpusnap("checkpoint", ctr.name, "--export", str(archive), "--json")
-    assert res.returncode == 0, f"{res.stderr}\n{_disk_use()}"
+    assert res.returncode == 0, f"{res.stderr}\n{harness.room()}"
     podman("rm", ctr.name)
     return ctr, archive, its
-
-
-def _disk_use() -> str:
-    """What holds the disk, for a failure that says it is full."""
-    where = ["/var/lib/containers", "/var/tmp", "/tmp", "/run/gpusnap"]
-    du = subprocess.run(["du", "-xsh", *where, *map(str, staging_folders())],
-                        capture_output=True, text=True, timeout=120)
-    df = subprocess.run(["df", "-h", "/", "/run"], capture_output=True, text=True, timeout=60)
-    return f"{df.stdout}{du.stdout}"
 
 
 @pytest.fixture

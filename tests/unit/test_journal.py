@@ -136,3 +136,17 @@ def test_keep_log_copies_crius_log_and_keeps_only_the_newest(state_dir, tmp_path
     assert kept is not None and kept.read_text() == log.read_text()
     assert kept.name.startswith("dump-c-") and kept.parent == old
     assert sorted(p.name for p in old.iterdir()) == sorted(["dump-old2-1.log", "dump-old3-1.log", kept.name])
+
+
+def test_a_log_copy_the_disk_cut_short_is_not_left(state_dir, tmp_path, monkeypatch):
+    """A cut copy would read as a CRIU killed mid-way (criu.log.ended_early)."""
+    import errno
+    log = tmp_path / "restore.log"
+    log.write_text("(00.000000) CRIU run id = x\n(00.1) Error (x.c:1): y\n")
+
+    def half(src, dst):
+        Path(dst).write_text("(00.000000) CRIU")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(journal.shutil, "copyfile", half)
+    assert journal.keep_log(log, "restore", "c") is None
+    assert list((state_dir / "logs").iterdir()) == []

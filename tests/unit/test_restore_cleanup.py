@@ -65,3 +65,49 @@ def test_a_criu_killed_mid_restore_is_named_with_its_first_error(tmp_path, monke
     assert msg.startswith("CRIU stopped before the restore of r2-1 was complete"), msg
     assert "boom" in msg and "unixpacket" not in msg and "ARCHIVE is unchanged" in msg
     assert err.value.hint == "the checkpoint needs nothing: run the same restore again"
+
+
+def test_a_restore_that_met_a_full_disk_says_so_where_crius_log_could_not(tmp_path, monkeypatch):
+    """A GPU fault run filled the disk under a restore: CRIU's log ended mid-way, its
+    copy failed, and the line said only Podman's "log file: PATH", a file removed
+    with the container. The disk's state is read before the container goes."""
+    import errno
+
+    from gpusnap import journal
+    from gpusnap.partial import disk_full
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    ctr = _container(tmp_path)
+    (ctr.userdata / "restore.log").write_text("(00.05) Collecting 46/69 (flags 0)\n")  # cut
+
+    def vague(*a, **k):
+        raise GpusnapError(f"podman container restore: log file: {ctr.userdata}/restore.log")
+
+    def no_room(log, verb, container):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(podman, "restore", vague)
+    monkeypatch.setattr(podman, "find", lambda name: ctr)
+    monkeypatch.setattr(podman, "remove", lambda name: None)
+    monkeypatch.setattr(journal, "copy_log", no_room)
+    monkeypatch.setattr(restore, "full_at", lambda folder: disk_full(folder / "-")
+                        if folder == ctr.userdata else "")
+    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
+    with pytest.raises(GpusnapError) as err:
+        restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents,
+                               Plan([], [], False), "r2-1", False, False, "REF")
+    msg = err.value.message
+    assert msg.startswith(f"podman container restore: the disk is full (No space left on device "
+                          f"in {ctr.userdata})"), msg
+    assert "CRIU's log could not be kept: No space left on device in " in msg, msg
+    assert msg.endswith("nothing was restored, REF is unchanged"), msg
+
+
+def test_full_at_says_a_filesystem_without_room_is_full(tmp_path, monkeypatch):
+    import os
+
+    from gpusnap import partial
+    assert partial.full_at(tmp_path) == ""  # the test's own disk has room
+    room = os.statvfs(tmp_path)
+    monkeypatch.setattr(partial.os, "statvfs", lambda p: type("S", (), {
+        "f_bfree": 3, "f_frsize": room.f_frsize})())
+    assert partial.full_at(tmp_path) == f"the disk is full (No space left on device in {tmp_path})"
+    assert partial.full_at(tmp_path / "gone") != ""  # statvfs is asked, not the folder
