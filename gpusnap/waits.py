@@ -30,6 +30,7 @@ DEFAULTS: dict[str, float] = {
     # the GPUs of a container's last checkpoint given back (gpu/turn.py): the
     # guardian's own bound on a freeze CRIU left (120 s), then the driver's restore
     "GPU_TURN": 180.0,
+    "DRIVER": 120.0,          # the NVIDIA driver's cuInit (seconds at most on a healthy host)
 }
 # Bytes a second below which a big restore or checkpoint counts as hung: a
 # twentieth of the slowest disk the benches saw, so only a stall reaches it.

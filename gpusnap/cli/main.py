@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import click
 
@@ -64,4 +66,12 @@ def cli() -> None:
 
 
 def main() -> None:
-    cli(prog_name="gpusnap")
+    try:
+        cli(prog_name="gpusnap")
+    except SystemExit as done:
+        cuda = sys.modules.get("gpusnap.gpu.cuda")  # loaded where a command used the driver
+        if cuda is not None and cuda.init_hung():  # libcuda's exit handlers would wait on it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(done.code if isinstance(done.code, int) else 1)
+        raise

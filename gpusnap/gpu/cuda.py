@@ -15,7 +15,19 @@ import os
 import threading
 from dataclasses import dataclass
 
+from gpusnap.waits import Bound
+
 CUDA_SUCCESS = 0
+
+# cuInit calls that outlived their bound, in this process (the driver is per
+# process): libcuda's exit handlers would wait on them, so the CLI leaves by
+# os._exit while one is in flight (init_hung).
+_HUNG: list[threading.Thread] = []
+
+
+def init_hung() -> bool:
+    """Whether a cuInit of this process outlived its bound and is still in flight."""
+    return any(t.is_alive() for t in _HUNG)
 
 
 class ProcessState(enum.IntEnum):
@@ -105,6 +117,7 @@ class CudaDriver:
                     f"the NVIDIA driver has no {name}: checkpoint needs driver r570 or newer")
         self._init_lock = threading.Lock()
         self._initialised = False
+        self._init_call: tuple[threading.Thread, threading.Event, list[int]] | None = None
 
     def init(self) -> None:
         """cuInit now (else at the first call): an agent loads it ahead."""
@@ -113,8 +126,32 @@ class CudaDriver:
     def _init(self) -> None:
         with self._init_lock:
             if not self._initialised:
-                self._check(self._lib.cuInit(0), "cuInit", 0)
+                self._check(self._bounded_init(), "cuInit", 0)
                 self._initialised = True
+
+    def _bounded_init(self) -> int:
+        """cuInit's code, on a thread of its own and waited for as long as Bound
+        DRIVER: a wedged driver (a GPU fallen off the bus) never answers, and a
+        command would wait with it. Past the bound, later calls fail at once."""
+        if self._init_call is None:
+            done, code = threading.Event(), []
+
+            def call() -> None:
+                code.append(self._lib.cuInit(0))
+                done.set()
+            thread = threading.Thread(target=call, name="gpusnap-cuinit", daemon=True)
+            thread.start()
+            self._init_call = (thread, done, code)
+        thread, done, code = self._init_call
+        bound = Bound.of("DRIVER")
+        if not done.wait(0 if thread in _HUNG else bound.seconds):
+            if thread not in _HUNG:
+                _HUNG.append(thread)
+            raise bound.expired("the NVIDIA driver's cuInit",
+                                "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say "
+                                "which); nothing was changed by the wait")
+        self._init_call = None
+        return code[0]
 
     def _error_name(self, code: int) -> str:
         name = ctypes.c_char_p()
