@@ -20,6 +20,7 @@ command failed, the user saw one line saying what happened and what to type.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -513,11 +514,17 @@ def _agent_waiting_for_post_resume() -> int | None:
     for folder in (STATE / "actions").glob("*-agent"):
         try:
             pid = int((folder / "pid").read_text())
+            # the agent itself, not a process that took the pid of one long gone
+            if b"gpusnap.action.agent" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
         except (OSError, ValueError):
             continue
         if any(folder.glob("reply.*")):
             return None  # a step is in its hands: post-restore is not answered yet
-        os.kill(pid, signal.SIGSTOP)
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
         try:
             deadline = time.monotonic() + 10
             while _state(pid) != "T" and time.monotonic() < deadline:
@@ -528,7 +535,8 @@ def _agent_waiting_for_post_resume() -> int | None:
                 return pid
         except (OSError, IndexError):
             pass
-        os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
     return None
 
 
