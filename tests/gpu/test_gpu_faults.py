@@ -21,6 +21,7 @@ command failed, the user saw one line saying what happened and what to type.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -48,6 +49,8 @@ pytestmark = pytest.mark.timeout(420)
 
 
 # -- what every case checks afterwards ---------------------------------------------
+
+_driver = functools.cache(CudaDriver)  # one per run: the probes ask it every 10 ms
 
 def _status(name: str) -> str:
     res = podman("inspect", name, "--format", "{{.State.Status}}", check=False)
@@ -82,7 +85,7 @@ def assert_gpu_clean() -> None:
     running = set(podman("ps", "-q", "--no-trunc").stdout.split())
     for pid in _gpu_pids():
         assert _container_of(pid) in running, f"pid {pid} holds GPU memory outside a running container"
-    driver = CudaDriver()
+    driver = _driver()
     for cid in running:
         for pid in harness.host_pids(cid):
             assert driver.state(pid) == ProcessState.RUNNING, (cid, pid, driver.state(pid))
@@ -148,7 +151,7 @@ def own_cache(cache_dir):
 
 def _locked_or_checkpointed(pids: list[int]) -> bool:
     """Whether the driver holds any of ``pids`` (a process gone counts: CRIU dumped it)."""
-    driver = CudaDriver()
+    driver = _driver()
     for pid in pids:
         if not Path(f"/proc/{pid}").exists():
             return True
@@ -444,7 +447,7 @@ def _containers_now() -> dict[str, list[int]]:
 
 def _held_by_driver(pids: list[int]) -> bool:
     """Whether one of ``pids`` is a CUDA process the driver has not given back yet."""
-    driver = CudaDriver()
+    driver = _driver()
     for pid in pids:
         try:
             if driver.state(pid) in (ProcessState.LOCKED, ProcessState.CHECKPOINTED):
