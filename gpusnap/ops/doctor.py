@@ -232,9 +232,10 @@ def _prepared_check() -> Check:
 
 
 def run(fix: bool) -> dict:
-    # The processes first: `podman info` below waits for every container's lock,
-    # which a restore holds until its end; read after it, a restore's processes
-    # would be seen only once it is over, and a stuck one resumed only then.
+    # The processes first: `podman info` (asked below where its answer is not
+    # kept, podman.host_facts) waits for every container's lock, which a restore
+    # holds until its end; read after it, a restore's processes would be seen
+    # only once it is over, and a stuck one resumed only then.
     gpu_check, stuck, fixed = _gpu_processes_check(fix)
     checks = _criu_checks() + _integration_checks() + _gpu_checks() + [_pages_check(),
                                                                         _prepared_check()]

@@ -7,7 +7,9 @@ The CLI rather than podman-py's REST client: checkpoint/restore with
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -15,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from gpusnap import waits
+from gpusnap import journal, waits
 from gpusnap.errors import GpusnapError
+from gpusnap.private import write_private
 from gpusnap.waits import Bound
 
 T = TypeVar("T")
@@ -123,7 +126,10 @@ def info() -> dict:
 
 def default_runtime() -> str:
     """The OCI runtime Podman uses when none is named ("runc", "crun"); "" if unknown."""
-    return answer(["info", "--format", "{{.Host.OCIRuntime.Name}}"])
+    try:
+        return host_facts().runtime
+    except GpusnapError:  # not installed
+        return ""
 
 
 def version() -> str:
@@ -140,7 +146,24 @@ class HostFacts:
 
 
 def host_facts() -> HostFacts:
-    """Blank where Podman does not answer; GpusnapError where it is not installed."""
+    """Blank where Podman does not answer; GpusnapError where it is not installed.
+
+    `podman info` counts the containers by state, which takes each one's lock:
+    asked while another container's restore or checkpoint ran, it waited for
+    that to end. Its answer is kept (state_dir()/podman-facts.json) while
+    Podman's version (`podman version` takes no lock) and the files that set
+    its runtime and storage are as they were."""
+    key = _facts_key()
+    kept = _kept_facts(key) if key else None
+    if kept is not None:
+        return kept
+    facts = _asked_facts()
+    if key and facts.version and facts.runtime and facts.graph_root:
+        _keep_facts(key, facts)
+    return facts
+
+
+def _asked_facts() -> HostFacts:
     try:
         res = _run(["info", "--format",
                     "{{.Version.Version}}\t{{.Host.OCIRuntime.Name}}\t{{.Store.GraphRoot}}"])
@@ -151,6 +174,61 @@ def host_facts() -> HostFacts:
         return HostFacts("", "", None)
     return HostFacts(fields[0].strip(), fields[1].strip(),
                      Path(fields[2].strip()) if fields[2].strip() else None)
+
+
+# What sets Podman's default runtime and its storage (containers.conf(5),
+# containers-storage.conf(5)): a file, a drop-in folder, or one an environment
+# variable names.
+CONFIGS = ("/usr/share/containers/containers.conf", "/etc/containers/containers.conf",
+           "/usr/share/containers/containers.conf.d", "/etc/containers/containers.conf.d",
+           "/usr/share/containers/storage.conf", "/etc/containers/storage.conf")
+CONFIG_ENV = ("CONTAINERS_CONF", "CONTAINERS_CONF_OVERRIDE", "CONTAINERS_STORAGE_CONF")
+
+
+def _facts_key() -> str:
+    """Podman's binary and version, and the state of every file that sets its
+    runtime or storage; "" where Podman does not say its version."""
+    try:
+        binary = podman_binary()
+    except GpusnapError:
+        return ""
+    version = answer(["version", "--format", "{{.Client.Version}}"])
+    if not version:
+        return ""
+    seen = [f"{name}={os.environ.get(name, '')}" for name in CONFIG_ENV]
+    for where in (binary, *CONFIGS, *filter(None, map(os.environ.get, CONFIG_ENV))):
+        found = [where] + (sorted(str(p) for p in Path(where).glob("*.conf"))
+                           if os.path.isdir(where) else [])
+        for path in found:
+            try:
+                st = os.stat(path)
+                seen.append(f"{path} {st.st_mtime_ns} {st.st_size} {st.st_ino}")
+            except OSError:
+                seen.append(f"{path} -")
+    return hashlib.sha256("\n".join([version, *seen]).encode()).hexdigest()
+
+
+def _facts_file() -> Path:
+    return journal.state_dir() / "podman-facts.json"
+
+
+def _kept_facts(key: str) -> HostFacts | None:
+    try:
+        kept = json.loads(_facts_file().read_text())
+        if kept.get("key") != key:
+            return None
+        return HostFacts(kept["version"], kept["runtime"], Path(kept["graph_root"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _keep_facts(key: str, facts: HostFacts) -> None:
+    try:
+        write_private(_facts_file(), json.dumps({
+            "key": key, "version": facts.version, "runtime": facts.runtime,
+            "graph_root": str(facts.graph_root)}))
+    except OSError:  # a state folder this user cannot write: asked again next time
+        pass
 
 
 def in_background(ask: Callable[..., T], *args) -> Callable[[], T]:

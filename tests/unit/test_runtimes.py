@@ -185,9 +185,11 @@ def test_doctor_judges_the_runtime_podman_uses(monkeypatch, tmp_path):
     assert missing.level == "error" and missing.detail == "runc: not found"
 
 
-def test_podman_info_read_field_by_field(monkeypatch):
+def test_podman_info_read_field_by_field(monkeypatch, tmp_path):
     """One blank field leaves the other two; a Podman that fails answers blanks;
     none installed is said where the answer is wanted, in one line."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+
     def info(out: str, rc: int = 0):
         return lambda args, timeout=None: subprocess.CompletedProcess(args, rc, out, "")
     monkeypatch.setattr(podman, "_run", info("4.3.1\tcrun\t\n"))
@@ -201,3 +203,37 @@ def test_podman_info_read_field_by_field(monkeypatch):
     monkeypatch.setattr(podman.shutil, "which", lambda name: None)
     with pytest.raises(GpusnapError, match="podman is not installed"):
         podman.ask_host_facts()()
+
+
+def test_podman_info_is_asked_once_while_podman_and_its_configuration_stay(monkeypatch, tmp_path):
+    """`podman info` takes every container's lock (it counts them by state), so a
+    restore beside another container's restore or checkpoint waited for its end:
+    its answer is kept until Podman's version or a file that sets its runtime or
+    storage changes."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    conf = tmp_path / "containers.conf"
+    conf.write_text('[engine]\nruntime = "crun"\n')
+    monkeypatch.setenv("CONTAINERS_CONF", str(conf))
+    asked: list[str] = []
+    version = ["4.3.1"]
+
+    def run(args, timeout=None):
+        asked.append(args[0])
+        out = version[0] if args[0] == "version" else \
+            f"{version[0]}\tcrun\t/var/lib/containers/storage\n"
+        return subprocess.CompletedProcess(args, 0, out, "")
+    monkeypatch.setattr(podman, "_run", run)
+    monkeypatch.setattr(podman.shutil, "which", lambda name: "/bin/sh")  # a stable binary
+    want = podman.HostFacts("4.3.1", "crun", Path("/var/lib/containers/storage"))
+    assert podman.host_facts() == want and asked.count("info") == 1
+    assert podman.host_facts() == want and podman.default_runtime() == "crun"
+    assert asked.count("info") == 1 and asked.count("version") == 3  # no lock taken again
+    conf.write_text('[engine]\nruntime = "runc"\n# longer\n')
+    podman.host_facts()
+    assert asked.count("info") == 2  # the configuration changed
+    version[0] = "5.8.0"
+    assert podman.host_facts().version == "5.8.0" and asked.count("info") == 3
+    (tmp_path / "state" / "podman-facts.json").write_text("{not json")
+    assert podman.host_facts() == podman.HostFacts("5.8.0", "crun",
+                                                   Path("/var/lib/containers/storage"))
+    assert asked.count("info") == 4  # a damaged file: asked again
