@@ -41,11 +41,11 @@ def discard(path: Path, near: Path) -> None:
 
 
 def storage_root() -> Path | None:
-    """Podman's graph root (/var/lib/containers/storage for root), if Podman answers."""
+    """Podman's graph root (/var/lib/containers/storage for root), if Podman answers
+    (podman.host_facts: `podman info` is asked only where its answer is not kept)."""
     if shutil.which("podman") is None:
         return None
-    root = podman.answer(["info", "--format", "{{.Store.GraphRoot}}"])
-    return Path(root) if root else None
+    return podman.host_facts().graph_root
 
 
 def staging_dir(size: int, graph_root: Path | None = None) -> Path:

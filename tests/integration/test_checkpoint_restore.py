@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import time
+from pathlib import Path
 
-from tests.conftest import (DEMO_IMAGE, RENAMING_HOLDER, assert_continued, assert_one_line_error,
-                            born, gpusnap, gpusnap_json, podman, read_counter, run, wait_counter)
+from gpusnap.procs import process_tree
+from tests.conftest import (DEMO_IMAGE, GPUSNAP, RENAMING_HOLDER, assert_continued,
+                            assert_one_line_error, born, gpusnap, gpusnap_json, podman,
+                            read_counter, run, wait_counter)
 
 from gpusnap import MANIFEST_NAME
 
@@ -151,3 +158,51 @@ def test_inspect_archive(counter, tmp_path):
     assert info["criu"]["memory_pages_bytes"] > 0
     human = gpusnap("inspect", str(archive), check=True).stdout
     assert counter in human and "GPU: none" in human
+
+
+def _criu_under(pid: int, timeout: float = 120.0) -> int:
+    """The CRIU process among ``pid``'s descendants, once it is there."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in process_tree(pid)[1:]:
+            try:
+                if Path(f"/proc/{p}/comm").read_text().strip() == "criu":
+                    return p
+            except OSError:
+                continue
+        time.sleep(0.001)
+    raise AssertionError("no CRIU came under the checkpoint")
+
+
+def test_a_restore_does_not_wait_for_another_containers_checkpoint(counter, tmp_path):
+    """`podman info` counts containers by state, taking each one's lock, which a
+    checkpoint holds until it ends: a restore that asked it each time waited for
+    every other container's checkpoint or restore. Here another container's
+    checkpoint is held (its CRIU stopped) while this one restores."""
+    from gpusnap.runtime import podman as podman_rt
+    from tests.integration.test_segments import _start_big_memory
+
+    before, token = read_counter(counter), born(counter)
+    archive = tmp_path / "ctr.tar.zst"
+    gpusnap_json("checkpoint", counter, "--export", str(archive))
+    podman("rm", counter)
+    assert podman_rt.host_facts().runtime  # Podman's answer kept, as any restore keeps it
+    other = f"{counter}-other"
+    _start_big_memory(other)  # a dump of seconds: its CRIU is found while it works
+    held = subprocess.Popen(["podman", "container", "checkpoint", other],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    criu = None
+    try:
+        criu = _criu_under(held.pid)
+        os.kill(criu, signal.SIGSTOP)
+        started = time.monotonic()
+        restored = run([GPUSNAP, "restore", str(archive), "--json"], timeout=120)
+        assert restored.returncode == 0, restored.stderr
+        assert held.poll() is None, "the other checkpoint ended: nothing was held"
+        assert_continued(counter, before, token)
+        print(f"restored in {time.monotonic() - started:.2f} s beside a held checkpoint")
+    finally:
+        if criu is not None:
+            os.kill(criu, signal.SIGCONT)
+        held.communicate(timeout=300)
+        run(["podman", "rm", "-f", "-t", "0", other])

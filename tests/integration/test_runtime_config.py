@@ -83,11 +83,14 @@ def test_gpu_checkpoint_is_refused_where_nothing_would_bring_the_gpu_back(tmp_pa
             run(["podman", "rm", "-f", "-t", "0", other])
 
 
-def test_one_podman_info_answers_what_a_restore_asked_in_three_commands():
-    """Version, default runtime and graph root from the one `podman info` a
-    restore starts in a thread (this root's Podman): the answers the
-    separate commands give."""
-    facts = podman_rt.ask_host_facts()()
-    assert facts.version and facts.version == podman_rt.version()
-    assert facts.runtime and facts.runtime == podman_rt.default_runtime()
-    assert facts.graph_root is not None and facts.graph_root == storage_root()
+def test_the_facts_a_restore_asks_are_podmans_own_answers():
+    """Version, default runtime and graph root as a restore reads them (asked of
+    `podman info` once, then kept, podman.host_facts): what Podman itself says."""
+    def said(field: str) -> str:
+        return run(["podman", "info", "--format", field], check=True).stdout.strip()
+    for _ in range(2):  # asked, then kept
+        facts = podman_rt.ask_host_facts()()
+        assert facts.version and facts.version == podman_rt.version() == said("{{.Version.Version}}")
+        assert facts.runtime and facts.runtime == podman_rt.default_runtime() == \
+            said("{{.Host.OCIRuntime.Name}}")
+        assert facts.graph_root == storage_root() == Path(said("{{.Store.GraphRoot}}"))
