@@ -161,15 +161,18 @@ def test_inspect_archive(counter, tmp_path):
 
 
 def _criu_under(pid: int, timeout: float = 120.0) -> int:
-    """The CRIU process among ``pid``'s descendants, once it is there."""
+    """The CRIU process among ``pid``'s descendants, once it is there: `criu swrk`
+    as runc and libcriu start it (gpusnap's CRIU 4 runs under its own ld.so, so
+    its name is ld.so's; its arguments say what it is)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in process_tree(pid)[1:]:
             try:
-                if Path(f"/proc/{p}/comm").read_text().strip() == "criu":
-                    return p
+                args = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
+            if b"swrk" in args and any(a == b"criu" or a.endswith(b"/criu") for a in args):
+                return p
         time.sleep(0.001)
     raise AssertionError("no CRIU came under the checkpoint")
 
