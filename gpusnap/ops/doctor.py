@@ -139,13 +139,24 @@ def _gpu_checks() -> list[Check]:
     ]
 
 
+def _ours(pid: int) -> bool:
+    """gpusnap's own agent and guardians (`python -m gpusnap.action.…`): they load
+    libcuda to call the checkpoint API on other processes and hold no GPU state
+    of their own, so there is nothing to ask the driver about them."""
+    try:
+        argv = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(a.startswith(b"gpusnap.action.") for a in argv)
+
+
 def stuck_processes() -> list[dict]:
     """CUDA processes left LOCKED or CHECKPOINTED while nothing is dumping them."""
     candidates = []
     for entry in PROC.iterdir():
         if entry.name.isdigit():
-            use = gpu_use(int(entry.name))
-            if use is not None and use.maps_libcuda:
+            use = gpu_use(int(entry.name), PROC)
+            if use is not None and use.maps_libcuda and not _ours(use.pid):
                 candidates.append(use)
     if not candidates:
         return []

@@ -237,3 +237,31 @@ def test_doctor_reads_the_gpu_processes_before_it_asks_podman(monkeypatch):
     report = doctor.run(fix=False)
     assert asked[0] == "processes" and "podman" in asked, asked
     assert [c["name"] for c in report["checks"]].index("gpu processes") > 0  # shown where it was
+
+
+def test_doctor_asks_the_driver_nothing_about_gpusnaps_own_helpers(monkeypatch, tmp_path):
+    """The agent and the guardians map libcuda to call the checkpoint API on other
+    processes and hold no GPU state: doctor leaves them out of its questions (G11
+    holds a restore's agent stopped while doctor runs)."""
+    from gpusnap.ops import doctor
+    from gpusnap.gpu.cuda import ProcessState
+
+    def proc(pid: int, *argv: str) -> None:
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "comm").write_text("python3\n")
+        (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+        (d / "maps").write_text("7f00-7f10 r-xp 0 00:00 1 /usr/lib/libcuda.so.580\n")
+    proc(101, "/usr/bin/python3", "-m", "gpusnap.action.agent", "7", "--driver")
+    proc(102, "/usr/bin/python3", "-m", "gpusnap.action.guardian", "7", "103")
+    proc(103, "/usr/bin/python3", "/work/workload.py", "--worker", "0", "8")
+    asked: list[int] = []
+
+    class Driver:
+        def state(self, pid):
+            asked.append(pid)
+            return ProcessState.CHECKPOINTED
+    monkeypatch.setattr(doctor, "PROC", tmp_path)
+    monkeypatch.setattr(doctor, "load_driver", Driver)
+    monkeypatch.setattr(doctor, "is_frozen", lambda pid: False)
+    assert [s["pid"] for s in doctor.stuck_processes()] == [103] and asked == [103]
