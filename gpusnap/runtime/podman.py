@@ -192,8 +192,8 @@ def _facts_key() -> str:
         binary = podman_binary()
     except GpusnapError:
         return ""
-    version = answer(["version", "--format", "{{.Client.Version}}"])
-    if not version:
+    client = version()  # `podman version`: no container's lock taken
+    if not client:
         return ""
     seen = [f"{name}={os.environ.get(name, '')}" for name in CONFIG_ENV]
     for where in (binary, *CONFIGS, *filter(None, map(os.environ.get, CONFIG_ENV))):
@@ -205,7 +205,7 @@ def _facts_key() -> str:
                 seen.append(f"{path} {st.st_mtime_ns} {st.st_size} {st.st_ino}")
             except OSError:
                 seen.append(f"{path} -")
-    return hashlib.sha256("\n".join([version, *seen]).encode()).hexdigest()
+    return hashlib.sha256("\n".join([client, *seen]).encode()).hexdigest()
 
 
 def _facts_file() -> Path:
