@@ -70,7 +70,7 @@ def main() -> None:
         cli(prog_name="gpusnap")
     except SystemExit as done:
         cuda = sys.modules.get("gpusnap.gpu.cuda")  # loaded where a command used the driver
-        if cuda is not None and cuda.init_hung():  # libcuda's exit handlers would wait on it
+        if cuda is not None and cuda.driver_hung():  # libcuda's exit handlers would wait on it
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(done.code if isinstance(done.code, int) else 1)

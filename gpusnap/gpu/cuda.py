@@ -15,19 +15,56 @@ import os
 import threading
 from dataclasses import dataclass
 
+from typing import Callable
+
+from gpusnap.errors import GpusnapError
 from gpusnap.waits import Bound
 
 CUDA_SUCCESS = 0
 
-# cuInit calls that outlived their bound, in this process (the driver is per
+# Driver calls that outlived their bound, in this process (the driver is per
 # process): libcuda's exit handlers would wait on them, so the CLI leaves by
-# os._exit while one is in flight (init_hung).
+# os._exit while one is in flight (driver_hung).
 _HUNG: list[threading.Thread] = []
 
 
-def init_hung() -> bool:
-    """Whether a cuInit of this process outlived its bound and is still in flight."""
+def driver_hung() -> bool:
+    """Whether a driver call of this process outlived its bound and is still in flight."""
     return any(t.is_alive() for t in _HUNG)
+
+
+class ProcessHalted(GpusnapError):
+    """A process the driver cannot be asked about: it answers for a process only
+    while that process runs, and waits for it otherwise (driver 580: a query
+    about a SIGSTOPped process returned only once it was continued)."""
+
+
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP): the driver would wait on it.
+    A tracing stop (CRIU's seize) is not counted: gpusnap asks nothing then."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False  # gone: the driver answers at once that it is not its process
+
+
+class _Call:
+    """One driver call on a thread of its own, so that its caller can stop
+    waiting: a wedged driver, or one waiting on a process that does not run,
+    never answers, and a command would wait with it."""
+
+    def __init__(self, name: str, call: Callable[[], int]) -> None:
+        self._done, self._code = threading.Event(), []
+        self.thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, call: Callable[[], int]) -> None:
+        self._code.append(call())
+        self._done.set()
+
+    def code(self, seconds: float) -> int | None:
+        """The call's return code, or None where it did not answer within ``seconds``."""
+        return self._code[0] if self._done.wait(seconds) else None
 
 
 class ProcessState(enum.IntEnum):
@@ -117,7 +154,7 @@ class CudaDriver:
                     f"the NVIDIA driver has no {name}: checkpoint needs driver r570 or newer")
         self._init_lock = threading.Lock()
         self._initialised = False
-        self._init_call: tuple[threading.Thread, threading.Event, list[int]] | None = None
+        self._init_call: _Call | None = None
 
     def init(self) -> None:
         """cuInit now (else at the first call): an agent loads it ahead."""
@@ -130,28 +167,24 @@ class CudaDriver:
                 self._initialised = True
 
     def _bounded_init(self) -> int:
-        """cuInit's code, on a thread of its own and waited for as long as Bound
-        DRIVER: a wedged driver (a GPU fallen off the bus) never answers, and a
-        command would wait with it. Past the bound, later calls fail at once."""
+        """cuInit's code, waited for as long as Bound DRIVER; past the bound, later
+        calls fail at once rather than wait on the same cuInit again."""
         if self._init_call is None:
-            done, code = threading.Event(), []
-
-            def call() -> None:
-                code.append(self._lib.cuInit(0))
-                done.set()
-            thread = threading.Thread(target=call, name="gpusnap-cuinit", daemon=True)
-            thread.start()
-            self._init_call = (thread, done, code)
-        thread, done, code = self._init_call
-        bound = Bound.of("DRIVER")
-        if not done.wait(0 if thread in _HUNG else bound.seconds):
-            if thread not in _HUNG:
-                _HUNG.append(thread)
-            raise bound.expired("the NVIDIA driver's cuInit",
-                                "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say "
-                                "which); nothing was changed by the wait")
+            self._init_call = _Call("gpusnap-cuinit", lambda: self._lib.cuInit(0))
+        call = self._init_call
+        code = call.code(0 if call.thread in _HUNG else Bound.of("DRIVER").seconds)
+        if code is None:
+            raise self._expired(call, "the NVIDIA driver's cuInit")
         self._init_call = None
-        return code[0]
+        return code
+
+    @staticmethod
+    def _expired(call: _Call, what: str) -> GpusnapError:
+        if call.thread not in _HUNG:
+            _HUNG.append(call.thread)
+        return Bound.of("DRIVER").expired(
+            what, "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which); "
+                  "nothing was changed by the wait")
 
     def _error_name(self, code: int) -> str:
         name = ctypes.c_char_p()
@@ -164,10 +197,19 @@ class CudaDriver:
             raise CudaError(call, pid, code, self._error_name(code))
 
     def state(self, pid: int) -> ProcessState:
+        """The driver's state of ``pid``: refused for a stopped process (ProcessHalted)
+        and bounded by DRIVER, for one that stops meanwhile or a wedged driver."""
+        if stopped(pid):
+            raise ProcessHalted(f"process {pid} is stopped: the NVIDIA driver answers for a "
+                                "process only while it runs", f"`kill -CONT {pid}`")
         self._init()
         st = ctypes.c_int()
-        self._check(self._lib.cuCheckpointProcessGetState(pid, ctypes.byref(st)),
-                    "cuCheckpointProcessGetState", pid)
+        call = _Call("gpusnap-state", lambda: self._lib.cuCheckpointProcessGetState(
+            pid, ctypes.byref(st)))
+        code = call.code(Bound.of("DRIVER").seconds)
+        if code is None:
+            raise self._expired(call, f"the NVIDIA driver's state of process {pid}")
+        self._check(code, "cuCheckpointProcessGetState", pid)
         return ProcessState(st.value)
 
     def lock(self, pid: int, timeout_ms: int) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.cuda import CudaDriver, ProcessState
+from gpusnap.gpu.cuda import CudaDriver, CudaError, ProcessState
 from gpusnap.gpu.inventory import Inventory, mps_active
 from gpusnap.procs import ProcessGpuUse
 
@@ -86,13 +86,14 @@ def states(driver: Driver, pids: Iterable[int]) -> dict[int, ProcessState]:
 
     A process can map libcuda without ever creating a context (a shell that
     exec'd a CUDA program, a helper that dlopen'ed it): the driver answers
-    with an error, and such a process has no GPU state to move.
+    with an error, and such a process has no GPU state to move. A question the
+    driver could not answer (a stopped process, a bound run out) is raised.
     """
     found = {}
     for pid in pids:
         try:
             found[pid] = driver.state(pid)
-        except Exception:  # CudaError: not a CUDA process for the driver
+        except CudaError:  # not a CUDA process for the driver
             continue
     return found
 

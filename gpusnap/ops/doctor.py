@@ -15,11 +15,11 @@ from gpusnap.criu.runtimes import runs_action_script, why_not
 from gpusnap.criu.version import (criu_version, cuda_plugin_path, inet_sockets_problem,
                                   is_supported)
 from gpusnap.gpu.compat import MIN_CHECKPOINT_DRIVER, driver_major
-from gpusnap.gpu.cuda import ProcessState
+from gpusnap.criu.freezer import is_frozen
+from gpusnap.gpu.cuda import ProcessState, stopped
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, resume, states
 from gpusnap.gpu import turn
-from gpusnap.criu.freezer import is_frozen
 from gpusnap.ops import leftovers
 from gpusnap.pages import prepared_pages
 from gpusnap.ops.gpu_state import load_driver
@@ -151,12 +151,15 @@ def _ours(pid: int) -> bool:
 
 
 def stuck_processes() -> list[dict]:
-    """CUDA processes left LOCKED or CHECKPOINTED while nothing is dumping them."""
+    """CUDA processes left LOCKED or CHECKPOINTED while nothing is dumping them.
+    Stopped ones are not asked about (the driver would wait until they run), nor
+    frozen ones (a dump in progress, or a paused container: not left by one)."""
     candidates = []
     for entry in PROC.iterdir():
         if entry.name.isdigit():
             use = gpu_use(int(entry.name), PROC)
-            if use is not None and use.maps_libcuda and not _ours(use.pid):
+            if use is not None and use.maps_libcuda and not _ours(use.pid) \
+                    and not stopped(use.pid) and not is_frozen(use.pid):
                 candidates.append(use)
     if not candidates:
         return []
@@ -165,8 +168,7 @@ def stuck_processes() -> list[dict]:
         return []
     found = states(driver, [c.pid for c in candidates])
     return [{"pid": c.pid, "comm": c.comm, "state": found[c.pid].name} for c in candidates
-            if found.get(c.pid, ProcessState.RUNNING) != ProcessState.RUNNING
-            and not is_frozen(c.pid)]
+            if found.get(c.pid, ProcessState.RUNNING) != ProcessState.RUNNING]
 
 
 def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from gpusnap import journal
-from gpusnap.gpu.cuda import ProcessState
+from gpusnap.gpu.cuda import ProcessState, stopped
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.quiesce import Driver, require_driver, resume, states
 from gpusnap.gpu.turn import holder, try_take
@@ -34,8 +34,9 @@ def ensure_running(init_pid: int, pids: list[int], wait_s: float = 60.0) -> list
         return []
     deadline = time.monotonic() + wait_s
     while True:
-        held = [p for p, s in states(driver, [p for p in pids if alive(p)]).items()
-                if s != ProcessState.RUNNING]
+        # a stopped one is left out: the driver would answer only once it runs
+        asked = [p for p in pids if alive(p) and not stopped(p)]
+        held = [p for p, s in states(driver, asked).items() if s != ProcessState.RUNNING]
         if not held:
             return []
         if time.monotonic() > deadline:

@@ -5,6 +5,8 @@ then leaves without libcuda's exit handlers, which would wait on it too."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -51,14 +53,14 @@ def test_a_cuinit_that_does_not_answer_ends_at_its_bound_and_later_calls_at_once
         driver.state(1)
     assert 0.3 <= time.monotonic() - started < 5
     assert err.value.message.startswith("the NVIDIA driver's cuInit: no answer within")
-    assert "wedged" in err.value.hint and cuda.init_hung()
+    assert "wedged" in err.value.hint and cuda.driver_hung()
     started = time.monotonic()
     with pytest.raises(WaitExpired):
         driver.state(1)  # the same cuInit, still in flight: not waited for again
     assert time.monotonic() - started < 0.2 and lib.calls == 1
     lib.go.set()  # the driver answers after all
     deadline = time.monotonic() + 10
-    while cuda.init_hung() and time.monotonic() < deadline:
+    while cuda.driver_hung() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert driver.state(1) == cuda.ProcessState.RUNNING and lib.calls == 1
 
@@ -88,3 +90,79 @@ def test_the_cli_leaves_while_a_cuinit_hangs():
     res = subprocess.run([sys.executable, "-c", HUNG_CLI], capture_output=True, text=True,
                          timeout=20)
     assert res.returncode == 0 and res.stdout.strip(), (res.returncode, res.stderr)
+
+
+class _StuckQuery(_Lib):
+    """libcuda whose state query waits as it does on a process that does not run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go.set()
+        self.asked: list[int] = []
+        self.answer = threading.Event()
+
+    def cuCheckpointProcessGetState(self, pid, state) -> int:
+        self.asked.append(pid)
+        self.answer.wait(30)
+        return cuda.CUDA_SUCCESS
+
+
+@pytest.fixture
+def stopped():
+    """A process stopped by SIGSTOP, as G11 stops a restore's agent."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not cuda.stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_driver_is_not_asked_about_a_stopped_process(stopped, monkeypatch):
+    """Driver 580 answered a state query about a SIGSTOPped process only once it
+    was continued (G11, 2026-11-29): the query is refused, with the way out."""
+    monkeypatch.setattr(cuda, "_HUNG", [])
+    lib = _StuckQuery()
+    driver = _driver(lib)
+    assert cuda.stopped(stopped)
+    with pytest.raises(cuda.ProcessHalted) as err:
+        driver.state(stopped)
+    assert lib.asked == [] and err.value.hint == f"`kill -CONT {stopped}`"
+    assert f"process {stopped} is stopped" in err.value.message
+    os.kill(stopped, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while cuda.stopped(stopped) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lib.answer.set()
+    assert driver.state(stopped) == cuda.ProcessState.RUNNING and lib.asked == [stopped]
+
+
+def test_a_state_query_that_does_not_answer_ends_at_its_bound(monkeypatch):
+    """A process can stop between the check and the query: the query is bounded
+    like cuInit, and the CLI then leaves without libcuda's exit handlers."""
+    monkeypatch.setenv("GPUSNAP_WAIT_DRIVER", "0.3")
+    monkeypatch.setattr(cuda, "_HUNG", [])
+    lib = _StuckQuery()
+    driver = _driver(lib)
+    started = time.monotonic()
+    with pytest.raises(WaitExpired) as err:
+        driver.state(os.getpid())
+    assert 0.3 <= time.monotonic() - started < 5
+    assert err.value.message.startswith(f"the NVIDIA driver's state of process {os.getpid()}: "
+                                         "no answer within")
+    assert cuda.driver_hung()
+    lib.answer.set()
+
+
+def test_states_raises_what_the_driver_could_not_answer(stopped):
+    """quiesce.states leaves out processes the driver says are not its own; a
+    stopped one is not such a process, and a checkpoint must say so, not call it
+    unmanaged."""
+    from gpusnap.gpu.quiesce import states
+    driver = _driver(_StuckQuery())
+    with pytest.raises(cuda.ProcessHalted):
+        states(driver, [stopped])

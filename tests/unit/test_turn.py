@@ -264,4 +264,9 @@ def test_doctor_asks_the_driver_nothing_about_gpusnaps_own_helpers(monkeypatch, 
     monkeypatch.setattr(doctor, "PROC", tmp_path)
     monkeypatch.setattr(doctor, "load_driver", Driver)
     monkeypatch.setattr(doctor, "is_frozen", lambda pid: False)
+    monkeypatch.setattr(doctor, "stopped", lambda pid: False)
     assert [s["pid"] for s in doctor.stuck_processes()] == [103] and asked == [103]
+    # a stopped one is not asked either: the driver would wait until it runs
+    monkeypatch.setattr(doctor, "stopped", lambda pid: pid == 103)
+    asked.clear()
+    assert doctor.stuck_processes() == [] and asked == []
