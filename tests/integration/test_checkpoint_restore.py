@@ -160,28 +160,33 @@ def test_inspect_archive(counter, tmp_path):
     assert counter in human and "GPU: none" in human
 
 
-def _criu_under(pid: int, timeout: float = 120.0) -> int:
-    """The CRIU process among ``pid``'s descendants, once it is there: `criu swrk`
-    as runc and libcriu start it (gpusnap's CRIU 4 runs under its own ld.so, so
-    its name is ld.so's; its arguments say what it is)."""
+def _runtime_under(held: subprocess.Popen, timeout: float = 120.0) -> int:
+    """The OCI runtime's `checkpoint` (runc or crun) that Podman starts under
+    ``held`` once it has the container's lock, as soon as it is there: stopped,
+    it keeps Podman and the lock waiting whichever step it is at, and it lives
+    from before CRIU starts until after CRIU ends, so no dump is too fast to
+    catch. A checkpoint that ends first fails here with Podman's own words."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for p in process_tree(pid)[1:]:
+        if held.poll() is not None:
+            raise AssertionError(f"the other checkpoint ended (exit {held.returncode}) before "
+                                 f"its runtime was found: {held.stderr.read().strip()}")
+        for p in process_tree(held.pid)[1:]:
             try:
                 args = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"swrk" in args and any(a == b"criu" or a.endswith(b"/criu") for a in args):
+            if b"checkpoint" in args and Path(args[0].decode()).name in ("runc", "crun"):
                 return p
         time.sleep(0.001)
-    raise AssertionError("no CRIU came under the checkpoint")
+    raise AssertionError("no runtime came under the checkpoint")
 
 
 def test_a_restore_does_not_wait_for_another_containers_checkpoint(counter, tmp_path):
     """`podman info` counts containers by state, taking each one's lock, which a
     checkpoint holds until it ends: a restore that asked it each time waited for
     every other container's checkpoint or restore. Here another container's
-    checkpoint is held (its CRIU stopped) while this one restores."""
+    checkpoint is held (its runtime stopped) while this one restores."""
     from gpusnap.runtime import podman as podman_rt
     from tests.integration.test_segments import _start_big_memory
 
@@ -191,13 +196,13 @@ def test_a_restore_does_not_wait_for_another_containers_checkpoint(counter, tmp_
     podman("rm", counter)
     assert podman_rt.host_facts().runtime  # Podman's answer kept, as any restore keeps it
     other = f"{counter}-other"
-    _start_big_memory(other)  # a dump of seconds: its CRIU is found while it works
+    _start_big_memory(other)
     held = subprocess.Popen(["podman", "container", "checkpoint", other],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    criu = None
+    runtime = None
     try:
-        criu = _criu_under(held.pid)
-        os.kill(criu, signal.SIGSTOP)
+        runtime = _runtime_under(held)
+        os.kill(runtime, signal.SIGSTOP)
         started = time.monotonic()
         restored = run([GPUSNAP, "restore", str(archive), "--json"], timeout=120)
         assert restored.returncode == 0, restored.stderr
@@ -205,7 +210,7 @@ def test_a_restore_does_not_wait_for_another_containers_checkpoint(counter, tmp_
         assert_continued(counter, before, token)
         print(f"restored in {time.monotonic() - started:.2f} s beside a held checkpoint")
     finally:
-        if criu is not None:
-            os.kill(criu, signal.SIGCONT)
+        if runtime is not None:
+            os.kill(runtime, signal.SIGCONT)
         held.communicate(timeout=300)
         run(["podman", "rm", "-f", "-t", "0", other])
