@@ -187,8 +187,9 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
                        f"{log.where()})")
                 hint = "the checkpoint needs nothing: run the same restore again" + (
                     ", once the disk has room" if log.full else "")
-            else:
-                why += f" ({cause + '; ' if cause else ''}{log.where()})"
+            else:  # CRIU's "action scripts failed" says less than the words already in `why`
+                said = cause if cause and "action scripts failed" not in cause else ""
+                why += f" ({said + '; ' if said else ''}{log.where()})"
         if left:  # the cause above stays the message; the leftover is what to clean up
             why += f"; the half-restored container {target} is left ({left}): `podman rm -f {target}`"
         raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged", hint) from None

@@ -69,10 +69,18 @@ def _run(args: list[str], bound: Bound | None = None,
                      bound or Bound.of("PODMAN"), watch, progress=progress)
 
 
+# How runc passes on the words of a hook that failed (gpusnap's OCI hook among them)
+_HOOK_SAID = ", stderr: gpusnap: "
+
+
 def _last_error(stderr: str) -> str:
-    """Podman's own last line, without the 'Error: ' prefix."""
+    """Podman's own last line, without the 'Error: ' prefix; where it is a
+    refusal of gpusnap's OCI hook, the hook's own words, not runc's wrapping
+    ("OCI runtime error: runc: error running hook #0: … stderr: gpusnap: …")."""
     lines = [l.strip() for l in stderr.strip().splitlines() if l.strip()]
     line = lines[-1] if lines else "podman failed"
+    if _HOOK_SAID in line:
+        return "gpusnap's OCI hook: " + line.split(_HOOK_SAID, 1)[1]
     return line.removeprefix("Error: ").removeprefix("error: ")
 
 

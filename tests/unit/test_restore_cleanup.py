@@ -111,3 +111,31 @@ def test_full_at_says_a_filesystem_without_room_is_full(tmp_path, monkeypatch):
         "f_bfree": 3, "f_frsize": room.f_frsize})())
     assert partial.full_at(tmp_path) == f"the disk is full (No space left on device in {tmp_path})"
     assert partial.full_at(tmp_path / "gone") != ""  # statvfs is asked, not the folder
+
+
+def test_a_refusal_of_gpusnaps_hook_is_said_in_its_own_words(tmp_path, monkeypatch):
+    """G9 on two H200s (2026-11-29): the OCI hook refused a GPU taken after the
+    plan, and the line carried runc's and CRIU's wrapping around its words."""
+    import subprocess
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    ctr = _container(tmp_path)
+    (ctr.userdata / "restore.log").write_text(
+        "(00.07) Error (criu/action-scripts.c:156): One of more action scripts failed\n")
+    said = ("gpusnap: cannot restore here: GPU 1 here has 4.0 GiB free, GPU 0 of the "
+            "checkpoint's processes used 9.1 GiB (override: GPUSNAP_SKIP_CHECKS=memory)")
+    stderr = ("Error: OCI runtime error: runc: error running hook #0: error running hook: "
+              f"exit status 1, stdout: , stderr: {said}\n")
+    monkeypatch.setattr(podman, "_run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 125, "", stderr))
+    monkeypatch.setattr(podman, "find", lambda name: ctr)
+    monkeypatch.setattr(podman, "remove", lambda name: None)
+    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
+    with pytest.raises(GpusnapError) as err:
+        restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents,
+                               Plan([], [], False), "r2-1", False, False, "ARCHIVE")
+    msg = err.value.message
+    assert msg.startswith("podman container restore: gpusnap's OCI hook: cannot restore here: "
+                          "GPU 1 here has 4.0 GiB free"), msg
+    assert "runc" not in msg and "action scripts" not in msg, msg
+    assert "CRIU's log is kept in" in msg and "ARCHIVE is unchanged" in msg
