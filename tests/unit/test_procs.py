@@ -51,11 +51,15 @@ def spawn():
 def test_process_tree_has_the_root_first_then_all_descendants(spawn):
     # sh -> (sleep, sh -> sleep): children and a grandchild
     shell = spawn("sh", "-c", "sleep 30 & sh -c 'sleep 30 & wait' & wait")
-    tree = wait_for(lambda: procs.process_tree(shell.pid), lambda t: len(t) == 4)
+
+    def comms(tree: list[int]) -> list[str]:
+        return sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in tree[1:])
+    # a child is in the tree from its fork, named "sh" until it has exec'd sleep
+    tree = wait_for(lambda: procs.process_tree(shell.pid),
+                    lambda t: len(t) == 4 and comms(t) == ["sh", "sleep", "sleep"], timeout=15)
     assert len(tree) == 4
     assert tree[0] == shell.pid
-    comms = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in tree[1:])
-    assert comms == ["sh", "sleep", "sleep"]
+    assert comms(tree) == ["sh", "sleep", "sleep"]
     for pid in tree[1:]:
         ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         assert ppid in tree[: tree.index(pid)]  # every parent comes before its children
