@@ -43,7 +43,8 @@ def stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP): the driver would wait on it.
     A tracing stop (CRIU's seize) is not counted: gpusnap asks nothing then."""
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
     except (OSError, IndexError):
         return False  # gone: the driver answers at once that it is not its process
 
