@@ -12,6 +12,7 @@ from gpusnap import archive, journal
 from gpusnap.criu.log import ended_early, first_error as criu_error
 from gpusnap.criu.runtimes import require_gpu_restore
 from gpusnap.criu.version import require_supported
+from gpusnap.criu import yard
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import DriverAhead, ProcessState
 from gpusnap.gpu.plan import Plan
@@ -263,6 +264,9 @@ def _drop_half_restored(name: str | None) -> tuple[CriuLog | None, str | None]:
     except GpusnapError as exc:
         return None, exc.message
     log = _read_log(ctr)
+    released = yard.release(ctr.userdata)  # before Podman's removal walks into it
+    if released:
+        journal.record("criu-yard-released", container=ctr.id, mounts=released)
     try:
         podman.remove(name)
     except GpusnapError as exc:

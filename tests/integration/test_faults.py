@@ -275,6 +275,11 @@ def test_criu_killed_mid_restore_restores_nothing_and_says_so(name, tmp_path):
     _names_criu_log(res.stderr)
     assert podman("container", "exists", counter, check=False).returncode == 1, \
         "a half-restored container was left"
+    # CRIU's cgroup yard (the host's cgroups, under the container's userdata) went
+    # with it: unmounted by gpusnap before Podman's removal (criu/yard.py) or by Podman
+    yards = [l for l in Path("/proc/self/mountinfo").read_text().splitlines()
+             if "/.criu.cgyard." in l]
+    assert not yards, yards
     gpusnap_json("restore", str(archive))
     assert_continued(counter, before, token)
 
