@@ -33,7 +33,7 @@ def _unescaped(field: str) -> str:
     return "".join(out)
 
 
-def yard_mounts(workdir: Path, mountinfo: str) -> list[str]:
+def yard_mounts(workdir: Path | str, mountinfo: str) -> list[str]:
     """The mount points of CRIU yards right under ``workdir`` and everything
     mounted below them, deepest first (the order they can be unmounted in)."""
     base = os.path.realpath(workdir) + "/" + YARD_PREFIX
@@ -47,7 +47,7 @@ def yard_mounts(workdir: Path, mountinfo: str) -> list[str]:
     return sorted(set(points), key=lambda p: (-p.count("/"), p))
 
 
-def release(workdir: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> list[str]:
+def release(workdir: Path | str, mountinfo: Path = Path("/proc/self/mountinfo")) -> list[str]:
     """Unmount (lazily: a CRIU still holding a file there keeps it) every yard a
     killed CRIU left in ``workdir``, and remove the emptied folders. Returns the
     mount points unmounted; those that would not go are left to the caller's

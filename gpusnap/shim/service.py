@@ -239,6 +239,11 @@ class TaskService:
         except BaseException:
             if edits is not None:
                 remap.undo(c.bundle)
+            # a CRIU killed late leaves its cgroup yard in `work`, which containerd's
+            # removal of the bundle would walk into (the host's cgroups); imported
+            # here, as remap is, out of the shim's startup
+            from gpusnap.criu import yard
+            yard.release(work)
             raise
         p.io.started()
         p.pid = read_pid(c.pid_file(p))
