@@ -30,7 +30,10 @@ DEFAULTS: dict[str, float] = {
     # the GPUs of a container's last checkpoint given back (gpu/turn.py): the
     # guardian's own bound on a freeze CRIU left (120 s), then the driver's restore
     "GPU_TURN": 180.0,
-    "DRIVER": 120.0,          # the NVIDIA driver's cuInit (seconds at most on a healthy host)
+    "DRIVER": 120.0,          # the NVIDIA driver's cuInit and state query (seconds at most)
+    # the driver's lock (plus its own timeout), checkpoint, restore or unlock of
+    # one process: seconds for tens of GiB of GPU memory on a healthy GPU
+    "DRIVER_MOVE": 900.0,
 }
 # Bytes a second below which a big restore or checkpoint counts as hung: a
 # twentieth of the slowest disk the benches saw, so only a stall reaches it.

@@ -180,12 +180,22 @@ class CudaDriver:
         return code
 
     @staticmethod
-    def _expired(call: _Call, what: str) -> GpusnapError:
+    def _expired(call: _Call, what: str, bound: Bound | None = None) -> GpusnapError:
         if call.thread not in _HUNG:
             _HUNG.append(call.thread)
-        return Bound.of("DRIVER").expired(
+        return (bound or Bound.of("DRIVER")).expired(
             what, "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which); "
                   "nothing was changed by the wait")
+
+    def _ask(self, name: str, what: str, pid: int, bound: Bound, call: Callable[[], int]) -> None:
+        """One checkpoint-API call about ``pid`` on a thread of its own, waited for
+        as long as ``bound``: an error for the driver's error or for no answer."""
+        self._init()
+        asked = _Call(f"gpusnap-{what}", call)
+        code = asked.code(bound.seconds)
+        if code is None:
+            raise self._expired(asked, f"the NVIDIA driver's {what} of process {pid}", bound)
+        self._check(code, name, pid)
 
     def _error_name(self, code: int) -> str:
         name = ctypes.c_char_p()
@@ -203,45 +213,43 @@ class CudaDriver:
         if stopped(pid):
             raise ProcessHalted(f"process {pid} is stopped: the NVIDIA driver answers for a "
                                 "process only while it runs", f"`kill -CONT {pid}`")
-        self._init()
         st = ctypes.c_int()
-        call = _Call("gpusnap-state", lambda: self._lib.cuCheckpointProcessGetState(
-            pid, ctypes.byref(st)))
-        code = call.code(Bound.of("DRIVER").seconds)
-        if code is None:
-            raise self._expired(call, f"the NVIDIA driver's state of process {pid}")
-        self._check(code, "cuCheckpointProcessGetState", pid)
+        self._ask("cuCheckpointProcessGetState", "state", pid, Bound.of("DRIVER"),
+                  lambda: self._lib.cuCheckpointProcessGetState(pid, ctypes.byref(st)))
         return ProcessState(st.value)
 
+    # The calls that move a process's GPU memory (or wait for its GPU work, the
+    # lock) are bounded by DRIVER_MOVE: seconds for tens of GiB on a healthy GPU.
+
     def lock(self, pid: int, timeout_ms: int) -> None:
-        self._init()
         args = _LockArgs(timeoutMs=timeout_ms)
-        self._check(self._lib.cuCheckpointProcessLock(pid, ctypes.byref(args)),
-                    "cuCheckpointProcessLock", pid)
+        self._ask("cuCheckpointProcessLock", "lock", pid,
+                  Bound.of("DRIVER_MOVE", extra=timeout_ms / 1000),
+                  lambda: self._lib.cuCheckpointProcessLock(pid, ctypes.byref(args)))
 
     def checkpoint(self, pid: int) -> None:
-        self._init()
-        self._check(self._lib.cuCheckpointProcessCheckpoint(pid, ctypes.byref(_ReservedArgs())),
-                    "cuCheckpointProcessCheckpoint", pid)
+        args = _ReservedArgs()
+        self._ask("cuCheckpointProcessCheckpoint", "checkpoint", pid, Bound.of("DRIVER_MOVE"),
+                  lambda: self._lib.cuCheckpointProcessCheckpoint(pid, ctypes.byref(args)))
 
     def restore(self, pid: int, gpu_pairs: list[tuple[str, str]] | None = None) -> None:
         """Bring GPU state back; ``gpu_pairs`` (old UUID, new UUID) remaps GPUs (r580+)."""
-        self._init()
         args = _RestoreArgs()
         if gpu_pairs:
             pairs = (_GpuPair * len(gpu_pairs))()
             for i, (old, new) in enumerate(gpu_pairs):
                 ctypes.memmove(pairs[i].oldUuid.bytes, uuid_bytes(old), 16)
                 ctypes.memmove(pairs[i].newUuid.bytes, uuid_bytes(new), 16)
+            # the cast pointer keeps `pairs` alive, and args keeps it, for the call's thread
             args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(_GpuPair))
             args.gpuPairsCount = len(gpu_pairs)
-        self._check(self._lib.cuCheckpointProcessRestore(pid, ctypes.byref(args)),
-                    "cuCheckpointProcessRestore", pid)
+        self._ask("cuCheckpointProcessRestore", "restore", pid, Bound.of("DRIVER_MOVE"),
+                  lambda: self._lib.cuCheckpointProcessRestore(pid, ctypes.byref(args)))
 
     def unlock(self, pid: int) -> None:
-        self._init()
-        self._check(self._lib.cuCheckpointProcessUnlock(pid, ctypes.byref(_ReservedArgs())),
-                    "cuCheckpointProcessUnlock", pid)
+        args = _ReservedArgs()
+        self._ask("cuCheckpointProcessUnlock", "unlock", pid, Bound.of("DRIVER_MOVE"),
+                  lambda: self._lib.cuCheckpointProcessUnlock(pid, ctypes.byref(args)))
 
 
 class DriverAhead:

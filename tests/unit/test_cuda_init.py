@@ -15,6 +15,7 @@ import time
 import pytest
 
 from gpusnap.gpu import cuda
+from gpusnap import waits
 from gpusnap.waits import WaitExpired
 
 
@@ -166,3 +167,43 @@ def test_states_raises_what_the_driver_could_not_answer(stopped):
     driver = _driver(_StuckQuery())
     with pytest.raises(cuda.ProcessHalted):
         states(driver, [stopped])
+
+
+class _StuckMove(_Lib):
+    """libcuda whose checkpoint and lock never answer (a GPU fallen off the bus)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go.set()
+        self.answer = threading.Event()
+
+    def cuCheckpointProcessCheckpoint(self, pid, args) -> int:
+        self.answer.wait(30)
+        return cuda.CUDA_SUCCESS
+
+    def cuCheckpointProcessLock(self, pid, args) -> int:
+        self.answer.wait(30)
+        return cuda.CUDA_SUCCESS
+
+
+def test_the_calls_that_move_gpu_memory_end_at_their_bound(monkeypatch):
+    """lock, checkpoint, restore and unlock are bounded by DRIVER_MOVE (the lock
+    by its own timeout on top): a wedged driver ends the command with one line
+    instead of holding it, and the CLI leaves without libcuda's exit handlers."""
+    monkeypatch.setenv("GPUSNAP_WAIT_DRIVER_MOVE", "0.3")
+    monkeypatch.setattr(cuda, "_HUNG", [])
+    lib = _StuckMove()
+    driver = _driver(lib)
+    started = time.monotonic()
+    with pytest.raises(WaitExpired) as err:
+        driver.checkpoint(os.getpid())
+    assert 0.3 <= time.monotonic() - started < 5
+    assert err.value.message.startswith(f"the NVIDIA driver's checkpoint of process {os.getpid()}")
+    assert "wedged" in err.value.hint and cuda.driver_hung()
+    monkeypatch.delenv("GPUSNAP_WAIT_DRIVER_MOVE")  # the lock: its own timeout on top
+    monkeypatch.setitem(waits.DEFAULTS, "DRIVER_MOVE", 0.3)
+    started = time.monotonic()
+    with pytest.raises(WaitExpired):
+        driver.lock(os.getpid(), 700)
+    assert 1.0 <= time.monotonic() - started < 5
+    lib.answer.set()
