@@ -93,8 +93,10 @@ def test_the_cli_leaves_while_a_cuinit_hangs():
     assert res.returncode == 0 and res.stdout.strip(), (res.returncode, res.stderr)
 
 
-class _StuckQuery(_Lib):
-    """libcuda whose state query waits as it does on a process that does not run."""
+class _Stuck(_Lib):
+    """libcuda whose checkpoint-API calls wait until ``answer`` is set, as the
+    state query does about a process that does not run, and every call does
+    on a GPU fallen off the bus."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,10 +104,13 @@ class _StuckQuery(_Lib):
         self.asked: list[int] = []
         self.answer = threading.Event()
 
-    def cuCheckpointProcessGetState(self, pid, state) -> int:
+    def _wait(self, pid, args) -> int:
         self.asked.append(pid)
         self.answer.wait(30)
         return cuda.CUDA_SUCCESS
+
+    cuCheckpointProcessGetState = cuCheckpointProcessCheckpoint = _wait
+    cuCheckpointProcessLock = _wait
 
 
 @pytest.fixture
@@ -127,7 +132,7 @@ def test_the_driver_is_not_asked_about_a_stopped_process(stopped, monkeypatch):
     """Driver 580 answered a state query about a SIGSTOPped process only once it
     was continued (G11, 2026-11-29): the query is refused, with the way out."""
     monkeypatch.setattr(cuda, "_HUNG", [])
-    lib = _StuckQuery()
+    lib = _Stuck()
     driver = _driver(lib)
     assert cuda.stopped(stopped)
     with pytest.raises(cuda.ProcessHalted) as err:
@@ -147,7 +152,7 @@ def test_a_state_query_that_does_not_answer_ends_at_its_bound(monkeypatch):
     like cuInit, and the CLI then leaves without libcuda's exit handlers."""
     monkeypatch.setenv("GPUSNAP_WAIT_DRIVER", "0.3")
     monkeypatch.setattr(cuda, "_HUNG", [])
-    lib = _StuckQuery()
+    lib = _Stuck()
     driver = _driver(lib)
     started = time.monotonic()
     with pytest.raises(WaitExpired) as err:
@@ -164,26 +169,9 @@ def test_states_raises_what_the_driver_could_not_answer(stopped):
     stopped one is not such a process, and a checkpoint must say so, not call it
     unmanaged."""
     from gpusnap.gpu.quiesce import states
-    driver = _driver(_StuckQuery())
+    driver = _driver(_Stuck())
     with pytest.raises(cuda.ProcessHalted):
         states(driver, [stopped])
-
-
-class _StuckMove(_Lib):
-    """libcuda whose checkpoint and lock never answer (a GPU fallen off the bus)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.go.set()
-        self.answer = threading.Event()
-
-    def cuCheckpointProcessCheckpoint(self, pid, args) -> int:
-        self.answer.wait(30)
-        return cuda.CUDA_SUCCESS
-
-    def cuCheckpointProcessLock(self, pid, args) -> int:
-        self.answer.wait(30)
-        return cuda.CUDA_SUCCESS
 
 
 def test_the_calls_that_move_gpu_memory_end_at_their_bound(monkeypatch):
@@ -192,7 +180,7 @@ def test_the_calls_that_move_gpu_memory_end_at_their_bound(monkeypatch):
     instead of holding it, and the CLI leaves without libcuda's exit handlers."""
     monkeypatch.setenv("GPUSNAP_WAIT_DRIVER_MOVE", "0.3")
     monkeypatch.setattr(cuda, "_HUNG", [])
-    lib = _StuckMove()
+    lib = _Stuck()
     driver = _driver(lib)
     started = time.monotonic()
     with pytest.raises(WaitExpired) as err:

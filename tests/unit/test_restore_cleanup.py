@@ -23,6 +23,15 @@ def _container(tmp_path: Path) -> podman.Container:
                             checkpointed=False, userdata=tmp_path / "userdata", devices=[])
 
 
+def _failed_import(tmp_path: Path, source: str) -> GpusnapError:
+    """The error of an import of r2-1 from ``source`` that Podman failed."""
+    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
+    with pytest.raises(GpusnapError) as err:
+        restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents,
+                               Plan([], [], False), "r2-1", False, False, source)
+    return err.value
+
+
 def test_the_import_error_comes_first_and_the_leftover_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
 
@@ -35,11 +44,8 @@ def test_the_import_error_comes_first_and_the_leftover_is_named(tmp_path, monkey
     monkeypatch.setattr(podman, "restore", failed_restore)
     monkeypatch.setattr(podman, "find", lambda name: _container(tmp_path))
     monkeypatch.setattr(podman, "remove", stuck)
-    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
-    with pytest.raises(GpusnapError) as err:
-        restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents, Plan([], [], False),
-                               "r2-1", False, False, "REF")
-    msg = err.value.message
+    error = _failed_import(tmp_path, "REF")
+    msg = error.message
     assert msg.startswith("podman container restore failed: CRIU restore failed"), msg
     assert "CRIU's log is kept in" in msg and "boom" in msg
     assert "the half-restored container r2-1 is left" in msg and "podman rm -f r2-1" in msg
@@ -57,14 +63,11 @@ def test_a_criu_killed_mid_restore_is_named_with_its_first_error(tmp_path, monke
     monkeypatch.setattr(podman, "restore", died)
     monkeypatch.setattr(podman, "find", lambda name: _container(tmp_path))
     monkeypatch.setattr(podman, "remove", lambda name: None)
-    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
-    with pytest.raises(GpusnapError) as err:
-        restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents,
-                               Plan([], [], False), "r2-1", False, False, "ARCHIVE")
-    msg = err.value.message
+    error = _failed_import(tmp_path, "ARCHIVE")
+    msg = error.message
     assert msg.startswith("CRIU stopped before the restore of r2-1 was complete"), msg
     assert "boom" in msg and "unixpacket" not in msg and "ARCHIVE is unchanged" in msg
-    assert err.value.hint == "the checkpoint needs nothing: run the same restore again"
+    assert error.hint == "the checkpoint needs nothing: run the same restore again"
 
 
 def test_a_restore_that_met_a_full_disk_says_so_where_crius_log_could_not(tmp_path, monkeypatch):
@@ -90,11 +93,8 @@ def test_a_restore_that_met_a_full_disk_says_so_where_crius_log_could_not(tmp_pa
     monkeypatch.setattr(journal, "copy_log", no_room)
     monkeypatch.setattr(restore, "full_at", lambda folder: disk_full(folder / "-")
                         if folder == ctr.userdata else "")
-    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
-    with pytest.raises(GpusnapError) as err:
-        restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents,
-                               Plan([], [], False), "r2-1", False, False, "REF")
-    msg = err.value.message
+    error = _failed_import(tmp_path, "REF")
+    msg = error.message
     assert msg.startswith(f"podman container restore: the disk is full (No space left on device "
                           f"in {ctr.userdata})"), msg
     assert "CRIU's log could not be kept: No space left on device in " in msg, msg
@@ -130,11 +130,8 @@ def test_a_refusal_of_gpusnaps_hook_is_said_in_its_own_words(tmp_path, monkeypat
         a, 125, "", stderr))
     monkeypatch.setattr(podman, "find", lambda name: ctr)
     monkeypatch.setattr(podman, "remove", lambda name: None)
-    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
-    with pytest.raises(GpusnapError) as err:
-        restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents,
-                               Plan([], [], False), "r2-1", False, False, "ARCHIVE")
-    msg = err.value.message
+    error = _failed_import(tmp_path, "ARCHIVE")
+    msg = error.message
     assert msg.startswith("podman container restore: gpusnap's OCI hook: cannot restore here: "
                           "GPU 1 here has 4.0 GiB free"), msg
     assert "runc" not in msg and "action scripts" not in msg, msg
