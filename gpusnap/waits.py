@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 from gpusnap.errors import GpusnapError
 
@@ -118,3 +119,15 @@ def run(argv: Sequence[str], what: str, bound: Bound,
         except (subprocess.TimeoutExpired, ValueError, OSError):
             pass
         raise
+
+
+def leave(code: int) -> NoReturn:
+    """Exit with ``code``; by os._exit where a driver call of this process outlived
+    its bound (gpu/cuda.py), since libcuda's exit handlers would wait on it and
+    the process, holding CRIU or a command, would never end."""
+    cuda = sys.modules.get("gpusnap.gpu.cuda")  # loaded only where the driver was used
+    if cuda is not None and cuda.driver_hung():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -45,6 +45,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu import turn
 from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, ns_pid, parent_of, process_tree, start_time
+from gpusnap.waits import leave
 
 if TYPE_CHECKING:
     from gpusnap.pages.fill_plan import Settings
@@ -460,4 +461,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

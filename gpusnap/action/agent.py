@@ -45,7 +45,8 @@ import time
 from gpusnap import journal
 from gpusnap.action import action
 from gpusnap.action.agent_files import INVENTORY, NO_INVENTORY, folder
-from gpusnap.gpu.cuda import DriverAhead, driver_hung
+from gpusnap.gpu.cuda import DriverAhead
+from gpusnap.waits import leave
 from gpusnap.gpu import inventory as gpu_inventory, turn
 # Loaded as the agent starts, before the steps that use them are asked
 from gpusnap.pages import fill_plan, page_fill  # noqa: F401
@@ -177,7 +178,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if driver_hung():  # libcuda's exit handlers would wait on it: the agent would never leave
-        os._exit(code)
-    sys.exit(code)
+    leave(main())

@@ -43,6 +43,7 @@ from gpusnap.gpu.cuda import CudaDriver
 from gpusnap.gpu.quiesce import QuiesceError, resume
 from gpusnap.gpu.turn import claim, release_fd
 from gpusnap.procs import alive, traced_by_criu
+from gpusnap.waits import leave
 
 THAW_WAIT_S = 120.0
 # CRIU thaws the cgroup as it ends; frozen this long after CRIU is gone, no one will
@@ -188,4 +189,4 @@ def _guard(argv: list[str], init: int | None, client: bool, turn_fd: int | None)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

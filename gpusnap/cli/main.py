@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 
 import click
 
 from gpusnap import __version__
+from gpusnap.waits import leave
 
 # Each command and the module of gpusnap.cli that defines it: a run imports its
 # own command's module only (a replica's `gpusnap restore` starts without
@@ -69,9 +68,6 @@ def main() -> None:
     try:
         cli(prog_name="gpusnap")
     except SystemExit as done:
-        cuda = sys.modules.get("gpusnap.gpu.cuda")  # loaded where a command used the driver
-        if cuda is not None and cuda.driver_hung():  # libcuda's exit handlers would wait on it
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(done.code if isinstance(done.code, int) else 1)
+        if done.code is None or isinstance(done.code, int):
+            leave(done.code or 0)
         raise

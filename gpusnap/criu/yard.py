@@ -52,12 +52,19 @@ def release(workdir: Path | str, mountinfo: Path = Path("/proc/self/mountinfo"))
     killed CRIU left in ``workdir``, and remove the emptied folders. Returns the
     mount points unmounted; those that would not go are left to the caller's
     removal, which then says why."""
-    try:
-        points = yard_mounts(workdir, mountinfo.read_text())
-    except OSError:
-        return []
-    libc = ctypes.CDLL(None, use_errno=True)
-    done = [p for p in points if libc.umount2(os.fsencode(p), _MNT_DETACH) == 0]
+    libc, done = None, []
+    while True:  # again while some go: two mounts stacked on one point go one at a time
+        try:
+            points = yard_mounts(workdir, mountinfo.read_text())
+        except OSError:
+            points = []
+        if not points:
+            break
+        libc = libc or ctypes.CDLL(None, use_errno=True)
+        gone = [p for p in points if libc.umount2(os.fsencode(p), _MNT_DETACH) == 0]
+        if not gone:
+            break
+        done += gone
     for yard in Path(workdir).glob(YARD_PREFIX + "*"):
         try:
             for sub in sorted(yard.iterdir(), reverse=True):

@@ -56,16 +56,25 @@ class _Call:
 
     def __init__(self, name: str, call: Callable[[], int]) -> None:
         self._done, self._code = threading.Event(), []
+        self._raised: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
         self.thread.start()
 
     def _run(self, call: Callable[[], int]) -> None:
-        self._code.append(call())
-        self._done.set()
+        try:
+            self._code.append(call())
+        except BaseException as exc:  # handed to the caller, in its thread
+            self._raised = exc
+        finally:
+            self._done.set()
 
     def code(self, seconds: float) -> int | None:
         """The call's return code, or None where it did not answer within ``seconds``."""
-        return self._code[0] if self._done.wait(seconds) else None
+        if not self._done.wait(seconds):
+            return None
+        if self._raised is not None:
+            raise self._raised
+        return self._code[0]
 
 
 class ProcessState(enum.IntEnum):
@@ -156,6 +165,9 @@ class CudaDriver:
         self._init_lock = threading.Lock()
         self._initialised = False
         self._init_call: _Call | None = None
+        # calls left behind at their bound, by pid: the driver serialises a
+        # process's calls, so a later one would only wait behind it
+        self._left: dict[int, tuple[_Call, str]] = {}
 
     def init(self) -> None:
         """cuInit now (else at the first call): an agent loads it ahead."""
@@ -180,21 +192,31 @@ class CudaDriver:
         return code
 
     @staticmethod
-    def _expired(call: _Call, what: str, bound: Bound | None = None) -> GpusnapError:
+    def _expired(call: _Call, what: str, bound: Bound | None = None,
+                 hint: str = "nothing was changed by the wait") -> GpusnapError:
         if call.thread not in _HUNG:
             _HUNG.append(call.thread)
         return (bound or Bound.of("DRIVER")).expired(
-            what, "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which); "
-                  "nothing was changed by the wait")
+            what, f"the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which); {hint}")
 
     def _ask(self, name: str, what: str, pid: int, bound: Bound, call: Callable[[], int]) -> None:
         """One checkpoint-API call about ``pid`` on a thread of its own, waited for
-        as long as ``bound``: an error for the driver's error or for no answer."""
+        as long as ``bound``: an error for the driver's error or for no answer.
+        A pid whose earlier call was left behind is not asked again meanwhile."""
+        left = self._left.get(pid)
+        if left is not None and left[0].thread.is_alive():
+            raise Bound.of("DRIVER").expired(
+                f"the NVIDIA driver's {left[1]} of process {pid} (still without an answer)",
+                "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which); "
+                "`gpusnap doctor` shows the process's state once it answers")
         self._init()
         asked = _Call(f"gpusnap-{what}", call)
         code = asked.code(bound.seconds)
         if code is None:
-            raise self._expired(asked, f"the NVIDIA driver's {what} of process {pid}", bound)
+            self._left[pid] = (asked, what)
+            raise self._expired(asked, f"the NVIDIA driver's {what} of process {pid}", bound,
+                                "the call may still complete: `gpusnap doctor` shows the "
+                                "process's state once the driver answers")
         self._check(code, name, pid)
 
     def _error_name(self, code: int) -> str:
@@ -223,8 +245,9 @@ class CudaDriver:
 
     def lock(self, pid: int, timeout_ms: int) -> None:
         args = _LockArgs(timeoutMs=timeout_ms)
+        move = Bound.of("DRIVER_MOVE")  # and the lock's own timeout, however it is set
         self._ask("cuCheckpointProcessLock", "lock", pid,
-                  Bound.of("DRIVER_MOVE", extra=timeout_ms / 1000),
+                  Bound(move.name, move.seconds + timeout_ms / 1000),
                   lambda: self._lib.cuCheckpointProcessLock(pid, ctypes.byref(args)))
 
     def checkpoint(self, pid: int) -> None:

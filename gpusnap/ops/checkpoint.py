@@ -343,7 +343,11 @@ def _run_once(p: CheckpointPlan) -> dict:
         if state == "running" and thaw(p.container.pid):
             # a CRIU killed mid-dump leaves the cgroup frozen, and the runtime does not thaw it
             journal.record("thawed", container=p.container.id, why="CRIU ended with it frozen")
-        resumed = ensure_running(p.container.pid, [c.pid for c in p.cuda])
+        try:
+            resumed = ensure_running(p.container.pid, [c.pid for c in p.cuda])
+        except GpusnapError as given_back:  # the dump's failure stays the line; this is journaled
+            journal.record("resume-failed", init_pid=p.container.pid, error=given_back.message)
+            resumed = []
         restorable = has_checkpoint(p.container)
         hint = exc.hint
         if state == "running":

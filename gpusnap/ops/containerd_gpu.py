@@ -31,6 +31,7 @@ from typing import Iterator
 
 from gpusnap import journal, requests
 from gpusnap.criu.freezer import is_frozen
+from gpusnap.errors import GpusnapError
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import read_inventory
@@ -156,7 +157,7 @@ def _give_back(q: Quiesced, quiet: bool) -> None:
                               "command has ended")
     try:
         changed = resume(q.driver, living)
-    except QuiesceError as exc:
+    except (QuiesceError, GpusnapError) as exc:  # a driver without answer, a process stopped
         journal.record("resume-failed", init_pid=q.init_pid, pids=living, error=str(exc))
         if quiet:
             return

@@ -253,6 +253,12 @@ def test_criu_killed_mid_dump_leaves_the_container_running(name, tmp_path):
     _still_counting(counter, token)
 
 
+def _yards() -> set[str]:
+    """The CRIU cgroup yards mounted on this host now (mount points)."""
+    return {line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if "/.criu.cgyard." in line}
+
+
 def test_criu_killed_mid_restore_restores_nothing_and_says_so(name, tmp_path):
     """CRIU SIGKILLed once it forked the container's tasks: one line says CRIU
     stopped (not runc's "read unixpacket: EOF"), nothing half-restored is left,
@@ -265,6 +271,7 @@ def test_criu_killed_mid_restore_restores_nothing_and_says_so(name, tmp_path):
     before = read_counter(counter)
     gpusnap_json("checkpoint", counter, "--export", str(archive))
     podman("rm", counter)
+    yards_before = _yards()
     cli = subprocess.Popen([GPUSNAP, "restore", str(archive)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     kill_criu_mid_restore(cli)
@@ -277,9 +284,7 @@ def test_criu_killed_mid_restore_restores_nothing_and_says_so(name, tmp_path):
         "a half-restored container was left"
     # CRIU's cgroup yard (the host's cgroups, under the container's userdata) went
     # with it: unmounted by gpusnap before Podman's removal (criu/yard.py) or by Podman
-    yards = [l for l in Path("/proc/self/mountinfo").read_text().splitlines()
-             if "/.criu.cgyard." in l]
-    assert not yards, yards
+    assert not _yards() - yards_before, _yards() - yards_before
     gpusnap_json("restore", str(archive))
     assert_continued(counter, before, token)
 

@@ -5,6 +5,7 @@ then leaves without libcuda's exit handlers, which would wait on it too."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -15,7 +16,6 @@ import time
 import pytest
 
 from gpusnap.gpu import cuda
-from gpusnap import waits
 from gpusnap.waits import WaitExpired
 
 
@@ -41,6 +41,7 @@ def _driver(lib: _Lib) -> cuda.CudaDriver:
     driver._init_lock = threading.Lock()
     driver._initialised = False
     driver._init_call = None
+    driver._left = {}
     return driver
 
 
@@ -187,11 +188,27 @@ def test_the_calls_that_move_gpu_memory_end_at_their_bound(monkeypatch):
         driver.checkpoint(os.getpid())
     assert 0.3 <= time.monotonic() - started < 5
     assert err.value.message.startswith(f"the NVIDIA driver's checkpoint of process {os.getpid()}")
-    assert "wedged" in err.value.hint and cuda.driver_hung()
-    monkeypatch.delenv("GPUSNAP_WAIT_DRIVER_MOVE")  # the lock: its own timeout on top
-    monkeypatch.setitem(waits.DEFAULTS, "DRIVER_MOVE", 0.3)
+    assert "wedged" in err.value.hint and "may still complete" in err.value.hint
+    assert cuda.driver_hung()
+    # the driver serialises a process's calls: the next one about it is not waited for
     started = time.monotonic()
-    with pytest.raises(WaitExpired):
-        driver.lock(os.getpid(), 700)
+    with pytest.raises(WaitExpired) as err:
+        driver.unlock(os.getpid())
+    assert time.monotonic() - started < 0.2 and "still without an answer" in err.value.message
+    with pytest.raises(WaitExpired):  # the lock: its own timeout on top, however set
+        driver.lock(os.getpid() + 1, 700)
     assert 1.0 <= time.monotonic() - started < 5
     lib.answer.set()
+
+
+def test_a_driver_call_that_raises_is_not_taken_for_a_hang(monkeypatch):
+    monkeypatch.setattr(cuda, "_HUNG", [])
+    lib = _Stuck()
+
+    def broken(pid, args):
+        raise ctypes.ArgumentError("bad argument")
+    lib.cuCheckpointProcessCheckpoint = broken
+    started = time.monotonic()
+    with pytest.raises(ctypes.ArgumentError):
+        _driver(lib).checkpoint(os.getpid())
+    assert time.monotonic() - started < 1 and not cuda.driver_hung()
