@@ -123,13 +123,26 @@ def rss_bytes(pids: list[int], proc: Path = PROC) -> int:
     return total
 
 
+def _stat_after_comm(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the state on (field 3), past the command name,
+    which may hold spaces and parentheses; None when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def parent_of(pid: int) -> int | None:
     """The parent's pid (/proc/PID/stat field 4); None when the process is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
+    fields = _stat_after_comm(pid)
+    return None if fields is None else int(fields[1])
+
+
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP: state T). A tracing stop
+    (t, CRIU's seize) is not counted; a process gone is not stopped."""
+    fields = _stat_after_comm(pid)
+    return fields is not None and fields[0] == "T"
 
 
 def age_s(pid: int) -> float | None:
@@ -159,11 +172,8 @@ def traced_by_criu(pid: int, proc: Path = PROC) -> bool:
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22):
     with the pid, it names one process, not whichever reuses the number later."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = _stat_after_comm(pid)
+    return None if fields is None else int(fields[19])
 
 
 def ns_pid(pid: int) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gpusnap.errors import GpusnapError
+from gpusnap.procs import stopped
 from gpusnap.waits import Bound
 
 CUDA_SUCCESS = 0
@@ -37,16 +38,6 @@ class ProcessHalted(GpusnapError):
     """A process the driver cannot be asked about: it answers for a process only
     while that process runs, and waits for it otherwise (driver 580: a query
     about a SIGSTOPped process returned only once it was continued)."""
-
-
-def stopped(pid: int) -> bool:
-    """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP): the driver would wait on it.
-    A tracing stop (CRIU's seize) is not counted: gpusnap asks nothing then."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
-        return False  # gone: the driver answers at once that it is not its process
 
 
 class _Call:

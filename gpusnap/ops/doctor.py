@@ -16,14 +16,14 @@ from gpusnap.criu.version import (criu_version, cuda_plugin_path, inet_sockets_p
                                   is_supported)
 from gpusnap.gpu.compat import MIN_CHECKPOINT_DRIVER, driver_major
 from gpusnap.criu.freezer import is_frozen
-from gpusnap.gpu.cuda import ProcessState, stopped
+from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, resume, states
 from gpusnap.gpu import turn
 from gpusnap.ops import leftovers
 from gpusnap.pages import prepared_pages
 from gpusnap.ops.gpu_state import load_driver
-from gpusnap.procs import PROC, gpu_use
+from gpusnap.procs import PROC, gpu_use, stopped
 from gpusnap.runtime import podman
 from gpusnap.pages import memory
 from gpusnap.waits import Bound

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 from gpusnap import journal
-from gpusnap.gpu.cuda import ProcessState, stopped
+from gpusnap.gpu.cuda import ProcessState
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.quiesce import Driver, require_driver, resume, states
 from gpusnap.gpu.turn import holder, try_take
-from gpusnap.procs import alive
+from gpusnap.procs import alive, stopped
 
 
 def load_driver() -> Driver | None:

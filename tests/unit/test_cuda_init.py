@@ -16,6 +16,7 @@ import time
 import pytest
 
 from gpusnap.gpu import cuda
+from gpusnap import procs
 from gpusnap.waits import WaitExpired
 
 
@@ -121,7 +122,7 @@ def stopped():
     try:
         proc.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while not cuda.stopped(proc.pid) and time.monotonic() < deadline:
+        while not procs.stopped(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         yield proc.pid
     finally:
@@ -135,14 +136,14 @@ def test_the_driver_is_not_asked_about_a_stopped_process(stopped, monkeypatch):
     monkeypatch.setattr(cuda, "_HUNG", [])
     lib = _Stuck()
     driver = _driver(lib)
-    assert cuda.stopped(stopped)
+    assert procs.stopped(stopped)
     with pytest.raises(cuda.ProcessHalted) as err:
         driver.state(stopped)
     assert lib.asked == [] and err.value.hint == f"`kill -CONT {stopped}`"
     assert f"process {stopped} is stopped" in err.value.message
     os.kill(stopped, signal.SIGCONT)
     deadline = time.monotonic() + 10
-    while cuda.stopped(stopped) and time.monotonic() < deadline:
+    while procs.stopped(stopped) and time.monotonic() < deadline:
         time.sleep(0.01)
     lib.answer.set()
     assert driver.state(stopped) == cuda.ProcessState.RUNNING and lib.asked == [stopped]
