@@ -27,6 +27,7 @@ CUDA_SUCCESS = 0
 # process): libcuda's exit handlers would wait on them, so the CLI leaves by
 # os._exit while one is in flight (driver_hung).
 _HUNG: list[threading.Thread] = []
+_WEDGED = "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which)"
 
 
 def driver_hung() -> bool:
@@ -188,7 +189,7 @@ class CudaDriver:
         if call.thread not in _HUNG:
             _HUNG.append(call.thread)
         return (bound or Bound.of("DRIVER")).expired(
-            what, f"the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which); {hint}")
+            what, f"{_WEDGED}; {hint}")
 
     def _ask(self, name: str, what: str, pid: int, bound: Bound, call: Callable[[], int]) -> None:
         """One checkpoint-API call about ``pid`` on a thread of its own, waited for
@@ -198,8 +199,7 @@ class CudaDriver:
         if left is not None and left[0].thread.is_alive():
             raise Bound.of("DRIVER").expired(
                 f"the NVIDIA driver's {left[1]} of process {pid} (still without an answer)",
-                "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which); "
-                "`gpusnap doctor` shows the process's state once it answers")
+                f"{_WEDGED}; `gpusnap doctor` shows the process's state once it answers")
         self._init()
         asked = _Call(f"gpusnap-{what}", call)
         code = asked.code(bound.seconds)
