@@ -14,11 +14,12 @@ from gpusnap.gpu import inventory as gpu_inventory
 from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION, parse_gpu_map
 from gpusnap.gpu.inventory import Inventory
 from gpusnap.gpu.manifest import Manifest
-from gpusnap.gpu.plan import Plan, plan_restore, recheck
+from gpusnap.gpu.host_plan import plan_on_host
+from gpusnap.gpu.plan import Plan, recheck
 
 
-def plan_restore_here(manifest_path: Path, spec: dict,
-                      inventory: Inventory | None = None) -> tuple[list[str], Plan | None]:
+def plan_restore_here(manifest_path: Path, spec: dict, inventory: Inventory | None = None,
+                      sysfs: Path = Path("/sys")) -> tuple[list[str], Plan | None]:
     """(problems, plan) for restoring here.
 
     With a plan beside the manifest (`gpusnap restore` rewrote the spec for it),
@@ -34,7 +35,9 @@ def plan_restore_here(manifest_path: Path, spec: dict,
         pinned = Plan.from_dict(json.loads(plan_path.read_text()))
         return [p.line for p in recheck(pinned, manifest, inventory)], None
     annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
-    result = plan_restore(manifest, inventory,
+    # as `gpusnap restore` plans (DRM and NUMA nodes, GPUSNAP_SKIP_CHECKS), less the
+    # CPU, kernel and CRIU checks: CRIU is restoring by now
+    result = plan_on_host(manifest, inventory, host_checks=False, sysfs=sysfs,
                           gpu_map=parse_gpu_map(annotation) if annotation else None)
     if isinstance(result, list):
         return [p.line for p in result], None

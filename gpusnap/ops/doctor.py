@@ -14,7 +14,7 @@ from gpusnap import journal
 from gpusnap.criu.runtimes import runs_action_script, why_not
 from gpusnap.criu.version import (criu_version, cuda_plugin_path, inet_sockets_problem,
                                   is_supported)
-from gpusnap.gpu.compat import MIN_CHECKPOINT_DRIVER, driver_major
+from gpusnap.gpu.checks import MIN_CHECKPOINT_DRIVER, driver_major
 from gpusnap.criu.freezer import is_frozen
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory

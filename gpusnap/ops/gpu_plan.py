@@ -1,37 +1,19 @@
-"""Where a checkpoint's GPUs go on this host: read the host, ask the planner.
-
-The discover half of gpusnap.gpu.plan (which is pure): the inventory, the DRM
-nodes and NUMA nodes from sysfs, the CPU/kernel/CRIU facts, the user's
---gpu-map (or GPUSNAP_GPU_MAP) and GPUSNAP_SKIP_CHECKS. A refusal is one line
-per problem, raised before anything is touched.
+"""`gpusnap restore`'s GPU plan: the user's --gpu-map (or GPUSNAP_GPU_MAP) on
+the host as gpusnap.gpu.host_plan reads it. A refusal is one line per
+problem, raised before anything is touched.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Collection
 
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.checks import read_host_facts, skip_from_env
-from gpusnap.gpu.drm import read_drm_nodes, sysfs_bdf
 from gpusnap.gpu.gpumap import GpuMap, parse_gpu_map
-from gpusnap.gpu.inventory import Inventory, read_inventory
+from gpusnap.gpu.host_plan import plan_on_host
 from gpusnap.gpu.manifest import Manifest
-from gpusnap.gpu.plan import Plan, plan_restore
-from gpusnap.gpu.topology import Topology, read_numa
+from gpusnap.gpu.plan import Plan
 
 GPU_MAP_ENV = "GPUSNAP_GPU_MAP"
-
-
-def _drm(inventory: Inventory) -> dict:
-    nodes = {}
-    for g in inventory.gpus:
-        if g.pci_bus_id:
-            try:
-                nodes[sysfs_bdf(g.pci_bus_id)] = read_drm_nodes(g.pci_bus_id)
-            except ValueError:
-                continue
-    return nodes
 
 
 def plan_here(manifest: Manifest | None, gpu_map: str | GpuMap | None = None, *,
@@ -42,14 +24,9 @@ def plan_here(manifest: Manifest | None, gpu_map: str | GpuMap | None = None, *,
     if manifest is None and gpu_map:
         raise GpusnapError("--gpu-map names GPUs, but the checkpoint holds no GPU state "
                            "(its container used no GPU)", "drop --gpu-map; nothing was changed")
-    inventory = read_inventory()
     parsed = parse_gpu_map(gpu_map) if isinstance(gpu_map, str) else gpu_map
-    topology = Topology(numa=read_numa([(g.uuid, g.pci_bus_id) for g in inventory.gpus
-                                        if g.pci_bus_id]))
-    result = plan_restore(manifest, inventory, gpu_map=parsed, host=read_host_facts(),
-                          topology=topology, drm=_drm(inventory),
-                          skip=skip_from_env(os.environ) if skip is None else skip,
-                          remap=remap, only_minors=only_minors)
+    result = plan_on_host(manifest, gpu_map=parsed, remap=remap, only_minors=only_minors,
+                          skip=skip)
     if isinstance(result, list):
         raise GpusnapError("cannot restore here: " + "; ".join(p.line for p in result),
                            refusal_hint or "restore on a host with GPUs like the checkpoint's "

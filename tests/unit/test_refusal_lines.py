@@ -1,12 +1,15 @@
-"""gpusnap.gpu.compat: one clear line per reason this host cannot take a checkpoint's GPUs."""
+"""The planner's refusal: one clear line per reason this host cannot take a
+checkpoint's GPUs, where only its own GPUs count (a plain `podman container
+restore`: its spec still names them)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpusnap.gpu.compat import MIN_CHECKPOINT_DRIVER, driver_major, restore_problems
+from gpusnap.gpu.checks import MIN_CHECKPOINT_DRIVER, driver_major
 from gpusnap.gpu.inventory import Inventory
 from gpusnap.gpu.manifest import Manifest
+from gpusnap.gpu.plan import plan_restore
 from tests.unit.fakes import UUID0, UUID1, gpu, inventory
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -17,6 +20,11 @@ def manifest(*gpus: tuple[int, str, str]) -> Manifest:
     return Manifest(gpus=[{"index": i, "uuid": u, "name": n} for i, u, n in gpus], processes=[],
                     driver_version="580.159.04", cuda_driver_version="13.0",
                     criu_version="4.1.1", quiesced_by="gpusnap")
+
+
+def restore_problems(manifest: Manifest | None, inventory: Inventory) -> list[str]:
+    result = plan_restore(manifest, inventory, remap=False)
+    return [p.line for p in result] if isinstance(result, list) else []
 
 
 def test_same_gpus_on_a_new_enough_driver_is_fine():
