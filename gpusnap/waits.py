@@ -122,11 +122,11 @@ def run(argv: Sequence[str], what: str, bound: Bound,
 
 
 def leave(code: int) -> NoReturn:
-    """Exit with ``code``; by os._exit where a driver call of this process outlived
-    its bound (gpu/cuda.py), since libcuda's exit handlers would wait on it and
-    the process, holding CRIU or a command, would never end."""
+    """Exit with ``code``; by os._exit where a driver call of this process is in
+    flight (gpu/cuda.py), since libcuda's exit handlers would wait on it and
+    the process, holding CRIU or a command, would end only when it does."""
     cuda = sys.modules.get("gpusnap.gpu.cuda")  # loaded only where the driver was used
-    if cuda is not None and cuda.driver_hung():
+    if cuda is not None and cuda.driver_busy():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -24,15 +24,23 @@ from gpusnap.waits import Bound
 CUDA_SUCCESS = 0
 
 # Driver calls that outlived their bound, in this process (the driver is per
-# process): libcuda's exit handlers would wait on them, so the CLI leaves by
-# os._exit while one is in flight (driver_hung).
+# process): later calls do not wait on them again (driver_hung).
 _HUNG: list[threading.Thread] = []
+# Every driver call's thread, in this process: libcuda's exit handlers would wait
+# on one in flight, so the CLI leaves by os._exit meanwhile (driver_busy).
+_CALLS: list[threading.Thread] = []
 _WEDGED = "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which)"
 
 
 def driver_hung() -> bool:
     """Whether a driver call of this process outlived its bound and is still in flight."""
     return any(t.is_alive() for t in _HUNG)
+
+
+def driver_busy() -> bool:
+    """Whether a driver call of this process is in flight (Ctrl-C or an early
+    failure during a lock, a checkpoint or cuInit ahead, not only a hung call)."""
+    return driver_hung() or any(t.is_alive() for t in _CALLS)
 
 
 class ProcessHalted(GpusnapError):
@@ -50,6 +58,7 @@ class _Call:
         self._done, self._code = threading.Event(), []
         self._raised: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
+        _CALLS[:] = [t for t in _CALLS if t.is_alive()] + [self.thread]
         self.thread.start()
 
     def _run(self, call: Callable[[], int]) -> None:

@@ -31,6 +31,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +44,7 @@ HUGE_ENV = "GPUSNAP_PAGES_HUGE"
 MIN_RESERVE = 2 << 30
 # The tmpfs's own cap; ram_dir's memory check is what keeps the host's reserve.
 HUGE_OPTIONS = "mode=0700,huge=always,size=90%"
+MOUNT_S = 30  # mount(8) of that tmpfs; a second command waits for it at most twice that
 
 
 def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
@@ -112,6 +114,19 @@ def huge_mounted(point: Path = HUGE_ROOT, mountinfo: Path = Path("/proc/self/mou
     return False
 
 
+def _locked(fd: int, seconds: float) -> bool:
+    """flock(LOCK_EX) on ``fd`` within ``seconds``: a holder only ever mounts."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+
 def mount_huge(point: Path) -> bool:
     """Mount gpusnap's huge-page tmpfs at ``point`` unless it is there; False
     where it cannot be (not root, no mount(8), tmpfs without huge pages).
@@ -123,12 +138,13 @@ def mount_huge(point: Path) -> bool:
     try:
         point.mkdir(mode=0o700, parents=True, exist_ok=True)
         with open(point.parent / f".{point.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _locked(lock.fileno(), MOUNT_S * 2):
+                return False  # a holder stopped (Ctrl-Z) or stuck: RAM without huge pages
             if huge_mounted(point):
                 return True
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 subprocess.run(["mount", "-t", "tmpfs", "-o", HUGE_OPTIONS, "gpusnap-ram",
-                                str(point)], capture_output=True, timeout=30, check=False)
+                                str(point)], capture_output=True, timeout=MOUNT_S, check=False)
     except OSError:
         return False
     return huge_mounted(point)

@@ -89,6 +89,25 @@ main()
 """
 
 
+BUSY_CLI = """
+import atexit, sys, threading
+from gpusnap.gpu import cuda
+call = cuda._Call("gpusnap-lock", lambda: threading.Event().wait() or 0)  # in flight, in bound
+atexit.register(threading.Event().wait)  # as libcuda's exit handlers wait on that call
+sys.argv = ["gpusnap", "--version"]
+from gpusnap.cli.main import main
+main()
+"""
+
+
+def test_the_cli_leaves_while_a_driver_call_is_in_flight_within_its_bound():
+    """Ctrl-C or an early failure during a lock, a checkpoint or cuInit ahead:
+    the exit must not wait on the call, as it would in libcuda's exit handlers."""
+    res = subprocess.run([sys.executable, "-c", BUSY_CLI], capture_output=True, text=True,
+                         timeout=20)
+    assert res.returncode == 0 and res.stdout.strip(), (res.returncode, res.stderr)
+
+
 def test_the_cli_leaves_while_a_cuinit_hangs():
     res = subprocess.run([sys.executable, "-c", HUNG_CLI], capture_output=True, text=True,
                          timeout=20)

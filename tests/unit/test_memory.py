@@ -69,3 +69,20 @@ def test_in_ram_knows_both_roots(tmp_path):
     assert memory.in_ram(memory.RAM_ROOT / "gpusnap-pull-x" / "pages-1.img")
     assert not memory.in_ram(tmp_path / "pages-1.img")
     assert memory.in_ram(tmp_path / "a", root=tmp_path)
+
+
+def test_a_held_mount_lock_is_waited_for_within_a_bound(tmp_path, monkeypatch):
+    """A command stopped (Ctrl-Z) holding the huge-page mount's lock must not
+    hold every later push and restore: they go on without huge pages."""
+    import fcntl
+    import time
+
+    monkeypatch.setattr(memory, "MOUNT_S", 0.2)
+    monkeypatch.setattr(memory.os, "geteuid", lambda: 0)
+    point = tmp_path / "ram"
+    with open(tmp_path / ".ram.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.monotonic()
+        assert memory.mount_huge(point) is False
+        assert time.monotonic() - started < 5
+    assert not memory.huge_mounted(point)
