@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
+import signal
 import stat
+import time
 from dataclasses import dataclass, field
 
 from gpusnap.errors import GpusnapError
@@ -18,20 +21,25 @@ from gpusnap.gpu.nodes import DeviceRemap
 from gpusnap.oci.spec.cgroup import remap_cgroup_rules
 from gpusnap.oci.spec.devices import remap_devices
 from gpusnap.runtime.devcgroup import DeviceAccess, container_rules, device_cgroup
+from gpusnap.waits import Bound
 
 _CLONE_NEWNS = 0x00020000
 
 
 def _in_mount_ns(pid: int, action) -> None:
-    """Run ``action()`` in a child that has joined ``pid``'s mount namespace."""
+    """Run ``action()`` in a child that has joined ``pid``'s mount namespace.
+
+    The parent runs libcuda's threads by now (the GPU was quiesced): the child
+    calls setns resolved before the fork, not dlopen, whose lock another thread
+    may have held at the fork, and the parent waits for it within DEVICES."""
+    setns = ctypes.CDLL(None, use_errno=True).setns
     ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
     r, w = os.pipe()
     child = os.fork()
     if child == 0:  # single-threaded here, as setns(CLONE_NEWNS) requires
         os.close(r)
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.setns(ns, _CLONE_NEWNS) != 0:
+            if setns(ns, _CLONE_NEWNS) != 0:
                 raise OSError(ctypes.get_errno(), "setns")
             action()
         except OSError as exc:
@@ -40,13 +48,33 @@ def _in_mount_ns(pid: int, action) -> None:
         os._exit(0)
     os.close(w)
     os.close(ns)
-    err = b""
-    while chunk := os.read(r, 4096):
-        err += chunk
-    os.close(r)
-    _, status = os.waitpid(child, 0)
+    try:
+        err, status = _reap(child, r, Bound.of("DEVICES"))
+    finally:
+        os.close(r)
     if status != 0:
         raise GpusnapError(f"cannot change the container's device nodes ({err.decode().strip()})")
+
+
+def _reap(child: int, r: int, bound: Bound) -> tuple[bytes, int]:
+    """(what the child wrote to ``r``, its wait status), within ``bound``: past
+    it the child is killed."""
+    deadline = time.monotonic() + bound.seconds
+    err = b""
+    while True:
+        ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            raise bound.expired("the child changing the container's device nodes",
+                                "the move stops and its other changes are undone; "
+                                "run it again")
+        chunk = os.read(r, 4096)
+        if not chunk:
+            break
+        err += chunk
+    _, status = os.waitpid(child, 0)  # the pipe closed: it has exited (or is exiting)
+    return err, status
 
 
 def _swap_nodes(pid: int, pairs: list[tuple[str, str, tuple[int, int]]]) -> None:
