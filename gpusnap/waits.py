@@ -124,10 +124,10 @@ def run(argv: Sequence[str], what: str, bound: Bound,
 
 def leave(code: int) -> NoReturn:
     """Exit with ``code``; by os._exit where a driver call of this process is in
-    flight (gpu/cuda.py), since libcuda's exit handlers would wait on it and
+    flight (gpu/driver_calls.py), since libcuda's exit handlers would wait on it and
     the process, holding CRIU or a command, would end only when it does."""
-    cuda = sys.modules.get("gpusnap.gpu.cuda")  # loaded only where the driver was used
-    if cuda is not None and cuda.driver_busy():
+    calls = sys.modules.get("gpusnap.gpu.driver_calls")  # loaded only where the driver was
+    if calls is not None and calls.driver_busy():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -18,64 +18,20 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gpusnap.errors import GpusnapError
+from gpusnap.gpu import driver_calls
+from gpusnap.gpu.driver_calls import Call
 from gpusnap.procs import stopped
 from gpusnap.waits import Bound
 
 CUDA_SUCCESS = 0
 
-# Driver calls that outlived their bound, in this process (the driver is per
-# process): later calls do not wait on them again (driver_hung).
-_HUNG: list[threading.Thread] = []
-# Every driver call's thread, in this process: libcuda's exit handlers would wait
-# on one in flight, so the CLI leaves by os._exit meanwhile (driver_busy).
-_CALLS: list[threading.Thread] = []
 _WEDGED = "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which)"
-
-
-def driver_hung() -> bool:
-    """Whether a driver call of this process outlived its bound and is still in flight."""
-    return any(t.is_alive() for t in _HUNG)
-
-
-def driver_busy() -> bool:
-    """Whether a driver call of this process is in flight (Ctrl-C or an early
-    failure during a lock, a checkpoint or cuInit ahead, not only a hung call)."""
-    return driver_hung() or any(t.is_alive() for t in _CALLS)
 
 
 class ProcessHalted(GpusnapError):
     """A process the driver cannot be asked about: it answers for a process only
     while that process runs, and waits for it otherwise (driver 580: a query
     about a SIGSTOPped process returned only once it was continued)."""
-
-
-class _Call:
-    """One driver call on a thread of its own, so that its caller can stop
-    waiting: a wedged driver, or one waiting on a process that does not run,
-    never answers, and a command would wait with it."""
-
-    def __init__(self, name: str, call: Callable[[], int]) -> None:
-        self._done, self._code = threading.Event(), []
-        self._raised: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
-        _CALLS[:] = [t for t in _CALLS if t.is_alive()] + [self.thread]
-        self.thread.start()
-
-    def _run(self, call: Callable[[], int]) -> None:
-        try:
-            self._code.append(call())
-        except BaseException as exc:  # handed to the caller, in its thread
-            self._raised = exc
-        finally:
-            self._done.set()
-
-    def code(self, seconds: float) -> int | None:
-        """The call's return code, or None where it did not answer within ``seconds``."""
-        if not self._done.wait(seconds):
-            return None
-        if self._raised is not None:
-            raise self._raised
-        return self._code[0]
 
 
 class ProcessState(enum.IntEnum):
@@ -165,10 +121,10 @@ class CudaDriver:
                     f"the NVIDIA driver has no {name}: checkpoint needs driver r570 or newer")
         self._init_lock = threading.Lock()
         self._initialised = False
-        self._init_call: _Call | None = None
+        self._init_call: Call | None = None
         # calls left behind at their bound, by pid: the driver serialises a
         # process's calls, so a later one would only wait behind it
-        self._left: dict[int, tuple[_Call, str]] = {}
+        self._left: dict[int, tuple[Call, str]] = {}
 
     def init(self) -> None:
         """cuInit now (else at the first call): an agent loads it ahead."""
@@ -184,19 +140,18 @@ class CudaDriver:
         """cuInit's code, waited for as long as Bound DRIVER; past the bound, later
         calls fail at once rather than wait on the same cuInit again."""
         if self._init_call is None:
-            self._init_call = _Call("gpusnap-cuinit", lambda: self._lib.cuInit(0))
+            self._init_call = Call("gpusnap-cuinit", lambda: self._lib.cuInit(0))
         call = self._init_call
-        code = call.code(0 if call.thread in _HUNG else Bound.of("DRIVER").seconds)
+        code = call.code(0 if driver_calls.is_hung(call) else Bound.of("DRIVER").seconds)
         if code is None:
             raise self._expired(call, "the NVIDIA driver's cuInit")
         self._init_call = None
         return code
 
     @staticmethod
-    def _expired(call: _Call, what: str, bound: Bound | None = None,
+    def _expired(call: Call, what: str, bound: Bound | None = None,
                  hint: str = "nothing was changed by the wait") -> GpusnapError:
-        if call.thread not in _HUNG:
-            _HUNG.append(call.thread)
+        driver_calls.left_behind(call)
         return (bound or Bound.of("DRIVER")).expired(
             what, f"{_WEDGED}; {hint}")
 
@@ -210,7 +165,7 @@ class CudaDriver:
                 f"the NVIDIA driver's {left[1]} of process {pid} (still without an answer)",
                 f"{_WEDGED}; `gpusnap doctor` shows the process's state once it answers")
         self._init()
-        asked = _Call(f"gpusnap-{what}", call)
+        asked = Call(f"gpusnap-{what}", call)
         code = asked.code(bound.seconds)
         if code is None:
             self._left[pid] = (asked, what)

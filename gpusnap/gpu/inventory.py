@@ -6,6 +6,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gpusnap.gpu import driver_calls
+from gpusnap.waits import Bound
+
+_NVML = "gpusnap-nvml"
+
 
 @dataclass
 class GpuInfo:
@@ -66,11 +71,27 @@ def mps_active() -> bool:
 
 
 def read_inventory() -> Inventory:
-    """Query NVML; never raises: a host without a driver gets ``error`` set."""
+    """Query NVML; never raises: a host without a driver gets ``error`` set, and
+    so does one whose driver does not answer within DRIVER (NVML waits on a
+    wedged GPU as libcuda does; later reads in this process then fail at once)."""
     try:
         import pynvml  # optional (nvidia-ml-py), and start-up: NVML only where it is read
     except ImportError:
         return Inventory(error="nvidia-ml-py is not installed")
+    bound = Bound.of("DRIVER")
+    wedged = f"NVML did not answer within {bound.seconds:.0f} s: the driver or a GPU may be " \
+             "wedged (`nvidia-smi`, `dmesg` say which)"
+    if driver_calls.hung_named(_NVML):
+        return Inventory(error=wedged)
+    call = driver_calls.Call(_NVML, lambda: _read(pynvml))
+    inv = call.code(bound.seconds)
+    if inv is None:
+        driver_calls.left_behind(call)
+        return Inventory(error=wedged)
+    return inv
+
+
+def _read(pynvml) -> Inventory:
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from gpusnap.gpu import cuda
+from gpusnap.gpu import cuda, driver_calls
 from gpusnap import procs
 from gpusnap.waits import WaitExpired
 
@@ -48,7 +48,7 @@ def _driver(lib: _Lib) -> cuda.CudaDriver:
 
 def test_a_cuinit_that_does_not_answer_ends_at_its_bound_and_later_calls_at_once(monkeypatch):
     monkeypatch.setenv("GPUSNAP_WAIT_DRIVER", "0.3")
-    monkeypatch.setattr(cuda, "_HUNG", [])
+    monkeypatch.setattr(driver_calls, "_HUNG", [])
     lib = _Lib()
     driver = _driver(lib)
     started = time.monotonic()
@@ -56,14 +56,14 @@ def test_a_cuinit_that_does_not_answer_ends_at_its_bound_and_later_calls_at_once
         driver.state(1)
     assert 0.3 <= time.monotonic() - started < 5
     assert err.value.message.startswith("the NVIDIA driver's cuInit: no answer within")
-    assert "wedged" in err.value.hint and cuda.driver_hung()
+    assert "wedged" in err.value.hint and driver_calls.driver_hung()
     started = time.monotonic()
     with pytest.raises(WaitExpired):
         driver.state(1)  # the same cuInit, still in flight: not waited for again
     assert time.monotonic() - started < 0.2 and lib.calls == 1
     lib.go.set()  # the driver answers after all
     deadline = time.monotonic() + 10
-    while cuda.driver_hung() and time.monotonic() < deadline:
+    while driver_calls.driver_hung() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert driver.state(1) == cuda.ProcessState.RUNNING and lib.calls == 1
 
@@ -79,10 +79,10 @@ def test_a_healthy_cuinit_is_called_once():
 
 HUNG_CLI = """
 import sys, threading
-from gpusnap.gpu import cuda
+from gpusnap.gpu import driver_calls
 stuck = threading.Thread(target=threading.Event().wait)  # not a daemon: exit would join it
 stuck.start()
-cuda._HUNG.append(stuck)
+driver_calls._HUNG.append(stuck)
 sys.argv = ["gpusnap", "--version"]
 from gpusnap.cli.main import main
 main()
@@ -91,8 +91,8 @@ main()
 
 BUSY_CLI = """
 import atexit, sys, threading
-from gpusnap.gpu import cuda
-call = cuda._Call("gpusnap-lock", lambda: threading.Event().wait() or 0)  # in flight, in bound
+from gpusnap.gpu import driver_calls
+call = driver_calls.Call("gpusnap-lock", lambda: threading.Event().wait() or 0)  # in flight, in bound
 atexit.register(threading.Event().wait)  # as libcuda's exit handlers wait on that call
 sys.argv = ["gpusnap", "--version"]
 from gpusnap.cli.main import main
@@ -152,7 +152,7 @@ def stopped():
 def test_the_driver_is_not_asked_about_a_stopped_process(stopped, monkeypatch):
     """Driver 580 answered a state query about a SIGSTOPped process only once it
     was continued (G11, 2026-11-29): the query is refused, with the way out."""
-    monkeypatch.setattr(cuda, "_HUNG", [])
+    monkeypatch.setattr(driver_calls, "_HUNG", [])
     lib = _Stuck()
     driver = _driver(lib)
     assert procs.stopped(stopped)
@@ -172,7 +172,7 @@ def test_a_state_query_that_does_not_answer_ends_at_its_bound(monkeypatch):
     """A process can stop between the check and the query: the query is bounded
     like cuInit, and the CLI then leaves without libcuda's exit handlers."""
     monkeypatch.setenv("GPUSNAP_WAIT_DRIVER", "0.3")
-    monkeypatch.setattr(cuda, "_HUNG", [])
+    monkeypatch.setattr(driver_calls, "_HUNG", [])
     lib = _Stuck()
     driver = _driver(lib)
     started = time.monotonic()
@@ -181,7 +181,7 @@ def test_a_state_query_that_does_not_answer_ends_at_its_bound(monkeypatch):
     assert 0.3 <= time.monotonic() - started < 5
     assert err.value.message.startswith(f"the NVIDIA driver's state of process {os.getpid()}: "
                                          "no answer within")
-    assert cuda.driver_hung()
+    assert driver_calls.driver_hung()
     lib.answer.set()
 
 
@@ -200,7 +200,7 @@ def test_the_calls_that_move_gpu_memory_end_at_their_bound(monkeypatch):
     by its own timeout on top): a wedged driver ends the command with one line
     instead of holding it, and the CLI leaves without libcuda's exit handlers."""
     monkeypatch.setenv("GPUSNAP_WAIT_DRIVER_MOVE", "0.3")
-    monkeypatch.setattr(cuda, "_HUNG", [])
+    monkeypatch.setattr(driver_calls, "_HUNG", [])
     lib = _Stuck()
     driver = _driver(lib)
     started = time.monotonic()
@@ -209,7 +209,7 @@ def test_the_calls_that_move_gpu_memory_end_at_their_bound(monkeypatch):
     assert 0.3 <= time.monotonic() - started < 5
     assert err.value.message.startswith(f"the NVIDIA driver's checkpoint of process {os.getpid()}")
     assert "wedged" in err.value.hint and "may still complete" in err.value.hint
-    assert cuda.driver_hung()
+    assert driver_calls.driver_hung()
     # the driver serialises a process's calls: the next one about it is not waited for
     started = time.monotonic()
     with pytest.raises(WaitExpired) as err:
@@ -222,7 +222,7 @@ def test_the_calls_that_move_gpu_memory_end_at_their_bound(monkeypatch):
 
 
 def test_a_driver_call_that_raises_is_not_taken_for_a_hang(monkeypatch):
-    monkeypatch.setattr(cuda, "_HUNG", [])
+    monkeypatch.setattr(driver_calls, "_HUNG", [])
     lib = _Stuck()
 
     def broken(pid, args):
@@ -231,4 +231,4 @@ def test_a_driver_call_that_raises_is_not_taken_for_a_hang(monkeypatch):
     started = time.monotonic()
     with pytest.raises(ctypes.ArgumentError):
         _driver(lib).checkpoint(os.getpid())
-    assert time.monotonic() - started < 1 and not cuda.driver_hung()
+    assert time.monotonic() - started < 1 and not driver_calls.driver_hung()
