@@ -35,6 +35,7 @@ DEFAULTS: dict[str, float] = {
     # the driver's lock (plus its own timeout), checkpoint, restore or unlock of
     # one process: seconds for tens of GiB of GPU memory on a healthy GPU
     "DRIVER_MOVE": 900.0,
+    "PTRACE": 30.0,           # a thread of a container's process stopping under ptrace (µs)
     "DEVICES": 30.0,          # a child that mknods a running container's GPU nodes (ms)
 }
 # Bytes a second below which a big restore or checkpoint counts as hung: a

@@ -22,9 +22,12 @@ import errno
 import os
 import platform
 import signal
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from gpusnap.waits import Bound
 
 PTRACE_CONT, PTRACE_GETREGS, PTRACE_SETREGS, PTRACE_DETACH, PTRACE_SYSCALL = 7, 12, 13, 17, 24
 PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4206, 0x4207
@@ -107,7 +110,22 @@ class _Tracee:
                                           f"{os.strerror(err)}")
 
     def wait(self) -> int:
-        _, status = os.waitpid(self.tid, WALL)
+        """The thread's next stop, within PTRACE: a thread in an uninterruptible
+        wait (a vfork parent, a driver call) stops only once it leaves it. Past
+        the bound the stop is left pending; this process's exit (the action
+        script's, right after pre-dump) detaches the thread, and it runs on."""
+        deadline = time.monotonic() + Bound.of("PTRACE").seconds
+        pause = 10e-6  # a stop after PTRACE_SYSCALL comes within microseconds
+        while True:
+            tid, status = os.waitpid(self.tid, WALL | os.WNOHANG)
+            if tid:
+                break
+            if time.monotonic() > deadline:
+                raise RemoteSyscallError(errno.ETIMEDOUT, f"thread {self.tid} did not stop within "
+                                         f"{Bound.of('PTRACE').seconds:.0f} s (in an "
+                                         "uninterruptible wait?)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
         if not os.WIFSTOPPED(status):
             raise RemoteSyscallError(errno.ESRCH, f"thread {self.tid} ended")
         return status

@@ -220,6 +220,34 @@ def test_a_refused_remote_call_says_why_and_leaves_the_process_running(child):
     assert child.present(0) and child.ask(b"sleep") == "0.3"
 
 
+@needs_ptrace
+def test_a_thread_that_does_not_stop_is_given_up_at_the_bound_and_runs_on(child, monkeypatch):
+    """A thread in an uninterruptible wait (a vfork parent, a driver call) does not
+    stop for PTRACE_INTERRUPT: the pre-dump gives up within PTRACE, and the
+    thread runs on once the tracer (the action script) has exited."""
+    monkeypatch.setenv("GPUSNAP_WAIT_PTRACE", "0.3")
+    r, w = os.pipe()
+    tracer = os.fork()
+    if tracer == 0:
+        os.close(r)
+        real, traced = os.waitpid, child.proc.pid
+        # its stop never comes (ctypes.util's own children are waited for as ever)
+        remote_syscall.os.waitpid = lambda pid, flags: (0, 0) if pid == traced else real(pid, flags)
+        try:
+            remote_syscall.madvise_dontneed(child.proc.pid, [(child.addr + 8 * PAGE, PAGE)])
+            os.write(w, b"no error")
+        except remote_syscall.RemoteSyscallError as exc:
+            os.write(w, f"{exc.errno} {exc}".encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        said = f.read()
+    os.waitpid(tracer, 0)
+    assert said.startswith(f"{errno.ETIMEDOUT} ") and "did not stop within" in said, said
+    assert child.present(8)  # nothing was dropped
+    assert child.ask(b"sleep") == "0.3"  # and it answers: detached by the tracer's exit
+
+
 def test_pagescan_finds_what_criu_dumps_and_holds_still_across_vector_sizes(monkeypatch):
     m = mmap.mmap(-1, 64 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
