@@ -41,6 +41,7 @@ from gpusnap.criu.log import first_error
 from gpusnap.private import restrict_tree
 from gpusnap.proto import load
 from gpusnap.proto.rpc import bidi_stub, stream_stub, unary_stub
+from gpusnap.waits import Bound
 
 CHECKPOINT_MEDIA = "application/vnd.containerd.container.criu.checkpoint.criu.tar"
 CHECKPOINT_CONFIG_MEDIA = "application/vnd.containerd.container.checkpoint.config.v1+proto"
@@ -222,6 +223,7 @@ def checkpoint_to_dir(c: Client, container_id: str, dest: Path, exit_after: bool
         c.call("tasks", "Tasks", "Pause", container_id=container_id)
         try:
             descs = list(c.call("tasks", "Tasks", "Checkpoint", container_id=container_id,
+                                timeout=Bound.of("RUNC").seconds,  # the shim's runc checkpoint
                                 **({"options": opts} if opts is not None else {})).descriptors)
             index = _write_index(c, ctr, descs)
             name = f"gpusnap-checkpoint/{container_id}:{uuid.uuid4().hex[:8]}"

@@ -41,6 +41,7 @@ from gpusnap.ops.containerd_api import (
     runc_checkpoint_options)
 from gpusnap.ops.containerd_gpu import quiesced_first
 from gpusnap.private import open_private, write_private
+from gpusnap.waits import Bound
 
 FORMAT = "gpusnap.containerd-checkpoint.v1"
 SPEC_TYPE = "types.containerd.io/opencontainers/runtime-spec/1/Spec"
@@ -132,7 +133,8 @@ def _checkpoint_paused(c: Client, ctr: Any, container_id: str, image: str, exit_
         c.call("tasks", "Tasks", "Pause", container_id=container_id)
         try:
             rw = _rw_diff(c, ctr)
-            descs = list(c.call("tasks", "Tasks", "Checkpoint", container_id=container_id, timeout=3600,
+            descs = list(c.call("tasks", "Tasks", "Checkpoint", container_id=container_id,
+                                timeout=Bound.of("RUNC").seconds,  # the shim's runc checkpoint
                                 options=runc_checkpoint_options(exit_after)).descriptors)
             if check is not None:
                 check()
