@@ -346,7 +346,7 @@ def _import(plan: RestorePlan, src: Path, source: str, log_uri: str | None) -> d
               "container": {"id": plan.container, "name": plan.container, "status": "running",
                             "namespace": plan.namespace, "pid": pid, "image": plan.image,
                             "runtime": plan.runtime},
-              "gpu_processes": ops_restore._gpu_report(pid)}  # noqa: SLF001 -- the same report
+              "gpu_processes": ops_restore.gpu_report(pid)}
     if plan.gpu_plan.moves:
         result["gpus"] = [{"from": m.source.to_dict(), "to": m.target.to_dict(),
                            "why": list(m.reasons)} for m in plan.gpu_plan.moves]

@@ -210,7 +210,7 @@ def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
     checked; ``after``: what the restore spent once Podman was done, by step
     (a replica's time counts to here); ``driver``: loaded while Podman worked."""
     checked = time.monotonic()
-    gpu = _gpu_report(ctr.pid, driver)
+    gpu = gpu_report(ctr.pid, driver)
     after = {**(after or {}), "gpu_check": round(time.monotonic() - checked, 3)}
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),
                    moves=plan.describe() if plan.needs_remap else None, after=after)
@@ -275,7 +275,7 @@ def _drop_half_restored(name: str | None) -> tuple[CriuLog | None, str | None]:
     return log, None
 
 
-def _gpu_report(pid: int, ahead: DriverAhead | None = None) -> list[dict]:
+def gpu_report(pid: int, ahead: DriverAhead | None = None) -> list[dict]:
     procs = cuda_processes(pid)
     if not procs:
         return []
