@@ -252,7 +252,18 @@ class SeizeBlocked(TakeAgain):
         return GpusnapError(f"{self.message} ({SNAPSHOT_TRIES} tries)", self.hint)
 
 
-def stale_refusal(name: str, files: list[str], undone: str, first_hint: str) -> GpusnapError:
+def gave_up(last: TakeAgain | None, name: str, changed: list[str], undone: str,
+            first_hint: str) -> GpusnapError:
+    """The one line once SNAPSHOT_TRIES tries failed (checkpoint's and push's).
+    Where any try met open files renamed under it, that is the line, whatever
+    the last try met: another try would meet them again, and a task caught
+    uninterruptible (a few milliseconds' window) is only what the last met."""
+    if not changed and isinstance(last, SeizeBlocked):
+        return last.refusal()
+    return _stale_refusal(name, changed, undone, first_hint)
+
+
+def _stale_refusal(name: str, files: list[str], undone: str, first_hint: str) -> GpusnapError:
     """One line for a --leave-running checkpoint whose open files changed before
     Podman wrote the root filesystem into its export."""
     return GpusnapError(
@@ -315,10 +326,8 @@ def run(p: CheckpointPlan) -> dict:
 def _gave_up(p: CheckpointPlan, last: TakeAgain | None, changed: list[str]) -> NoReturn:
     if p.export is not None:
         p.export.unlink(missing_ok=True)
-    if isinstance(last, SeizeBlocked):
-        raise last.refusal() from None
-    raise stale_refusal(p.container.name, changed, "nothing was exported",
-                        "checkpoint it without --leave-running")
+    raise gave_up(last, p.container.name, changed, "nothing was exported",
+                  "checkpoint it without --leave-running") from None
 
 
 def _run_once(p: CheckpointPlan) -> dict:

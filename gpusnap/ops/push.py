@@ -24,8 +24,7 @@ from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.pages import early_pages, prefetch
 from gpusnap.ops import push_podman
-from gpusnap.ops.checkpoint import (SNAPSHOT_TRIES, SeizeBlocked, StaleSnapshot, TakeAgain,
-                                   stale_refusal)
+from gpusnap.ops.checkpoint import SNAPSHOT_TRIES, StaleSnapshot, TakeAgain, gave_up
 from gpusnap.ops.push_source import PushSource
 from gpusnap.ops.sources import find_container, open_source
 from gpusnap.runtime.storage import image_repo_digests
@@ -388,11 +387,9 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
         if attempt > 1:
             result["retaken"] = {"tries": attempt, "files": changed}
         return result
-    if isinstance(last, SeizeBlocked):
-        raise last.refusal()
     # push keeps a container running by default; --stop (migrate without -R) stops it
-    raise stale_refusal(source, changed, "no reference was pushed",
-                        "push it with --stop, or migrate it without --leave-running")
+    raise gave_up(last, source, changed, "no reference was pushed",
+                  "push it with --stop, or migrate it without --leave-running")
 
 
 def _push_once(job: _PushJob, progress: Progress) -> dict:

@@ -119,6 +119,20 @@ def test_three_unseizable_tries_say_so_in_one_line(monkeypatch, tmp_path):
     assert "again" in err.value.hint
 
 
+def test_renamed_open_files_are_the_line_though_the_last_try_met_an_unseizable_task(
+        monkeypatch, tmp_path):
+    """CI71 (sid + runc): two tries met renamed open files and the third a shell
+    caught in vfork; the line named the vfork and hinted "checkpoint it again",
+    which would meet the renames again. The renames are what the user must act on."""
+    p, _ = _tries(monkeypatch, tmp_path, [checkpoint._Stale(["/tmp/h1"]), checkpoint._Stale(["/tmp/h2"]),
+                                          checkpoint.SeizeBlocked("job", 7, None)])
+    with pytest.raises(GpusnapError) as err:
+        checkpoint.run(p)
+    assert err.value.message.startswith("the checkpoint of ") and "would not restore" in err.value.message
+    assert "/tmp/h2" in err.value.message and "(3 tries)" in err.value.message
+    assert "without --leave-running" in err.value.hint
+
+
 def test_a_streamed_push_gets_the_race_back_to_take_again_itself(monkeypatch, tmp_path):
     p, calls = _tries(monkeypatch, tmp_path, [checkpoint.SeizeBlocked("job", 7, None)])
     p.retake_stale = False
