@@ -109,26 +109,33 @@ class _Tracee:
             raise RemoteSyscallError(err, f"ptrace({request}) of thread {self.tid}: "
                                           f"{os.strerror(err)}")
 
-    def wait(self) -> int:
+    def wait(self, bounded: bool = True) -> int:
         """The thread's next stop, within PTRACE: a thread in an uninterruptible
         wait (a vfork parent, a driver call) stops only once it leaves it. Past
         the bound the stop is left pending; this process's exit (the action
-        script's, right after pre-dump) detaches the thread, and it runs on."""
-        deadline = time.monotonic() + Bound.of("PTRACE").seconds
-        pause = 10e-6  # a stop after PTRACE_SYSCALL comes within microseconds
-        while True:
-            tid, status = os.waitpid(self.tid, WALL | os.WNOHANG)
-            if tid:
-                break
-            if time.monotonic() > deadline:
-                raise RemoteSyscallError(errno.ETIMEDOUT, f"thread {self.tid} did not stop within "
-                                         f"{Bound.of('PTRACE').seconds:.0f} s (in an "
-                                         "uninterruptible wait?)")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+        script's, right after pre-dump) detaches the thread, and it runs on.
+        Not ``bounded`` once its registers were changed: given up then, it would
+        run on from inside our call, so the stop that puts them back is waited for."""
+        if bounded:
+            status = self._stop_within(Bound.of("PTRACE"))
+        else:
+            _, status = os.waitpid(self.tid, WALL)
         if not os.WIFSTOPPED(status):
             raise RemoteSyscallError(errno.ESRCH, f"thread {self.tid} ended")
         return status
+
+    def _stop_within(self, bound: Bound) -> int:
+        deadline = time.monotonic() + bound.seconds
+        pause = 10e-6  # a stop after PTRACE_INTERRUPT comes within microseconds
+        while True:
+            tid, status = os.waitpid(self.tid, WALL | os.WNOHANG)
+            if tid:
+                return status
+            if time.monotonic() > deadline:
+                raise RemoteSyscallError(errno.ETIMEDOUT, f"thread {self.tid} did not stop within "
+                                         f"{bound.seconds:.0f} s (in an uninterruptible wait?)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
 
     def get_regs(self) -> _Regs:
         regs = _Regs()
@@ -206,7 +213,7 @@ def _call(tracee: _Tracee, saved: _Regs, at: int, number: int, args: tuple[int, 
     tracee.set_regs(regs)
     for _ in range(2):  # the call's entry stop, then its exit stop
         tracee.resume(PTRACE_SYSCALL)
-        status = tracee.wait()
+        status = tracee.wait(bounded=False)  # its registers are ours until then
         if os.WSTOPSIG(status) not in (signal.SIGTRAP, signal.SIGTRAP | 0x80):
             raise RemoteSyscallError(errno.EINTR, f"thread {tracee.tid} stopped with signal "
                                                   f"{os.WSTOPSIG(status)} inside the call")
