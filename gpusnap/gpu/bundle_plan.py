@@ -35,9 +35,10 @@ def plan_restore_here(manifest_path: Path, spec: dict, inventory: Inventory | No
         pinned = Plan.from_dict(json.loads(plan_path.read_text()))
         return [p.line for p in recheck(pinned, manifest, inventory)], None
     annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
-    # as `gpusnap restore` plans (DRM and NUMA nodes, GPUSNAP_SKIP_CHECKS), less the
-    # CPU, kernel and CRIU checks: CRIU is restoring by now
-    result = plan_on_host(manifest, inventory, host_checks=False, sysfs=sysfs,
+    # as `gpusnap restore` plans (DRM and NUMA nodes), less the CPU, kernel and CRIU
+    # checks (CRIU is restoring by now) and skipped checks: runc gives a hook no
+    # user's environment, and a malformed one must not end the hook, which lets it by
+    result = plan_on_host(manifest, inventory, host_checks=False, sysfs=sysfs, skip=frozenset(),
                           gpu_map=parse_gpu_map(annotation) if annotation else None)
     if isinstance(result, list):
         return [p.line for p in result], None

@@ -16,6 +16,7 @@ from typing import Callable
 _HUNG: list[threading.Thread] = []
 # every call's thread, the finished ones pruned as new ones start
 _CALLS: list[threading.Thread] = []
+_LISTING = threading.Lock()
 
 
 class Call:
@@ -25,8 +26,9 @@ class Call:
         self._done, self._result = threading.Event(), []
         self._raised: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
-        _CALLS[:] = [t for t in _CALLS if t.is_alive()] + [self.thread]
-        self.thread.start()
+        self.thread.start()  # before it is listed: an unstarted thread is not alive, and pruned
+        with _LISTING:  # calls start from several threads at once (quiesce's pool, the agent)
+            _CALLS[:] = [t for t in _CALLS if t.is_alive()] + [self.thread]
 
     def _run(self, call: Callable[[], object]) -> None:
         try:

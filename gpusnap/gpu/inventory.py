@@ -10,6 +10,7 @@ from gpusnap.gpu import driver_calls
 from gpusnap.waits import Bound
 
 _NVML = "gpusnap-nvml"
+_UNANSWERED = "NVML did not answer"
 
 
 @dataclass
@@ -39,6 +40,11 @@ class Inventory:
     # pid -> {gpu uuid: bytes used}, for compute processes NVML sees
     process_memory: dict[int, dict[str, int]] = field(default_factory=dict)
     error: str | None = None
+
+    @property
+    def unanswered(self) -> bool:
+        """NVML did not answer within its bound: the GPUs are there but unread."""
+        return bool(self.error) and self.error.startswith(_UNANSWERED)
 
     def by_minor(self, minor: int) -> GpuInfo | None:
         return next((g for g in self.gpus if g.minor == minor), None)
@@ -79,7 +85,7 @@ def read_inventory() -> Inventory:
     except ImportError:
         return Inventory(error="nvidia-ml-py is not installed")
     bound = Bound.of("DRIVER")
-    wedged = f"NVML did not answer within {bound.seconds:.0f} s: the driver or a GPU may be " \
+    wedged = f"{_UNANSWERED} within {bound.seconds:.0f} s: the driver or a GPU may be " \
              "wedged (`nvidia-smi`, `dmesg` say which)"
     if driver_calls.hung_named(_NVML):
         return Inventory(error=wedged)

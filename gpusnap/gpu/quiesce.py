@@ -99,7 +99,12 @@ def states(driver: Driver, pids: Iterable[int]) -> dict[int, ProcessState]:
 
 
 def refuse_unsupported(procs: list[ProcessGpuUse], inventory: Inventory) -> None:
-    """Refuse what the driver cannot checkpoint at all: a GPU in MIG mode, MPS clients."""
+    """Refuse what the driver cannot checkpoint at all: a GPU in MIG mode, MPS clients;
+    and GPUs NVML did not answer about, which the manifest would record as none."""
+    if procs and inventory.unanswered:
+        raise GpusnapError(f"cannot read the GPUs of {len(procs)} CUDA process(es): "
+                           f"{inventory.error}; nothing was quiesced",
+                           "check the GPUs (`nvidia-smi`), then checkpoint again")
     used = {m for p in procs for m in p.gpu_minors}
     mig = [g for g in inventory.gpus if g.minor in used and g.mig_enabled]
     if mig:

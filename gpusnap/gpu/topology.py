@@ -50,8 +50,8 @@ def read_numa(gpus: Iterable[tuple[str, str]], sysfs: str | Path = "/sys") -> di
     """(uuid, PCI bus id) pairs -> uuid: NUMA node, for GPUs whose node is known (not -1)."""
     numa = {}
     for uuid, bus_id in gpus:
-        path = Path(sysfs) / "bus" / "pci" / "devices" / sysfs_bdf(bus_id) / "numa_node"
-        try:
+        try:  # a bus id NVML gave in another form is a GPU without a known node
+            path = Path(sysfs) / "bus" / "pci" / "devices" / sysfs_bdf(bus_id) / "numa_node"
             node = int(path.read_text().strip())
         except (OSError, ValueError):
             continue

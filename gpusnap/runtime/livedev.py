@@ -45,6 +45,8 @@ def _in_mount_ns(pid: int, action) -> None:
         except OSError as exc:
             os.write(w, f"{exc.filename or ''}: {exc.strerror}".encode())
             os._exit(1)
+        except BaseException:  # Ctrl-C reaches the child too: never unwind the parent's stack
+            os._exit(1)
         os._exit(0)
     os.close(w)
     os.close(ns)
@@ -67,8 +69,9 @@ def _reap(child: int, r: int, bound: Bound) -> tuple[bytes, int]:
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
             raise bound.expired("the child changing the container's device nodes",
-                                "the move stops and its other changes are undone; "
-                                "run it again")
+                                "the move stops and is undone; the container's "
+                                "/dev/nvidia* nodes may be half-changed (`podman exec "
+                                "CTR ls -l /dev` shows them)")
         chunk = os.read(r, 4096)
         if not chunk:
             break

@@ -56,3 +56,18 @@ def test_an_nvml_that_never_answers_is_an_error_within_the_bound(monkeypatch, ca
         assert again.error == inv.error and asked == [1]
     finally:
         go.set()
+
+
+def test_a_checkpoint_refuses_gpus_nvml_did_not_answer_about():
+    """Else the manifest would record no GPU, and the restore would check none."""
+    from gpusnap.errors import GpusnapError
+    from gpusnap.gpu.inventory import Inventory
+    from gpusnap.gpu.quiesce import refuse_unsupported
+    from gpusnap.procs import ProcessGpuUse
+
+    procs = [ProcessGpuUse(pid=7, comm="python3", gpu_minors=[0])]
+    unread = Inventory(error="NVML did not answer within 120 s: the driver or a GPU may be wedged")
+    with pytest.raises(GpusnapError, match="cannot read the GPUs of 1 CUDA process"):
+        refuse_unsupported(procs, unread)
+    refuse_unsupported([], unread)  # no CUDA process: nothing to record
+    refuse_unsupported(procs, Inventory(error="nvidia-ml-py is not installed"))  # as before
