@@ -19,14 +19,11 @@ from typing import Callable
 
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import driver_calls
-from gpusnap.gpu.driver_calls import Call
+from gpusnap.gpu.driver_calls import WEDGED, Call
 from gpusnap.procs import stopped
 from gpusnap.waits import Bound
 
 CUDA_SUCCESS = 0
-
-_WEDGED = "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which)"
-
 
 class ProcessHalted(GpusnapError):
     """A process the driver cannot be asked about: it answers for a process only
@@ -153,7 +150,7 @@ class CudaDriver:
                  hint: str = "nothing was changed by the wait") -> GpusnapError:
         driver_calls.left_behind(call)
         return (bound or Bound.of("DRIVER")).expired(
-            what, f"{_WEDGED}; {hint}")
+            what, f"{WEDGED}; {hint}")
 
     def _ask(self, name: str, what: str, pid: int, bound: Bound, call: Callable[[], int]) -> None:
         """One checkpoint-API call about ``pid`` on a thread of its own, waited for
@@ -163,7 +160,7 @@ class CudaDriver:
         if left is not None and left[0].thread.is_alive():
             raise Bound.of("DRIVER").expired(
                 f"the NVIDIA driver's {left[1]} of process {pid} (still without an answer)",
-                f"{_WEDGED}; `gpusnap doctor` shows the process's state once it answers")
+                f"{WEDGED}; `gpusnap doctor` shows the process's state once it answers")
         self._init()
         asked = Call(f"gpusnap-{what}", call)
         code = asked.code(bound.seconds)

@@ -12,6 +12,9 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+# what a call that did not answer may mean, in every such line
+WEDGED = "the driver or a GPU may be wedged (`nvidia-smi`, `dmesg` say which)"
+
 # calls that outlived their bound: later ones do not wait on them again
 _HUNG: list[threading.Thread] = []
 # every call's thread, the finished ones pruned as new ones start

@@ -85,8 +85,7 @@ def read_inventory() -> Inventory:
     except ImportError:
         return Inventory(error="nvidia-ml-py is not installed")
     bound = Bound.of("DRIVER")
-    wedged = f"{_UNANSWERED} within {bound.seconds:.0f} s: the driver or a GPU may be " \
-             "wedged (`nvidia-smi`, `dmesg` say which)"
+    wedged = f"{_UNANSWERED} within {bound.seconds:.0f} s: {driver_calls.WEDGED}"
     if driver_calls.hung_named(_NVML):
         return Inventory(error=wedged)
     call = driver_calls.Call(_NVML, lambda: _read(pynvml))
