@@ -10,7 +10,6 @@ from gpusnap.gpu import driver_calls
 from gpusnap.waits import Bound
 
 _NVML = "gpusnap-nvml"
-_UNANSWERED = "NVML did not answer"
 
 
 @dataclass
@@ -40,11 +39,8 @@ class Inventory:
     # pid -> {gpu uuid: bytes used}, for compute processes NVML sees
     process_memory: dict[int, dict[str, int]] = field(default_factory=dict)
     error: str | None = None
-
-    @property
-    def unanswered(self) -> bool:
-        """NVML did not answer within its bound: the GPUs are there but unread."""
-        return bool(self.error) and self.error.startswith(_UNANSWERED)
+    # NVML did not answer within its bound: the GPUs are there but unread
+    unanswered: bool = False
 
     def by_minor(self, minor: int) -> GpuInfo | None:
         return next((g for g in self.gpus if g.minor == minor), None)
@@ -63,7 +59,7 @@ class Inventory:
                    cuda_driver_version=d.get("cuda_driver_version"),
                    gpus=[GpuInfo(**g) for g in d.get("gpus") or []],
                    process_memory={int(k): v for k, v in (d.get("process_memory") or {}).items()},
-                   error=d.get("error"))
+                   error=d.get("error"), unanswered=bool(d.get("unanswered")))
 
 
 def _text(value) -> str:
@@ -85,14 +81,14 @@ def read_inventory() -> Inventory:
     except ImportError:
         return Inventory(error="nvidia-ml-py is not installed")
     bound = Bound.of("DRIVER")
-    wedged = f"{_UNANSWERED} within {bound.seconds:.0f} s: {driver_calls.WEDGED}"
+    wedged = f"NVML did not answer within {bound.seconds:.0f} s: {driver_calls.WEDGED}"
     if driver_calls.hung_named(_NVML):
-        return Inventory(error=wedged)
+        return Inventory(error=wedged, unanswered=True)
     call = driver_calls.Call(_NVML, lambda: _read(pynvml))
     inv = call.code(bound.seconds)
     if inv is None:
         driver_calls.left_behind(call)
-        return Inventory(error=wedged)
+        return Inventory(error=wedged, unanswered=True)
     return inv
 
 

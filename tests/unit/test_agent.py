@@ -233,7 +233,7 @@ INVENTORY = {"driver_version": "580.159.04", "cuda_driver_version": "13.0",
                        "pci_bus_id": "0000:01:00.0", "memory_total": 150 << 30,
                        "memory_used": 1 << 30, "compute_capability": "9.0",
                        "mig_enabled": False}],
-             "process_memory": {"77": {"GPU-aaaa": 1 << 30}}, "error": None}
+             "process_memory": {"77": {"GPU-aaaa": 1 << 30}}, "error": None, "unanswered": False}
 
 HOOK_READS = ("from gpusnap.hook.main import agent_inventory as f; "
               "inv = f(wait_s=0.3); print(inv.to_dict() if inv else None)")

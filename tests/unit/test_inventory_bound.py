@@ -11,6 +11,7 @@ import types
 import pytest
 
 from gpusnap.gpu import driver_calls, inventory
+from gpusnap.gpu.inventory import Inventory
 
 
 class _Error(Exception):
@@ -51,6 +52,7 @@ def test_an_nvml_that_never_answers_is_an_error_within_the_bound(monkeypatch, ca
         inv = inventory.read_inventory()
         assert time.monotonic() - started < 5
         assert inv.gpus == [] and "NVML did not answer within" in inv.error and "wedged" in inv.error
+        assert inv.unanswered and Inventory.from_dict(inv.to_dict()).unanswered
         assert driver_calls.driver_busy()  # the command leaves by os._exit meanwhile
         again = inventory.read_inventory()  # not a second wait on the same wedged driver
         assert again.error == inv.error and asked == [1]
@@ -61,12 +63,12 @@ def test_an_nvml_that_never_answers_is_an_error_within_the_bound(monkeypatch, ca
 def test_a_checkpoint_refuses_gpus_nvml_did_not_answer_about():
     """Else the manifest would record no GPU, and the restore would check none."""
     from gpusnap.errors import GpusnapError
-    from gpusnap.gpu.inventory import Inventory
     from gpusnap.gpu.quiesce import refuse_unsupported
     from gpusnap.procs import ProcessGpuUse
 
     procs = [ProcessGpuUse(pid=7, comm="python3", gpu_minors=[0])]
-    unread = Inventory(error="NVML did not answer within 120 s: the driver or a GPU may be wedged")
+    unread = Inventory(error="NVML did not answer within 120 s: the driver or a GPU may be wedged",
+                       unanswered=True)
     with pytest.raises(GpusnapError, match="cannot read the GPUs of 1 CUDA process"):
         refuse_unsupported(procs, unread)
     refuse_unsupported([], unread)  # no CUDA process: nothing to record
