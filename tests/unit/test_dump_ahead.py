@@ -323,3 +323,41 @@ def test_take_with_notes_leaves_a_note_of_every_run_read(child, tmp_path, monkey
     note = json.loads(Path(task.path + ".ready").read_text())
     assert note == {"size": Path(task.path).stat().st_size,
                     "final": [[o, o + n] for _, n, o in task.runs]}
+
+
+def test_take_reads_into_a_file_faulted_in_before_and_cuts_it_to_its_size(child, tmp_path,
+                                                                          monkeypatch):
+    """The file faulted in during the driver's checkpoint (prefault.py) is the
+    one read into: the same bytes as a fresh file, its size CRIU's, not NVML's."""
+    from gpusnap.pages import prefault
+    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
+    monkeypatch.setattr(prefault, "STEP", 4 * PAGE)
+    pid, a = child.proc.pid, child.addr
+    runs = [(a + 4 * PAGE, a + 20 * PAGE), (a + 30 * PAGE, a + 34 * PAGE)]
+    (tmp_path / "fresh").mkdir()
+    fresh = dump_ahead.take(pid, 1, runs, tmp_path / "fresh", threads=3)
+    path = dump_ahead.file_for(tmp_path, 1)
+    faulted = prefault.start(path, 64 * PAGE, least=0)
+    assert faulted is not None
+    faulted.wait(10)  # the time the driver's checkpoint gives it
+    assert faulted.faulted == 64 * PAGE and faulted.error is None
+    task = dump_ahead.take(pid, 1, runs, tmp_path, threads=3, faulted=faulted)
+    assert task.path == str(path) and faulted.used
+    assert path.read_bytes() == Path(fresh.path).read_bytes()
+    faulted.discard()
+    assert path.exists()  # read into: the push's, not the prefault's to remove
+
+
+def test_a_prefault_no_read_took_is_removed_and_one_stopped_early_stops_within_a_step(tmp_path,
+                                                                                     monkeypatch):
+    from gpusnap.pages import prefault
+    assert prefault.start(tmp_path / "small", 10, least=11) is None
+    unused = prefault.start(tmp_path / "unused", 8 * PAGE, least=0)
+    unused.discard()
+    assert not (tmp_path / "unused").exists() and unused.facts()["bytes"] <= 8 * PAGE
+    monkeypatch.setattr(prefault, "STEP", PAGE)
+    big = prefault.Prefault(tmp_path / "big", 1 << 30, threads=1)
+    big.finish()  # at once: not the whole GiB faulted in first
+    assert big.faulted < 1 << 30 and big.seconds < 5
+    big.discard()
+    assert not (tmp_path / "big").exists()
