@@ -89,19 +89,13 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
         timing = Timing()
         driver = require_driver()
         refuse_unmanaged(driver, procs)
-        faulted = _prefault(Path(push["aside"]), pids, inventory.process_memory) if ahead else {}
-        try:
-            changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
-            free_at = round(time.time(), 3)  # before the read-ahead, which takes seconds at GBs
-            manifest.timing = timing.phases
-            guardian = _start_guardian(criu_pid, changed, init_pid, turn)
-            if ahead and guardian is not None:
-                _read_ahead(criu_pid, guardian, push,
-                            {pid: dump_ahead.staging(pid, before[pid]) for pid in changed},
-                            faulted)
-        finally:
-            for f in faulted.values():
-                f.discard()  # those no read took: their RAM given back
+        changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
+        free_at = round(time.time(), 3)  # before the read-ahead below, which takes seconds at GBs
+        manifest.timing = timing.phases
+        guardian = _start_guardian(criu_pid, changed, init_pid, turn)
+        if ahead and guardian is not None:
+            _read_ahead(criu_pid, guardian, push,
+                        {pid: dump_ahead.staging(pid, before[pid]) for pid in changed})
     elif turn is not None:  # the plugin quiesces and resumes inside CRIU: held till it exits
         guardian = _start_guardian(criu_pid, [], init_pid, turn, force=True)
         if guardian is not None:
@@ -136,21 +130,8 @@ def _quiesced_before_the_pause(init_pid: int, image_dir: str) -> bool:
     return True
 
 
-def _prefault(aside: Path, pids: list[int], used: dict[int, dict[str, int]]) -> dict:
-    """pid -> its read-ahead file being faulted in during the driver's checkpoint
-    (prefault.py), sized by what NVML says the process holds on its GPUs."""
-    from gpusnap.pages import dump_ahead, prefault  # GPU dumps only: not every step's start-up
-    out = {}
-    for pid in pids:
-        f = prefault.start(dump_ahead.file_for(aside, ns_pid(pid)),
-                           sum(used.get(pid, {}).values()), dump_ahead.MIN_TOTAL)
-        if f is not None:
-            out[pid] = f
-    return out
-
-
 def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
-                runs: dict[int, list[tuple[int, int]]], faulted: dict | None = None) -> None:
+                runs: dict[int, list[tuple[int, int]]]) -> None:
     """Read each process's ``runs`` into the push's folder and take them out of
     it, so CRIU dumps the rest only (dump_ahead.py). The guardian gets the files
     before anything is taken. Any failure before that leaves CRIU to dump
@@ -162,12 +143,11 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
 
     if not supported():
         return
-    started, aside, faulted = time.monotonic(), Path(push["aside"]), faulted or {}
+    started, aside = time.monotonic(), Path(push["aside"])
     tasks = []
     try:
         for pid, found in runs.items():
-            task = dump_ahead.take(pid, ns_pid(pid), found, aside, notes=True,
-                                   faulted=faulted.get(pid))
+            task = dump_ahead.take(pid, ns_pid(pid), found, aside, notes=True)
             if task is not None:
                 tasks.append(task)
         if tasks:
@@ -190,28 +170,17 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
     if taken:
         write_private(step_state.ahead(criu_pid), json.dumps([t.to_dict() for t in taken]))
         journal.record("pages-read-ahead", tasks=len(taken), bytes=sum(t.bytes for t in taken),
-                       read_s=read_s, seconds=round(time.monotonic() - started, 3),
-                       prefaulted=[f.facts() for f in faulted.values() if f.used])
+                       read_s=read_s, seconds=round(time.monotonic() - started, 3))
 
 
 def _read_ahead_test(init_pid: int, criu_pid: int, push: dict, turn: Turn | None) -> None:
     """Tests only: a CPU container's big anonymous memory, which its test keeps
     still, read ahead as a GPU process's would be (``ahead_test_min`` bytes)."""
     from gpusnap.pages import dump_ahead  # tests only: not every step's start-up
-    runs = {pid: dump_ahead.big_anonymous(pid, int(push["ahead_test_min"]))
-            for pid in process_tree(init_pid)}
-    # faulted in as a GPU process's file is, sized by its runs rather than NVML
-    faulted = _prefault(Path(push["aside"]), list(runs),
-                        {pid: {"runs": sum(end - start for start, end in r)}
-                         for pid, r in runs.items()})
-    try:
-        for f in faulted.values():
-            f.wait(30)  # the time a driver's checkpoint would give it
-        guardian = _start_guardian(criu_pid, [], init_pid, turn, force=True)
-        _read_ahead(criu_pid, guardian, push, runs, faulted)
-    finally:
-        for f in faulted.values():
-            f.discard()
+    pids = process_tree(init_pid)
+    guardian = _start_guardian(criu_pid, [], init_pid, turn, force=True)
+    _read_ahead(criu_pid, guardian, push,
+                {pid: dump_ahead.big_anonymous(pid, int(push["ahead_test_min"])) for pid in pids})
 
 
 def post_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:

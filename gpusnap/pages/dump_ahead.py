@@ -49,7 +49,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpusnap.criu import pagemap, pagescan
-from gpusnap.pages.prefault import Prefault
 from gpusnap.pages.page_fill import (MAP_FAILED, MAP_SHARED, PIECE, PROT_READ, PROT_WRITE, IoVec,
                                     Run, default_threads, fill, libc, pieces)
 
@@ -189,15 +188,14 @@ class _Prefix:
 
 
 def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int,
-         progress: Callable[[list[list[int]]], None] | None = None, keep: bool = False) -> None:
+         progress: Callable[[list[list[int]]], None] | None = None) -> None:
     """Each run (address, length, offset) of ``pid`` into ``path`` at its offset.
     Each thread maps one piece of the file at a time and has the kernel copy
     the process's bytes into it (one copy); unmapped after, so the pages stay
     in the file, not in this process (its RSS stays at the pieces in flight).
     ``progress(ranges)``: the file ranges read so far, every NOTE_EVERY bytes
-    and at the end (the push hashes them meanwhile: _note). ``keep``: ``path``
-    is a new file of zeros faulted in for this read (prefault.py), not emptied."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if keep else os.O_TRUNC), 0o600)
+    and at the end (the push hashes them meanwhile: _note)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, size)
         calls = libc()
@@ -235,33 +233,22 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
         os.close(fd)
 
 
-def file_for(folder: Path, vpid: int) -> Path:
-    """Where ``take`` reads a process's runs to (and prefault.py faults in)."""
-    return folder / f"{PREFIX}{vpid}.img"
-
-
 def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
-         threads: int | None = None, notes: bool = False,
-         faulted: Prefault | None = None) -> Task | None:
+         threads: int | None = None, notes: bool = False) -> Task | None:
     """Read ``runs`` of ``pid`` into a file in ``folder`` at the offsets CRIU's
     pages file will have them; None where there is too little to gain.
     ``notes``: a note for the push (early_pages.py) of the ranges read,
-    kept up to date while they are read. ``faulted``: that file, being faulted
-    in since before the driver's checkpoint: stopped, and read into in place."""
+    kept up to date while they are read."""
     runs = sorted(runs)
     if sum(end - start for start, end in runs) < MIN_TOTAL:
         return None
     gaps, offsets = layout(pid, runs)
     placed = [(start, end - start, off) for (start, end), off in zip(runs, offsets)]
-    path = str(file_for(folder, vpid))
+    path = str(folder / f"{PREFIX}{vpid}.img")
     size = offsets[-1] + runs[-1][1] - runs[-1][0]
-    keep = faulted is not None and str(faulted.path) == path
-    if keep:
-        faulted.finish()
-        faulted.used = True
     try:
         read(pid, placed, path, size, threads or default_threads(),
-             progress=(lambda ranges: _note(path, size, ranges)) if notes else None, keep=keep)
+             progress=(lambda ranges: _note(path, size, ranges)) if notes else None)
     except BaseException:
         Path(path).unlink(missing_ok=True)
         raise

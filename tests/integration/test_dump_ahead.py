@@ -61,9 +61,6 @@ def test_memory_read_ahead_is_in_the_pushed_images_and_restores_whole(registry, 
     if runs_action_script(_runtime()):
         taken = _event(events, "pages-read-ahead")
         assert taken["bytes"] >= 256 << 20, taken
-        # read into the file faulted in beforehand (prefault.py), sized by the runs here
-        (faulted,) = taken["prefaulted"]
-        assert faulted["bytes"] == taken["bytes"] and "error" not in faulted, taken
         composed = _event(events, "pages-composed")
         assert composed["how"] == ["in place"], composed  # CRIU dumped what was predicted around it
     else:  # no action script (trixie's crun 1.21): CRIU dumps it all, as before
