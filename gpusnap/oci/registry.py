@@ -17,6 +17,7 @@ from typing import Iterable
 from urllib.parse import urlencode, urljoin, urlsplit, urlunsplit
 
 from gpusnap.errors import GpusnapError
+from gpusnap.oci import stall
 from gpusnap.waits import Bound
 from gpusnap.oci.auth import Credentials, find_credentials, parse_challenge
 from gpusnap.oci.lazy import need
@@ -83,6 +84,7 @@ class RegistryClient:
         self._lock = threading.Lock()
         self._session = None
         self._session_lock = threading.Lock()
+        self._stalls = stall.Watchdog(self._timeout[1])
 
     @property
     def session(self):
@@ -394,6 +396,7 @@ class RegistryClient:
         attempt = 0
         while True:
             resp = self.request("GET", self.url(f"blobs/{digest}"), stream=True)
+            watch = self._stalls.watch(stall.socket_of(resp))
             try:
                 if resp.status_code == 404:
                     raise GpusnapError(f"registry {self.ref.registry} lacks blob {digest} of "
@@ -407,7 +410,8 @@ class RegistryClient:
                 length = int(resp.headers.get("Content-Length") or 0)
                 buf = bytearray(min(length, size))
                 got = 0
-                for piece in resp.iter_content(1 << 20):
+                for piece in resp.iter_content(stall.PIECE):
+                    watch.progress()
                     if got + len(piece) > size:
                         raise DigestMismatch(f"blob {digest} from {self.ref.registry} is longer "
                                              f"than the {size} bytes the manifest says",
@@ -418,9 +422,12 @@ class RegistryClient:
             except (self._exc.ConnectionError, self._exc.ChunkedEncodingError) as exc:
                 attempt += 1
                 if attempt >= self.opts.retries:
-                    raise self._unreachable(exc) from None
+                    raise (TransientError(*stall.words(self.ref.registry, digest, self.opts.retries,
+                                                       self._stalls.seconds))
+                           if watch.stalled else self._unreachable(exc)) from None
                 time.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
             finally:
+                watch.close()
                 resp.close()
         del buf[got:]  # a short body: the digest check below names it
         check_digest(buf, digest, f"blob {digest} from {self.ref.registry}")
