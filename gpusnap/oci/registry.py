@@ -396,7 +396,7 @@ class RegistryClient:
         attempt = 0
         while True:
             resp = self.request("GET", self.url(f"blobs/{digest}"), stream=True)
-            watch = self._stalls.watch(stall.socket_of(resp))
+            watch = self._stalls.watch(resp)
             try:
                 if resp.status_code == 404:
                     raise GpusnapError(f"registry {self.ref.registry} lacks blob {digest} of "
@@ -411,13 +411,15 @@ class RegistryClient:
                 buf = bytearray(min(length, size))
                 got = 0
                 for piece in resp.iter_content(stall.PIECE):
-                    watch.progress()
+                    watch.progress(len(piece))
                     if got + len(piece) > size:
                         raise DigestMismatch(f"blob {digest} from {self.ref.registry} is longer "
                                              f"than the {size} bytes the manifest says",
                                              damaged(digest))
                     buf[got:got + len(piece)] = piece
                     got += len(piece)
+                if watch.stalled and got < size:  # a body whose end is the connection's
+                    raise self._exc.ConnectionError("cut off: too slow")
                 break
             except (self._exc.ConnectionError, self._exc.ChunkedEncodingError) as exc:
                 attempt += 1

@@ -19,31 +19,35 @@ PIECE = 1 << 20  # what must arrive within the bound: the downloader's read size
 
 
 class Watch:
-    """One download's deadline, pushed on by each piece that arrives."""
+    """One download's deadline, pushed on by each PIECE that arrives."""
 
-    def __init__(self, dog: Watchdog, sock: socket.socket | None) -> None:
-        self._dog, self._sock = dog, sock
+    def __init__(self, dog: Watchdog, resp) -> None:
+        self._dog, self._raw, self._sock = dog, getattr(resp, "raw", None), socket_of(resp)
         self.deadline = time.monotonic() + dog.seconds
         self.stalled = False
+        self._since = 0  # bytes since the deadline last moved: chunked bodies come in bits
 
-    def progress(self) -> None:
-        self.deadline = time.monotonic() + self._dog.seconds
+    def progress(self, n: int) -> None:
+        self._since += n
+        if self._since >= PIECE:
+            self._since = 0
+            self.deadline = time.monotonic() + self._dog.seconds
 
     def cut(self) -> None:
+        # http.client closes its response before urllib3 gives the connection
+        # back to the pool: a closed one may be another request's socket by now
+        if self._raw is not None and self._raw.isclosed():
+            return
         self.stalled = True
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            # socket's own shutdown, not SSLSocket's, which unwraps the TLS
+            # layer under a read in progress: that read then fails as a cut one
+            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
         except OSError:  # closed meanwhile: the read has ended anyway
             pass
 
     def close(self) -> None:
         self._dog.forget(self)
-
-    def __enter__(self) -> Watch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class Watchdog:
@@ -55,18 +59,22 @@ class Watchdog:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def watch(self, sock: socket.socket | None) -> Watch:
-        """A Watch of the download reading ``sock``; none is cut where the socket
-        cannot be found (another urllib3): each recv is still bounded."""
-        w = Watch(self, sock)
-        if sock is None:
+    def watch(self, resp) -> Watch:
+        """A Watch of the streamed response ``resp``; it is never cut where its
+        socket cannot be found (another urllib3) or no thread can start: each
+        recv is still bounded."""
+        w = Watch(self, resp)
+        if w._sock is None:
             return w
         with self._lock:
-            self._watches.add(w)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="registry-stalls",
-                                                daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="registry-stalls", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:
+                    return w
+                self._thread = thread
+            self._watches.add(w)
         return w
 
     def forget(self, w: Watch) -> None:
@@ -84,7 +92,7 @@ class Watchdog:
                     return
                 late = [w for w in self._watches if w.deadline < now]
                 self._watches.difference_update(late)
-                for w in late:  # under the lock: never after its download has let the socket go
+                for w in late:  # under the lock, so never after its download forgot it
                     w.cut()
 
 

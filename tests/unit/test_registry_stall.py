@@ -20,21 +20,31 @@ BLOB = bytes(range(256)) * (6 << 12)  # 6 MiB
 DIGEST = "sha256:" + hashlib.sha256(BLOB).hexdigest()
 
 
-def _server(pace_s: float, piece: int):
-    """A registry answering every blob GET with BLOB, ``piece`` bytes every ``pace_s``."""
+def _server(pace_s: float, piece: int, body: str = "length"):
+    """A registry answering every blob GET with BLOB, ``piece`` bytes every
+    ``pace_s``; its end told by Content-Length, by chunks, or by the close."""
     gets: list[float] = []
 
     class Trickle(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1" if body == "chunked" else "HTTP/1.0"
+
         def do_GET(self) -> None:
             gets.append(time.monotonic())
             self.send_response(200)
-            self.send_header("Content-Length", str(len(BLOB)))
+            if body == "length":
+                self.send_header("Content-Length", str(len(BLOB)))
+            elif body == "chunked":
+                self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             try:
                 for at in range(0, len(BLOB), piece):
-                    self.wfile.write(BLOB[at:at + piece])
+                    bit = BLOB[at:at + piece]
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(bit), bit) if body == "chunked"
+                                     else bit)
                     self.wfile.flush()
                     time.sleep(pace_s)
+                if body == "chunked":
+                    self.wfile.write(b"0\r\n\r\n")
             except OSError:  # the client cut it
                 pass
 
@@ -59,8 +69,12 @@ def _client(server) -> RegistryClient:
 
 
 @pytest.mark.timeout(60)  # a hang here fails in a minute, not the suite's fifteen
-def test_a_registry_that_trickles_a_blob_is_cut_off_and_named_slow(bound):
-    server, gets = _server(pace_s=0.2, piece=64)  # a recv every 0.2 s: never the 1 s timeout
+@pytest.mark.parametrize("body", ["length", "chunked", "close"])
+def test_a_registry_that_trickles_a_blob_is_cut_off_and_named_slow(bound, body):
+    """Also where each bit comes as a chunk of its own (each read returns it),
+    and where the body ends with the connection (a cut one ends quietly, and
+    would otherwise be called damaged)."""
+    server, gets = _server(pace_s=0.2, piece=64, body=body)  # never the 1 s recv timeout
     try:
         started = time.monotonic()
         with pytest.raises(TransientError) as err:
