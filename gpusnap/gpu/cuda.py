@@ -25,6 +25,7 @@ from gpusnap.waits import Bound
 
 CUDA_SUCCESS = 0
 
+
 class ProcessHalted(GpusnapError):
     """A process the driver cannot be asked about: it answers for a process only
     while that process runs, and waits for it otherwise (driver 580: a query
