@@ -144,10 +144,11 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
     if not supported():
         return
     started, aside = time.monotonic(), Path(push["aside"])
+    donors = [str(p) for p in push.get("reuse") or []]  # round 1's, kept (pages/kept_pages.py)
     tasks = []
     try:
         for pid, found in runs.items():
-            task = dump_ahead.take(pid, ns_pid(pid), found, aside, notes=True)
+            task = dump_ahead.take(pid, ns_pid(pid), found, aside, notes=True, donors=donors)
             if task is not None:
                 tasks.append(task)
         if tasks:
@@ -170,7 +171,8 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
     if taken:
         write_private(step_state.ahead(criu_pid), json.dumps([t.to_dict() for t in taken]))
         journal.record("pages-read-ahead", tasks=len(taken), bytes=sum(t.bytes for t in taken),
-                       read_s=read_s, seconds=round(time.monotonic() - started, 3))
+                       reused=sum(t.reused for t in taken), read_s=read_s,
+                       seconds=round(time.monotonic() - started, 3))
 
 
 def _read_ahead_test(init_pid: int, criu_pid: int, push: dict, turn: Turn | None) -> None:

@@ -6,7 +6,7 @@ import os
 import shutil
 import tarfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
@@ -52,6 +52,8 @@ class CheckpointPlan:
     # That folder is in RAM: CRIU writes the pages there through links made
     # before the dump (pages_aside.prelink; pages/memory.py).
     pages_prelinked: bool = False
+    # Files in that RAM the read-ahead writes over (pre-copy round 1's: pages/kept_pages.py).
+    pages_reuse: list[str] = field(default_factory=list)
     gpu_bytes: int = 0  # of ``estimate_bytes``: what the driver moves into host memory first
     # A --leave-running export that would not restore is taken again here; a
     # push that uploads the export as Podman writes it takes it again itself.
@@ -203,7 +205,7 @@ def _read_ahead(p: CheckpointPlan) -> dict:
     and GPUSNAP_DUMP_AHEAD_TEST_FAULT=compose makes post-dump fail there."""
     if not p.pages_prelinked or p.leave_running or os.environ.get("GPUSNAP_DUMP_AHEAD", "1") == "0":
         return {}
-    out: dict = {"read_ahead": True}
+    out: dict = {"read_ahead": True, "reuse": p.pages_reuse}
     test_min = os.environ.get("GPUSNAP_DUMP_AHEAD_TEST_MIN", "")
     if test_min.isdigit():
         out["ahead_test_min"] = int(test_min)

@@ -8,7 +8,8 @@ A killed push or `restore REF` leaves its staging directory (`.gpusnap-push-*`,
 a killed `push CTR`/`migrate` staged is all that is left of the container it
 stopped; `kept()` names it and nothing removes it. Nor is the folder of a
 background upload whose process still runs (ops/uploads.py): it may rest
-between reads longer than a foreground push does.
+between reads longer than a foreground push does. A pre-copy's round-1 pages
+kept in RAM (pages/kept_pages.py) are listed once older than their bound.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.ops import uploads
-from gpusnap.pages import pages_aside
-from gpusnap.pages import memory
+from gpusnap.pages import kept_pages, memory, pages_aside
 from gpusnap.runtime.fifo_pump import referenced
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, TRASH_PREFIX, storage_root
 from gpusnap.partial import partial_path
@@ -114,6 +114,7 @@ def find() -> list[Path]:
             continue
         if idle and work.is_dir() and work not in keep and not _busy(work):
             found.append(work)
+    found += kept_pages.stale()  # a pre-copy's round 1 whose final round never came
     # A partial still being written belongs to a live export: leave it.
     return [p for p in found if not (p.suffix == ".partial" and referenced(str(p)))]
 

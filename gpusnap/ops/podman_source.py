@@ -24,7 +24,7 @@ from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import checkpoint as ops_checkpoint
-from gpusnap.pages import early_pages, prefetch, prepared_pages
+from gpusnap.pages import early_pages, kept_pages, prefetch, prepared_pages
 from gpusnap.ops.push_source import PushSource, cause, kept_error
 from gpusnap.runtime import podman
 from gpusnap.pages import memory
@@ -50,11 +50,13 @@ def _push_source(plan: ops_checkpoint.CheckpointPlan, export: Path, job: Future,
 def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str], None] | None,
                  stream: bool, container: podman.Container,
                  on_checkpointed: Callable[[dict], None] | None,
-                 check_files: bool = True) -> Iterator[PushSource]:
+                 pre_checkpoint: bool = False) -> Iterator[PushSource]:
     """``container`` checkpointed into a staged plain tar; with ``stream`` the
     push reads that tar while Podman still writes it (upload overlaps the
     dump), else once it is complete. ``on_checkpointed``: called once the
-    checkpoint succeeded (see push())."""
+    checkpoint succeeded (see push()). ``pre_checkpoint``: a pre-copy's round
+    1, its pages kept for the final round's read-ahead (pages/kept_pages.py)."""
+    kept_pages.sweep()
     # Only where CRIU runs gpusnap's action script, which moves them (criu/runtimes.py).
     sets_aside = stream and pages_aside.enabled() and runs_action_script(container.runtime)
     # The export holds the pages only where they are not set aside: then it
@@ -76,20 +78,16 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
                                    DEFAULT_LOCK_TIMEOUT_MS, skip_space_check=True,
                                    export_level=0, container=container)
         # streamed: not taken again under the upload, but refused to push(), which retakes it all
-        plan.retake_stale, plan.check_files = not stream, check_files
-        if sets_aside:
-            aside, in_ram = _pages_folder(plan, work, root)
-        if not in_ram:
-            ops_checkpoint.require_space([plan.container.userdata, export.parent],
-                                         plan.estimate_bytes)
-        if aside is not None:  # this push drops the local checkpoint once it read the pages
-            plan.keep, plan.pages_aside, plan.pages_prelinked = True, aside, in_ram
+        plan.retake_stale, plan.check_files = not stream, not pre_checkpoint
+        aside, in_ram = _place_pages(plan, work, root, sets_aside)
         if on_checkpoint:
             on_checkpoint(plan.container.name)
         if stream:  # one from an earlier export would be followed as if Podman wrote it
             (plan.container.userdata / prefetch.DEVSHM).unlink(missing_ok=True)
             early_pages.clear_stale(plan.container.checkpoint_dir)
         job = pool.submit(ops_checkpoint.run, plan)
+        if not pre_checkpoint:  # once dumped, what the read-ahead did not take is spent
+            job.add_done_callback(lambda _: kept_pages.drop(container.id))
         if on_checkpointed:
             job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside))
         if not stream:
@@ -117,6 +115,8 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
             ops_checkpoint.drop_local(container.userdata)
         discard(work, work.parent)  # the export (and the pages): as large as the checkpoint
         if in_ram:
+            if pre_checkpoint:
+                kept_pages.keep(aside, container.id, held_too=plan.gpu_bytes)
             discard(aside, aside.parent)
         work = None
     finally:
@@ -129,6 +129,20 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
                 shutil.rmtree(aside, ignore_errors=True)
 
 
+def _place_pages(plan, work: Path, root: Path, sets_aside: bool) -> tuple[Path | None, bool]:
+    """The plan's pages folder (_pages_folder) and whether it is in RAM; the
+    disk's room checked where it is not; a final round's kept pages to write over."""
+    aside, in_ram = _pages_folder(plan, work, root) if sets_aside else (None, False)
+    if in_ram and not plan.leave_running:
+        plan.pages_reuse = kept_pages.files(plan.container.id)
+    if not in_ram:
+        ops_checkpoint.require_space([plan.container.userdata, plan.export.parent],
+                                     plan.estimate_bytes)
+    if aside is not None:  # this push drops the local checkpoint once it read the pages
+        plan.keep, plan.pages_aside, plan.pages_prelinked = True, aside, in_ram
+    return aside, in_ram
+
+
 def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
     """Where CRIU's pages go for this push, and whether that is RAM: a folder on
     /dev/shm that CRIU writes into through links (the host can spare the pages
@@ -137,7 +151,12 @@ def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
     else one beside Podman's storage they are moved into
     after the dump (a rename: the images' filesystem), else none (the export
     holds them)."""
-    ram = prepared_pages.evict_for(plan.estimate_bytes, held_too=plan.gpu_bytes)
+    # Round 1's kept pages become this round's where the read-ahead writes over
+    # them (CUDA processes, the container stops): memory held already, not taken anew.
+    kept, kept_bytes = kept_pages.held(plan.container.id) if plan.cuda and not plan.leave_running \
+        else (None, 0)
+    ram = prepared_pages.evict_for(max(1 << 20, plan.estimate_bytes - kept_bytes),
+                                   held_too=plan.gpu_bytes, spare=kept)
     if ram is not None:
         return Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=ram)), True
     if _same_fs(root, plan.container.userdata):

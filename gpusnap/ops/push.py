@@ -397,7 +397,7 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
                      stream=job.image_format == "gpusnap",
                      containerd_address=job.containerd_address, container=job.container,
                      on_checkpointed=job.on_checkpointed,
-                     check_files=not job.pre_checkpoint) as src:
+                     pre_checkpoint=job.pre_checkpoint) as src:
         if job.total and src.known_bytes:
             job.total(src.known_bytes)
         if job.image_format == "podman":

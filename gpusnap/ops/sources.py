@@ -38,13 +38,14 @@ def open_source(source: str, leave_running: bool,
                 stream: bool = True, containerd_address: str | None = None,
                 container: podman.Container | None = None,
                 on_checkpointed: Callable[[dict], None] | None = None,
-                check_files: bool = True) -> Iterator[PushSource]:
+                pre_checkpoint: bool = False) -> Iterator[PushSource]:
     """SOURCE as a file stream. A container is checkpointed into a staged plain
     tar; with ``stream`` the push reads that tar while Podman still writes it
     (upload overlaps the dump), else once it is complete. ``on_checkpointed``:
     called once a container's checkpoint succeeded (see push()).
-    ``check_files``: a Podman container left running has its checkpoint checked
-    for open files that changed before the export (ops/snapshot_files.py)."""
+    ``pre_checkpoint``: a pre-copy's round 1 (podman_source.checkpointed); a
+    Podman container left running otherwise has its checkpoint checked for
+    open files that changed before the export (ops/snapshot_files.py)."""
     if source.startswith("containerd://"):  # a containerd container or checkpoint image
         from gpusnap.ops import containerd_registry  # grpc and containerd's protos: only here
 
@@ -64,5 +65,5 @@ def open_source(source: str, leave_running: bool,
 
     with podman_source.checkpointed(source, leave_running, on_checkpoint, stream,
                                     container or find_container(source),
-                                    on_checkpointed, check_files) as src:
+                                    on_checkpointed, pre_checkpoint) as src:
         yield src

@@ -74,6 +74,7 @@ class Task:
     path: str
     runs: list[tuple[int, int, int]]  # (address, length, offset in path)
     gaps: list[int]  # bytes CRIU is predicted to dump before each run, after the previous one
+    reused: int = 0  # bytes of a kept round-1 file the read wrote over (kept_pages.py)
 
     @property
     def bytes(self) -> int:
@@ -88,7 +89,8 @@ class Task:
     @classmethod
     def from_dict(cls, d: dict) -> Task:
         return cls(int(d["pid"]), int(d["vpid"]), str(d["path"]),
-                   [tuple(map(int, r)) for r in d["runs"]], [int(g) for g in d["gaps"]])
+                   [tuple(map(int, r)) for r in d["runs"]], [int(g) for g in d["gaps"]],
+                   int(d.get("reused", 0)))
 
 
 def mapped(pid: int) -> list[tuple[int, int]]:
@@ -187,15 +189,38 @@ class _Prefix:
             self.progress(ranges)
 
 
+def _open(path: str, donor: str | None) -> tuple[int, int]:
+    """``path`` opened for the read, and the bytes of memory it already holds:
+    ``donor`` (a kept round-1 file, kept_pages.py) renamed to it where it can
+    be, else a new empty file. A donor linked elsewhere is not written over:
+    its other name would change with it."""
+    if donor:
+        try:
+            os.rename(donor, path)
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            pass
+        else:
+            st = os.fstat(fd)
+            if st.st_nlink == 1:
+                return fd, st.st_blocks * 512
+            os.close(fd)
+            os.unlink(path)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600), 0
+
+
 def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int,
-         progress: Callable[[list[list[int]]], None] | None = None) -> None:
+         progress: Callable[[list[list[int]]], None] | None = None,
+         donor: str | None = None) -> int:
     """Each run (address, length, offset) of ``pid`` into ``path`` at its offset.
     Each thread maps one piece of the file at a time and has the kernel copy
     the process's bytes into it (one copy); unmapped after, so the pages stay
     in the file, not in this process (its RSS stays at the pieces in flight).
     ``progress(ranges)``: the file ranges read so far, every NOTE_EVERY bytes
-    and at the end (the push hashes them meanwhile: _note)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    and at the end (the push hashes them meanwhile: _note). ``donor``: a
+    file whose memory the read writes over (_open). Returns the bytes of
+    memory reused so, at most ``size``."""
+    fd, held = _open(path, donor)
     try:
         os.ftruncate(fd, size)
         calls = libc()
@@ -231,14 +256,17 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
             list(pool.map(one, range(len(todo))))
     finally:
         os.close(fd)
+    return min(held, size)
 
 
 def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
-         threads: int | None = None, notes: bool = False) -> Task | None:
+         threads: int | None = None, notes: bool = False,
+         donors: list[str] | None = None) -> Task | None:
     """Read ``runs`` of ``pid`` into a file in ``folder`` at the offsets CRIU's
     pages file will have them; None where there is too little to gain.
     ``notes``: a note for the push (early_pages.py) of the ranges read,
-    kept up to date while they are read."""
+    kept up to date while they are read. ``donors``: kept files, largest
+    first, the first of which (taken off the list) the read writes over."""
     runs = sorted(runs)
     if sum(end - start for start, end in runs) < MIN_TOTAL:
         return None
@@ -247,12 +275,13 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     path = str(folder / f"{PREFIX}{vpid}.img")
     size = offsets[-1] + runs[-1][1] - runs[-1][0]
     try:
-        read(pid, placed, path, size, threads or default_threads(),
-             progress=(lambda ranges: _note(path, size, ranges)) if notes else None)
+        reused = read(pid, placed, path, size, threads or default_threads(),
+                      progress=(lambda ranges: _note(path, size, ranges)) if notes else None,
+                      donor=donors.pop(0) if donors else None)
     except BaseException:
         Path(path).unlink(missing_ok=True)
         raise
-    return Task(pid, vpid, path, placed, gaps)
+    return Task(pid, vpid, path, placed, gaps, reused)
 
 
 def _note(path: str, size: int, final: list[list[int]]) -> None:

@@ -45,7 +45,7 @@ from gpusnap.criu import pagemap
 from gpusnap.pages import pages_aside
 from gpusnap.oci import segments
 from gpusnap.oci.bundle import Bundle, FileEntry
-from gpusnap.pages import parent_pages
+from gpusnap.pages import kept_pages, parent_pages
 from gpusnap.pages.page_patch import Runs, bytes_held, layout, patch_in_place, plan_patch
 from gpusnap.pages import memory
 from gpusnap.runtime.storage import PULL_PREFIX, storage_root
@@ -84,6 +84,11 @@ def folders(where: list[Path] | None = None) -> list[Path]:
         except OSError:
             continue
     return sorted(found, key=lambda p: _mtime(p / INDEX))
+
+
+def _age(folder: Path) -> float:
+    """When a prepared folder was completed (its index), or a kept one made."""
+    return _mtime(folder / INDEX) if (folder / INDEX).exists() else _mtime(folder)
 
 
 def _mtime(path: Path) -> float:
@@ -319,14 +324,18 @@ def release(match: Match | None) -> None:
         shutil.rmtree(match.claimed, ignore_errors=True)
 
 
-def evict_for(size: int, held_too: int = 0) -> Path | None:
-    """memory.ram_dir, after dropping prepared folders in RAM, oldest first, for
-    as long as they stand in its way (a push or restore needs the memory more
-    than pages prepared for a restore that may never come)."""
+def evict_for(size: int, held_too: int = 0, spare: Path | None = None) -> Path | None:
+    """memory.ram_dir, after dropping prepared folders and a pre-copy's kept
+    pages (kept_pages.py) in RAM, oldest first, for as long as they stand in
+    its way (a push or restore needs the memory more than pages kept for a
+    round that may never come); never ``spare``, the caller's own."""
     ram = memory.ram_dir(size, held_too)
     if ram is not None or os.environ.get(memory.ENV) == "0":
         return ram
-    for folder in folders([r for r in memory.roots() if r.is_dir()]):
+    in_ram = [r for r in memory.roots() if r.is_dir()]
+    for folder in sorted(folders(in_ram) + kept_pages.folders(tuple(in_ram)), key=_age):
+        if folder == spare:
+            continue
         freed = size_of(folder)
         shutil.rmtree(folder, ignore_errors=True)
         journal.record("prepared-evicted", folder=str(folder), bytes=freed)

@@ -73,3 +73,40 @@ def test_migrate_reads_gpu_memory_ahead_and_the_restored_copy_has_it(cuda_ctr, r
     assignment = json.loads((journal_path().parent / "containers" / f"{cid}.json").read_text())
     assert assignment["inventory_read_by"] == "agent", assignment
     assert assignment["gpus"][0]["uuid"], assignment
+
+
+def test_a_pre_copys_final_round_reads_ahead_into_the_pages_round_one_kept(cuda_ctr, registry):
+    """migrate -P keeps round 1's pages file (the driver's copy of the GPU
+    memory, dumped by CRIU) in RAM (gpusnap/pages/kept_pages.py); the final
+    round's read-ahead writes the driver's new copy over it, and the copy
+    restored from the registry has every element of the GPU data as it was
+    at the final round."""
+    its = cuda_ctr.wait_running()
+    ref = registry.ref(f"gpu/kept-{uuid.uuid4().hex[:8]}:v1")
+    env = {**os.environ, "GPUSNAP_PAGES_RAM": "1"}
+    mark = journal_mark()
+    res = run([GPUSNAP, "migrate", "-P", cuda_ctr.name, ref, *registry.flags(), "--json"],
+              input=PASSWORD + "\n", env=env)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    kept = _last(journal_since(mark), "pages-kept")
+    assert kept["bytes"] >= 2 << 30, kept
+    its = cuda_ctr.wait_running(above=its)
+    cuda_ctr.verify()  # round 1 left it running, its GPU data whole
+
+    mark = journal_mark()
+    res = run([GPUSNAP, "migrate", cuda_ctr.name, ref, *registry.flags(), "--json"],
+              input=PASSWORD + "\n", env=env)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    pinned = json.loads(res.stdout)["pinned"]
+    events = journal_since(mark)
+    taken = _last(events, "pages-read-ahead")
+    assert taken["reused"] >= 2 << 30, taken
+    assert _last(events, "pages-composed")["how"] == ["in place"]
+    assert not os.path.exists(kept["folder"])
+    its = cuda_ctr.iterations()
+    subprocess.run(["podman", "rm", "-f", "-t", "0", cuda_ctr.name], check=True,
+                   capture_output=True)
+    res = run([GPUSNAP, "restore", pinned, *registry.flags(), "--json"], input=PASSWORD + "\n")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    cuda_ctr.wait_running(above=its)
+    cuda_ctr.verify()

@@ -108,3 +108,34 @@ def test_a_failure_after_the_memory_was_taken_leaves_the_container_as_it_was(
     assert _event(journal_since(mark), "guardian-wrote-back")
     assert _md5_of_memory(name) == before
     wait_counter(name, 3, timeout=30)
+
+
+def test_the_final_round_writes_over_the_pages_round_one_kept(registry, name):
+    """migrate -P keeps round 1's pages file in RAM (pages/kept_pages.py); the
+    final round's read-ahead takes it over and writes into its memory instead
+    of new memory. The kept folder is gone after, and the restored shell's
+    memory is the final round's, not round 1's."""
+    if not runs_action_script(_runtime()):
+        pytest.skip("no action script under this runtime (trixie's crun 1.21): nothing is read ahead")
+    _start_big_memory(name)
+    ref = _ref(registry)
+    mark = journal_mark()
+    _gs(registry, "migrate", "-P", name, ref)
+    kept = _event(journal_since(mark), "pages-kept")
+    assert kept["files"] == 1 and kept["bytes"] >= 256 << 20, kept
+    folder = kept["folder"]
+    assert subprocess.run(["test", "-d", folder]).returncode == 0
+    # the shell's memory changes between the rounds: round 1's bytes must not survive
+    subprocess.run(["podman", "exec", name, "sh", "-c", "echo changed > /tmp/marker"], check=True)
+    before = _md5_of_memory(name)
+    mark = journal_mark()
+    pushed = _gs(registry, "migrate", name, ref)
+    events = journal_since(mark)
+    taken = _event(events, "pages-read-ahead")
+    assert taken["reused"] >= 256 << 20, taken
+    assert _event(events, "pages-composed")["how"] == ["in place"]
+    assert subprocess.run(["test", "-e", folder]).returncode == 1  # given back
+    subprocess.run(["podman", "rm", name], check=True, capture_output=True)
+    _gs(registry, "restore", pushed["pinned"])
+    assert _md5_of_memory(name) == before
+    wait_counter(name, 3, timeout=30)

@@ -323,3 +323,50 @@ def test_take_with_notes_leaves_a_note_of_every_run_read(child, tmp_path, monkey
     note = json.loads(Path(task.path + ".ready").read_text())
     assert note == {"size": Path(task.path).stat().st_size,
                     "final": [[o, o + n] for _, n, o in task.runs]}
+
+
+def test_take_writes_over_a_kept_file_and_leaves_none_of_its_bytes_in_the_runs(child, tmp_path,
+                                                                              monkeypatch):
+    """A kept round-1 file (pages/kept_pages.py), larger than this round's and
+    full of other bytes, is renamed to the read's file: the runs hold the
+    process's bytes, the file is cut to this round's size, the memory reused
+    is counted, and the kept name is gone."""
+    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
+    pid, a = child.proc.pid, child.addr
+    runs = [(a + 4 * PAGE, a + 20 * PAGE), (a + 30 * PAGE, a + 34 * PAGE)]
+    donor = tmp_path / "kept.img"
+    donor.write_bytes(b"\xaa" * (1024 * PAGE))
+    donors = [str(donor)]
+    task = dump_ahead.take(pid, 1, runs, tmp_path, threads=3, donors=donors)
+    assert donors == [] and not donor.exists()
+    data = Path(task.path).read_bytes()
+    assert len(data) == task.runs[-1][2] + task.runs[-1][1]
+    assert task.reused == len(data)
+    for address, length, offset in task.runs:
+        for k in range(length // PAGE):
+            page = (address - a) // PAGE + k
+            assert data[offset + k * PAGE:offset + (k + 1) * PAGE] == \
+                page.to_bytes(8, "little") + bytes(PAGE - 8)
+
+
+def test_a_kept_file_linked_elsewhere_is_not_written_over(child, tmp_path, monkeypatch):
+    """Its other name would change with it: the read takes a new file."""
+    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
+    donor, other = tmp_path / "kept.img", tmp_path / "other.img"
+    donor.write_bytes(b"\xaa" * (8 * PAGE))
+    os.link(donor, other)
+    pid, a = child.proc.pid, child.addr
+    task = dump_ahead.take(pid, 1, [(a, a + 4 * PAGE)], tmp_path, threads=1, donors=[str(donor)])
+    assert task.reused == 0
+    assert other.read_bytes() == b"\xaa" * (8 * PAGE)
+    assert Path(task.path).read_bytes()[:8] == (0).to_bytes(8, "little")
+
+
+def test_a_missing_kept_file_leaves_the_read_a_new_one(child, tmp_path, monkeypatch):
+    """Given up to memory pressure between the plan and the read (evicted)."""
+    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
+    pid, a = child.proc.pid, child.addr
+    task = dump_ahead.take(pid, 1, [(a, a + 4 * PAGE)], tmp_path, threads=1,
+                           donors=[str(tmp_path / "gone.img")])
+    assert task.reused == 0 and Path(task.path).stat().st_size == task.runs[0][2] + 4 * PAGE
+    assert dump_ahead.Task.from_dict(task.to_dict()) == task
