@@ -158,7 +158,8 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
             Path(task.path).unlink(missing_ok=True)
         journal.record("pages-read-ahead-skipped", error=str(exc))
         return
-    read_s, taken = round(time.monotonic() - started, 3), []
+    read_s, taken = round(time.monotonic() - started, 3), []  # with the layouts
+    dropping = time.monotonic()
     for task in tasks:
         try:
             dump_ahead.drop(task)  # the push hashed it meanwhile (the read's notes)
@@ -172,6 +173,7 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
         write_private(step_state.ahead(criu_pid), json.dumps([t.to_dict() for t in taken]))
         journal.record("pages-read-ahead", tasks=len(taken), bytes=sum(t.bytes for t in taken),
                        reused=sum(t.reused for t in taken), read_s=read_s,
+                       drop_s=round(time.monotonic() - dropping, 3),
                        seconds=round(time.monotonic() - started, 3))
 
 

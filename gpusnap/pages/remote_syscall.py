@@ -24,6 +24,7 @@ import platform
 import signal
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -164,25 +165,41 @@ def _restartable(regs: _Regs) -> _Regs:
     return out
 
 
-def _live_thread(pid: int, proc: Path = Path("/proc")) -> int:
-    """A thread of ``pid`` that can run a call: not a zombie (a main thread that
-    returned while the others go on)."""
+def _threads(pid: int, proc: Path = Path("/proc")) -> list[tuple[int, str]]:
+    """(tid, state) of each thread of ``pid``, the main thread first."""
+    out = []
     for task in sorted((proc / str(pid) / "task").iterdir(), key=lambda t: int(t.name) != pid):
         try:
             stat = (task / "stat").read_text()
         except OSError:
             continue
-        if stat[stat.rfind(")") + 2:].split()[0] not in ("Z", "X"):
-            return int(task.name)
+        out.append((int(task.name), stat[stat.rfind(")") + 2:].split()[0]))
+    return out
+
+
+def _live_thread(pid: int, proc: Path = Path("/proc")) -> int:
+    """A thread of ``pid`` that can run a call: not a zombie (a main thread that
+    returned while the others go on)."""
+    for tid, state in _threads(pid, proc):
+        if state not in ("Z", "X"):
+            return tid
     raise RemoteSyscallError(errno.ESRCH, f"process {pid} has no live thread")
 
 
+def _helper_threads(pid: int, most: int, first: int) -> list[int]:
+    """Up to ``most`` threads besides ``first`` that stop at once when asked:
+    asleep in an interruptible wait (a thread in an uninterruptible one would
+    hold its share of the work up to the PTRACE bound)."""
+    return [tid for tid, state in _threads(pid) if state == "S" and tid != first][:most]
+
+
 @contextmanager
-def _seized(pid: int) -> Iterator[tuple[_Tracee, _Regs]]:
-    """One thread of ``pid`` stopped under ptrace, with its registers; they are
-    put back and the thread let go on leaving, whatever happened inside."""
+def _seized(pid: int, tid: int | None = None) -> Iterator[tuple[_Tracee, _Regs]]:
+    """One thread of ``pid`` (``tid``, else the first live one) stopped under
+    ptrace, with its registers; they are put back and the thread let go on
+    leaving, whatever happened inside."""
     libc = _libc()
-    tracee = _Tracee(libc, _live_thread(pid))
+    tracee = _Tracee(libc, tid or _live_thread(pid))
     tracee._ptrace(PTRACE_SEIZE)
     saved = None
     try:
@@ -220,17 +237,65 @@ def _call(tracee: _Tracee, saved: _Regs, at: int, number: int, args: tuple[int, 
     return _signed(tracee.get_regs().rax)
 
 
-def madvise_dontneed(pid: int, ranges: Iterable[tuple[int, int]]) -> None:
+def split(ranges: list[tuple[int, int]], parts: int, align: int = 2 << 20) -> list[list[tuple[int, int]]]:
+    """``ranges`` (address, length) cut into at most ``parts`` lists of about
+    equal bytes, a range cut only at ``align``-aligned addresses."""
+    total = sum(n for _, n in ranges)
+    share = max(align, -(-total // max(1, parts)))
+    out: list[list[tuple[int, int]]] = [[]]
+    room = share
+    for address, length in ranges:
+        while length:
+            if room <= 0 and len(out) < parts:
+                out.append([])
+                room = share
+            take = length
+            if take > room and len(out) < parts:
+                cut = (address + room + align - 1) // align * align - address
+                take = min(length, max(cut, 0)) or length
+            out[-1].append((address, take))
+            address, length, room = address + take, length - take, room - take
+    return [p for p in out if p]
+
+
+def madvise_dontneed(pid: int, ranges: Iterable[tuple[int, int]], threads: int = 1) -> None:
     """``madvise(address, length, MADV_DONTNEED)`` in process ``pid`` for each
-    range, in one stop of one thread. RemoteSyscallError names the first range
-    the process refused (those before it are already dropped)."""
+    range: on up to ``threads`` of its threads at once, each in one stop (the
+    kernel frees tens of GiB of 4 KiB pages in seconds on one thread). A share
+    that fails on its helper thread is made again on the first thread.
+    RemoteSyscallError names the first range the process refused (some of the
+    others may be dropped already)."""
     ranges = list(ranges)
     if not ranges:
         return
     if not supported():
         raise RemoteSyscallError(errno.ENOSYS, f"remote calls need x86-64, not {platform.machine()}")
     at = syscall_address(pid)
-    with _seized(pid) as (tracee, saved):
+    first = _live_thread(pid)
+    helpers = _helper_threads(pid, threads - 1, first) if threads > 1 else []
+    shares = split(ranges, 1 + len(helpers))
+    if len(shares) == 1:
+        _madvise_on(pid, first, at, shares[0])
+        return
+    with ThreadPoolExecutor(len(shares), thread_name_prefix="madvise") as pool:
+        done = list(pool.map(lambda job: _try_on(pid, *job, at), zip([first, *helpers], shares)))
+    for share, error in zip(shares, done):
+        if error is not None:
+            if share is shares[0]:
+                raise error
+            _madvise_on(pid, first, at, share)  # a helper that would not stop, or was refused
+
+
+def _try_on(pid: int, tid: int, share: list[tuple[int, int]], at: int) -> RemoteSyscallError | None:
+    try:
+        _madvise_on(pid, tid, at, share)
+    except RemoteSyscallError as exc:
+        return exc
+    return None
+
+
+def _madvise_on(pid: int, tid: int, at: int, ranges: list[tuple[int, int]]) -> None:
+    with _seized(pid, tid) as (tracee, saved):
         for address, length in ranges:
             ret = _call(tracee, saved, at, SYS_MADVISE, (address, length, MADV_DONTNEED))
             if ret < 0:

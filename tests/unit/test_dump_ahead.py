@@ -148,7 +148,9 @@ def test_minus_agrees_with_cutting_hole_by_hole():
 # -- real processes ---------------------------------------------------------------------
 
 CHILD = r"""
-import ctypes, mmap, os, sys, time
+import ctypes, mmap, os, sys, threading, time
+for _ in range(int(sys.argv[3])):  # threads asleep in a wait, as a CUDA process has
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
 n = int(sys.argv[1]) * 4096
 m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 for i in range(0, n, 4096):
@@ -168,9 +170,10 @@ while True:
 
 
 class Child:
-    def __init__(self, pages: int = 64) -> None:
+    def __init__(self, pages: int = 64, helpers: int = 0) -> None:
         self.r, self.w = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(pages), str(self.r)],
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(pages), str(self.r),
+                                      str(helpers)],
                                      stdout=subprocess.PIPE, text=True, pass_fds=(self.r,))
         self.addr, self.pages = int(self.proc.stdout.readline()), pages
         time.sleep(0.1)  # in its read(2) by now
@@ -370,3 +373,38 @@ def test_a_missing_kept_file_leaves_the_read_a_new_one(child, tmp_path, monkeypa
                            donors=[str(tmp_path / "gone.img")])
     assert task.reused == 0 and Path(task.path).stat().st_size == task.runs[0][2] + 4 * PAGE
     assert dump_ahead.Task.from_dict(task.to_dict()) == task
+
+
+def test_split_shares_the_bytes_and_cuts_only_at_aligned_addresses():
+    mb = 1 << 20
+    ranges = [(64 * mb, 10 * mb), (100 * mb, 30 * mb), (200 * mb, 2 * mb)]
+    for parts in (1, 2, 3, 4, 8, 40):
+        shares = remote_syscall.split(ranges, parts)
+        assert 1 <= len(shares) <= parts
+        flat = [r for share in shares for r in share]
+        merged: list[tuple[int, int]] = []
+        for a, n in flat:  # the pieces, in order, put back together, are the ranges
+            if merged and merged[-1][0] + merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((a, n))
+        assert merged == ranges
+        starts = {a for a, _ in ranges}
+        assert all(a in starts or a % (2 * mb) == 0 for a, _ in flat)
+    sizes = [sum(n for _, n in s) for s in remote_syscall.split(ranges, 4)]
+    assert len(sizes) == 4 and max(sizes) <= 42 * mb // 4 + 2 * mb, sizes  # a cut is 2 MiB-aligned
+
+
+@needs_ptrace
+def test_a_drop_on_several_threads_frees_every_range(tmp_path):
+    """The child runs helper threads asleep in a wait: each takes a share."""
+    c = Child(pages=512, helpers=3)
+    try:
+        assert len(remote_syscall._helper_threads(c.proc.pid, 7, c.proc.pid)) == 3
+        remote_syscall.madvise_dontneed(c.proc.pid, [(c.addr, 256 * PAGE), (c.addr + 300 * PAGE,
+                                                                           200 * PAGE)], threads=4)
+        assert not any(c.present(p) for p in (0, 100, 255, 300, 499))
+        assert c.present(260) and c.present(510)
+        assert c.ask(b"sleep") == "0.3"  # it runs on
+    finally:
+        c.close()
