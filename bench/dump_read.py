@@ -1,12 +1,16 @@
 """The driver's copy of GPU memory, read out of a checkpointed CUDA process on many
 threads, dropped from it and written back (pages/dump_ahead.py's steps, no CRIU).
 
-    python bench/dump_read.py [--gib 16] [--threads 16,8] [--rounds 2] [--dir /run/gpusnap/ram]
+    python bench/dump_read.py [--gib 16] [--threads 16,8] [--pieces 8] [--rounds 2]
+                              [--drop-threads 8] [--dir /run/gpusnap/ram]
 
 A child process holds GIB GiB of pseudo-random int32 on GPU 0; the driver locks
 and checkpoints it; the mapping the checkpoint made is read into a file in DIR
 (gpusnap's huge-page tmpfs is mounted there when it is not), ROUNDS times per
-thread count; then dropped with a remote madvise, written back, restored by
+thread count and piece size (MiB a thread maps at a time): round 1 into a new
+file, the later ones written over the file before them (as the final round of
+a pre-copy writes over round 1's kept pages: pages/kept_pages.py); then dropped
+with a remote madvise on DROP_THREADS threads, written back, restored by
 the driver, and every element compared. Needs a GPU (the H200/H100 machines:
 run as root with the PyTorch Python).
 """
@@ -48,7 +52,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=16)
     ap.add_argument("--threads", default="16,8")
+    ap.add_argument("--pieces", default="8", help="MiB each thread maps at a time")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--drop-threads", type=int, default=dump_ahead.DROP_THREADS)
     ap.add_argument("--dir", default=str(memory.HUGE_ROOT))
     ap.add_argument("--python", default=sys.executable, help="a Python with PyTorch")
     args = ap.parse_args()
@@ -76,16 +82,22 @@ def main() -> int:
             placed.append((a, b - a, pos))
             pos += b - a
         for threads in (int(n) for n in args.threads.split(",")):
-            for r in range(args.rounds):
+            for piece in (int(n) for n in args.pieces.split(",")):
+                dump_ahead.READ_PIECE = piece << 20
                 path.unlink(missing_ok=True)
-                t = time.monotonic()
-                dump_ahead.read(pid, placed, str(path), size, threads)
-                s = time.monotonic() - t
-                rows.append({"step": f"read, {threads} threads, round {r + 1}", "s": round(s, 2),
-                             "GB/s": round(size / s / 1e9, 2)})
+                for r in range(args.rounds):
+                    t = time.monotonic()  # round 1 into a new file, then over it
+                    dump_ahead.read(pid, placed, str(path), size, threads,
+                                    donor=str(path) if r else None)
+                    s = time.monotonic() - t
+                    rows.append({"step": f"read, {threads} thr, {piece} MiB, "
+                                         f"{'over it' if r else 'new file'}",
+                                 "s": round(s, 2), "GB/s": round(size / s / 1e9, 2)})
         t = time.monotonic()
-        remote_syscall.madvise_dontneed(pid, [(a, n) for a, n, _ in placed])
-        rows.append({"step": "remote madvise", "s": round(time.monotonic() - t, 2)})
+        remote_syscall.madvise_dontneed(pid, [(a, n) for a, n, _ in placed],
+                                        threads=args.drop_threads)
+        rows.append({"step": f"remote madvise, {args.drop_threads} threads",
+                     "s": round(time.monotonic() - t, 2)})
         t = time.monotonic()
         page_fill.fill(pid, [page_fill.Run(a, n, str(path), o) for a, n, o in placed], 16)
         s = time.monotonic() - t
@@ -104,7 +116,7 @@ def main() -> int:
     print(json.dumps({"gib": args.gib, "bytes": size, "runs": len(runs), "rows": rows,
                       "elements": verdict}, indent=1))
     for row in rows:
-        print(f"{row['step']:34s} {row['s']:7.2f} s  {row.get('GB/s', '')}")
+        print(f"{row['step']:40s} {row['s']:7.2f} s  {row.get('GB/s', '')}")
     print(f"every element after restore: {verdict}")
     return 0 if verdict == "same" else 1
 

@@ -43,6 +43,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -78,6 +79,7 @@ class Task:
     runs: list[tuple[int, int, int]]  # (address, length, offset in path)
     gaps: list[int]  # bytes CRIU is predicted to dump before each run, after the previous one
     reused: int = 0  # bytes of a kept round-1 file the read wrote over (kept_pages.py)
+    layout_s: float = 0.0  # of the read-ahead's time: predicting the layout (the rest: the read)
 
     @property
     def bytes(self) -> int:
@@ -93,7 +95,7 @@ class Task:
     def from_dict(cls, d: dict) -> Task:
         return cls(int(d["pid"]), int(d["vpid"]), str(d["path"]),
                    [tuple(map(int, r)) for r in d["runs"]], [int(g) for g in d["gaps"]],
-                   int(d.get("reused", 0)))
+                   int(d.get("reused", 0)), float(d.get("layout_s", 0.0)))
 
 
 def mapped(pid: int) -> list[tuple[int, int]]:
@@ -273,7 +275,9 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     runs = sorted(runs)
     if sum(end - start for start, end in runs) < MIN_TOTAL:
         return None
+    started = time.monotonic()
     gaps, offsets = layout(pid, runs)
+    layout_s = round(time.monotonic() - started, 3)
     placed = [(start, end - start, off) for (start, end), off in zip(runs, offsets)]
     path = str(folder / f"{PREFIX}{vpid}.img")
     size = offsets[-1] + runs[-1][1] - runs[-1][0]
@@ -284,7 +288,7 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     except BaseException:
         Path(path).unlink(missing_ok=True)
         raise
-    return Task(pid, vpid, path, placed, gaps, reused)
+    return Task(pid, vpid, path, placed, gaps, reused, layout_s)
 
 
 def _note(path: str, size: int, final: list[list[int]]) -> None:
