@@ -46,6 +46,16 @@ def lock_timeout_ms(init_pid: int) -> int:
 
 
 def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
+    try:
+        _pre_dump_steps(init_pid, image_dir, criu_pid)
+    finally:  # round 1's kept pages the read-ahead did not write over: CRIU needs the memory
+        reuse = requests.peek(init_pid, "pages").get("reuse")
+        if reuse:
+            from gpusnap.pages import kept_pages  # a final round only: not every step's start-up
+            kept_pages.release([str(p) for p in reuse])
+
+
+def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int) -> None:
     if image_dir:
         from gpusnap.pages import pages_aside  # pre-dump only: not every step's start-up
         pages_aside.drop_stale_parent(Path(image_dir))

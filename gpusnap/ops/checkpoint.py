@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from gpusnap import MANIFEST_NAME, archive, journal, requests
-from gpusnap.pages import pages_aside
+from gpusnap.pages import pages_aside, remote_syscall
 from gpusnap.criu.freezer import thaw
 from gpusnap.criu.log import (ended_early, first_error as criu_error, seize_blocked,
                               unseizable_words)
@@ -192,6 +192,18 @@ def _drop_stale_dump(ctr: podman.Container, since: float) -> None:
     older local checkpoint, made on purpose, is left alone."""
     if _written_since(ctr.checkpoint_dir / "inventory.img", since):
         discard(ctr.checkpoint_dir, ctr.userdata)
+
+
+def ahead_tasks(p: CheckpointPlan) -> int:
+    """How many processes a dump that stops the container would have read ahead
+    (_read_ahead): the CUDA ones, where gpusnap quiesces them itself. Tests:
+    with GPUSNAP_DUMP_AHEAD_TEST_MIN, the container's processes."""
+    if os.environ.get("GPUSNAP_DUMP_AHEAD", "1") == "0" or cuda_plugin_path() is not None \
+            or not remote_syscall.supported():
+        return 0
+    if os.environ.get("GPUSNAP_DUMP_AHEAD_TEST_MIN", "").isdigit():
+        return len(process_tree(p.container.pid))
+    return len(p.cuda)
 
 
 def _read_ahead(p: CheckpointPlan) -> dict:

@@ -9,6 +9,7 @@ with a checkpoint that restores: the export made whole, or the local one.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tarfile
 import tempfile
@@ -86,8 +87,6 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
             (plan.container.userdata / prefetch.DEVSHM).unlink(missing_ok=True)
             early_pages.clear_stale(plan.container.checkpoint_dir)
         job = pool.submit(ops_checkpoint.run, plan)
-        if not pre_checkpoint:  # once dumped, what the read-ahead did not take is spent
-            job.add_done_callback(lambda _: kept_pages.drop(container.id))
         if on_checkpointed:
             job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside))
         if not stream:
@@ -116,7 +115,8 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         discard(work, work.parent)  # the export (and the pages): as large as the checkpoint
         if in_ram:
             if pre_checkpoint:
-                kept_pages.keep(aside, container.id, held_too=plan.gpu_bytes)
+                kept_pages.keep(aside, container.id, ops_checkpoint.ahead_tasks(plan),
+                                held_too=plan.gpu_bytes)
             discard(aside, aside.parent)
         work = None
     finally:
@@ -131,10 +131,8 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
 
 def _place_pages(plan, work: Path, root: Path, sets_aside: bool) -> tuple[Path | None, bool]:
     """The plan's pages folder (_pages_folder) and whether it is in RAM; the
-    disk's room checked where it is not; a final round's kept pages to write over."""
+    disk's room checked where it is not."""
     aside, in_ram = _pages_folder(plan, work, root) if sets_aside else (None, False)
-    if in_ram and not plan.leave_running:
-        plan.pages_reuse = kept_pages.files(plan.container.id)
     if not in_ram:
         ops_checkpoint.require_space([plan.container.userdata, plan.export.parent],
                                      plan.estimate_bytes)
@@ -151,18 +149,39 @@ def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
     else one beside Podman's storage they are moved into
     after the dump (a rename: the images' filesystem), else none (the export
     holds them)."""
-    # Round 1's kept pages become this round's where the read-ahead writes over
-    # them (CUDA processes, the container stops): memory held already, not taken anew.
-    kept, kept_bytes = kept_pages.held(plan.container.id) if plan.cuda and not plan.leave_running \
-        else (None, 0)
+    claimed, reuse = _claim_kept(plan)
+    kept_bytes = sum(os.path.getsize(f) for f in reuse)
     ram = prepared_pages.evict_for(max(1 << 20, plan.estimate_bytes - kept_bytes),
-                                   held_too=plan.gpu_bytes, spare=kept)
+                                   held_too=plan.gpu_bytes)
+    if claimed is not None:
+        if ram is not None and os.path.samefile(ram, claimed.parent):
+            plan.pages_reuse = reuse
+            return claimed, True
+        shutil.rmtree(claimed, ignore_errors=True)  # of no use here: the memory goes back now
     if ram is not None:
         return Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=ram)), True
     if _same_fs(root, plan.container.userdata):
         (work / "pages").mkdir(mode=0o700)
         return work / "pages", False
     return None, False
+
+
+def _claim_kept(plan) -> tuple[Path | None, list[str]]:
+    """A final round's push folder in RAM holding round 1's kept pages, which
+    its read-ahead writes over (pages/kept_pages.py), claimed before the RAM
+    check counts them as held already; (None, []) where there are none."""
+    if plan.leave_running or not ops_checkpoint.ahead_tasks(plan) \
+            or os.environ.get(memory.ENV) == "0":
+        return None, []
+    root = memory.ram_root()
+    if not kept_pages.folders((root,)):
+        return None, []
+    folder = Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=root))
+    reuse = kept_pages.claim(plan.container.id, folder)
+    if not reuse:
+        shutil.rmtree(folder, ignore_errors=True)
+        return None, []
+    return folder, reuse
 
 
 def _when_checkpointed(callback: Callable[[dict], None], plan, export: Path,

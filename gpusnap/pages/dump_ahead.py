@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpusnap.criu import pagemap, pagescan
+from gpusnap.pages import kept_pages
 from gpusnap.pages.page_fill import (MAP_FAILED, MAP_SHARED, PIECE, PROT_READ, PROT_WRITE, IoVec,
                                     Run, default_threads, fill, libc, pieces)
 
@@ -194,26 +195,6 @@ class _Prefix:
             self.progress(ranges)
 
 
-def _open(path: str, donor: str | None) -> tuple[int, int]:
-    """``path`` opened for the read, and the bytes of memory it already holds:
-    ``donor`` (a kept round-1 file, kept_pages.py) renamed to it where it can
-    be, else a new empty file. A donor linked elsewhere is not written over:
-    its other name would change with it."""
-    if donor:
-        try:
-            os.rename(donor, path)
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
-            pass
-        else:
-            st = os.fstat(fd)
-            if st.st_nlink == 1:
-                return fd, st.st_blocks * 512
-            os.close(fd)
-            os.unlink(path)
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600), 0
-
-
 def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int,
          progress: Callable[[list[list[int]]], None] | None = None,
          donor: str | None = None) -> int:
@@ -223,9 +204,9 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
     in the file, not in this process (its RSS stays at the pieces in flight).
     ``progress(ranges)``: the file ranges read so far, every NOTE_EVERY bytes
     and at the end (the push hashes them meanwhile: _note). ``donor``: a
-    file whose memory the read writes over (_open). Returns the bytes of
+    file whose memory the read writes over (kept_pages.open_over). Returns the bytes of
     memory reused so, at most ``size``."""
-    fd, held = _open(path, donor)
+    fd, held = kept_pages.open_over(path, donor)
     try:
         os.ftruncate(fd, size)
         calls = libc()
@@ -270,8 +251,8 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     """Read ``runs`` of ``pid`` into a file in ``folder`` at the offsets CRIU's
     pages file will have them; None where there is too little to gain.
     ``notes``: a note for the push (early_pages.py) of the ranges read,
-    kept up to date while they are read. ``donors``: kept files, largest
-    first, the first of which (taken off the list) the read writes over."""
+    kept up to date while they are read. ``donors``: kept files, one of
+    which (taken off the list: kept_pages.pick) the read writes over."""
     runs = sorted(runs)
     if sum(end - start for start, end in runs) < MIN_TOTAL:
         return None
@@ -284,7 +265,7 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     try:
         reused = read(pid, placed, path, size, threads or default_threads(),
                       progress=(lambda ranges: _note(path, size, ranges)) if notes else None,
-                      donor=donors.pop(0) if donors else None)
+                      donor=kept_pages.pick(donors, size) if donors else None)
     except BaseException:
         Path(path).unlink(missing_ok=True)
         raise

@@ -4,26 +4,33 @@ The final round's stop reads the driver's copy of the GPU memory out of the
 process into a file in RAM (pages/dump_ahead.py). Into memory the kernel
 must first hand out and zero, that read runs at a fraction of the rate it has
 into memory that is already the file's: at 32 GiB in a VM, 3.6 GB/s against
-17-27 GB/s, seconds of the stop (docs/benchmarks.md). Round 1 had a pages file
-of the same size in that very tmpfs, freed once pushed. So a pre-checkpoint
-push keeps its big pages files (``keep``), renamed into a folder of the
-container's own; the final round's read-ahead takes one over by a rename and
-writes into its pages (``dump_ahead.read``), which round 1's bytes never
-outlive: every byte of the final pages file is written by the read or by
-post-dump's composing.
+~36 GB/s alone (docs/benchmarks.md), seconds of the stop. Round 1 had a pages
+file of the same size in that very tmpfs, freed once pushed. So:
 
-They are held only while the host can spare them: kept where, beside them,
-the host still has room for the final round's driver copy and its reserve;
-given up to any push or restore that needs the memory (prepared_pages.evict_for);
-gone after the container's next push, and after KEEP_S whatever comes
-(``sweep``, at every push; `gpusnap doctor` lists older ones). GPUSNAP_PAGES_KEEP=0
-never keeps them.
+- ``keep``: a pre-checkpoint push moves its largest pages files, one per
+  process the final round will read ahead, into a folder of the container's
+  own beside its push folder, where the host still has room for the final
+  round's driver copy and its reserve; only in gpusnap's own tmpfs (root's,
+  0700), never in a folder others may write to;
+- ``claim``: the final round renames that folder into its own push folder
+  before its RAM check, which counts it as memory held already: from then on
+  it lives and goes with that push folder, and nobody else can evict it;
+- the read-ahead renames each file to its own and writes over its pages; the
+  pre-dump step unlinks what it did not use before CRIU dumps. Every byte of
+  the final pages file is written by the read or by post-dump's composing.
+
+Unclaimed, they give way to any push or restore that needs the memory
+(prepared_pages.evict_for), and go after KEEP_S whatever comes: a detached
+`sleep; rm` started with them (a push's ``sweep`` and `gpusnap doctor` find
+them should that process be killed). GPUSNAP_PAGES_KEEP=0 never keeps them.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -31,13 +38,10 @@ from gpusnap import journal
 from gpusnap.pages import memory
 
 PREFIX = "gpusnap-kept-"
+CLAIMED = "kept"  # the claimed folder's name in a push folder
 ENV = "GPUSNAP_PAGES_KEEP"
 KEEP_S = 900  # a final round later than this is rare: the memory goes back
 MIN_FILE = 256 << 20  # below this the read-ahead does not run (dump_ahead.MIN_TOTAL)
-
-
-def folder_of(container_id: str, root: Path) -> Path:
-    return root / f"{PREFIX}{container_id}"
 
 
 def folders(roots: tuple[Path, ...] | None = None) -> list[Path]:
@@ -45,10 +49,28 @@ def folders(roots: tuple[Path, ...] | None = None) -> list[Path]:
     found = []
     for root in roots if roots is not None else memory.roots():
         try:
-            found += [p for p in root.glob(PREFIX + "*") if p.is_dir()]
+            found += [p for p in root.glob(PREFIX + "*") if _ours(p, stat.S_ISDIR)]
         except OSError:
             continue
     return sorted(found, key=_mtime)
+
+
+def _ours(path: Path, kind) -> bool:
+    """``path`` is of ``kind`` itself (not a link to one) and this user's."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return kind(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _private(folder: Path) -> bool:
+    """Only this user may put a name into ``folder`` (gpusnap's tmpfs; not /dev/shm)."""
+    try:
+        st = folder.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def _mtime(path: Path) -> float:
@@ -65,19 +87,19 @@ def size_of(folder: Path) -> int:
         return 0
 
 
-def keep(aside: Path, container_id: str, held_too: int,
+def keep(aside: Path, container_id: str, count: int, held_too: int,
          info: dict[str, int] | None = None) -> dict | None:
-    """After a pre-checkpoint push: move the big pages files of ``aside`` (a
-    folder in RAM) into the container's kept folder beside it, where the host
-    keeps room for ``held_too`` more bytes (the final round's driver copy) and
-    its reserve besides. What was kept, or None."""
-    if os.environ.get(ENV, "1") == "0":
+    """After a pre-checkpoint push: move the ``count`` largest pages files of
+    ``aside`` (a folder in RAM) into a kept folder of the container's beside
+    it, where the host keeps room for ``held_too`` more bytes (the final
+    round's driver copy) and its reserve besides. What was kept, or None."""
+    if os.environ.get(ENV, "1") == "0" or count < 1 or not _private(aside.parent):
         return None
     drop(container_id)
     try:
         files = sorted((p for p in aside.glob("pages-*.img")
-                        if p.is_file() and not p.is_symlink() and p.stat().st_size >= MIN_FILE),
-                       key=lambda p: p.stat().st_size, reverse=True)
+                        if _ours(p, stat.S_ISREG) and p.stat().st_size >= MIN_FILE),
+                       key=lambda p: p.stat().st_size, reverse=True)[:count]
     except OSError:
         return None
     if not files:
@@ -88,10 +110,11 @@ def keep(aside: Path, container_id: str, held_too: int,
         journal.record("pages-not-kept", container=container_id, available=available,
                        needed=held_too + memory.reserve(total))
         return None
-    folder = folder_of(container_id, aside.parent)
+    # Named for this round: the expiry of an earlier round's folder never takes it.
+    folder = aside.parent / f"{PREFIX}{container_id}.{time.time_ns()}"
     try:
         folder.mkdir(mode=0o700)
-        for i, path in enumerate(files):  # numbered by size: the largest is taken first
+        for i, path in enumerate(files):  # numbered by size: the largest first
             os.rename(path, folder / f"{i:03d}.img")
     except OSError as exc:
         shutil.rmtree(folder, ignore_errors=True)
@@ -99,32 +122,46 @@ def keep(aside: Path, container_id: str, held_too: int,
         return None
     kept = {"folder": str(folder), "files": len(files), "bytes": size_of(folder)}
     journal.record("pages-kept", container=container_id, **kept)
+    _expire(folder)
     return kept
 
 
-def files(container_id: str) -> list[str]:
-    """The container's kept files, largest first ([] where none)."""
-    folder, _ = held(container_id)
+def _expire(folder: Path) -> None:
+    """Remove ``folder`` after KEEP_S, whether or not any gpusnap runs by then
+    (a claimed folder has moved away: nothing is removed then)."""
     try:
-        return [str(p) for p in sorted(folder.glob("*.img"))] if folder else []
+        subprocess.Popen(["sh", "-c", 'sleep "$1"; rm -rf -- "$2"', "gpusnap-kept-expiry",
+                          str(KEEP_S), str(folder)], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    except OSError:
+        pass  # a push's sweep and doctor still find it
+
+
+def _of(container_id: str, roots: tuple[Path, ...] | None = None) -> list[Path]:
+    return [f for f in folders(roots) if f.name.rpartition(".")[0] == PREFIX + container_id]
+
+
+def claim(container_id: str, into: Path) -> list[str]:
+    """The container's newest kept folder in ``into``'s filesystem folder,
+    renamed into ``into`` (the final round's push folder): its files, largest
+    first; [] where there is none, or another took it first."""
+    found = _of(container_id, (into.parent,)) if _private(into.parent) else []
+    if not found:
+        return []
+    claimed = into / CLAIMED
+    try:
+        os.rename(found[-1], claimed)
     except OSError:
         return []
-
-
-def held(container_id: str) -> tuple[Path | None, int]:
-    """The container's kept folder and its bytes: memory its final round
-    writes over instead of taking more (None, 0 where none)."""
-    for root in memory.roots():
-        folder = folder_of(container_id, root)
-        if folder.is_dir():
-            return folder, size_of(folder)
-    return None, 0
+    drop(container_id)  # older rounds' folders, if any: of no use now
+    return [str(p) for p in sorted(claimed.glob("*.img")) if _ours(p, stat.S_ISREG)]
 
 
 def drop(container_id: str) -> None:
-    """The container's kept folder, gone (what its final round took is not in it)."""
-    for root in memory.roots():
-        shutil.rmtree(folder_of(container_id, root), ignore_errors=True)
+    """The container's kept folders, gone."""
+    for folder in _of(container_id):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def stale(now: float | None = None) -> list[Path]:
@@ -139,3 +176,54 @@ def sweep() -> None:
         freed = size_of(folder)
         shutil.rmtree(folder, ignore_errors=True)
         journal.record("pages-kept-dropped", folder=str(folder), bytes=freed, why="too old")
+
+
+def release(paths: list[str]) -> None:
+    """Kept files the read-ahead did not write over, unlinked before CRIU
+    dumps (its pages would otherwise need that memory too)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def open_over(path: str, donor: str | None) -> tuple[int, int]:
+    """``path`` opened for the read-ahead (dump_ahead.read), and the bytes of
+    memory it already holds: ``donor`` (a kept file) renamed to it where it
+    can be, else a new empty file. Only this user's own regular file, linked
+    nowhere else, is written over (another name would change with it)."""
+    if donor:
+        try:
+            os.rename(donor, path)
+        except OSError:
+            pass
+        else:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            except OSError:
+                fd = -1
+            if fd >= 0:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid():
+                    return fd, st.st_blocks * 512
+                os.close(fd)
+            os.unlink(path)  # whatever it was, not ours to write: a new file takes its name
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), 0
+
+
+def pick(donors: list[str], size: int) -> str | None:
+    """The donor to write a ``size``-byte file over, taken off ``donors``: the
+    smallest that holds it whole, else the largest."""
+    sizes = []
+    for d in donors:
+        try:
+            sizes.append((os.lstat(d).st_size, d))
+        except OSError:
+            continue
+    if not sizes:
+        return None
+    whole = [x for x in sizes if x[0] >= size]
+    _, chosen = min(whole) if whole else max(sizes)
+    donors.remove(chosen)
+    return chosen

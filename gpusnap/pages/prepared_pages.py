@@ -324,18 +324,16 @@ def release(match: Match | None) -> None:
         shutil.rmtree(match.claimed, ignore_errors=True)
 
 
-def evict_for(size: int, held_too: int = 0, spare: Path | None = None) -> Path | None:
+def evict_for(size: int, held_too: int = 0) -> Path | None:
     """memory.ram_dir, after dropping prepared folders and a pre-copy's kept
     pages (kept_pages.py) in RAM, oldest first, for as long as they stand in
     its way (a push or restore needs the memory more than pages kept for a
-    round that may never come); never ``spare``, the caller's own."""
+    round that may never come)."""
     ram = memory.ram_dir(size, held_too)
     if ram is not None or os.environ.get(memory.ENV) == "0":
         return ram
     in_ram = [r for r in memory.roots() if r.is_dir()]
     for folder in sorted(folders(in_ram) + kept_pages.folders(tuple(in_ram)), key=_age):
-        if folder == spare:
-            continue
         freed = size_of(folder)
         shutil.rmtree(folder, ignore_errors=True)
         journal.record("prepared-evicted", folder=str(folder), bytes=freed)

@@ -39,6 +39,9 @@ MADV_DONTNEED = 4
 # What a blocking call interrupted by a stop holds in rax (include/linux/errno.h)
 ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND, ERESTART_RESTARTBLOCK = 512, 513, 514, 516
 MAX_SIGNAL_STOPS = 16  # signals delivered while waiting for our own stop
+# A helper thread asleep stops within microseconds: one that does not is left to
+# the first thread's share after this, not the whole PTRACE bound.
+HELPER_STOP_S = 1.0
 
 
 class RemoteSyscallError(OSError):
@@ -101,8 +104,9 @@ def syscall_address(pid: int, proc: Path = Path("/proc")) -> int:
 
 
 class _Tracee:
-    def __init__(self, libc: ctypes.CDLL, tid: int):
-        self.libc, self.tid = libc, tid
+    def __init__(self, libc: ctypes.CDLL, tid: int, stop_s: float | None = None):
+        self.libc, self.tid, self.stop_s = libc, tid, stop_s
+        self.pending = 0  # a signal that stopped it inside our call: delivered at detach
 
     def _ptrace(self, request: int, addr: int = 0, data=None) -> None:
         if self.libc.ptrace(request, self.tid, ctypes.c_void_p(addr), data) < 0:
@@ -118,15 +122,16 @@ class _Tracee:
         Not ``bounded`` once its registers were changed: given up then, it would
         run on from inside our call, so the stop that puts them back is waited for."""
         if bounded:
-            status = self._stop_within(Bound.of("PTRACE"))
+            status = self._stop_within(Bound.of("PTRACE").seconds if self.stop_s is None
+                                       else self.stop_s)
         else:
             _, status = os.waitpid(self.tid, WALL)
         if not os.WIFSTOPPED(status):
             raise RemoteSyscallError(errno.ESRCH, f"thread {self.tid} ended")
         return status
 
-    def _stop_within(self, bound: Bound) -> int:
-        deadline = time.monotonic() + bound.seconds
+    def _stop_within(self, seconds: float) -> int:
+        deadline = time.monotonic() + seconds
         pause = 10e-6  # a stop after PTRACE_INTERRUPT comes within microseconds
         while True:
             tid, status = os.waitpid(self.tid, WALL | os.WNOHANG)
@@ -134,7 +139,7 @@ class _Tracee:
                 return status
             if time.monotonic() > deadline:
                 raise RemoteSyscallError(errno.ETIMEDOUT, f"thread {self.tid} did not stop within "
-                                         f"{bound.seconds:.0f} s (in an uninterruptible wait?)")
+                                         f"{seconds:g} s (in an uninterruptible wait?)")
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
@@ -194,12 +199,14 @@ def _helper_threads(pid: int, most: int, first: int) -> list[int]:
 
 
 @contextmanager
-def _seized(pid: int, tid: int | None = None) -> Iterator[tuple[_Tracee, _Regs]]:
+def _seized(pid: int, tid: int | None = None,
+            stop_s: float | None = None) -> Iterator[tuple[_Tracee, _Regs]]:
     """One thread of ``pid`` (``tid``, else the first live one) stopped under
-    ptrace, with its registers; they are put back and the thread let go on
-    leaving, whatever happened inside."""
+    ptrace within ``stop_s`` (default: the PTRACE bound), with its registers;
+    they are put back and the thread let go on leaving, whatever happened
+    inside, with any signal that came during our call."""
     libc = _libc()
-    tracee = _Tracee(libc, tid or _live_thread(pid))
+    tracee = _Tracee(libc, tid or _live_thread(pid), stop_s)
     tracee._ptrace(PTRACE_SEIZE)
     saved = None
     try:
@@ -219,7 +226,7 @@ def _seized(pid: int, tid: int | None = None) -> Iterator[tuple[_Tracee, _Regs]]
             if saved is not None:
                 tracee.set_regs(_restartable(saved))
         finally:
-            libc.ptrace(PTRACE_DETACH, tracee.tid, None, None)
+            libc.ptrace(PTRACE_DETACH, tracee.tid, None, ctypes.c_void_p(tracee.pending))
 
 
 def _call(tracee: _Tracee, saved: _Regs, at: int, number: int, args: tuple[int, ...]) -> int:
@@ -232,6 +239,7 @@ def _call(tracee: _Tracee, saved: _Regs, at: int, number: int, args: tuple[int, 
         tracee.resume(PTRACE_SYSCALL)
         status = tracee.wait(bounded=False)  # its registers are ours until then
         if os.WSTOPSIG(status) not in (signal.SIGTRAP, signal.SIGTRAP | 0x80):
+            tracee.pending = os.WSTOPSIG(status)
             raise RemoteSyscallError(errno.EINTR, f"thread {tracee.tid} stopped with signal "
                                                   f"{os.WSTOPSIG(status)} inside the call")
     return _signed(tracee.get_regs().rax)
@@ -278,7 +286,8 @@ def madvise_dontneed(pid: int, ranges: Iterable[tuple[int, int]], threads: int =
         _madvise_on(pid, first, at, shares[0])
         return
     with ThreadPoolExecutor(len(shares), thread_name_prefix="madvise") as pool:
-        done = list(pool.map(lambda job: _try_on(pid, *job, at), zip([first, *helpers], shares)))
+        done = list(pool.map(lambda job: _try_on(pid, *job, at),
+                             zip([first, *helpers], shares, [None, *[HELPER_STOP_S] * len(helpers)])))
     for share, error in zip(shares, done):
         if error is not None:
             if share is shares[0]:
@@ -286,16 +295,18 @@ def madvise_dontneed(pid: int, ranges: Iterable[tuple[int, int]], threads: int =
             _madvise_on(pid, first, at, share)  # a helper that would not stop, or was refused
 
 
-def _try_on(pid: int, tid: int, share: list[tuple[int, int]], at: int) -> RemoteSyscallError | None:
+def _try_on(pid: int, tid: int, share: list[tuple[int, int]], stop_s: float | None,
+            at: int) -> RemoteSyscallError | None:
     try:
-        _madvise_on(pid, tid, at, share)
+        _madvise_on(pid, tid, at, share, stop_s)
     except RemoteSyscallError as exc:
         return exc
     return None
 
 
-def _madvise_on(pid: int, tid: int, at: int, ranges: list[tuple[int, int]]) -> None:
-    with _seized(pid, tid) as (tracee, saved):
+def _madvise_on(pid: int, tid: int, at: int, ranges: list[tuple[int, int]],
+                stop_s: float | None = None) -> None:
+    with _seized(pid, tid, stop_s) as (tracee, saved):
         for address, length in ranges:
             ret = _call(tracee, saved, at, SYS_MADVISE, (address, length, MADV_DONTNEED))
             if ret < 0:
