@@ -150,14 +150,19 @@ def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
     after the dump (a rename: the images' filesystem), else none (the export
     holds them)."""
     claimed, reuse = _claim_kept(plan)
-    kept_bytes = sum(os.path.getsize(f) for f in reuse)
-    ram = prepared_pages.evict_for(max(1 << 20, plan.estimate_bytes - kept_bytes),
-                                   held_too=plan.gpu_bytes)
-    if claimed is not None:
-        if ram is not None and os.path.samefile(ram, claimed.parent):
+    try:
+        kept_bytes = kept_pages.size_of(claimed / kept_pages.CLAIMED) if claimed else 0
+        ram = prepared_pages.evict_for(max(1 << 20, plan.estimate_bytes - kept_bytes),
+                                       held_too=plan.gpu_bytes)
+        if claimed is not None and ram is not None and os.path.samefile(ram, claimed.parent):
             plan.pages_reuse = reuse
             return claimed, True
-        shutil.rmtree(claimed, ignore_errors=True)  # of no use here: the memory goes back now
+    except BaseException:
+        if claimed is not None:  # not yet the push's: nothing else would remove it
+            shutil.rmtree(claimed, ignore_errors=True)
+        raise
+    if claimed is not None:  # of no use here: the memory goes back now
+        shutil.rmtree(claimed, ignore_errors=True)
     if ram is not None:
         return Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=ram)), True
     if _same_fs(root, plan.container.userdata):
@@ -177,7 +182,7 @@ def _claim_kept(plan) -> tuple[Path | None, list[str]]:
     if not kept_pages.folders((root,)):
         return None, []
     folder = Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=root))
-    reuse = kept_pages.claim(plan.container.id, folder)
+    reuse = kept_pages.claim(plan.container.id, folder, ops_checkpoint.ahead_tasks(plan))
     if not reuse:
         shutil.rmtree(folder, ignore_errors=True)
         return None, []
@@ -238,9 +243,9 @@ def _local_checkpoint_after_failure(container: podman.Container, aside: Path) ->
     checkpoint, whose pages go back where CRIU wrote them."""
     if podman.exists(container.id) and podman.inspect(container.id).running:
         pages_aside.drop_links(container.checkpoint_dir, aside)
-        if any(aside.iterdir()):
+        if any(aside.glob(pages_aside.PATTERN)):
             ops_checkpoint.drop_local(container.userdata)
-    elif any(aside.iterdir()):
+    elif any(aside.glob(pages_aside.PATTERN)):
         # A copy where the pages are in RAM: the checkpoint must outlive the folder.
         pages_aside.bring_back(container.checkpoint_dir, copy=True)
 

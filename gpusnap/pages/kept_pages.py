@@ -42,6 +42,7 @@ CLAIMED = "kept"  # the claimed folder's name in a push folder
 ENV = "GPUSNAP_PAGES_KEEP"
 KEEP_S = 900  # a final round later than this is rare: the memory goes back
 MIN_FILE = 256 << 20  # below this the read-ahead does not run (dump_ahead.MIN_TOTAL)
+CLAIM_MARGIN_S = 60  # a folder this close to its expiry is left to it, not claimed
 
 
 def folders(roots: tuple[Path, ...] | None = None) -> list[Path]:
@@ -142,12 +143,14 @@ def _of(container_id: str, roots: tuple[Path, ...] | None = None) -> list[Path]:
     return [f for f in folders(roots) if f.name.rpartition(".")[0] == PREFIX + container_id]
 
 
-def claim(container_id: str, into: Path) -> list[str]:
+def claim(container_id: str, into: Path, count: int) -> list[str]:
     """The container's newest kept folder in ``into``'s filesystem folder,
-    renamed into ``into`` (the final round's push folder): its files, largest
-    first; [] where there is none, or another took it first."""
-    found = _of(container_id, (into.parent,)) if _private(into.parent) else []
-    if not found:
+    renamed into ``into`` (the final round's push folder): its ``count``
+    largest files (the rest unlinked: nothing would write over them); [] where
+    there is none, it is about to expire, or another took it first."""
+    found = [f for f in _of(container_id, (into.parent,))
+             if time.time() - _mtime(f) < KEEP_S - CLAIM_MARGIN_S] if _private(into.parent) else []
+    if not found or count < 1:
         return []
     claimed = into / CLAIMED
     try:
@@ -155,7 +158,9 @@ def claim(container_id: str, into: Path) -> list[str]:
     except OSError:
         return []
     drop(container_id)  # older rounds' folders, if any: of no use now
-    return [str(p) for p in sorted(claimed.glob("*.img")) if _ours(p, stat.S_ISREG)]
+    files = [str(p) for p in sorted(claimed.glob("*.img")) if _ours(p, stat.S_ISREG)]
+    release(files[count:])
+    return files[:count]
 
 
 def drop(container_id: str) -> None:

@@ -344,7 +344,13 @@ def evict_for(size: int, held_too: int = 0) -> Path | None:
 
 
 def size_of(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.glob("*") if p.is_file())
+    total = 0
+    for p in folder.glob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except OSError:  # gone meanwhile (another process's claim or eviction)
+            continue
+    return total
 
 
 def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None, *,

@@ -77,7 +77,7 @@ def test_nothing_is_kept_or_claimed_where_others_may_add_names(root):
         (planted / "000.img").write_bytes(b"x" * 4096)
         into = root / ".gpusnap-push-final"
         into.mkdir()
-        assert kept_pages.claim("c1", into) == [] and planted.exists()
+        assert kept_pages.claim("c1", into, 1) == [] and planted.exists()
     finally:
         root.chmod(0o700)
 
@@ -88,10 +88,10 @@ def test_a_linked_kept_folder_or_file_is_not_claimed(root, tmp_path_factory):
     (root / "gpusnap-kept-c1.1").symlink_to(elsewhere)
     into = root / ".gpusnap-push-final"
     into.mkdir()
-    assert kept_pages.folders() == [] and kept_pages.claim("c1", into) == []
+    assert kept_pages.folders() == [] and kept_pages.claim("c1", into, 1) == []
     folder = _keep(root, "c2", {"pages-2.img": 4096})
     (folder / "001.img").symlink_to(elsewhere / "000.img")
-    assert kept_pages.claim("c2", into) == [str(into / "kept" / "000.img")]
+    assert kept_pages.claim("c2", into, 2) == [str(into / "kept" / "000.img")]
 
 
 def test_the_final_round_claims_the_newest_and_the_older_go(root):
@@ -104,10 +104,27 @@ def test_the_final_round_claims_the_newest_and_the_older_go(root):
     other = _keep(root, "c10", {"pages-2.img": 4096})  # another container, its id a prefix-match
     into = root / ".gpusnap-push-final"
     into.mkdir()
-    claimed = kept_pages.claim("c1", into)
+    claimed = kept_pages.claim("c1", into, 1)
     assert claimed == [str(into / "kept" / "000.img")] and os.path.getsize(claimed[0]) == 2048
     assert kept_pages.folders() == [other]  # claimed moved away, the older dropped
-    assert kept_pages.claim("c1", into) == []  # nothing left to take twice
+    assert kept_pages.claim("c1", into, 1) == []  # nothing left to take twice
+
+
+def test_a_claim_takes_one_file_per_process_read_ahead_and_frees_the_rest(root):
+    folder = _keep(root, "c1", {"pages-2.img": 8192, "pages-3.img": 4096}, count=2)
+    into = root / ".gpusnap-push-final"
+    into.mkdir()
+    assert kept_pages.claim("c1", into, 1) == [str(into / "kept" / "000.img")]
+    assert [p.name for p in (into / "kept").iterdir()] == ["000.img"] and not folder.exists()
+
+
+def test_a_folder_about_to_expire_is_left_to_its_expiry(root):
+    folder = _keep(root, "c1", {"pages-2.img": 4096})
+    near = time.time() - kept_pages.KEEP_S + kept_pages.CLAIM_MARGIN_S / 2
+    os.utime(folder, (near, near))
+    into = root / ".gpusnap-push-final"
+    into.mkdir()
+    assert kept_pages.claim("c1", into, 1) == [] and folder.exists()
 
 
 def test_release_unlinks_what_the_read_did_not_take(tmp_path):
