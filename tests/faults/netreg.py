@@ -125,12 +125,28 @@ class VethLink:
     peer_ip: str
 
     def set_up(self, up: bool) -> None:
-        """Bring the host's end up or down: the cable pulled, from this side."""
+        """Bring the host's end up or down: the cable pulled, from this side.
+        Down, the kernel drops the link's route and sends the registry's packets
+        by the default one, whose gateway may answer them (a reset, "connection
+        refused") or not, by host: here whatever goes to the registry host is
+        dropped as well, so that a down link answers nothing on every host."""
         from pyroute2 import IPRoute
 
+        if up:
+            self._drop_rule("-D")
         with IPRoute() as ipr:
             idx = ipr.link_lookup(ifname=self.host_if)[0]
             ipr.link("set", index=idx, state="up" if up else "down")
+        if not up:
+            self._drop_rule("-I")
+
+    def _drop_rule(self, op: str) -> None:
+        """iptables' rule dropping what this host sends to the registry host:
+        ``-I`` adds it, ``-D`` takes it away (absent: nothing to do)."""
+        res = subprocess.run(["iptables", op, "OUTPUT", "-d", self.peer_ip, "-j", "DROP"],
+                             capture_output=True, text=True, timeout=30)
+        if res.returncode and op == "-I":
+            raise RuntimeError(f"iptables {op}: {res.stderr.strip()}")
 
     def lose(self, percent: float) -> None:
         """Drop ``percent`` of the packets the registry host receives and of those
@@ -148,6 +164,7 @@ class VethLink:
     def remove(self) -> None:
         from pyroute2 import IPRoute, netns
 
+        self._drop_rule("-D")
         with IPRoute() as ipr:
             found = ipr.link_lookup(ifname=self.host_if)
             if found:
