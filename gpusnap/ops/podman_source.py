@@ -175,14 +175,14 @@ def _claim_kept(plan) -> tuple[Path | None, list[str]]:
     """A final round's push folder in RAM holding round 1's kept pages, which
     its read-ahead writes over (pages/kept_pages.py), claimed before the RAM
     check counts them as held already; (None, []) where there are none."""
-    if plan.leave_running or not ops_checkpoint.ahead_tasks(plan) \
-            or os.environ.get(memory.ENV) == "0":
+    count = 0 if plan.leave_running else ops_checkpoint.ahead_tasks(plan)
+    if not count or os.environ.get(memory.ENV) == "0":
         return None, []
     root = memory.ram_root()
     if not kept_pages.folders((root,)):
         return None, []
     folder = Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=root))
-    reuse = kept_pages.claim(plan.container.id, folder, ops_checkpoint.ahead_tasks(plan))
+    reuse = kept_pages.claim(plan.container.id, folder, count)
     if not reuse:
         shutil.rmtree(folder, ignore_errors=True)
         return None, []

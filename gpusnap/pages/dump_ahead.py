@@ -203,9 +203,9 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
     the process's bytes into it (one copy); unmapped after, so the pages stay
     in the file, not in this process (its RSS stays at the pieces in flight).
     ``progress(ranges)``: the file ranges read so far, every NOTE_EVERY bytes
-    and at the end (the push hashes them meanwhile: _note). ``donor``: a
-    file whose memory the read writes over (kept_pages.open_over). Returns the bytes of
-    memory reused so, at most ``size``."""
+    and at the end (the push hashes them meanwhile: _note). ``donor``: a file
+    whose memory the read writes over (kept_pages.open_over). Returns the
+    bytes of memory reused so, at most ``size``."""
     fd, held = kept_pages.open_over(path, donor)
     try:
         os.ftruncate(fd, size)
