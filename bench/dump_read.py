@@ -2,14 +2,16 @@
 threads, dropped from it and written back (pages/dump_ahead.py's steps, no CRIU).
 
     python bench/dump_read.py [--gib 16] [--threads 16,8] [--pieces 8] [--rounds 2]
-                              [--drop-threads 8] [--dir /run/gpusnap/ram]
+                              [--compare] [--drop-threads 8] [--dir /run/gpusnap/ram]
 
 A child process holds GIB GiB of pseudo-random int32 on GPU 0; the driver locks
 and checkpoints it; the mapping the checkpoint made is read into a file in DIR
 (gpusnap's huge-page tmpfs is mounted there when it is not), ROUNDS times per
 thread count and piece size (MiB a thread maps at a time): round 1 into a new
 file, the later ones written over the file before them (as the final round of
-a pre-copy writes over round 1's kept pages: pages/kept_pages.py); then dropped
+a pre-copy writes over round 1's kept pages: pages/kept_pages.py), with
+--compare each of those once more comparing what it brings with what the file
+holds (pages/same_pages.py: every byte is the same here); then dropped
 with a remote madvise on DROP_THREADS threads, written back, restored by
 the driver, and every element compared. Needs a GPU (the H200/H100 machines:
 run as root with the PyTorch Python).
@@ -54,6 +56,8 @@ def main() -> int:
     ap.add_argument("--threads", default="16,8")
     ap.add_argument("--pieces", default="8", help="MiB each thread maps at a time")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--compare", action="store_true",
+                    help="the later rounds once more, compared with the file's bytes")
     ap.add_argument("--drop-threads", type=int, default=dump_ahead.DROP_THREADS)
     ap.add_argument("--dir", default=str(memory.HUGE_ROOT))
     ap.add_argument("--python", default=sys.executable, help="a Python with PyTorch")
@@ -86,13 +90,16 @@ def main() -> int:
                 dump_ahead.READ_PIECE = piece << 20
                 path.unlink(missing_ok=True)
                 for r in range(args.rounds):
-                    t = time.monotonic()  # round 1 into a new file, then over it
-                    dump_ahead.read(pid, placed, str(path), size, threads,
-                                    donor=str(path) if r else None)
-                    s = time.monotonic() - t
-                    rows.append({"step": f"read, {threads} thr, {piece} MiB, "
-                                         f"{'over it' if r else 'new file'}",
-                                 "s": round(s, 2), "GB/s": round(size / s / 1e9, 2)})
+                    for compare in (False, True) if r and args.compare else (False,):
+                        t = time.monotonic()  # round 1 into a new file, then over it
+                        _, same = dump_ahead.read(pid, placed, str(path), size, threads,
+                                                  donor=str(path) if r else None,
+                                                  compare=compare)
+                        s = time.monotonic() - t
+                        how = "compared" if compare else "over it" if r else "new file"
+                        rows.append({"step": f"read, {threads} thr, {piece} MiB, {how}",
+                                     "s": round(s, 2), "GB/s": round(size / s / 1e9, 2),
+                                     "unchanged": same})
         t = time.monotonic()
         remote_syscall.madvise_dontneed(pid, [(a, n) for a, n, _ in placed],
                                         threads=args.drop_threads)

@@ -181,6 +181,16 @@ class SegmentPool:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def known(chunks: list[Chunk]) -> Future:
+    """A segment's result, done already: its chunks known without reading a
+    byte of it (pages/same_pages.py: a pre-copy's final round)."""
+    done: Future = Future()
+    done.set_result(SegmentResult(chunks, {"chunks": len(chunks), "chunks_transferred": 0,
+                                           "raw_bytes": sum(c.size for c in chunks),
+                                           "network_bytes": 0}))
+    return done
+
+
 def worth_it(size: int, params: chunker.ChunkParams) -> bool:
     """Files of at least four segments go to the workers; smaller ones are read
     in the pushing process (a worker costs a Python start, once)."""

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from gpusnap import MANIFEST_NAME, archive
-from gpusnap.pages import pages_aside
 from gpusnap.criu.version import criu_version
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
@@ -22,7 +21,7 @@ from gpusnap.oci import chunker, reference, segments, tarfiles
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
-from gpusnap.pages import early_pages, prefetch
+from gpusnap.pages import early_pages, kept_pages, pages_aside, prefetch, same_pages
 from gpusnap.ops import push_podman
 from gpusnap.ops.checkpoint import SNAPSHOT_TRIES, StaleSnapshot, TakeAgain, gave_up
 from gpusnap.ops.push_source import PushSource
@@ -113,9 +112,9 @@ class _Parts:
     """Where each file's chunks come from: futures of single chunks (this
     process's Uploader) or of whole segments (worker processes)."""
 
-    def __init__(self, uploader: Uploader, make_pool: Callable[[], segments.SegmentPool] | None
-                 ) -> None:
-        self.uploader, self._make_pool = uploader, make_pool
+    def __init__(self, uploader: Uploader, make_pool: Callable[[], segments.SegmentPool] | None,
+                 push_id: str | None = None) -> None:
+        self.uploader, self._make_pool, self.push_id = uploader, make_pool, push_id
         self.pool: segments.SegmentPool | None = None
         self.split_bytes = 0  # of the files the workers chunked
         self.early: early_pages.EarlyPages | None = None
@@ -135,7 +134,7 @@ class _Parts:
             self.early = early_pages.EarlyPages(
                 images, lambda *a: self._counted(self._pool().submit(*a)),
                 lambda size: chunk_params(size, scale), _FINAL_PARAMS_FROM, done, self.pin,
-                aside)
+                aside, lambda chunks: self._counted(segments.known(chunks)), self.push_id)
 
     def split_file(self, path: Path, size: int, params: chunker.ChunkParams
                    ) -> list[Future] | None:
@@ -241,6 +240,17 @@ def _upload_files(src: PushSource, parts: _Parts, scale: int, label: str
     for entry, futures in files:
         entry.chunks = parts.chunks(futures)
     return [e for e, _ in files], contents, early.taken_bytes
+
+
+def _index_pages(aside: Path, files: list[fmt.FileEntry], scale: int, push_id: str) -> None:
+    """A pre-checkpoint push's big pages files in RAM: the chunks each became,
+    beside it, for the final round to take unhashed where its memory did not
+    change (pages/same_pages.py; kept_pages moves them together)."""
+    for entry in files:
+        path = aside / Path(entry.path).name
+        if pages_aside.is_pages(entry.path) and entry.size >= kept_pages.MIN_FILE \
+                and path.is_file() and path.stat().st_size == entry.size:
+            same_pages.write_index(path, entry.chunks, chunk_params(entry.size, scale), push_id)
 
 
 def _submit_member(entry: fmt.FileEntry, data: BinaryIO, params: chunker.ChunkParams,
@@ -410,9 +420,12 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
             lambda: segments.SegmentPool(str(job.ref), job.opts,
                                          job.cache.root if job.cache else None, job.level,
                                          job.processes))
-        parts = _Parts(uploader, make_pool)
+        push_id = f"{job.ref.endpoint}/{job.ref.repository} {chunker.ALGORITHM} zstd-{job.level}"
+        parts = _Parts(uploader, make_pool, push_id)
         try:
             files, contents, prefetched = _upload_files(src, parts, scale, str(job.ref))
+            if job.pre_checkpoint and src.pages_aside is not None and make_pool is not None:
+                _index_pages(src.pages_aside, files, scale, push_id)
             src.finish()  # the checkpoint's end: a stale one is refused before the manifest
             b = _bundle(job.source, files, contents, scale, job.level)
             config = job.sealing.seal_config(b.to_json())
@@ -442,6 +455,7 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
             "prefetched_bytes": prefetched,
             "parallel_bytes": parts.split_bytes, "processes": parts.pool.workers if parts.pool else 0,
             "early_bytes": parts.early.early_bytes if parts.early else 0,
+            "unchanged_bytes": parts.early.unchanged_bytes if parts.early else 0,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "gpu": b.summary.get("gpu") is not None, "annotations": notes,

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpusnap.criu import pagemap, pagescan
-from gpusnap.pages import kept_pages
+from gpusnap.pages import kept_pages, same_pages
 from gpusnap.pages.page_fill import (MAP_FAILED, MAP_SHARED, PIECE, PROT_READ, PROT_WRITE, IoVec,
                                     Run, default_threads, fill, libc, pieces)
 
@@ -81,6 +81,7 @@ class Task:
     gaps: list[int]  # bytes CRIU is predicted to dump before each run, after the previous one
     reused: int = 0  # bytes of a kept round-1 file the read wrote over (kept_pages.py)
     layout_s: float = 0.0  # of the read-ahead's time: predicting the layout (the rest: the read)
+    unchanged: int = 0  # of ``reused``, bytes found as round 1 left them (same_pages.py)
 
     @property
     def bytes(self) -> int:
@@ -96,7 +97,8 @@ class Task:
     def from_dict(cls, d: dict) -> Task:
         return cls(int(d["pid"]), int(d["vpid"]), str(d["path"]),
                    [tuple(map(int, r)) for r in d["runs"]], [int(g) for g in d["gaps"]],
-                   int(d.get("reused", 0)), float(d.get("layout_s", 0.0)))
+                   int(d.get("reused", 0)), float(d.get("layout_s", 0.0)),
+                   int(d.get("unchanged", 0)))
 
 
 def mapped(pid: int) -> list[tuple[int, int]]:
@@ -168,51 +170,68 @@ def layout(pid: int, runs: list[tuple[int, int]]) -> tuple[list[int], list[int]]
 
 class _Prefix:
     """The file ranges of the pieces read so far without a gap before them
-    (pieces finish out of order): what ``progress`` may be told is final."""
+    (pieces finish out of order): what ``progress`` may be told is final, and
+    of those the ranges found as round 1 left them (same_pages.py)."""
 
-    def __init__(self, pieces: list[Run], progress: Callable[[list[list[int]]], None],
+    def __init__(self, pieces: list[Run],
+                 progress: Callable[[list[list[int]], list[list[int]]], None],
                  every: int = NOTE_EVERY) -> None:
         self.pieces, self.progress, self.every = pieces, progress, every
         self.done = [False] * len(pieces)
+        self.same = [False] * len(pieces)
         self.next = self.told = 0
         self.lock = threading.Lock()
 
-    def finished(self, i: int) -> None:
+    def finished(self, i: int, same: bool = False) -> None:
         with self.lock:
-            self.done[i] = True
+            self.done[i], self.same[i] = True, same
             while self.next < len(self.done) and self.done[self.next]:
                 self.next += 1
             read = sum(p.length for p in self.pieces[self.told:self.next])
             if self.next < len(self.done) and read < self.every:
                 return
             self.told = self.next
-            ranges: list[list[int]] = []
-            for p in self.pieces[:self.next]:
-                if ranges and ranges[-1][1] == p.offset:
-                    ranges[-1][1] += p.length
-                else:
-                    ranges.append([p.offset, p.offset + p.length])
-            self.progress(ranges)
+            final = [(p.offset, p.offset + p.length) for p in self.pieces[:self.next]]
+            self.progress(same_pages.merge(final),
+                          same_pages.merge([r for r, s in zip(final, self.same) if s]))
 
 
 def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int,
-         progress: Callable[[list[list[int]]], None] | None = None,
-         donor: str | None = None) -> int:
+         progress: Callable[[list[list[int]], list[list[int]]], None] | None = None,
+         donor: str | None = None, compare: bool = False) -> tuple[int, int]:
     """Each run (address, length, offset) of ``pid`` into ``path`` at its offset.
     Each thread maps one piece of the file at a time and has the kernel copy
     the process's bytes into it (one copy); unmapped after, so the pages stay
     in the file, not in this process (its RSS stays at the pieces in flight).
-    ``progress(ranges)``: the file ranges read so far, every NOTE_EVERY bytes
-    and at the end (the push hashes them meanwhile: _note). ``donor``: a file
-    whose memory the read writes over (kept_pages.open_over). Returns the
-    bytes of memory reused so, at most ``size``."""
+    ``progress(final, same)``: the file ranges read so far, and of those the
+    ones found unchanged, every NOTE_EVERY bytes and at the end (the push
+    hashes them meanwhile: _note). ``donor``: a file whose memory the read
+    writes over (kept_pages.open_over); with ``compare``, its bytes are
+    compared and only those that differ written (same_pages.read_compared).
+    Returns the bytes of memory reused so, at most ``size``, and the bytes
+    found unchanged."""
     fd, held = kept_pages.open_over(path, donor)
+    unchanged = 0
     try:
+        had = os.fstat(fd).st_size if compare else 0  # the donor's bytes: what can be compared
         os.ftruncate(fd, size)
         calls = libc()
+        local = threading.local()
 
         todo = list(pieces([Run(a, n, path, o) for a, n, o in runs], READ_PIECE))
         prefix = _Prefix(todo, progress) if progress is not None else None
+
+        def vm_read(dst: int, src: int, length: int) -> None:
+            done = 0
+            while done < length:
+                n = length - done
+                got = calls.process_vm_readv(pid, ctypes.byref(IoVec(dst + done, n)), 1,
+                                             ctypes.byref(IoVec(src + done, n)), 1, 0)
+                if got <= 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"process {pid}: cannot read {n} bytes at "
+                                       f"{src + done:#x}: {os.strerror(err)}")
+                done += got
 
         def one(i: int) -> int:
             piece = todo[i]
@@ -221,28 +240,26 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
             if base in (None, MAP_FAILED):
                 err = ctypes.get_errno()
                 raise OSError(err, f"cannot map {path}: {os.strerror(err)}")
+            same = False
             try:
-                done = 0
-                while done < piece.length:
-                    n = piece.length - done
-                    got = calls.process_vm_readv(pid, ctypes.byref(IoVec(base + done, n)), 1,
-                                                 ctypes.byref(IoVec(piece.address + done, n)), 1, 0)
-                    if got <= 0:
-                        err = ctypes.get_errno()
-                        raise OSError(err, f"process {pid}: cannot read {n} bytes at "
-                                           f"{piece.address + done:#x}: {os.strerror(err)}")
-                    done += got
+                if piece.offset + piece.length <= had:
+                    if not hasattr(local, "scratch"):
+                        local.scratch = ctypes.create_string_buffer(same_pages.COMPARE)
+                    same = same_pages.read_compared(vm_read, calls.memcmp, piece.address, base,
+                                                    piece.length, local.scratch)
+                else:
+                    vm_read(base, piece.address, piece.length)
             finally:
                 calls.munmap(base, piece.length)
             if prefix is not None:
-                prefix.finished(i)
-            return piece.length
+                prefix.finished(i, same)
+            return piece.length if same else 0
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dump-ahead") as pool:
-            list(pool.map(one, range(len(todo))))
+            unchanged = sum(pool.map(one, range(len(todo))))
     finally:
         os.close(fd)
-    return min(held, size)
+    return min(held, size), unchanged
 
 
 def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
@@ -262,27 +279,31 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     placed = [(start, end - start, off) for (start, end), off in zip(runs, offsets)]
     path = str(folder / f"{PREFIX}{vpid}.img")
     size = offsets[-1] + runs[-1][1] - runs[-1][0]
+    donor = kept_pages.pick(donors, size) if donors else None
     try:
-        reused = read(pid, placed, path, size, threads or default_threads(),
-                      progress=(lambda ranges: _note(path, size, ranges)) if notes else None,
-                      donor=kept_pages.pick(donors, size) if donors else None)
+        reused, unchanged = read(
+            pid, placed, path, size, threads or default_threads(),
+            progress=(lambda final, same: _note(path, size, final, same)) if notes else None,
+            donor=donor, compare=donor is not None and same_pages.index_path(donor).exists())
     except BaseException:
         Path(path).unlink(missing_ok=True)
+        same_pages.index_path(path).unlink(missing_ok=True)
         raise
-    return Task(pid, vpid, path, placed, gaps, reused, layout_s)
+    return Task(pid, vpid, path, placed, gaps, reused, layout_s, unchanged)
 
 
-def _note(path: str, size: int, final: list[list[int]]) -> None:
+def _note(path: str, size: int, final: list[list[int]], same: list[list[int]]) -> None:
     """Tell the push (early_pages.py) which ranges of ``path`` are read: the
-    segments wholly in them may be hashed now. The note holds its size and
-    those ranges, replaced whole each time. The bytes read are final (the
+    segments wholly in them may be hashed now, and those wholly in ``same``
+    are round 1's (same_pages.py). The note holds its size and those ranges,
+    replaced whole each time. The bytes read are final (the
     process is locked, nothing but the driver ever wrote them), even before
     the drop: where the drop fails, the file goes and the push's inode check
     drops what was hashed of it."""
     try:
         ready = Path(path + ".ready")
         tmp = ready.with_name(f".{ready.name}.tmp")
-        tmp.write_text(json.dumps({"size": size, "final": final}))
+        tmp.write_text(json.dumps({"size": size, "final": final, "same": same}))
         os.replace(tmp, ready)
     except OSError:
         pass  # only lets the push start early

@@ -22,7 +22,9 @@ goes on (``.ready``: the file's size and the ranges read, every GiB): the
 segments that lie wholly in those ranges go to the workers then, while the
 read and then CRIU go on.
 The file becomes a pages file at post-dump, the same inode: ``take`` finds
-them by it.
+them by it. In a pre-copy's final round the note also names the ranges the
+read found as round 1 left them: a segment wholly in those is round 1's
+chunks (same_pages.py), handed over done without a worker reading it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from typing import Callable
 
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import chunker
+from gpusnap.oci.bundle import Chunk
+from gpusnap.pages import same_pages
 
 POLL = 0.05  # seconds between looks at the folder
 PATTERN = "pages-*.img"
@@ -64,15 +68,25 @@ class EarlyPages:
     """``submit(path, start, length, params)`` -> a segment's future (segments.SegmentPool).
 
     ``params_for(size)`` gives a file's chunk parameters; they are final for
-    every size from ``final_from`` on, which is when a file is first taken."""
+    every size from ``final_from`` on, which is when a file is first taken.
+    ``known(chunks)`` -> a done future of a segment that is round 1's
+    ``chunks``, for a push whose ``push_id`` matches round 1's index."""
 
     def __init__(self, images: Path, submit: Callable[[Path, int, int, chunker.ChunkParams], Future],
                  params_for: Callable[[int], chunker.ChunkParams], final_from: int,
                  done: Callable[[], bool],
                  pin: Callable[[Path], Path | None] = lambda path: path,
-                 aside: Path | None = None) -> None:
+                 aside: Path | None = None,
+                 known: Callable[[list[Chunk]], Future] | None = None,
+                 push_id: str | None = None) -> None:
         self.images, self._submit, self._params_for = images, submit, params_for
-        self.aside = aside
+        self.aside, self._known, self._push_id = aside, known, push_id
+        # read ahead, by inode: the ranges found unchanged, the index beside the
+        # file and round 1's chunks of each segment (for the parameters asked)
+        self._same: dict[int, list[tuple[int, int]]] = {}
+        self._read_as: dict[int, Path] = {}
+        self._indexes: dict[int, tuple[chunker.ChunkParams, dict[int, list[Chunk]]]] = {}
+        self.unchanged_bytes = 0
         # read ahead: inode -> (chunk parameters, {segment offset: future})
         self._ahead: dict[int, tuple[chunker.ChunkParams, dict[int, Future]]] = {}
         self._notes: dict[str, tuple[int, int]] = {}  # note -> (inode, mtime) last read
@@ -146,29 +160,63 @@ class EarlyPages:
             self._notes[note.name] = (st.st_ino, st.st_mtime_ns)
             ready = json.loads(note.read_text())
             size, final = int(ready["size"]), [(int(a), int(b)) for a, b in ready["final"]]
+            same = [(int(a), int(b)) for a, b in ready.get("same", [])]
         except (OSError, ValueError, KeyError, TypeError):
             return
         data = note.with_name(note.name.removesuffix(".ready"))
-        if size < self._final_from:
-            return
         ino = self._ahead_of.get(data.name)
         if ino is None:
             held = self._pin(data)
             if held is None:
                 return
             ino = self._ahead_of[data.name] = os.stat(held).st_ino
-            self._ahead[ino] = (self._params_for(size), {})
             self._held_ahead[ino] = held
+            self._read_as[ino] = data  # its index keeps this name (same_pages.index_path)
+            if size >= self._final_from:
+                self._ahead[ino] = (self._params_for(size), {})
+        self._same[ino] = same
         if ino not in self._ahead:
-            return  # taken by the push already
+            return  # taken by the push already, or small: take() finds its known segments
         params, submitted = self._ahead[ino]
         if self._params_for(size) != params:
             return
         seg, held = params.segment, self._held_ahead[ino]
         for at in range(0, size - seg, seg):  # not the last: the file grows past ``size``
-            if at not in submitted and any(a <= at and at + seg <= b for a, b in final):
-                submitted[at] = self._submit(held, at, seg, params)
-                self.early_bytes += seg
+            if at not in submitted and same_pages.covered(final, at, at + seg):
+                submitted[at] = self._known_or(ino, params, at, size) \
+                    or self._early(held, at, params)
+
+    def _early(self, held: Path, at: int, params: chunker.ChunkParams) -> Future:
+        self.early_bytes += params.segment
+        return self._submit(held, at, params.segment, params)
+
+    def _known_or(self, ino: int, params: chunker.ChunkParams, at: int, size: int
+                  ) -> Future | None:
+        """Round 1's chunks of the segment at ``at``, done, where the read found
+        it wholly unchanged and round 1's index has them; else None."""
+        same = self._same.get(ino)
+        end = at + params.segment
+        if self._known is None or self._push_id is None or not same or end > size \
+                or not same_pages.covered(same, at, end) or ino not in self._read_as:
+            return None
+        index = self._indexes.get(ino)
+        if index is None or index[0] != params:
+            index = self._indexes[ino] = (params, same_pages.segment_chunks(
+                self._read_as[ino], params, self._push_id))
+        chunks = index[1].get(at)
+        if chunks is None:
+            return None
+        self.unchanged_bytes += params.segment
+        return self._known(chunks)
+
+    def _add_known(self, ino: int, params: chunker.ChunkParams, size: int,
+                   have: dict[int, Future]) -> dict[int, Future]:
+        for at in range(0, size, params.segment):
+            if at not in have:
+                found = self._known_or(ino, params, at, size)
+                if found is not None:
+                    have[at] = found
+        return have
 
     def _complete(self, st: os.stat_result) -> None:
         """A file read ahead that post-dump made whole: its other whole segments."""
@@ -177,12 +225,12 @@ class EarlyPages:
             return
         for at in range(0, st.st_size - params.segment + 1, params.segment):
             if at not in have:
-                have[at] = self._submit(self._held_ahead[st.st_ino], at, params.segment, params)
-                self.early_bytes += params.segment
+                have[at] = self._known_or(st.st_ino, params, at, st.st_size) \
+                    or self._early(self._held_ahead[st.st_ino], at, params)
 
     def take(self, path: Path, size: int, params: chunker.ChunkParams) -> dict[int, Future]:
-        """The futures of ``path``'s segments already submitted, by offset; {}
-        when none, or when the file is not the one they came from."""
+        """The futures of ``path``'s segments already submitted or known, by
+        offset; {} when none, or when the file is not the one they came from."""
         try:
             st = os.stat(path)
         except OSError:
@@ -191,11 +239,13 @@ class EarlyPages:
             w = self._files.pop(path.name, None)
             self._taken.add(path.name)
             ahead = self._ahead.pop(st.st_ino, None) if st is not None else None
-        if ahead is not None:
-            if ahead[0] == params and ahead[1] and max(ahead[1]) + params.segment <= size:
-                return ahead[1]
-            for f in ahead[1].values():
-                f.cancel()
+            if ahead is not None:
+                if ahead[0] == params and ahead[1] and max(ahead[1]) + params.segment <= size:
+                    return self._add_known(st.st_ino, params, size, ahead[1])
+                for f in ahead[1].values():
+                    f.cancel()
+            if st is not None and st.st_ino in self._same and w is None:
+                return self._add_known(st.st_ino, params, size, {})
         if w is None:
             return {}
         same = st is not None and st.st_ino == w.ino and st.st_size >= w.end

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from gpusnap import journal
-from gpusnap.pages import memory
+from gpusnap.pages import memory, same_pages
 
 PREFIX = "gpusnap-kept-"
 CLAIMED = "kept"  # the claimed folder's name in a push folder
@@ -117,6 +117,7 @@ def keep(aside: Path, container_id: str, count: int, held_too: int,
         folder.mkdir(mode=0o700)
         for i, path in enumerate(files):  # numbered by size: the largest first
             os.rename(path, folder / f"{i:03d}.img")
+            _move_index(path, folder / f"{i:03d}.img")
     except OSError as exc:
         shutil.rmtree(folder, ignore_errors=True)
         journal.record("pages-not-kept", container=container_id, error=str(exc))
@@ -187,10 +188,20 @@ def release(paths: list[str]) -> None:
     """Kept files the read-ahead did not write over, unlinked before CRIU
     dumps (its pages would otherwise need that memory too)."""
     for path in paths:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        for name in (path, same_pages.index_path(path)):
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
+
+
+def _move_index(src: str | Path, dst: str | Path) -> None:
+    """A pages file's index of round 1's chunks (same_pages.py) follows it; a
+    stale one at ``dst`` never stays beside another file."""
+    try:
+        os.rename(same_pages.index_path(src), same_pages.index_path(dst))
+    except OSError:
+        same_pages.index_path(dst).unlink(missing_ok=True)
 
 
 def open_over(path: str, donor: str | None) -> tuple[int, int]:
@@ -204,6 +215,7 @@ def open_over(path: str, donor: str | None) -> tuple[int, int]:
         except OSError:
             pass
         else:
+            _move_index(donor, path)
             try:
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
             except OSError:
@@ -214,6 +226,7 @@ def open_over(path: str, donor: str | None) -> tuple[int, int]:
                     return fd, st.st_blocks * 512
                 os.close(fd)
             os.unlink(path)  # whatever it was, not ours to write: a new file takes its name
+            same_pages.index_path(path).unlink(missing_ok=True)
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), 0
 
 

@@ -49,8 +49,8 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def libc() -> ctypes.CDLL:
-    """libc with process_vm_writev/readv (this module's fill, dump_ahead's read)
-    and mmap/munmap declared for ctypes."""
+    """libc with process_vm_writev/readv (this module's fill, dump_ahead's read),
+    mmap/munmap and memcmp declared for ctypes."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     for call in (libc.process_vm_writev, libc.process_vm_readv):
         call.restype = ctypes.c_ssize_t
@@ -60,6 +60,8 @@ def libc() -> ctypes.CDLL:
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.memcmp.restype = ctypes.c_int
+    libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     return libc
 
 

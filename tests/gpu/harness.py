@@ -8,6 +8,7 @@ runc declared), and the GPU device nodes are passed with --device.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -20,6 +21,16 @@ IMAGE = "localhost/gpusnap-cuda:latest"
 HERE = Path(__file__).resolve().parent
 PYTHON = os.environ.get("GPUSNAP_CUDA_PYTHON", "/opt/torch/.venv/bin/python3")
 DRIVER_DIR = "/usr/local/nvidia"
+
+
+def figure(**fields) -> None:
+    """A measured figure, kept with the run's logs (GPUSNAP_TEST_LOGS/figures.jsonl)
+    for docs/benchmarks.md."""
+    logs = os.environ.get("GPUSNAP_TEST_LOGS")
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        with open(Path(logs) / "figures.jsonl", "a") as f:
+            f.write(json.dumps(fields) + "\n")
 
 
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:

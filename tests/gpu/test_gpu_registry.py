@@ -14,6 +14,7 @@ import uuid
 import pytest
 
 from tests.conftest import GPUSNAP, journal_mark, journal_path, journal_since, run
+from tests.gpu import harness
 from tests.integration.oci_registry import PASSWORD, make_registry
 
 @pytest.fixture(scope="module")
@@ -102,6 +103,10 @@ def test_a_pre_copys_final_round_reads_ahead_into_the_pages_round_one_kept(cuda_
     taken = _last(events, "pages-read-ahead")
     assert taken["reused"] >= 2 << 30, taken
     assert _last(events, "pages-composed")["how"] == ["in place"]
+    # what the read found as round 1 left it, and the push took unhashed (same_pages.py)
+    harness.figure(what="pre-copy final round, 2 GiB", read=taken["bytes"],
+                   unchanged=taken["unchanged"],
+                   unchanged_pushed=json.loads(res.stdout)["unchanged_bytes"])
     assert not os.path.exists(kept["folder"])
     its = cuda_ctr.iterations()
     subprocess.run(["podman", "rm", "-f", "-t", "0", cuda_ctr.name], check=True,

@@ -113,8 +113,9 @@ def test_a_failure_after_the_memory_was_taken_leaves_the_container_as_it_was(
 def test_the_final_round_writes_over_the_pages_round_one_kept(registry, name):
     """migrate -P keeps round 1's pages file in RAM (pages/kept_pages.py); the
     final round's read-ahead takes it over and writes into its memory instead
-    of new memory. The kept folder is gone after, and the restored shell's
-    memory is whole. Without an action script (trixie's crun 1.21) nothing is
+    of new memory, finds it unchanged, and the push takes round 1's chunks for
+    it without hashing them (pages/same_pages.py). The kept folder is gone
+    after, and the restored shell's memory is whole. Without an action script (trixie's crun 1.21) nothing is
     kept or read ahead, and the restore is as whole."""
     action = runs_action_script(_runtime())
     _start_big_memory(name)
@@ -135,6 +136,9 @@ def test_the_final_round_writes_over_the_pages_round_one_kept(registry, name):
     if action:
         taken = _event(events, "pages-read-ahead")
         assert taken["reused"] >= 256 << 20, taken
+        # the memory did not change: round 1's chunks taken for it, unhashed (same_pages.py)
+        assert taken["unchanged"] >= 256 << 20, taken
+        assert pushed["unchanged_bytes"] >= 192 << 20, pushed
         assert _event(events, "pages-composed")["how"] == ["in place"]
         assert subprocess.run(["test", "-e", kept["folder"]]).returncode == 1  # claimed, spent
     else:

@@ -22,7 +22,7 @@ import pytest
 
 from gpusnap.criu import pagescan
 
-from gpusnap.pages import dump_ahead
+from gpusnap.pages import dump_ahead, same_pages
 from gpusnap.criu import pagemap as pm
 from gpusnap.pages import remote_syscall
 PAGE = pm.PAGE
@@ -305,15 +305,17 @@ def test_progress_tells_only_the_pieces_read_without_a_gap_before_them():
     pieces = [dump_ahead.Run(0, 4, "f", 0), dump_ahead.Run(4, 4, "f", 4),
               dump_ahead.Run(100, 4, "f", 20), dump_ahead.Run(104, 4, "f", 24)]
     told: list[list[list[int]]] = []
-    prefix = dump_ahead._Prefix(pieces, told.append, every=4)
-    prefix.finished(1)
+    same: list[list[list[int]]] = []
+    prefix = dump_ahead._Prefix(pieces, lambda f, s: (told.append(f), same.append(s)), every=4)
+    prefix.finished(1, True)
     assert told == []  # piece 0 not read: nothing is final yet
     prefix.finished(0)
+    assert told == [[[0, 8]]] and same == [[[4, 8]]]
+    prefix.finished(3, True)
     assert told == [[[0, 8]]]
-    prefix.finished(3)
-    assert told == [[[0, 8]]]
-    prefix.finished(2)
+    prefix.finished(2, True)
     assert told[-1] == [[0, 8], [20, 28]]  # two runs of the file, a gap (CRIU's pages) between
+    assert same[-1] == [[4, 8], [20, 28]]  # of those, the pieces found as round 1 left them
 
 
 def test_take_with_notes_leaves_a_note_of_every_run_read(child, tmp_path, monkeypatch):
@@ -325,7 +327,37 @@ def test_take_with_notes_leaves_a_note_of_every_run_read(child, tmp_path, monkey
     task = dump_ahead.take(pid, 1, runs, tmp_path, threads=3, notes=True)
     note = json.loads(Path(task.path + ".ready").read_text())
     assert note == {"size": Path(task.path).stat().st_size,
-                    "final": [[o, o + n] for _, n, o in task.runs]}
+                    "final": [[o, o + n] for _, n, o in task.runs], "same": []}
+
+
+def test_a_kept_file_with_round_ones_index_is_compared_and_its_equal_pieces_noted(
+        child, tmp_path, monkeypatch):
+    """Round 1's kept file holds the runs' bytes except one page: the read
+    compares piece by piece, notes the others as unchanged, writes the one
+    that differs; the index follows the file to its new name."""
+    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
+    monkeypatch.setattr(dump_ahead, "READ_PIECE", 2 * PAGE)
+    monkeypatch.setattr(same_pages, "COMPARE", PAGE)
+    pid, a = child.proc.pid, child.addr
+    runs = [(a + 4 * PAGE, a + 12 * PAGE)]
+    first = dump_ahead.take(pid, 1, runs, tmp_path)  # round 1's file, as the push kept it
+    donor = tmp_path / "000.img"
+    os.rename(first.path, donor)
+    data = bytearray(donor.read_bytes())
+    offset = first.runs[0][2]
+    data[offset + 5 * PAGE] ^= 1  # one page of round 1 differs from the process now
+    donor.write_bytes(bytes(data))
+    same_pages.index_path(donor).write_text("{}")
+    task = dump_ahead.take(pid, 2, runs, tmp_path, threads=2, notes=True, donors=[str(donor)])
+    assert task.unchanged == 6 * PAGE and task.reused == Path(task.path).stat().st_size
+    assert same_pages.index_path(task.path).exists() and not same_pages.index_path(donor).exists()
+    note = json.loads(Path(task.path + ".ready").read_text())
+    assert note["same"] == [[offset, offset + 4 * PAGE], [offset + 6 * PAGE, offset + 8 * PAGE]]
+    got = Path(task.path).read_bytes()
+    for k in range(8):
+        page = 4 + k
+        assert got[offset + k * PAGE:offset + (k + 1) * PAGE] == \
+            page.to_bytes(8, "little") + bytes(PAGE - 8)
 
 
 def test_take_writes_over_a_kept_file_and_leaves_none_of_its_bytes_in_the_runs(child, tmp_path,

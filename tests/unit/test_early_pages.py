@@ -4,13 +4,16 @@ benchmark's content checks are the evidence that pushes built this way restore).
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from concurrent.futures import Future
 
 from gpusnap.oci import chunker
-from gpusnap.pages import early_pages
+from gpusnap.oci.bundle import Chunk
+from gpusnap.pages import early_pages, same_pages
+
 PARAMS = chunker.ChunkParams(4096, 16384, 65536)  # segment: 1 MiB
 SEG = PARAMS.segment
 
@@ -182,5 +185,84 @@ def test_a_note_that_grows_while_the_read_goes_on_gives_each_new_segment_once(tm
         _until(lambda: len(rec.calls) == 7)
         time.sleep(4 * early_pages.POLL)
         assert [c[1] for c in rec.calls] == [k * SEG for k in range(7)]
+    finally:
+        w.stop()
+
+
+def _known(chunks) -> Future:
+    f: Future = Future()
+    f.set_result(("known", chunks[0].digest))
+    return f
+
+
+def _index(path, segments: int, push: str = "reg/repo zstd-3") -> list[list[Chunk]]:
+    """Round 1's index beside ``path``: two chunks a segment."""
+    per = [[Chunk(f"sha256:{2 * k + i:064x}", SEG // 2, f"sha256:{2 * k + i:064x}", 9)
+            for i in range(2)] for k in range(segments)]
+    same_pages.write_index(path, [c for seg in per for c in seg], PARAMS, push)
+    return per
+
+
+def test_segments_the_read_found_unchanged_are_round_ones_chunks_and_never_read(tmp_path):
+    """A final round's note: segments 0-4 read, 1-2 as round 1 left them. Those
+    two come back done from round 1's index, no worker reads them; the rest
+    go to the workers; take() gives all back by inode."""
+    rec, images, aside = Recorder(), tmp_path / "images", tmp_path / "aside"
+    images.mkdir()
+    aside.mkdir()
+    data = aside / ".ahead-7.img"
+    data.write_bytes(os.urandom(6 * SEG))
+    per = _index(data, 6)
+    w = early_pages.EarlyPages(images, rec.submit, lambda size: PARAMS, SEG, lambda: False,
+                               aside=aside, known=_known, push_id="reg/repo zstd-3")
+    try:
+        (aside / ".ahead-7.img.ready").write_text(json.dumps(
+            {"size": 6 * SEG, "final": [[0, 6 * SEG]], "same": [[SEG - 5, 3 * SEG]]}))
+        _until(lambda: len(rec.calls) == 3)
+        time.sleep(4 * early_pages.POLL)
+        assert [c[1] for c in rec.calls] == [0, 3 * SEG, 4 * SEG]
+        assert w.unchanged_bytes == 2 * SEG
+        final = aside / "pages-3.img"
+        data.rename(final)
+        have = w.take(final, 6 * SEG, PARAMS)
+        assert sorted(have) == [k * SEG for k in range(5)]  # the last one: the push submits it
+        assert have[SEG].result() == ("known", per[1][0].digest)
+        assert have[2 * SEG].result() == ("known", per[2][0].digest)
+    finally:
+        w.stop()
+
+
+def test_an_index_of_another_repository_leaves_every_segment_to_the_workers(tmp_path):
+    rec, aside = Recorder(), tmp_path
+    data = aside / ".ahead-7.img"
+    data.write_bytes(os.urandom(4 * SEG))
+    _index(data, 4, push="reg/other zstd-3")
+    w = early_pages.EarlyPages(tmp_path / "none", rec.submit, lambda size: PARAMS, SEG,
+                               lambda: False, aside=aside, known=_known, push_id="reg/repo zstd-3")
+    try:
+        (aside / ".ahead-7.img.ready").write_text(json.dumps(
+            {"size": 4 * SEG, "final": [[0, 4 * SEG]], "same": [[0, 4 * SEG]]}))
+        _until(lambda: len(rec.calls) == 3)
+        assert w.unchanged_bytes == 0
+    finally:
+        w.stop()
+
+
+def test_a_small_file_read_ahead_gives_its_unchanged_segments_when_taken(tmp_path):
+    """Below final_from nothing goes out early (its parameters are not final),
+    but take() gives the segments found unchanged, with the push's parameters."""
+    rec, aside = Recorder(), tmp_path
+    data = aside / ".ahead-2.img"
+    data.write_bytes(os.urandom(4 * SEG))
+    _index(data, 4)
+    w = early_pages.EarlyPages(tmp_path / "none", rec.submit, lambda size: PARAMS, 64 * SEG,
+                               lambda: False, aside=aside, known=_known, push_id="reg/repo zstd-3")
+    try:
+        (aside / ".ahead-2.img.ready").write_text(json.dumps(
+            {"size": 4 * SEG, "final": [[0, 4 * SEG]], "same": [[0, 2 * SEG], [3 * SEG, 4 * SEG]]}))
+        _until(lambda: w._same)
+        have = w.take(data, 4 * SEG, PARAMS)
+        assert sorted(have) == [0, SEG, 3 * SEG] and rec.calls == []
+        assert w.unchanged_bytes == 3 * SEG
     finally:
         w.stop()

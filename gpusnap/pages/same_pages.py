@@ -1,0 +1,121 @@
+"""Pages of a pre-copy's final round that are as round 1 pushed them: found by the read, taken by the push unhashed.
+
+A final round changes a few percent of a GPU process's memory, yet its push
+hashed every byte: at 32 GiB two dozen worker processes, which kept the cores
+busy while the read of the driver's copy ran beside them and slowed that read
+several-fold (docs/benchmarks.md). Round 1's pages file is kept for the final
+round's read to write over (kept_pages.py), so the read can tell, piece by
+piece, whether the bytes it brings are those already there:
+
+- round 1's push leaves an index beside each big pages file it pushed from RAM
+  (``write_index``: the file's chunks, their parameters, the repository and
+  compression they went to); kept_pages moves it with its file;
+- the final round's read brings each piece into a small buffer, compares it
+  with what the file holds, and writes only what differs (``read_compared``);
+  the note it leaves the push names the ranges found the same;
+- the push (early_pages.py) takes a segment lying wholly in those ranges as
+  round 1's chunks (``known_segments``): no hash, no compression, no question
+  to the registry.
+
+Only where it must hold: the same repository and compression (``push_id``),
+the same chunk parameters (so the same segments), round-1 chunks that tile the
+segment exactly. Those blobs went to that repository in round 1; a registry
+that checks manifests (distribution does) refuses one naming a blob it lacks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from gpusnap.oci.bundle import Chunk
+from gpusnap.oci.chunker import ChunkParams
+
+SUFFIX = ".chunks"  # the index's name: its pages file's, and this
+COMPARE = 1 << 20  # bytes brought and compared at once: the buffer stays in the core's cache
+VERSION = 1
+
+
+def index_path(path: str | Path) -> Path:
+    return Path(f"{path}{SUFFIX}")
+
+
+def _params(p: ChunkParams) -> list[int]:
+    return [p.min_size, p.avg_size, p.max_size]
+
+
+def write_index(path: Path, chunks: list[Chunk], params: ChunkParams, push_id: str) -> None:
+    """Round 1's chunks of ``path``, beside it. Only speeds the final round up:
+    a failure to write leaves no index (and no partial one)."""
+    index = index_path(path)
+    tmp = index.with_name(f".{index.name}.tmp")
+    body = {"version": VERSION, "push": push_id, "size": sum(c.size for c in chunks),
+            "params": _params(params), "chunks": [c.to_list() for c in chunks]}
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f, separators=(",", ":"))
+        os.replace(tmp, index)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def segment_chunks(path: str | Path, params: ChunkParams, push_id: str) -> dict[int, list[Chunk]]:
+    """Round 1's chunks of each whole segment of the file whose index is beside
+    ``path``, by the segment's offset; {} where there is no index, or one of
+    another push, other parameters, or chunks that do not tile as a push cuts
+    (a chunk never crosses a segment's end)."""
+    try:
+        with open(index_path(path)) as f:
+            body = json.load(f)
+        if body.get("version") != VERSION or body.get("push") != push_id \
+                or body.get("params") != _params(params):
+            return {}
+        chunks = [Chunk.from_list(c) for c in body["chunks"]]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}
+    seg, pos = params.segment, 0
+    found: dict[int, list[Chunk]] = {}
+    for c in chunks:
+        at = pos - pos % seg
+        if c.size <= 0 or pos + c.size > at + seg:
+            return {}
+        found.setdefault(at, []).append(c)
+        pos += c.size
+    return {at: cs for at, cs in found.items() if sum(c.size for c in cs) == seg}
+
+
+def covered(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """[start, end) lies wholly in one of ``ranges`` (merged: adjacent ones joined)."""
+    return any(a <= start and end <= b for a, b in ranges)
+
+
+def merge(ranges: list[tuple[int, int]]) -> list[list[int]]:
+    """Ranges sorted and joined where they touch."""
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and out[-1][1] >= a:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def read_compared(read: Callable[[int, int, int], None], memcmp: Callable[[int, int, int], int],
+                  address: int, base: int, length: int, scratch: ctypes.Array) -> bool:
+    """``length`` bytes of a process at ``address`` into the mapped file at
+    ``base``, through ``scratch`` (COMPARE bytes): each part is compared with
+    what the file holds and written only where it differs. ``read(dst, src,
+    n)`` brings n bytes of the process. True: every byte was as it was."""
+    buf, same, done = ctypes.addressof(scratch), True, 0
+    while done < length:
+        n = min(COMPARE, length - done)
+        read(buf, address + done, n)
+        if memcmp(base + done, buf, n) != 0:
+            ctypes.memmove(base + done, buf, n)
+            same = False
+        done += n
+    return same
