@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
-from gpusnap import MANIFEST_NAME, archive
+from gpusnap import MANIFEST_NAME, archive, journal
 from gpusnap.criu.version import criu_version
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import bundle as fmt
@@ -422,17 +422,21 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
                                          job.processes))
         push_id = f"{job.ref.endpoint}/{job.ref.repository} {chunker.ALGORITHM} zstd-{job.level}"
         parts = _Parts(uploader, make_pool, push_id)
+        at = {"start": time.monotonic()}  # what the push's end waits on, for the journal
         try:
             files, contents, prefetched = _upload_files(src, parts, scale, str(job.ref))
+            at["uploaded"] = time.monotonic()
             if job.pre_checkpoint and src.pages_aside is not None and make_pool is not None:
                 _index_pages(src.pages_aside, files, scale, push_id)
             src.finish()  # the checkpoint's end: a stale one is refused before the manifest
+            at["checkpointed"] = time.monotonic()
             b = _bundle(job.source, files, contents, scale, job.level)
             config = job.sealing.seal_config(b.to_json())
             config_digest = uploader.put_small(config)
         finally:
             parts.close()
             uploader.close()
+        at["closed"] = time.monotonic()
         notes = _annotations(b, src.kind, job.pre_checkpoint)
         image = (b.summary.get("container") or {}).get("image")
         if b.summary.get("engine") == "containerd":
@@ -441,9 +445,14 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
             fmt.build_manifest(b, config_digest, len(config), notes, _subject(job.client, image)))
         digest = job.client.put_manifest(manifest, fmt.OCI_MANIFEST, job.ref.target)
         signed_by = job.sealing.sign(job.client, digest, len(manifest))
+        at["manifest"] = time.monotonic()
     if job.cache:
         job.cache.prune()
     seconds = time.monotonic() - job.start
+    journal.record("pushed", reference=str(job.ref), digest=digest, seconds=round(seconds, 3),
+                   unchanged_bytes=parts.early.unchanged_bytes if parts.early else 0,
+                   timing={k: round(t - at["start"], 3) for k, t in at.items() if k != "start"},
+                   left_s=round(time.monotonic() - at["manifest"], 3))
     stats = uploader.stats
     ref = job.ref
     return {"reference": str(ref), "digest": digest, "pinned": str(ref.with_digest(digest)),
