@@ -2,7 +2,7 @@
 threads, dropped from it and written back (pages/dump_ahead.py's steps, no CRIU).
 
     python bench/dump_read.py [--gib 16] [--threads 16,8] [--pieces 8] [--rounds 2]
-                              [--compare] [--drop-threads 8] [--dir /run/gpusnap/ram]
+                              [--compare 1,4] [--drop-threads 8] [--dir /run/gpusnap/ram]
 
 A child process holds GIB GiB of pseudo-random int32 on GPU 0; the driver locks
 and checkpoints it; the mapping the checkpoint made is read into a file in DIR
@@ -10,8 +10,9 @@ and checkpoints it; the mapping the checkpoint made is read into a file in DIR
 thread count and piece size (MiB a thread maps at a time): round 1 into a new
 file, the later ones written over the file before them (as the final round of
 a pre-copy writes over round 1's kept pages: pages/kept_pages.py), with
---compare each of those once more comparing what it brings with what the file
-holds (pages/same_pages.py: every byte is the same here); then dropped
+--compare each of those once more per size, comparing what it brings with what
+the file holds that many MiB at a time (pages/same_pages.py: every byte is the
+same here); then dropped
 with a remote madvise on DROP_THREADS threads, written back, restored by
 the driver, and every element compared. Needs a GPU (the H200/H100 machines:
 run as root with the PyTorch Python).
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpusnap.pages import page_fill  # noqa: E402
 
-from gpusnap.pages import dump_ahead
+from gpusnap.pages import dump_ahead, same_pages
 from gpusnap.gpu.cuda import CudaDriver  # noqa: E402
 from gpusnap.pages import remote_syscall  # noqa: E402
 from gpusnap.pages import memory
@@ -56,8 +57,9 @@ def main() -> int:
     ap.add_argument("--threads", default="16,8")
     ap.add_argument("--pieces", default="8", help="MiB each thread maps at a time")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--compare", action="store_true",
-                    help="the later rounds once more, compared with the file's bytes")
+    ap.add_argument("--compare", default="",
+                    help="MiB compared at a time (e.g. 1,4): the later rounds once more per "
+                         "size, compared with the file's bytes")
     ap.add_argument("--drop-threads", type=int, default=dump_ahead.DROP_THREADS)
     ap.add_argument("--dir", default=str(memory.HUGE_ROOT))
     ap.add_argument("--python", default=sys.executable, help="a Python with PyTorch")
@@ -90,13 +92,15 @@ def main() -> int:
                 dump_ahead.READ_PIECE = piece << 20
                 path.unlink(missing_ok=True)
                 for r in range(args.rounds):
-                    for compare in (False, True) if r and args.compare else (False,):
+                    sizes = [int(m) for m in args.compare.split(",") if m] if r else []
+                    for mib in [0, *sizes]:
+                        same_pages.COMPARE = (mib or 1) << 20
                         t = time.monotonic()  # round 1 into a new file, then over it
                         _, same = dump_ahead.read(pid, placed, str(path), size, threads,
                                                   donor=str(path) if r else None,
-                                                  compare=compare)
+                                                  compare=mib > 0)
                         s = time.monotonic() - t
-                        how = "compared" if compare else "over it" if r else "new file"
+                        how = f"compared by {mib} MiB" if mib else "over it" if r else "new file"
                         rows.append({"step": f"read, {threads} thr, {piece} MiB, {how}",
                                      "s": round(s, 2), "GB/s": round(size / s / 1e9, 2),
                                      "unchanged": same})
