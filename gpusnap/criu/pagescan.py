@@ -14,10 +14,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import bisect
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from gpusnap.criu import pagemap
 
 PAGE_IS_FILE, PAGE_IS_PRESENT, PAGE_IS_SWAPPED, PAGE_IS_PFNZERO = 1 << 2, 1 << 3, 1 << 4, 1 << 5
 PAGE = 4096
@@ -132,4 +135,69 @@ def scan(pid: int, areas: Iterable[tuple[int, int]], inverted: int = PAGE_IS_PFN
                 start = nxt if nxt > start else end
     finally:
         os.close(fd)
+    return out
+
+
+def minus(ranges: Iterable[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` without any part of ``holes``, sorted. One pass over both
+    sorted (a CUDA process maps thousands of areas: pairing each with each
+    would cost seconds of the stop)."""
+    merged: list[tuple[int, int]] = []  # disjoint, so the one before a point is the one to look at
+    for h0, h1 in sorted(holes):
+        if merged and h0 <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], h1))
+        elif h0 < h1:
+            merged.append((h0, h1))
+    holes, starts = merged, [h[0] for h in merged]
+    out = []
+    for start, end in sorted(ranges):
+        # the holes that may overlap: from the last one starting before ``start``
+        k = max(0, bisect.bisect_right(starts, start) - 1)
+        while start < end and k < len(holes) and holes[k][0] < end:
+            h0, h1 = holes[k]
+            if h1 > start:
+                if h0 > start:
+                    out.append((start, h0))
+                start = max(start, h1)
+            k += 1
+        if start < end:
+            out.append((start, end))
+    return sorted(out)
+
+
+def _extra(pid: int, v: Vma, pm: pagemap.Pagemap, most: int = 5) -> str:
+    """Runs the scan finds in ``v`` that CRIU did not dump, with every category
+    the kernel gives them (a diagnostic)."""
+    present = [(r.vaddr, r.vaddr + r.pages * PAGE) for r in pm.runs if r.present]
+    found = scan(pid, [(v.start, v.end)], inverted=0, returned=(1 << 9) - 1)
+    out = []
+    for a, b, cats in found:
+        for x, y in minus([(a, b)], present):
+            out.append(f"{x:#x}+{(y - x) // PAGE}p cat {cats:#x}")
+    return ", ".join(out[:most]) + (f" (+{len(out) - most})" if len(out) > most else "")
+
+
+def disagreements(pid: int, runs: list[tuple[int, int]], pm: pagemap.Pagemap,
+                  most: int = 6) -> list[str]:
+    """The mappings of ``pid`` where CRIU's pagemap and a scan now (the task is
+    frozen) disagree, leaving out ``runs`` (memory read out before the dump):
+    what to look at when dump_ahead's prediction of the pages file missed."""
+    try:
+        found = vmas(pid)
+        areas = minus(dumped_areas(found), runs)
+        scanned = dumped(pid, areas)
+    except OSError as exc:
+        return [f"no scan: {exc}"]
+    out = []
+    for v in found:
+        crius = sum(min(r.vaddr + r.pages * PAGE, v.end) - max(r.vaddr, v.start)
+                    for r in pm.runs if r.present and r.vaddr < v.end
+                    and r.vaddr + r.pages * PAGE > v.start)
+        ours = sum(min(b, v.end) - max(a, v.start) for a, b in scanned if a < v.end and b > v.start)
+        if crius != ours and not any(a <= v.start and v.end <= b for a, b in runs) \
+                and v.name != "[vdso]":
+            out.append(f"{v.start:#x}-{v.end:#x} {v.perms} {v.name or '(anon)'}: CRIU {crius}, "
+                       f"scan {ours}; " + _extra(pid, v, pm))
+            if len(out) >= most:
+                break
     return out

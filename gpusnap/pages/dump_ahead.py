@@ -37,14 +37,13 @@ the dump (the container runs on, its memory written back).
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -106,39 +105,12 @@ def mapped(pid: int) -> list[tuple[int, int]]:
     return [(v.start, v.end) for v in pagescan.vmas(pid)]
 
 
-def _minus(ranges: Iterable[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``ranges`` without any part of ``holes``, sorted. One pass over both
-    sorted (a CUDA process maps thousands of areas: pairing each with each
-    would cost seconds of the stop)."""
-    merged: list[tuple[int, int]] = []  # disjoint, so the one before a point is the one to look at
-    for h0, h1 in sorted(holes):
-        if merged and h0 <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], h1))
-        elif h0 < h1:
-            merged.append((h0, h1))
-    holes, starts = merged, [h[0] for h in merged]
-    out = []
-    for start, end in sorted(ranges):
-        # the holes that may overlap: from the last one starting before ``start``
-        k = max(0, bisect.bisect_right(starts, start) - 1)
-        while start < end and k < len(holes) and holes[k][0] < end:
-            h0, h1 = holes[k]
-            if h1 > start:
-                if h0 > start:
-                    out.append((start, h0))
-                start = max(start, h1)
-            k += 1
-        if start < end:
-            out.append((start, end))
-    return sorted(out)
-
-
 def staging(pid: int, before: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The private anonymous writable ranges the process did not map ``before``:
     where the driver's checkpoint put its copy of the GPU memory."""
     now = [(v.start, v.end) for v in pagescan.vmas(pid)
            if v.private and v.anonymous and v.perms.startswith("rw") and not v.name.startswith("[")]
-    return [r for r in _minus(now, sorted(before)) if r[1] - r[0] >= MIN_RUN]
+    return [r for r in pagescan.minus(now, sorted(before)) if r[1] - r[0] >= MIN_RUN]
 
 
 def big_anonymous(pid: int, min_bytes: int) -> list[tuple[int, int]]:
@@ -152,9 +124,9 @@ def layout(pid: int, runs: list[tuple[int, int]]) -> tuple[list[int], list[int]]
     """(gaps, offsets): the bytes CRIU will dump before each run (after the one
     before it) and so each run's offset in the task's pages file."""
     found = pagescan.vmas(pid)
-    areas = _minus(pagescan.dumped_areas(found), runs)
+    areas = pagescan.minus(pagescan.dumped_areas(found), runs)
     whole = pagescan.whole(found)
-    dumped = sorted(pagescan.dumped(pid, _minus(areas, whole)) + _minus(whole, runs))
+    dumped = sorted(pagescan.dumped(pid, pagescan.minus(areas, whole)) + pagescan.minus(whole, runs))
     gaps, offsets, pos, i = [], [], 0, 0
     for start, end in runs:
         gap = 0
@@ -412,44 +384,7 @@ def compose(images: Path, aside: Path, task: Task) -> str:
     if in_place:
         return "in place"
     return (f"copied: CRIU dumped {gaps} bytes around the runs, not {task.gaps}; "
-            f"where: {_differences(task, pm)}")
-
-
-def _extra(pid: int, v, pm: pagemap.Pagemap, most: int = 5) -> str:
-    """Runs the scan finds in ``v`` that CRIU did not dump, with every category
-    the kernel gives them (a diagnostic)."""
-    present = [(r.vaddr, r.vaddr + r.pages * PAGE) for r in pm.runs if r.present]
-    found = pagescan.scan(pid, [(v.start, v.end)], inverted=0, returned=(1 << 9) - 1)
-    out = []
-    for a, b, cats in found:
-        for x, y in _minus([(a, b)], present):
-            out.append(f"{x:#x}+{(y - x) // PAGE}p cat {cats:#x}")
-    return ", ".join(out[:most]) + (f" (+{len(out) - most})" if len(out) > most else "")
-
-
-def _differences(task: Task, pm: pagemap.Pagemap, most: int = 6) -> list[str]:
-    """The mappings where CRIU's pagemap and a scan now (the task is frozen)
-    disagree: what to look at when a prediction missed."""
-    try:
-        found = pagescan.vmas(task.pid)
-        runs = [(a, a + n) for a, n, _ in task.runs]
-        areas = _minus(pagescan.dumped_areas(found), runs)
-        scanned = pagescan.dumped(task.pid, areas)
-    except OSError as exc:
-        return [f"no scan: {exc}"]
-    out = []
-    for v in found:
-        crius = sum(min(r.vaddr + r.pages * PAGE, v.end) - max(r.vaddr, v.start)
-                    for r in pm.runs if r.present and r.vaddr < v.end
-                    and r.vaddr + r.pages * PAGE > v.start)
-        ours = sum(min(b, v.end) - max(a, v.start) for a, b in scanned if a < v.end and b > v.start)
-        if crius != ours and not any(a <= v.start and v.end <= b for a, b in runs) \
-                and v.name != "[vdso]":
-            out.append(f"{v.start:#x}-{v.end:#x} {v.perms} {v.name or '(anon)'}: CRIU {crius}, "
-                       f"scan {ours}; " + _extra(task.pid, v, pm))
-            if len(out) >= most:
-                break
-    return out
+            f"where: {pagescan.disagreements(task.pid, [(a, a + n) for a, n, _ in task.runs], pm)}")
 
 
 def _assemble(moves, criu_pages: str, runs_path: str, target: str, size: int, in_place: bool) -> None:

@@ -121,11 +121,11 @@ def test_compose_refuses_a_page_criu_found_inside_a_run(tmp_path):
 
 
 def test_minus_cuts_holes_out_of_ranges():
-    assert dump_ahead._minus([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
-    assert dump_ahead._minus([(0, 10), (30, 40)], [(5, 35)]) == [(0, 5), (35, 40)]
-    assert dump_ahead._minus([(0, 10)], [(0, 10)]) == []
+    assert pagescan.minus([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
+    assert pagescan.minus([(0, 10), (30, 40)], [(5, 35)]) == [(0, 5), (35, 40)]
+    assert pagescan.minus([(0, 10)], [(0, 10)]) == []
     # holes that overlap each other: the wider one starts first
-    assert dump_ahead._minus([(330, 371)], [(295, 364), (320, 341)]) == [(364, 371)]
+    assert pagescan.minus([(330, 371)], [(295, 364), (320, 341)]) == [(364, 371)]
 
 
 def test_minus_agrees_with_cutting_hole_by_hole():
@@ -142,7 +142,7 @@ def test_minus_agrees_with_cutting_hole_by_hole():
                 pieces = [p for a, b in pieces for p in ((a, min(b, h0)), (max(a, h1), b))
                           if p[0] < p[1]]
             want += pieces
-        assert dump_ahead._minus(ranges, holes) == sorted(want)
+        assert pagescan.minus(ranges, holes) == sorted(want)
 
 
 # -- real processes ---------------------------------------------------------------------
