@@ -281,6 +281,17 @@ def _note(path: str, size: int, final: list[list[int]], same: list[list[int]]) -
         pass  # only lets the push start early
 
 
+def _note_whole(path: str, size: int, same: list[tuple[int, int]]) -> None:
+    """Composed in place: the push may take every segment of ``path`` now, and
+    those in the ranges the read and compose found unchanged are round 1's."""
+    try:
+        told = json.loads(Path(path + ".ready").read_text())
+    except (OSError, ValueError):
+        return  # no push reads this file as it is written
+    earlier = [(int(a), int(b)) for a, b in told.get("same", [])]
+    _note(path, size, [[0, size]], same_pages.merge(earlier + same))
+
+
 def drop(task: Task) -> None:
     """Take the runs out of the process (they are in ``task.path``).
     RemoteSyscallError where it refused: what was dropped is back by then.
@@ -370,9 +381,13 @@ def compose(images: Path, aside: Path, task: Task) -> str:
         pos += n
     in_place = gaps == task.gaps
     target = task.path if in_place else task.path + ".new"
-    _assemble(moves, criu_pages, task.path, target, pos, in_place)
+    # round 1's bytes lie under CRIU's pieces too (same_pages.py): compared, not just written
+    compare = in_place and same_pages.index_path(task.path).exists()
+    same = _assemble(moves, criu_pages, task.path, target, pos, in_place, compare)
     if not in_place:
         os.replace(target, task.path)
+    elif compare:
+        _note_whole(task.path, pos, same)
     _write_pagemap(pm_path, pagemap.Pagemap(pm.pages_id, tuple(r for r, _ in merged)))
     final = aside / pm.pages_file
     os.replace(task.path, final)
@@ -387,9 +402,12 @@ def compose(images: Path, aside: Path, task: Task) -> str:
             f"where: {pagescan.disagreements(task.pid, [(a, a + n) for a, n, _ in task.runs], pm)}")
 
 
-def _assemble(moves, criu_pages: str, runs_path: str, target: str, size: int, in_place: bool) -> None:
+def _assemble(moves, criu_pages: str, runs_path: str, target: str, size: int, in_place: bool,
+              compare: bool = False) -> list[tuple[int, int]]:
     """Write the file: CRIU's pieces from its pages file and, unless the runs
-    already lie where they belong (``in_place``), the runs from theirs."""
+    already lie where they belong (``in_place``), the runs from theirs. With
+    ``compare`` CRIU's pieces are written only where they differ from what the
+    file holds; the ranges that did not are returned."""
     src_criu = os.open(criu_pages, os.O_RDONLY)
     src_runs = os.open(runs_path, os.O_RDONLY)
     dst = os.open(target, os.O_RDWR | (0 if in_place else os.O_CREAT | os.O_TRUNC), 0o600)
@@ -398,19 +416,22 @@ def _assemble(moves, criu_pages: str, runs_path: str, target: str, size: int, in
         jobs = [(src_criu if criu else src_runs, src, at, n)
                 for criu, src, at, n in moves if criu or not in_place]
 
-        def copy(job) -> None:
+        def copy(job) -> tuple[int, int] | None:
             fd, src, at, n = job
+            if compare and fd == src_criu:
+                return (at, at + n) if same_pages.copy_compared(fd, dst, src, at, n) else None
             done = 0
             while done < n:
                 got = os.copy_file_range(fd, dst, n - done, src + done, at + done)
                 if got <= 0:
                     raise AheadError(f"short copy into {target} at {at + done}")
                 done += got
+            return None
 
         split = [(fd, src + k, at + k, min(PIECE, n - k)) for fd, src, at, n in jobs
                  for k in range(0, n, PIECE)]
         with ThreadPoolExecutor(max_workers=default_threads(), thread_name_prefix="compose") as pool:
-            list(pool.map(copy, split))
+            return [r for r in pool.map(copy, split) if r is not None]
     finally:
         os.close(src_criu)
         os.close(src_runs)

@@ -13,6 +13,9 @@ piece, whether the bytes it brings are those already there:
 - the final round's read brings each piece into a small buffer, compares it
   with what the file holds, and writes only what differs (``read_compared``);
   the note it leaves the push names the ranges found the same;
+- post-dump's compose compares CRIU's own pages with what the file holds at
+  their offsets the same way (``copy_compared``) and tells the push the whole
+  file is final, with the ranges found the same;
 - the push (early_pages.py) takes a segment lying wholly in those ranges as
   round 1's chunks (``known_segments``): no hash, no compression, no question
   to the registry.
@@ -121,4 +124,22 @@ def read_compared(read: Callable[[int, int, int], None], memcmp: Callable[[int, 
             ctypes.memmove(base + done, buf, n)
             same = False
         done += n
+    return same
+
+
+def copy_compared(src_fd: int, dst_fd: int, src: int, at: int, n: int) -> bool:
+    """``n`` bytes of ``src_fd`` at ``src`` into ``dst_fd`` at ``at``, written
+    only where they differ from what it holds there. True: it held them all."""
+    same, done = True, 0
+    while done < n:
+        k = min(COMPARE, n - done)
+        new = os.pread(src_fd, k, src + done)
+        if len(new) != k:
+            raise OSError(f"short read at {src + done}")
+        if os.pread(dst_fd, k, at + done) != new:
+            view, written = memoryview(new), 0
+            while written < k:
+                written += os.pwrite(dst_fd, view[written:], at + done + written)
+            same = False
+        done += k
     return same

@@ -103,6 +103,30 @@ def test_compose_in_place_gives_the_images_criu_would_have_written(tmp_path, lin
     assert not Path(task.path).exists()
 
 
+def test_compose_over_round_ones_file_compares_crius_pieces_and_tells_the_push_all(
+        tmp_path, monkeypatch):
+    """The read wrote over round 1's file (its index beside it): CRIU's pieces
+    are compared with what the file holds at their offsets, and the note then
+    says the whole file is final, with the ranges found the same: the read's,
+    and CRIU's pieces that round 1 had too (here the first and the last)."""
+    monkeypatch.setattr(same_pages, "COMPARE", PAGE)
+    images, aside, memory = _images(tmp_path, CRIU, True)
+    task = _task(aside, RUNS, [1 * PAGE, 3 * PAGE], memory)
+    with open(task.path, "r+b") as f:  # round 1's bytes, where CRIU's pieces go now
+        f.write(_pages(1, 1))
+        f.seek(13 * PAGE)
+        f.write(_pages(2, 3))
+    same_pages.index_path(task.path).write_text("{}")
+    Path(task.path + ".ready").write_text(json.dumps(
+        {"size": 13 * PAGE, "final": [[PAGE, 6 * PAGE], [9 * PAGE, 13 * PAGE]],
+         "same": [[PAGE, 6 * PAGE]]}))
+    assert dump_ahead.compose(images, aside, task) == "in place"
+    assert _read_back(images) == memory
+    note = json.loads(Path(task.path + ".ready").read_text())
+    assert note == {"size": 15 * PAGE, "final": [[0, 15 * PAGE]],
+                    "same": [[0, 6 * PAGE], [13 * PAGE, 15 * PAGE]]}
+
+
 def test_compose_builds_the_file_anew_where_criu_dumped_other_pages_than_predicted(tmp_path):
     images, aside, memory = _images(tmp_path, CRIU, True)
     task = _task(aside, RUNS, [2 * PAGE, 3 * PAGE], memory)  # one page too many below
