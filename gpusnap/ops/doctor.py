@@ -239,7 +239,7 @@ def _prepared_check() -> Check:
         return Check("prepared pages", True, "none (`gpusnap pull --prefetch` writes them; a "
                      "restore keeps the pages it wrote, for the next replica)", required=False)
     return Check("prepared pages", True, "; ".join(
-        f"{f} ({prepared_pages.size_of(f) / 1e9:.1f} GB)" for f in found) +
+        f"{f} ({memory.folder_bytes(f) / 1e9:.1f} GB)" for f in found) +
         ": a restore of their checkpoint links them; in RAM they give way to a push or "
         "restore that needs the memory; `rm -r` drops one", required=False)
 

@@ -151,7 +151,7 @@ def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
     holds them)."""
     claimed, reuse = _claim_kept(plan)
     try:
-        kept_bytes = kept_pages.size_of(claimed / kept_pages.CLAIMED) if claimed else 0
+        kept_bytes = memory.folder_bytes(claimed / kept_pages.CLAIMED) if claimed else 0
         ram = prepared_pages.evict_for(max(1 << 20, plan.estimate_bytes - kept_bytes),
                                        held_too=plan.gpu_bytes)
         if claimed is not None and ram is not None and os.path.samefile(ram, claimed.parent):

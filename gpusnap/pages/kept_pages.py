@@ -53,7 +53,7 @@ def folders(roots: tuple[Path, ...] | None = None) -> list[Path]:
             found += [p for p in root.glob(PREFIX + "*") if _ours(p, stat.S_ISDIR)]
         except OSError:
             continue
-    return sorted(found, key=_mtime)
+    return sorted(found, key=memory.mtime)
 
 
 def _ours(path: Path, kind) -> bool:
@@ -72,20 +72,6 @@ def _private(folder: Path) -> bool:
     except OSError:
         return False
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def size_of(folder: Path) -> int:
-    try:
-        return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-    except OSError:
-        return 0
 
 
 def keep(aside: Path, container_id: str, count: int, held_too: int,
@@ -122,7 +108,7 @@ def keep(aside: Path, container_id: str, count: int, held_too: int,
         shutil.rmtree(folder, ignore_errors=True)
         journal.record("pages-not-kept", container=container_id, error=str(exc))
         return None
-    kept = {"folder": str(folder), "files": len(files), "bytes": size_of(folder)}
+    kept = {"folder": str(folder), "files": len(files), "bytes": memory.folder_bytes(folder)}
     journal.record("pages-kept", container=container_id, **kept)
     _expire(folder)
     return kept
@@ -150,7 +136,7 @@ def claim(container_id: str, into: Path, count: int) -> list[str]:
     largest files (the rest unlinked: nothing would write over them); [] where
     there is none, it is about to expire, or another took it first."""
     found = [f for f in _of(container_id, (into.parent,))
-             if time.time() - _mtime(f) < KEEP_S - CLAIM_MARGIN_S] if _private(into.parent) else []
+             if time.time() - memory.mtime(f) < KEEP_S - CLAIM_MARGIN_S] if _private(into.parent) else []
     if not found or count < 1:
         return []
     claimed = into / CLAIMED
@@ -173,13 +159,13 @@ def drop(container_id: str) -> None:
 def stale(now: float | None = None) -> list[Path]:
     """Kept folders older than KEEP_S."""
     now = time.time() if now is None else now
-    return [f for f in folders() if now - _mtime(f) > KEEP_S]
+    return [f for f in folders() if now - memory.mtime(f) > KEEP_S]
 
 
 def sweep() -> None:
     """Give back the memory of kept folders whose final round never came."""
     for folder in stale():
-        freed = size_of(folder)
+        freed = memory.folder_bytes(folder)
         shutil.rmtree(folder, ignore_errors=True)
         journal.record("pages-kept-dropped", folder=str(folder), bytes=freed, why="too old")
 

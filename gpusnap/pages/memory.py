@@ -47,6 +47,30 @@ HUGE_OPTIONS = "mode=0700,huge=always,size=90%"
 MOUNT_S = 30  # mount(8) of that tmpfs; a second command waits for it at most twice that
 
 
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the regular files in ``folder`` (pages kept or prepared in RAM);
+    a file gone meanwhile (another process's claim or eviction) counts nothing."""
+    total = 0
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return 0
+    for p in entries:
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except OSError:
+            continue
+    return total
+
+
+def mtime(path: Path) -> float:
+    """``path``'s modification time; 0 where it is gone (sorts first, oldest)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
     """/proc/meminfo in bytes (MemTotal, MemAvailable, ...); {} where unreadable."""
     out: dict[str, int] = {}

@@ -83,19 +83,12 @@ def folders(where: list[Path] | None = None) -> list[Path]:
             found += [p for p in root.glob(PREFIX + "*") if (p / INDEX).is_file()]
         except OSError:
             continue
-    return sorted(found, key=lambda p: _mtime(p / INDEX))
+    return sorted(found, key=lambda p: memory.mtime(p / INDEX))
 
 
 def _age(folder: Path) -> float:
     """When a prepared folder was completed (its index), or a kept one made."""
-    return _mtime(folder / INDEX) if (folder / INDEX).exists() else _mtime(folder)
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
+    return memory.mtime(folder / INDEX) if (folder / INDEX).exists() else memory.mtime(folder)
 
 
 def _index(folder: Path) -> dict:
@@ -334,23 +327,13 @@ def evict_for(size: int, held_too: int = 0) -> Path | None:
         return ram
     in_ram = [r for r in memory.roots() if r.is_dir()]
     for folder in sorted(folders(in_ram) + kept_pages.folders(tuple(in_ram)), key=_age):
-        freed = size_of(folder)
+        freed = memory.folder_bytes(folder)
         shutil.rmtree(folder, ignore_errors=True)
         journal.record("prepared-evicted", folder=str(folder), bytes=freed)
         ram = memory.ram_dir(size, held_too)
         if ram is not None:
             return ram
     return None
-
-
-def size_of(folder: Path) -> int:
-    total = 0
-    for p in folder.glob("*"):
-        try:
-            total += p.stat().st_size if p.is_file() else 0
-        except OSError:  # gone meanwhile (another process's claim or eviction)
-            continue
-    return total
 
 
 def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None, *,
@@ -424,7 +407,7 @@ def keep(bundle: Bundle, digest: str, folder: Path, *, repository: str = "",
     size = sum(f.size for f in entries)
     name = PREFIX + digest.partition(":")[2][:16]
     info = memory.meminfo() if info is None else info
-    held = sum(size_of(f) for f in folders([r for r in memory.roots() if r.is_dir()]))
+    held = sum(memory.folder_bytes(f) for f in folders([r for r in memory.roots() if r.is_dir()]))
     if mode != "1" and (held + size) * KEEP_SHARE > info.get("MemTotal", 0):
         return None
     if memory.ram_dir(size, info=info, root=folder.parent) is None:

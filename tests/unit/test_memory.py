@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 from gpusnap.pages import memory
+
 GiB = 1 << 30
 
 
@@ -86,3 +89,14 @@ def test_a_held_mount_lock_is_waited_for_within_a_bound(tmp_path, monkeypatch):
         assert memory.mount_huge(point) is False
         assert time.monotonic() - started < 5
     assert not memory.huge_mounted(point)
+
+
+def test_folder_bytes_counts_the_regular_files_and_nothing_of_what_is_gone(tmp_path):
+    (tmp_path / "000.img").write_bytes(b"x" * 10)
+    (tmp_path / "000.img.chunks").write_bytes(b"y" * 3)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "deep").write_bytes(b"z" * 100)  # not this folder's own file
+    os.symlink("/nonexistent", tmp_path / "dangling")
+    assert memory.folder_bytes(tmp_path) == 13
+    assert memory.folder_bytes(tmp_path / "gone") == 0
+    assert memory.mtime(tmp_path / "gone") == 0.0 < memory.mtime(tmp_path)
