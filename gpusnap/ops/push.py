@@ -134,7 +134,7 @@ class _Parts:
             self.early = early_pages.EarlyPages(
                 images, lambda *a: self._counted(self._pool().submit(*a)),
                 lambda size: chunk_params(size, scale), _FINAL_PARAMS_FROM, done, self.pin,
-                aside, lambda chunks: self._counted(segments.known(chunks)), self.push_id)
+                aside, segments.known, self.push_id, self._count)
 
     def split_file(self, path: Path, size: int, params: chunker.ChunkParams
                    ) -> list[Future] | None:

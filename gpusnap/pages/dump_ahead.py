@@ -81,6 +81,9 @@ class Task:
     reused: int = 0  # bytes of a kept round-1 file the read wrote over (kept_pages.py)
     layout_s: float = 0.0  # of the read-ahead's time: predicting the layout (the rest: the read)
     unchanged: int = 0  # of ``reused``, bytes found as round 1 left them (same_pages.py)
+    # the file's first bytes that held round 1's until the read: only there may
+    # compose compare (past it, the read's cut or growth left zeros)
+    compared: int = 0
 
     @property
     def bytes(self) -> int:
@@ -97,7 +100,7 @@ class Task:
         return cls(int(d["pid"]), int(d["vpid"]), str(d["path"]),
                    [tuple(map(int, r)) for r in d["runs"]], [int(g) for g in d["gaps"]],
                    int(d.get("reused", 0)), float(d.get("layout_s", 0.0)),
-                   int(d.get("unchanged", 0)))
+                   int(d.get("unchanged", 0)), int(d.get("compared", 0)))
 
 
 def mapped(pid: int) -> list[tuple[int, int]]:
@@ -170,7 +173,7 @@ class _Prefix:
 
 def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int,
          progress: Callable[[list[list[int]], list[list[int]]], None] | None = None,
-         donor: str | None = None, compare: bool = False) -> tuple[int, int]:
+         donor: str | None = None, compare: bool = False) -> tuple[int, int, int]:
     """Each run (address, length, offset) of ``pid`` into ``path`` at its offset.
     Each thread maps one piece of the file at a time and has the kernel copy
     the process's bytes into it (one copy); unmapped after, so the pages stay
@@ -180,8 +183,9 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
     hashes them meanwhile: _note). ``donor``: a file whose memory the read
     writes over (kept_pages.open_over); with ``compare``, its bytes are
     compared and only those that differ written (same_pages.read_compared).
-    Returns the bytes of memory reused so, at most ``size``, and the bytes
-    found unchanged."""
+    Returns the bytes of memory reused so, at most ``size``, the bytes found
+    unchanged, and how far from the start the file held the donor's bytes
+    when compared (0 without ``compare``)."""
     fd, held = kept_pages.open_over(path, donor)
     unchanged = 0
     try:
@@ -231,7 +235,7 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
             unchanged = sum(pool.map(one, range(len(todo))))
     finally:
         os.close(fd)
-    return min(held, size), unchanged
+    return min(held, size), unchanged, min(had, size)
 
 
 def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
@@ -253,7 +257,7 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     size = offsets[-1] + runs[-1][1] - runs[-1][0]
     donor = kept_pages.pick(donors, size) if donors else None
     try:
-        reused, unchanged = read(
+        reused, unchanged, compared = read(
             pid, placed, path, size, threads or default_threads(),
             progress=(lambda final, same: _note(path, size, final, same)) if notes else None,
             donor=donor, compare=donor is not None and same_pages.index_path(donor).exists())
@@ -261,7 +265,7 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
         Path(path).unlink(missing_ok=True)
         same_pages.index_path(path).unlink(missing_ok=True)
         raise
-    return Task(pid, vpid, path, placed, gaps, reused, layout_s, unchanged)
+    return Task(pid, vpid, path, placed, gaps, reused, layout_s, unchanged, compared)
 
 
 def _note(path: str, size: int, final: list[list[int]], same: list[list[int]]) -> None:
@@ -382,11 +386,11 @@ def compose(images: Path, aside: Path, task: Task) -> str:
     in_place = gaps == task.gaps
     target = task.path if in_place else task.path + ".new"
     # round 1's bytes lie under CRIU's pieces too (same_pages.py): compared, not just written
-    compare = in_place and same_pages.index_path(task.path).exists()
-    same = _assemble(moves, criu_pages, task.path, target, pos, in_place, compare)
+    compared = task.compared if in_place else 0
+    same = _assemble(moves, criu_pages, task.path, target, pos, in_place, compared)
     if not in_place:
         os.replace(target, task.path)
-    elif compare:
+    elif compared:
         _note_whole(task.path, pos, same)
     _write_pagemap(pm_path, pagemap.Pagemap(pm.pages_id, tuple(r for r, _ in merged)))
     final = aside / pm.pages_file
@@ -403,11 +407,12 @@ def compose(images: Path, aside: Path, task: Task) -> str:
 
 
 def _assemble(moves, criu_pages: str, runs_path: str, target: str, size: int, in_place: bool,
-              compare: bool = False) -> list[tuple[int, int]]:
+              compared: int = 0) -> list[tuple[int, int]]:
     """Write the file: CRIU's pieces from its pages file and, unless the runs
-    already lie where they belong (``in_place``), the runs from theirs. With
-    ``compare`` CRIU's pieces are written only where they differ from what the
-    file holds; the ranges that did not are returned."""
+    already lie where they belong (``in_place``), the runs from theirs. CRIU's
+    pieces within the first ``compared`` bytes (round 1's there) are written
+    only where they differ from what the file holds; the ranges that did not
+    are returned."""
     src_criu = os.open(criu_pages, os.O_RDONLY)
     src_runs = os.open(runs_path, os.O_RDONLY)
     dst = os.open(target, os.O_RDWR | (0 if in_place else os.O_CREAT | os.O_TRUNC), 0o600)
@@ -418,7 +423,7 @@ def _assemble(moves, criu_pages: str, runs_path: str, target: str, size: int, in
 
         def copy(job) -> tuple[int, int] | None:
             fd, src, at, n = job
-            if compare and fd == src_criu:
+            if fd == src_criu and at + n <= compared:
                 return (at, at + n) if same_pages.copy_compared(fd, dst, src, at, n) else None
             done = 0
             while done < n:

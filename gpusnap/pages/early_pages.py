@@ -54,6 +54,13 @@ def clear_stale(images: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+_Key = tuple[int, int]  # a file's (device, inode): tmpfs and disk number inodes apart
+
+
+def _key(st: os.stat_result) -> _Key:
+    return st.st_dev, st.st_ino
+
+
 @dataclass
 class _Watched:
     ino: int
@@ -70,7 +77,9 @@ class EarlyPages:
     ``params_for(size)`` gives a file's chunk parameters; they are final for
     every size from ``final_from`` on, which is when a file is first taken.
     ``known(chunks)`` -> a done future of a segment that is round 1's
-    ``chunks``, for a push whose ``push_id`` matches round 1's index."""
+    ``chunks``, for a push whose ``push_id`` matches round 1's index;
+    ``on_known(future)`` once such a future is handed to the push (take):
+    what was never handed out is never counted."""
 
     def __init__(self, images: Path, submit: Callable[[Path, int, int, chunker.ChunkParams], Future],
                  params_for: Callable[[int], chunker.ChunkParams], final_from: int,
@@ -78,20 +87,23 @@ class EarlyPages:
                  pin: Callable[[Path], Path | None] = lambda path: path,
                  aside: Path | None = None,
                  known: Callable[[list[Chunk]], Future] | None = None,
-                 push_id: str | None = None) -> None:
+                 push_id: str | None = None,
+                 on_known: Callable[[Future], None] = lambda future: None) -> None:
         self.images, self._submit, self._params_for = images, submit, params_for
-        self.aside, self._known, self._push_id = aside, known, push_id
-        # read ahead, by inode: the ranges found unchanged, the index beside the
-        # file and round 1's chunks of each segment (for the parameters asked)
-        self._same: dict[int, list[tuple[int, int]]] = {}
-        self._read_as: dict[int, Path] = {}
-        self._indexes: dict[int, tuple[chunker.ChunkParams, dict[int, list[Chunk]]]] = {}
+        self.aside, self._known, self._push_id, self._on_known = aside, known, push_id, on_known
+        # read ahead, by file (device, inode): the ranges found unchanged, the
+        # index beside it, round 1's chunks of each segment (for the parameters
+        # asked) and the futures made of them
+        self._same: dict[_Key, list[tuple[int, int]]] = {}
+        self._read_as: dict[_Key, Path] = {}
+        self._indexes: dict[_Key, tuple[chunker.ChunkParams, dict[int, list[Chunk]]]] = {}
+        self._made_known: set[Future] = set()
         self.unchanged_bytes = 0
-        # read ahead: inode -> (chunk parameters, {segment offset: future})
-        self._ahead: dict[int, tuple[chunker.ChunkParams, dict[int, Future]]] = {}
+        # read ahead: file -> (chunk parameters, {segment offset: future})
+        self._ahead: dict[_Key, tuple[chunker.ChunkParams, dict[int, Future]]] = {}
         self._notes: dict[str, tuple[int, int]] = {}  # note -> (inode, mtime) last read
-        self._held_ahead: dict[int, Path] = {}
-        self._ahead_of: dict[str, int] = {}  # a file read ahead -> its inode
+        self._held_ahead: dict[_Key, Path] = {}
+        self._ahead_of: dict[str, _Key] = {}  # a file read ahead -> its (device, inode)
         self._pin = pin
         self._final_from, self._done = final_from, done
         self._files: dict[str, _Watched] = {}
@@ -127,7 +139,7 @@ class EarlyPages:
                         return  # a worker died: the push says so when it takes the file
 
     def _advance(self, path: Path, st: os.stat_result) -> None:
-        if st.st_ino in self._ahead:  # read ahead, now whole under its pages name
+        if _key(st) in self._ahead:  # read ahead, now whole under its pages name
             self._complete(st)
             return
         w = self._files.get(path.name)
@@ -169,7 +181,7 @@ class EarlyPages:
             held = self._pin(data)
             if held is None:
                 return
-            ino = self._ahead_of[data.name] = os.stat(held).st_ino
+            ino = self._ahead_of[data.name] = _key(os.stat(held))
             self._held_ahead[ino] = held
             self._read_as[ino] = data  # its index keeps this name (same_pages.index_path)
             if size >= self._final_from:
@@ -190,7 +202,7 @@ class EarlyPages:
         self.early_bytes += params.segment
         return self._submit(held, at, params.segment, params)
 
-    def _known_or(self, ino: int, params: chunker.ChunkParams, at: int, size: int
+    def _known_or(self, ino: _Key, params: chunker.ChunkParams, at: int, size: int
                   ) -> Future | None:
         """Round 1's chunks of the segment at ``at``, done, where the read found
         it wholly unchanged and round 1's index has them; else None."""
@@ -206,10 +218,11 @@ class EarlyPages:
         chunks = index[1].get(at)
         if chunks is None:
             return None
-        self.unchanged_bytes += params.segment
-        return self._known(chunks)
+        made = self._known(chunks)
+        self._made_known.add(made)
+        return made
 
-    def _add_known(self, ino: int, params: chunker.ChunkParams, size: int,
+    def _add_known(self, ino: _Key, params: chunker.ChunkParams, size: int,
                    have: dict[int, Future]) -> dict[int, Future]:
         for at in range(0, size, params.segment):
             if at not in have:
@@ -220,13 +233,14 @@ class EarlyPages:
 
     def _complete(self, st: os.stat_result) -> None:
         """A file read ahead that post-dump made whole: its other whole segments."""
-        params, have = self._ahead[st.st_ino]
+        key = _key(st)
+        params, have = self._ahead[key]
         if self._params_for(st.st_size) != params:
             return
         for at in range(0, st.st_size - params.segment + 1, params.segment):
             if at not in have:
-                have[at] = self._known_or(st.st_ino, params, at, st.st_size) \
-                    or self._early(self._held_ahead[st.st_ino], at, params)
+                have[at] = self._known_or(key, params, at, st.st_size) \
+                    or self._early(self._held_ahead[key], at, params)
 
     def take(self, path: Path, size: int, params: chunker.ChunkParams) -> dict[int, Future]:
         """The futures of ``path``'s segments already submitted or known, by
@@ -238,14 +252,15 @@ class EarlyPages:
         with self._lock:
             w = self._files.pop(path.name, None)
             self._taken.add(path.name)
-            ahead = self._ahead.pop(st.st_ino, None) if st is not None else None
+            key = _key(st) if st is not None else None
+            ahead = self._ahead.pop(key, None) if key is not None else None
             if ahead is not None:
                 if ahead[0] == params and ahead[1] and max(ahead[1]) + params.segment <= size:
-                    return self._add_known(st.st_ino, params, size, ahead[1])
+                    return self._handed(self._add_known(key, params, size, ahead[1]), params)
                 for f in ahead[1].values():
                     f.cancel()
-            if st is not None and st.st_ino in self._same and w is None:
-                return self._add_known(st.st_ino, params, size, {})
+            if key is not None and key in self._same and w is None:
+                return self._handed(self._add_known(key, params, size, {}), params)
         if w is None:
             return {}
         same = st is not None and st.st_ino == w.ino and st.st_size >= w.end
@@ -254,6 +269,15 @@ class EarlyPages:
                 f.cancel()
             return {}
         return {i * params.segment: f for i, f in enumerate(w.futures)}
+
+    def _handed(self, have: dict[int, Future], params: chunker.ChunkParams) -> dict[int, Future]:
+        """``have`` goes to the push: its known segments are counted now, once."""
+        for f in have.values():
+            if f in self._made_known:
+                self._made_known.discard(f)
+                self.unchanged_bytes += params.segment
+                self._on_known(f)
+        return have
 
     def stop(self) -> None:
         with self._lock:

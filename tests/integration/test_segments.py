@@ -148,6 +148,7 @@ def test_a_worker_killed_mid_transfer_is_one_line_and_the_rerun_completes(regist
 _BIG_MEMORY = ("mkfifo /tmp/w; exec 3<>/tmp/w; "
                "x=$(head -c 210m /dev/urandom | base64 -w 0); i=0; while true; do i=$((i+1)); "
                "echo $i > /tmp/c; "
+               "if [ -e /tmp/flip ]; then rm /tmp/flip; x=\"${x%?}!\"; fi; "
                "if [ -e /tmp/ask ]; then rm /tmp/ask; echo -n \"$x\" | md5sum > /tmp/sum.new; "
                "mv /tmp/sum.new /tmp/sum; fi; read -t 0.05 _ <&3; done")
 

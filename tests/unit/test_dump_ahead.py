@@ -105,26 +105,27 @@ def test_compose_in_place_gives_the_images_criu_would_have_written(tmp_path, lin
 
 def test_compose_over_round_ones_file_compares_crius_pieces_and_tells_the_push_all(
         tmp_path, monkeypatch):
-    """The read wrote over round 1's file (its index beside it): CRIU's pieces
-    are compared with what the file holds at their offsets, and the note then
-    says the whole file is final, with the ranges found the same: the read's,
-    and CRIU's pieces that round 1 had too (here the first and the last)."""
+    """The read wrote over round 1's file, which held round 1's bytes up to
+    ``compared``: CRIU's pieces there are compared with what the file holds,
+    and the note then says the whole file is final, with the ranges found the
+    same: the read's, and CRIU's pieces that round 1 had too. A piece past
+    ``compared`` is only written, whatever the file holds there (the read cut
+    round 1's bytes off or grew the file with zeros): here the last one."""
     monkeypatch.setattr(same_pages, "COMPARE", PAGE)
     images, aside, memory = _images(tmp_path, CRIU, True)
     task = _task(aside, RUNS, [1 * PAGE, 3 * PAGE], memory)
     with open(task.path, "r+b") as f:  # round 1's bytes, where CRIU's pieces go now
         f.write(_pages(1, 1))
         f.seek(13 * PAGE)
-        f.write(_pages(2, 3))
-    same_pages.index_path(task.path).write_text("{}")
+        f.write(_pages(2, 3))  # equal too, but past what the read left of round 1
+    task.compared = 13 * PAGE
     Path(task.path + ".ready").write_text(json.dumps(
         {"size": 13 * PAGE, "final": [[PAGE, 6 * PAGE], [9 * PAGE, 13 * PAGE]],
          "same": [[PAGE, 6 * PAGE]]}))
     assert dump_ahead.compose(images, aside, task) == "in place"
     assert _read_back(images) == memory
     note = json.loads(Path(task.path + ".ready").read_text())
-    assert note == {"size": 15 * PAGE, "final": [[0, 15 * PAGE]],
-                    "same": [[0, 6 * PAGE], [13 * PAGE, 15 * PAGE]]}
+    assert note == {"size": 15 * PAGE, "final": [[0, 15 * PAGE]], "same": [[0, 6 * PAGE]]}
 
 
 def test_compose_builds_the_file_anew_where_criu_dumped_other_pages_than_predicted(tmp_path):
@@ -374,6 +375,7 @@ def test_a_kept_file_with_round_ones_index_is_compared_and_its_equal_pieces_note
     same_pages.index_path(donor).write_text("{}")
     task = dump_ahead.take(pid, 2, runs, tmp_path, threads=2, notes=True, donors=[str(donor)])
     assert task.unchanged == 6 * PAGE and task.reused == Path(task.path).stat().st_size
+    assert task.compared == task.reused  # the donor was larger: all of this file was round 1's
     assert same_pages.index_path(task.path).exists() and not same_pages.index_path(donor).exists()
     note = json.loads(Path(task.path + ".ready").read_text())
     assert note["same"] == [[offset, offset + 4 * PAGE], [offset + 6 * PAGE, offset + 8 * PAGE]]

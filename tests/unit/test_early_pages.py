@@ -206,28 +206,32 @@ def _index(path, segments: int, push: str = "reg/repo zstd-3") -> list[list[Chun
 def test_segments_the_read_found_unchanged_are_round_ones_chunks_and_never_read(tmp_path):
     """A final round's note: segments 0-4 read, 1-2 as round 1 left them. Those
     two come back done from round 1's index, no worker reads them; the rest
-    go to the workers; take() gives all back by inode."""
+    go to the workers; take() gives all back by the file's device and inode,
+    and counts the known ones then, once."""
     rec, images, aside = Recorder(), tmp_path / "images", tmp_path / "aside"
     images.mkdir()
     aside.mkdir()
     data = aside / ".ahead-7.img"
     data.write_bytes(os.urandom(6 * SEG))
     per = _index(data, 6)
+    counted: list[Future] = []
     w = early_pages.EarlyPages(images, rec.submit, lambda size: PARAMS, SEG, lambda: False,
-                               aside=aside, known=_known, push_id="reg/repo zstd-3")
+                               aside=aside, known=_known, push_id="reg/repo zstd-3",
+                               on_known=counted.append)
     try:
         (aside / ".ahead-7.img.ready").write_text(json.dumps(
             {"size": 6 * SEG, "final": [[0, 6 * SEG]], "same": [[SEG - 5, 3 * SEG]]}))
         _until(lambda: len(rec.calls) == 3)
         time.sleep(4 * early_pages.POLL)
         assert [c[1] for c in rec.calls] == [0, 3 * SEG, 4 * SEG]
-        assert w.unchanged_bytes == 2 * SEG
+        assert w.unchanged_bytes == 0 and counted == []  # made, not yet handed out
         final = aside / "pages-3.img"
         data.rename(final)
         have = w.take(final, 6 * SEG, PARAMS)
         assert sorted(have) == [k * SEG for k in range(5)]  # the last one: the push submits it
         assert have[SEG].result() == ("known", per[1][0].digest)
         assert have[2 * SEG].result() == ("known", per[2][0].digest)
+        assert w.unchanged_bytes == 2 * SEG and counted == [have[SEG], have[2 * SEG]]
     finally:
         w.stop()
 
