@@ -211,7 +211,12 @@ def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None,
     m.bytes_up, m.extra["checkpoint_bytes"] = pushed["bytes_sent"], pushed["bytes"]
     m.extra["chunks"], m.extra["push"] = pushed["chunks"], {
         k: pushed.get(k) for k in ("seconds", "throughput_mb_s", "prefetched_bytes", "layers",
-                                   "parallel_bytes", "processes", "chunks_sent")}
+                                   "parallel_bytes", "processes", "chunks_sent",
+                                   "unchanged_bytes", "early_bytes")}
+    read = next((e for e in events if e.get("event") == "pages-read-ahead"), None)
+    if read:  # the driver's copy read ahead of CRIU; in a final round, what it found as round 1's
+        m.extra["read_ahead"] = {k: read.get(k) for k in ("bytes", "read_s", "drop_s",
+                                                          "unchanged")}
     if after_push:
         after_push(pushed["pinned"])
     m.phases["rm"] = timed(["podman", "rm", job.name]).seconds
@@ -571,6 +576,11 @@ def report(args) -> int:
                 + (f" = {r['downtime_s'] / r['floor_s']:.2f}x the floor" if r.get("floor_s") else "")
                 + f"; round 1 paused the job {r['round1_pause_s']:.1f} s; final round sent "
                 f"{100 * r['final_bytes_fraction']:.1f}% of round 1's bytes")
+        read, push = r.get("read_ahead") or {}, r.get("push") or {}
+        if read.get("unchanged") is not None:
+            line += (f"; its read found {read['unchanged'] / 1e9:.2f} of {read['bytes'] / 1e9:.2f}"
+                     f" GB as round 1 left them, the push took "
+                     f"{(push.get('unchanged_bytes') or 0) / 1e9:.2f} GB unhashed")
         if twin:
             line += f"; downtime without pre-copy {twin['downtime_s']:.1f} s"
         print(line)
