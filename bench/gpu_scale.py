@@ -75,6 +75,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -301,8 +302,10 @@ def precopy_case(job: Job, pre: str, final: str, cache: Path, name: str = "preco
 def pages_layout(first: str, final: str) -> dict:
     """How the final round's pages files lie against round 1's, per file: bytes
     whose chunk is at the same offset in both, bytes whose chunk is somewhere
-    in round 1's file, and the first offset where they part. (Whether a target
-    could patch round 1's file in place rather than write the final one anew.)"""
+    in round 1's file, the first offset where they part, and the distances the
+    others moved by, most bytes first. (Whether a target could patch round 1's
+    file in place rather than write the final one anew; whether the source's
+    final round could compare at a moved offset: pages/same_pages.py.)"""
     from gpusnap.pages import pages_aside
     from gpusnap.oci.registry import RegistryOptions
     from gpusnap.ops.pull import open_remote
@@ -315,21 +318,26 @@ def pages_layout(first: str, final: str) -> dict:
     old_files, new_files = files(first), files(final)
     for path, chunks in new_files.items():
         old, at, pos = old_files.get(path, []), {}, 0
+        first_at: dict[str, int] = {}
         for c in old:
             at[(pos, c.digest)] = True
+            first_at.setdefault(c.digest, pos)
             pos += c.size
-        known = {c.digest for c in old}
         same = anywhere = pos = 0
         parted = None
+        moved: Counter = Counter()
         for c in chunks:
             if (pos, c.digest) in at:
                 same += c.size
-            elif parted is None:
-                parted = pos
-            anywhere += c.size if c.digest in known else 0
+            else:
+                parted = pos if parted is None else parted
+                if c.digest in first_at:
+                    moved[pos - first_at[c.digest]] += c.size
+            anywhere += c.size if c.digest in first_at else 0
             pos += c.size
         out[path] = {"bytes": pos, "old_bytes": sum(c.size for c in old), "same_offset": same,
-                     "anywhere": anywhere, "first_difference": parted}
+                     "anywhere": anywhere, "first_difference": parted,
+                     "moved_by": moved.most_common(3)}
     return out
 
 
