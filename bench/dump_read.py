@@ -96,7 +96,7 @@ def main() -> int:
                     for mib in [0, *sizes]:
                         same_pages.COMPARE = (mib or 1) << 20
                         t = time.monotonic()  # round 1 into a new file, then over it
-                        _, same, _ = dump_ahead.read(pid, placed, str(path), size, threads,
+                        _, same, *_ = dump_ahead.read(pid, placed, str(path), size, threads,
                                                   donor=str(path) if r else None,
                                                   compare=mib > 0)
                         s = time.monotonic() - t

@@ -217,7 +217,7 @@ def gpusnap_case(job: Job, ref: str, cache: Path, m: Migration | None = None,
     read = next((e for e in events if e.get("event") == "pages-read-ahead"), None)
     if read:  # the driver's copy read ahead of CRIU; in a final round, what it found as round 1's
         m.extra["read_ahead"] = {k: read.get(k) for k in ("bytes", "read_s", "drop_s",
-                                                          "unchanged")}
+                                                          "unchanged", "moved_by")}
     if after_push:
         after_push(pushed["pinned"])
     m.phases["rm"] = timed(["podman", "rm", job.name]).seconds
@@ -587,8 +587,9 @@ def report(args) -> int:
         read, push = r.get("read_ahead") or {}, r.get("push") or {}
         if read.get("unchanged") is not None:
             line += (f"; its read found {read['unchanged'] / 1e9:.2f} of {read['bytes'] / 1e9:.2f}"
-                     f" GB as round 1 left them, the push took "
-                     f"{(push.get('unchanged_bytes') or 0) / 1e9:.2f} GB unhashed")
+                     f" GB as round 1 left them"
+                     + (f" (moved by {read['moved_by']} bytes)" if read.get("moved_by") else "")
+                     + f", the push took {(push.get('unchanged_bytes') or 0) / 1e9:.2f} GB unhashed")
         if twin:
             line += f"; downtime without pre-copy {twin['downtime_s']:.1f} s"
         print(line)

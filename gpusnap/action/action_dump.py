@@ -184,6 +184,7 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
         journal.record("pages-read-ahead", tasks=len(taken), bytes=sum(t.bytes for t in taken),
                        reused=sum(t.reused for t in taken),
                        unchanged=sum(t.unchanged for t in taken), read_s=read_s,
+                       moved_by=sorted({s for t in taken for s in t.shifts if s}),
                        layout_s=round(sum(t.layout_s for t in taken), 3),
                        threads=dump_ahead.default_threads(), drop_s=round(time.monotonic() - dropping, 3),
                        seconds=round(time.monotonic() - started, 3))

@@ -76,6 +76,9 @@ class Segment:
     start: int
     length: int
     params: chunker.ChunkParams
+    # (offset in the file, chunk) known to hold those bytes: a cut that lands on
+    # one takes it without hashing (pages/same_pages.py: a pre-copy's final round)
+    known: tuple[tuple[int, Chunk], ...] = ()
 
 
 @dataclass
@@ -125,11 +128,14 @@ def _run(seg: Segment) -> SegmentResult:
                            offset=seg.start - skip)
     finally:
         os.close(fd)
+    known = dict(seg.known)
     try:
         with memoryview(mapped) as whole:
             futures, pos = [], skip
             for piece in chunker.chunks_of(whole[skip:], seg.params):
-                futures.append(uploader.submit(piece))
+                same = known.get(seg.start + pos - skip)
+                futures.append(uploader.known(same) if same is not None and same.size == len(piece)
+                               else uploader.submit(piece))
                 futures[-1].add_done_callback(_release(mapped, pos, len(piece)))
                 pos += len(piece)
                 del piece
@@ -171,9 +177,10 @@ class SegmentPool:
         return [have[at] if at in have else self.submit(path, at, min(step, size - at), params)
                 for at in range(0, size, step)]
 
-    def submit(self, path: Path, start: int, length: int, params: chunker.ChunkParams) -> Future:
+    def submit(self, path: Path, start: int, length: int, params: chunker.ChunkParams,
+               known: tuple[tuple[int, Chunk], ...] = ()) -> Future:
         try:
-            return self._pool.submit(_run, Segment(str(path), start, length, params))
+            return self._pool.submit(_run, Segment(str(path), start, length, params, known))
         except BrokenProcessPool:  # a worker died before this segment was handed out
             raise worker_died("push") from None
 

@@ -45,13 +45,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpusnap.criu import pagemap, pagescan
 from gpusnap.pages import kept_pages, same_pages
-from gpusnap.pages.page_fill import (MAP_FAILED, MAP_SHARED, PIECE, PROT_READ, PROT_WRITE, IoVec,
-                                    Run, default_threads, fill, libc, pieces)
+from gpusnap.pages.page_fill import (PIECE, PROT_READ, PROT_WRITE, Run, default_threads, fill,
+                                    libc, map_shared, pieces, vm_reader)
 
 MIN_RUN = 1 << 20  # smaller new mappings stay with CRIU (the driver's own bookkeeping)
 MIN_TOTAL = 256 << 20  # below this CRIU is about as quick as starting the threads
@@ -84,6 +84,7 @@ class Task:
     # the file's first bytes that held round 1's until the read: only there may
     # compose compare (past it, the read's cut or growth left zeros)
     compared: int = 0
+    shifts: list[int | None] = field(default_factory=list)  # each run's against round 1's file
 
     @property
     def bytes(self) -> int:
@@ -100,7 +101,8 @@ class Task:
         return cls(int(d["pid"]), int(d["vpid"]), str(d["path"]),
                    [tuple(map(int, r)) for r in d["runs"]], [int(g) for g in d["gaps"]],
                    int(d.get("reused", 0)), float(d.get("layout_s", 0.0)),
-                   int(d.get("unchanged", 0)), int(d.get("compared", 0)))
+                   int(d.get("unchanged", 0)), int(d.get("compared", 0)),
+                   list(d.get("shifts", [])))
 
 
 def mapped(pid: int) -> list[tuple[int, int]]:
@@ -146,20 +148,21 @@ def layout(pid: int, runs: list[tuple[int, int]]) -> tuple[list[int], list[int]]
 class _Prefix:
     """The file ranges of the pieces read so far without a gap before them
     (pieces finish out of order): what ``progress`` may be told is final, and
-    of those the ranges found as round 1 left them (same_pages.py)."""
+    of those the ranges found as round 1 left them, each with its shift
+    (same_pages.py)."""
 
     def __init__(self, pieces: list[Run],
                  progress: Callable[[list[list[int]], list[list[int]]], None],
                  every: int = NOTE_EVERY) -> None:
         self.pieces, self.progress, self.every = pieces, progress, every
         self.done = [False] * len(pieces)
-        self.same = [False] * len(pieces)
+        self.same: list[int | None] = [None] * len(pieces)  # the shift of a piece found the same
         self.next = self.told = 0
         self.lock = threading.Lock()
 
-    def finished(self, i: int, same: bool = False) -> None:
+    def finished(self, i: int, same: bool = False, shift: int = 0) -> None:
         with self.lock:
-            self.done[i], self.same[i] = True, same
+            self.done[i], self.same[i] = True, shift if same else None
             while self.next < len(self.done) and self.done[self.next]:
                 self.next += 1
             read = sum(p.length for p in self.pieces[self.told:self.next])
@@ -167,75 +170,96 @@ class _Prefix:
                 return
             self.told = self.next
             final = [(p.offset, p.offset + p.length) for p in self.pieces[:self.next]]
-            self.progress(same_pages.merge(final),
-                          same_pages.merge([r for r, s in zip(final, self.same) if s]))
+            self.progress(same_pages.merge(final), same_pages.merge_moved(
+                [(a, b, s) for (a, b), s in zip(final, self.same) if s is not None]))
+
+
+def _shifts(vm_read, fd: int, had: int, runs: list[tuple[int, int, int]]) -> list[int | None]:
+    """Each run's shift against the kept file (same_pages.find_shift); the
+    shifts found for runs before are tried first for the next."""
+    found: list[int | None] = []
+    for address, length, offset in runs:
+        tried = tuple(dict.fromkeys([0, *(f for f in found if f is not None)]))
+        found.append(same_pages.find_shift(vm_read, fd, had, address, length, offset, tried))
+    return found
 
 
 def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threads: int,
          progress: Callable[[list[list[int]], list[list[int]]], None] | None = None,
-         donor: str | None = None, compare: bool = False) -> tuple[int, int, int]:
+         donor: str | None = None, compare: bool = False
+         ) -> tuple[int, int, int, list[int | None]]:
     """Each run (address, length, offset) of ``pid`` into ``path`` at its offset.
     Each thread maps one piece of the file at a time and has the kernel copy
     the process's bytes into it (one copy); unmapped after, so the pages stay
     in the file, not in this process (its RSS stays at the pieces in flight).
     ``progress(final, same)``: the file ranges read so far, and of those the
-    ones found unchanged, every NOTE_EVERY bytes and at the end (the push
-    hashes them meanwhile: _note). ``donor``: a file whose memory the read
-    writes over (kept_pages.open_over); with ``compare``, its bytes are
-    compared and only those that differ written (same_pages.read_compared).
-    Returns the bytes of memory reused so, at most ``size``, the bytes found
-    unchanged, and how far from the start the file held the donor's bytes
-    when compared (0 without ``compare``)."""
+    ones found unchanged ([start, end, shift]), every NOTE_EVERY bytes and at
+    the end (the push hashes them meanwhile: _note). ``donor``: a file whose
+    memory the read writes over (kept_pages.open_over); with ``compare``, each
+    run's bytes are compared with the donor's where they lie there
+    (same_pages.find_shift): in place, only what differs is written; moved,
+    everything is compared first and written after. Returns the bytes of
+    memory reused, the bytes found unchanged, how far from the start the file
+    still holds the donor's bytes where compose may compare (0: nowhere), and
+    each run's shift (None: not compared)."""
     fd, held = kept_pages.open_over(path, donor)
-    unchanged = 0
     try:
         had = os.fstat(fd).st_size if compare else 0  # the donor's bytes: what can be compared
-        os.ftruncate(fd, size)
         calls = libc()
+        vm_read = vm_reader(calls, pid)
+        shifts = _shifts(vm_read, fd, had, runs) if had else [None] * len(runs)
+        moved = any(shift not in (None, 0) for shift in shifts)
+        todo, shift_of = [], []
+        for (a, n, o), shift in zip(runs, shifts):
+            for piece in pieces([Run(a, n, path, o)], READ_PIECE):
+                todo.append(piece)
+                shift_of.append(shift)
+        if not moved:
+            os.ftruncate(fd, size)
         local = threading.local()
 
-        todo = list(pieces([Run(a, n, path, o) for a, n, o in runs], READ_PIECE))
-        prefix = _Prefix(todo, progress) if progress is not None else None
-
-        def vm_read(dst: int, src: int, length: int) -> None:
-            done = 0
-            while done < length:
-                n = length - done
-                got = calls.process_vm_readv(pid, ctypes.byref(IoVec(dst + done, n)), 1,
-                                             ctypes.byref(IoVec(src + done, n)), 1, 0)
-                if got <= 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"process {pid}: cannot read {n} bytes at "
-                                       f"{src + done:#x}: {os.strerror(err)}")
-                done += got
-
-        def one(i: int) -> int:
-            piece = todo[i]
-            base = calls.mmap(None, piece.length, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
-                              piece.offset)
-            if base in (None, MAP_FAILED):
-                err = ctypes.get_errno()
-                raise OSError(err, f"cannot map {path}: {os.strerror(err)}")
-            same = False
+        def compared(i: int, write: bool) -> bool | None:
+            """Piece ``i`` compared with the donor's bytes (None: they are not there)."""
+            piece, shift = todo[i], shift_of[i]
+            old = piece.offset - (shift or 0)
+            if shift is None or old < 0 or old + piece.length > min(had, size if write else had):
+                return None
+            if not hasattr(local, "scratch"):
+                local.scratch = ctypes.create_string_buffer(same_pages.COMPARE)
+            base = map_shared(calls, fd, path, piece.length, old,
+                              PROT_READ | (PROT_WRITE if write else 0))
             try:
-                if piece.offset + piece.length <= had:
-                    if not hasattr(local, "scratch"):
-                        local.scratch = ctypes.create_string_buffer(same_pages.COMPARE)
-                    same = same_pages.read_compared(vm_read, calls.memcmp, piece.address, base,
-                                                    piece.length, local.scratch)
-                else:
-                    vm_read(base, piece.address, piece.length)
+                return same_pages.read_compared(vm_read, calls.memcmp, piece.address, base,
+                                                piece.length, local.scratch, write)
             finally:
                 calls.munmap(base, piece.length)
-            if prefix is not None:
-                prefix.finished(i, same)
-            return piece.length if same else 0
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dump-ahead") as pool:
+            same = [bool(x) for x in pool.map(lambda i: compared(i, False), range(len(todo)))] \
+                if moved else [False] * len(todo)
+            if moved:
+                os.ftruncate(fd, size)
+            prefix = _Prefix(todo, progress) if progress is not None else None
+
+            def one(i: int) -> int:
+                piece = todo[i]
+                got = None if moved else compared(i, True)  # in place: only what differs written
+                same[i] = same[i] or bool(got)
+                if got is None:
+                    base = map_shared(calls, fd, path, piece.length, piece.offset,
+                                      PROT_READ | PROT_WRITE)
+                    try:
+                        vm_read(base, piece.address, piece.length)
+                    finally:
+                        calls.munmap(base, piece.length)
+                if prefix is not None:
+                    prefix.finished(i, same[i], shift_of[i] or 0)
+                return piece.length if same[i] else 0
+
             unchanged = sum(pool.map(one, range(len(todo))))
     finally:
         os.close(fd)
-    return min(held, size), unchanged, min(had, size)
+    return min(held, size), unchanged, 0 if moved else min(had, size), shifts
 
 
 def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
@@ -257,7 +281,7 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
     size = offsets[-1] + runs[-1][1] - runs[-1][0]
     donor = kept_pages.pick(donors, size) if donors else None
     try:
-        reused, unchanged, compared = read(
+        reused, unchanged, compared, shifts = read(
             pid, placed, path, size, threads or default_threads(),
             progress=(lambda final, same: _note(path, size, final, same)) if notes else None,
             donor=donor, compare=donor is not None and same_pages.index_path(donor).exists())
@@ -265,7 +289,7 @@ def take(pid: int, vpid: int, runs: list[tuple[int, int]], folder: Path,
         Path(path).unlink(missing_ok=True)
         same_pages.index_path(path).unlink(missing_ok=True)
         raise
-    return Task(pid, vpid, path, placed, gaps, reused, layout_s, unchanged, compared)
+    return Task(pid, vpid, path, placed, gaps, reused, layout_s, unchanged, compared, shifts)
 
 
 def _note(path: str, size: int, final: list[list[int]], same: list[list[int]]) -> None:
@@ -292,8 +316,10 @@ def _note_whole(path: str, size: int, same: list[tuple[int, int]]) -> None:
         told = json.loads(Path(path + ".ready").read_text())
     except (OSError, ValueError):
         return  # no push reads this file as it is written
-    earlier = [(int(a), int(b)) for a, b in told.get("same", [])]
-    _note(path, size, [[0, size]], same_pages.merge(earlier + same))
+    earlier = [(int(r[0]), int(r[1]), int(r[2]) if len(r) > 2 else 0)
+               for r in told.get("same", [])]
+    _note(path, size, [[0, size]],
+          same_pages.merge_moved(earlier + [(a, b, 0) for a, b in same]))
 
 
 def drop(task: Task) -> None:

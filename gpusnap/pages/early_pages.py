@@ -94,9 +94,10 @@ class EarlyPages:
         # read ahead, by file (device, inode): the ranges found unchanged, the
         # index beside it, round 1's chunks of each segment (for the parameters
         # asked) and the futures made of them
-        self._same: dict[_Key, list[tuple[int, int]]] = {}
+        self._same: dict[_Key, list[tuple[int, int, int]]] = {}  # (start, end, shift)
         self._read_as: dict[_Key, Path] = {}
         self._indexes: dict[_Key, tuple[chunker.ChunkParams, dict[int, list[Chunk]]]] = {}
+        self._offsets: dict[_Key, list[tuple[int, Chunk]]] = {}  # round 1's chunks, each at its offset
         self._made_known: set[Future] = set()
         self.unchanged_bytes = 0
         # read ahead: file -> (chunk parameters, {segment offset: future})
@@ -172,7 +173,8 @@ class EarlyPages:
             self._notes[note.name] = (st.st_ino, st.st_mtime_ns)
             ready = json.loads(note.read_text())
             size, final = int(ready["size"]), [(int(a), int(b)) for a, b in ready["final"]]
-            same = [(int(a), int(b)) for a, b in ready.get("same", [])]
+            same = [(int(r[0]), int(r[1]), int(r[2]) if len(r) > 2 else 0)
+                    for r in ready.get("same", [])]
         except (OSError, ValueError, KeyError, TypeError):
             return
         data = note.with_name(note.name.removesuffix(".ready"))
@@ -192,21 +194,31 @@ class EarlyPages:
         params, submitted = self._ahead[ino]
         if self._params_for(size) != params:
             return
-        seg, held = params.segment, self._held_ahead[ino]
+        seg = params.segment
         for at in range(0, size - seg, seg):  # not the last: the file grows past ``size``
             if at not in submitted and same_pages.covered(final, at, at + seg):
                 submitted[at] = self._known_or(ino, params, at, size) \
-                    or self._early(held, at, params)
+                    or self._early(ino, at, params)
 
-    def _early(self, held: Path, at: int, params: chunker.ChunkParams) -> Future:
+    def _early(self, ino: _Key, at: int, params: chunker.ChunkParams) -> Future:
+        """The segment to a worker, with round 1's chunks where the read found
+        its bytes moved (same_pages.moved_chunks): those are not hashed there."""
         self.early_bytes += params.segment
-        return self._submit(held, at, params.segment, params)
+        moved = [r for r in self._same.get(ino, []) if r[2]]
+        known: tuple = ()
+        if moved and self._known is not None and self._push_id is not None:
+            if ino not in self._offsets:
+                self._offsets[ino] = same_pages.chunk_offsets(self._read_as[ino], self._push_id)
+            known = same_pages.moved_chunks(self._offsets[ino], moved, at, at + params.segment)
+        held = self._held_ahead[ino]
+        return self._submit(held, at, params.segment, params, known) if known \
+            else self._submit(held, at, params.segment, params)
 
     def _known_or(self, ino: _Key, params: chunker.ChunkParams, at: int, size: int
                   ) -> Future | None:
         """Round 1's chunks of the segment at ``at``, done, where the read found
         it wholly unchanged and round 1's index has them; else None."""
-        same = self._same.get(ino)
+        same = [(a, b) for a, b, shift in self._same.get(ino, []) if shift == 0]
         end = at + params.segment
         if self._known is None or self._push_id is None or not same or end > size \
                 or not same_pages.covered(same, at, end) or ino not in self._read_as:
@@ -240,7 +252,7 @@ class EarlyPages:
         for at in range(0, st.st_size - params.segment + 1, params.segment):
             if at not in have:
                 have[at] = self._known_or(key, params, at, st.st_size) \
-                    or self._early(self._held_ahead[key], at, params)
+                    or self._early(key, at, params)
 
     def take(self, path: Path, size: int, params: chunker.ChunkParams) -> dict[int, Future]:
         """The futures of ``path``'s segments already submitted or known, by

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -63,6 +63,31 @@ def libc() -> ctypes.CDLL:
     libc.memcmp.restype = ctypes.c_int
     libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     return libc
+
+
+def vm_reader(calls, pid: int) -> Callable[[int, int, int], None]:
+    """read(dst, src, n): n bytes of ``pid`` at ``src`` into this process at ``dst``."""
+    def vm_read(dst: int, src: int, length: int) -> None:
+        done = 0
+        while done < length:
+            n = length - done
+            got = calls.process_vm_readv(pid, ctypes.byref(IoVec(dst + done, n)), 1,
+                                         ctypes.byref(IoVec(src + done, n)), 1, 0)
+            if got <= 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"process {pid}: cannot read {n} bytes at "
+                                   f"{src + done:#x}: {os.strerror(err)}")
+            done += got
+    return vm_read
+
+
+def map_shared(calls, fd: int, path: str, length: int, offset: int, prot: int) -> int:
+    """``length`` bytes of ``fd`` from ``offset`` mapped shared; OSError naming ``path``."""
+    base = calls.mmap(None, length, prot, MAP_SHARED, fd, offset)
+    if base in (None, MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map {path}: {os.strerror(err)}")
+    return base
 
 
 def pieces(runs: Sequence[Run], piece: int = PIECE) -> Iterator[Run]:

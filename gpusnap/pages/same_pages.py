@@ -20,6 +20,15 @@ piece, whether the bytes it brings are those already there:
   round 1's chunks (``known_segments``): no hash, no compression, no question
   to the registry.
 
+Where the pages file's layout moved between the rounds (CRIU writes pages in
+address order: a page more or less of the process's memory below the driver's
+copy moves every offset after it), the read finds by how much each run moved
+(``find_shift``), compares at the moved offset in a first pass and writes in a
+second (a write in place would destroy bytes still to compare), and the push's
+workers take round 1's chunks moved by that distance wherever their cut lands
+on one (``moved_chunks``): the cut still runs over every byte, the hash, the
+compression and the question to the registry do not.
+
 Only where it must hold: the same repository and compression (``push_id``),
 the same chunk parameters (so the same segments), round-1 chunks that tile the
 segment exactly. Those blobs went to that repository in round 1; a registry
@@ -28,8 +37,10 @@ that checks manifests (distribution does) refuses one naming a blob it lacks.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Callable
@@ -69,19 +80,63 @@ def write_index(path: Path, chunks: list[Chunk], params: ChunkParams, push_id: s
         tmp.unlink(missing_ok=True)
 
 
+def _load(path: str | Path, push_id: str) -> dict | None:
+    try:
+        with open(index_path(path)) as f:
+            body = json.load(f)
+        if body.get("version") != VERSION or body.get("push") != push_id:
+            return None
+        return body
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def chunk_offsets(path: str | Path, push_id: str) -> list[tuple[int, Chunk]]:
+    """Round 1's chunks of the file whose index is beside ``path``, each with its
+    offset there, in order; [] where there is none for this push."""
+    body = _load(path, push_id)
+    out, pos = [], 0
+    try:
+        for item in body["chunks"] if body else []:
+            c = Chunk.from_list(item)
+            if c.size <= 0:
+                return []
+            out.append((pos, c))
+            pos += c.size
+    except (ValueError, TypeError, KeyError):
+        return []
+    return out
+
+
+def moved_chunks(chunks: list[tuple[int, Chunk]], moved: list[tuple[int, int, int]],
+                 start: int, end: int) -> tuple[tuple[int, Chunk], ...]:
+    """Round 1's chunks as they lie in [start, end) of the final file: each
+    (offset there, chunk) where a range (a, b, shift) found unchanged holds
+    the chunk's bytes, moved by ``shift`` (final offset - round 1's)."""
+    offsets = [o for o, _ in chunks]
+    out = []
+    for a, b, shift in moved:
+        lo, hi = max(a, start), min(b, end)
+        i = bisect.bisect_left(offsets, lo - shift)
+        while i < len(chunks) and chunks[i][0] + shift < hi:
+            at, c = chunks[i]
+            if at + shift >= lo and at + shift + c.size <= hi:
+                out.append((at + shift, c))
+            i += 1
+    return tuple(sorted(out, key=lambda x: x[0]))
+
+
 def segment_chunks(path: str | Path, params: ChunkParams, push_id: str) -> dict[int, list[Chunk]]:
     """Round 1's chunks of each whole segment of the file whose index is beside
     ``path``, by the segment's offset; {} where there is no index, or one of
     another push, other parameters, or chunks that do not tile as a push cuts
     (a chunk never crosses a segment's end)."""
+    body = _load(path, push_id)
+    if body is None or body.get("params") != _params(params):
+        return {}
     try:
-        with open(index_path(path)) as f:
-            body = json.load(f)
-        if body.get("version") != VERSION or body.get("push") != push_id \
-                or body.get("params") != _params(params):
-            return {}
         chunks = [Chunk.from_list(c) for c in body["chunks"]]
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError):
         return {}
     seg, pos = params.segment, 0
     found: dict[int, list[Chunk]] = {}
@@ -110,17 +165,75 @@ def merge(ranges: list[tuple[int, int]]) -> list[list[int]]:
     return out
 
 
+def merge_moved(ranges: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Ranges (a, b, shift) joined where they touch and moved by the same shift."""
+    out: list[list[int]] = []
+    for shift in sorted({r[2] for r in ranges}):
+        out += [[a, b, shift] for a, b in merge([(a, b) for a, b, s in ranges if s == shift])]
+    return sorted(out)
+
+
+PROBE = 64 << 10  # bytes of a run looked for in round 1's file
+SEARCH = 64 << 20  # how far from its own offset: a few pages more or less below it, at most this
+
+
+def find_shift(read, kept: int, kept_size: int, address: int, length: int, offset: int,
+               tried: tuple[int, ...] = (0,)) -> int | None:
+    """By how much round 1's bytes of the run at ``address`` (``length`` bytes,
+    at ``offset`` in the final file) lie moved in the kept file (``kept``, a
+    descriptor, ``kept_size`` bytes): final offset - round 1's, a multiple of
+    the page; None where a probe from its middle is found nowhere near, or a
+    second from its first quarter does not agree. The shifts ``tried`` (0,
+    the other runs') are checked first, cheaply. ``read(dst, src, n)`` brings
+    n bytes of the process."""
+    if length < 4 * PROBE or kept_size < PROBE:
+        return None
+    probes = []
+    for at in (length // 2, length // 4):
+        at -= at % mmap.PAGESIZE
+        buf = ctypes.create_string_buffer(PROBE)
+        read(ctypes.addressof(buf), address + at, PROBE)
+        probes.append((at, buf.raw))
+    (mid, probe), (quarter, check) = probes
+
+    def agrees(shift: int) -> bool:
+        return all(0 <= offset + at - shift <= kept_size - PROBE
+                   and os.pread(kept, PROBE, offset + at - shift) == bytes_
+                   for at, bytes_ in probes)
+
+    for shift in tried:
+        if agrees(shift):
+            return shift
+    if not probe.strip(b"\0"):
+        return None  # zeros match anywhere
+    lo = max(0, offset + mid - SEARCH)
+    hi = min(kept_size, offset + mid + SEARCH + PROBE)
+    if hi - lo < PROBE:
+        return None
+    skip = lo % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(kept, hi - lo + skip, mmap.MAP_SHARED, mmap.PROT_READ, offset=lo - skip) as view:
+        at = view.find(probe, skip)
+    if at < 0:
+        return None
+    shift = offset + mid - (lo + at - skip)
+    return shift if shift % mmap.PAGESIZE == 0 and agrees(shift) else None
+
+
 def read_compared(read: Callable[[int, int, int], None], memcmp: Callable[[int, int, int], int],
-                  address: int, base: int, length: int, scratch: ctypes.Array) -> bool:
+                  address: int, base: int, length: int, scratch: ctypes.Array,
+                  write: bool = True) -> bool:
     """``length`` bytes of a process at ``address`` into the mapped file at
     ``base``, through ``scratch`` (COMPARE bytes): each part is compared with
-    what the file holds and written only where it differs. ``read(dst, src,
-    n)`` brings n bytes of the process. True: every byte was as it was."""
+    what the file holds and written only where it differs (``write``; else
+    only compared, stopping at the first difference). ``read(dst, src, n)``
+    brings n bytes of the process. True: every byte was as it was."""
     buf, same, done = ctypes.addressof(scratch), True, 0
     while done < length:
         n = min(COMPARE, length - done)
         read(buf, address + done, n)
         if memcmp(base + done, buf, n) != 0:
+            if not write:
+                return False
             ctypes.memmove(base + done, buf, n)
             same = False
         done += n

@@ -125,7 +125,7 @@ def test_compose_over_round_ones_file_compares_crius_pieces_and_tells_the_push_a
     assert dump_ahead.compose(images, aside, task) == "in place"
     assert _read_back(images) == memory
     note = json.loads(Path(task.path + ".ready").read_text())
-    assert note == {"size": 15 * PAGE, "final": [[0, 15 * PAGE]], "same": [[0, 6 * PAGE]]}
+    assert note == {"size": 15 * PAGE, "final": [[0, 15 * PAGE]], "same": [[0, 6 * PAGE, 0]]}
 
 
 def test_compose_builds_the_file_anew_where_criu_dumped_other_pages_than_predicted(tmp_path):
@@ -335,12 +335,13 @@ def test_progress_tells_only_the_pieces_read_without_a_gap_before_them():
     prefix.finished(1, True)
     assert told == []  # piece 0 not read: nothing is final yet
     prefix.finished(0)
-    assert told == [[[0, 8]]] and same == [[[4, 8]]]
-    prefix.finished(3, True)
+    assert told == [[[0, 8]]] and same == [[[4, 8, 0]]]
+    prefix.finished(3, True, -4096)
     assert told == [[[0, 8]]]
-    prefix.finished(2, True)
+    prefix.finished(2, True, -4096)
     assert told[-1] == [[0, 8], [20, 28]]  # two runs of the file, a gap (CRIU's pages) between
-    assert same[-1] == [[4, 8], [20, 28]]  # of those, the pieces found as round 1 left them
+    # of those, the pieces found as round 1 left them, and where: the second run moved
+    assert same[-1] == [[4, 8, 0], [20, 28, -4096]]
 
 
 def test_take_with_notes_leaves_a_note_of_every_run_read(child, tmp_path, monkeypatch):
@@ -363,6 +364,7 @@ def test_a_kept_file_with_round_ones_index_is_compared_and_its_equal_pieces_note
     monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
     monkeypatch.setattr(dump_ahead, "READ_PIECE", 2 * PAGE)
     monkeypatch.setattr(same_pages, "COMPARE", PAGE)
+    monkeypatch.setattr(same_pages, "PROBE", PAGE)
     pid, a = child.proc.pid, child.addr
     runs = [(a + 4 * PAGE, a + 12 * PAGE)]
     first = dump_ahead.take(pid, 1, runs, tmp_path)  # round 1's file, as the push kept it
@@ -375,15 +377,45 @@ def test_a_kept_file_with_round_ones_index_is_compared_and_its_equal_pieces_note
     same_pages.index_path(donor).write_text("{}")
     task = dump_ahead.take(pid, 2, runs, tmp_path, threads=2, notes=True, donors=[str(donor)])
     assert task.unchanged == 6 * PAGE and task.reused == Path(task.path).stat().st_size
-    assert task.compared == task.reused  # the donor was larger: all of this file was round 1's
     assert same_pages.index_path(task.path).exists() and not same_pages.index_path(donor).exists()
     note = json.loads(Path(task.path + ".ready").read_text())
-    assert note["same"] == [[offset, offset + 4 * PAGE], [offset + 6 * PAGE, offset + 8 * PAGE]]
+    assert note["same"] == [[offset, offset + 4 * PAGE, 0], [offset + 6 * PAGE, offset + 8 * PAGE, 0]]
+    assert task.shifts == [0] and task.compared == task.reused
     got = Path(task.path).read_bytes()
     for k in range(8):
         page = 4 + k
         assert got[offset + k * PAGE:offset + (k + 1) * PAGE] == \
             page.to_bytes(8, "little") + bytes(PAGE - 8)
+
+
+def test_a_kept_file_whose_layout_moved_is_compared_where_its_bytes_lie_then_written(
+        child, tmp_path, monkeypatch):
+    """Round 1's kept file holds the run's bytes three pages further on (a
+    process's memory below it was three pages larger then): the read finds the
+    shift, compares there first and writes after; every piece is found
+    unchanged, noted with its shift, and the file holds the process's bytes
+    at this round's offsets; compose may compare nothing (compared 0)."""
+    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
+    monkeypatch.setattr(dump_ahead, "READ_PIECE", 2 * PAGE)
+    monkeypatch.setattr(same_pages, "COMPARE", PAGE)
+    monkeypatch.setattr(same_pages, "PROBE", PAGE)
+    pid, a = child.proc.pid, child.addr
+    runs = [(a + 4 * PAGE, a + 12 * PAGE)]
+    first = dump_ahead.take(pid, 1, runs, tmp_path)
+    offset = first.runs[0][2]
+    donor = tmp_path / "000.img"
+    donor.write_bytes(b"\x5a" * (3 * PAGE) + Path(first.path).read_bytes() + b"\x5a" * PAGE)
+    same_pages.index_path(donor).write_text("{}")
+    task = dump_ahead.take(pid, 2, runs, tmp_path, threads=2, notes=True, donors=[str(donor)])
+    assert task.shifts == [-3 * PAGE] and task.compared == 0
+    assert task.unchanged == 8 * PAGE, task
+    note = json.loads(Path(task.path + ".ready").read_text())
+    assert note["same"] == [[offset, offset + 8 * PAGE, -3 * PAGE]]
+    got = Path(task.path).read_bytes()
+    assert len(got) == offset + 8 * PAGE
+    for k in range(8):
+        assert got[offset + k * PAGE:offset + (k + 1) * PAGE] == \
+            (4 + k).to_bytes(8, "little") + bytes(PAGE - 8)
 
 
 def test_take_writes_over_a_kept_file_and_leaves_none_of_its_bytes_in_the_runs(child, tmp_path,

@@ -22,9 +22,11 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, int]] = []
 
-    def submit(self, path, start, length, params) -> Future:
+    def submit(self, path, start, length, params, known=()) -> Future:
         assert params == PARAMS
         self.calls.append((path.name, start, length))
+        self.known = getattr(self, "known", {})
+        self.known[start] = known
         f: Future = Future()
         f.set_result((path.name, start))
         return f
@@ -268,5 +270,27 @@ def test_a_small_file_read_ahead_gives_its_unchanged_segments_when_taken(tmp_pat
         have = w.take(data, 4 * SEG, PARAMS)
         assert sorted(have) == [0, SEG, 3 * SEG] and rec.calls == []
         assert w.unchanged_bytes == 3 * SEG
+    finally:
+        w.stop()
+
+
+def test_segments_of_memory_that_moved_go_to_the_workers_with_round_ones_chunks_moved(tmp_path):
+    """The note says [0, 4 SEG) is as round 1 left it, one page further on
+    (shift +4096): no segment is round 1's whole, so each goes to a worker,
+    with round 1's chunks as they lie in it once moved (those a cut may take)."""
+    rec, aside = Recorder(), tmp_path
+    data = aside / ".ahead-5.img"
+    data.write_bytes(os.urandom(5 * SEG))
+    per = _index(data, 5)
+    w = early_pages.EarlyPages(tmp_path / "none", rec.submit, lambda size: PARAMS, SEG,
+                               lambda: False, aside=aside, known=_known, push_id="reg/repo zstd-3")
+    try:
+        (aside / ".ahead-5.img.ready").write_text(json.dumps(
+            {"size": 5 * SEG, "final": [[0, 5 * SEG]], "same": [[0, 4 * SEG, 4096]]}))
+        _until(lambda: len(rec.calls) == 4)
+        assert w.unchanged_bytes == 0
+        # round 1's chunks (two a segment) moved one page on: each segment keeps the one
+        # that starts it; its second now crosses into the next segment, which a cut never does
+        assert rec.known == {k * SEG: ((k * SEG + 4096, per[k][0]),) for k in range(4)}
     finally:
         w.stop()

@@ -78,3 +78,57 @@ def test_a_compared_read_writes_only_the_parts_that_differ(monkeypatch):
     src[2 * 4096 + 7] = (src[2 * 4096 + 7][0] ^ 1).to_bytes(1, "little")
     assert not same_pages.read_compared(read, libc.memcmp, 0, base, len(source) - 100, scratch)
     assert target.raw[:len(source) - 100] == src.raw[:len(source) - 100]
+
+
+def test_round_ones_chunks_moved_into_the_final_files_ranges(tmp_path):
+    """Chunks of round 1 at 0, 10, 20, 30 (10 bytes each); the final file has
+    [12, 45) as round 1 left it, moved by +5: the chunks at 10, 20 and 30 lie
+    wholly in it once moved (at 15, 25, 35), the one at 0 does not (5-15); a
+    segment [0, 30) keeps those wholly inside it."""
+    chunks = _chunks([10, 10, 10, 10])
+    same_pages.write_index(tmp_path / "p.img", chunks, PARAMS, PUSH)
+    offsets = same_pages.chunk_offsets(tmp_path / "p.img", PUSH)
+    assert offsets == [(0, chunks[0]), (10, chunks[1]), (20, chunks[2]), (30, chunks[3])]
+    assert same_pages.chunk_offsets(tmp_path / "p.img", "another push") == []
+    moved = [(12, 45, 5)]
+    assert same_pages.moved_chunks(offsets, moved, 0, 100) == (
+        (15, chunks[1]), (25, chunks[2]), (35, chunks[3]))
+    assert same_pages.moved_chunks(offsets, moved, 0, 30) == ((15, chunks[1]),)
+    assert same_pages.moved_chunks(offsets, [(0, 40, -10)], 0, 100) == (
+        (0, chunks[1]), (10, chunks[2]), (20, chunks[3]))
+
+
+def test_ranges_moved_by_the_same_shift_merge_and_others_stay_apart():
+    assert same_pages.merge_moved([(0, 4, 0), (4, 8, 0), (8, 12, -4096), (12, 16, -4096)]) == \
+        [[0, 8, 0], [8, 16, -4096]]
+
+
+def test_a_shift_is_found_near_and_checked_twice(tmp_path, monkeypatch):
+    """The run's bytes lie 3 pages later in the kept file: found by the probe
+    from the middle, agreed by the one from the first quarter; a kept file
+    that holds them nowhere gives None; 0 where they did not move."""
+    monkeypatch.setattr(same_pages, "PROBE", 4096)
+    run = os.urandom(64 * 4096)
+    kept = tmp_path / "kept"
+    kept.write_bytes(os.urandom(10 * 4096) + run + os.urandom(4096))
+    offset = 7 * 4096  # where this round puts the run: 3 pages before round 1's
+
+    def read(dst: int, src: int, n: int) -> None:
+        ctypes.memmove(dst, run[src:src + n], n)
+
+    fd = os.open(kept, os.O_RDONLY)
+    try:
+        size = kept.stat().st_size
+        assert same_pages.find_shift(read, fd, size, 0, len(run), offset) == -3 * 4096
+        assert same_pages.find_shift(read, fd, size, 0, len(run), 10 * 4096) == 0
+        assert same_pages.find_shift(read, fd, size, 0, len(run), offset,
+                                     tried=(0, -3 * 4096)) == -3 * 4096
+    finally:
+        os.close(fd)
+    other = tmp_path / "other"
+    other.write_bytes(os.urandom(80 * 4096))
+    fd = os.open(other, os.O_RDONLY)
+    try:
+        assert same_pages.find_shift(read, fd, 80 * 4096, 0, len(run), offset) is None
+    finally:
+        os.close(fd)

@@ -4,6 +4,8 @@ whenever it is noticed, also when handing out the next segment (the CI of
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import chunker, segments
 from gpusnap.oci.bundle import Chunk
+from gpusnap.oci.transfer import Stats, sha256
 
 
 class _BrokenPool:
@@ -35,3 +38,47 @@ def test_a_push_that_finds_its_pool_broken_when_handing_out_a_segment():
     with pytest.raises(GpusnapError, match="push worker process died") as err:
         pool.submit(Path("/x"), 0, 1, chunker.ChunkParams())
     assert err.value.hint == "push again: chunks already sent are skipped"
+
+
+class _Uploader:
+    """The worker's uploader, recording what it was given to hash."""
+
+    def __init__(self) -> None:
+        self.stats, self.hashed = Stats(), []
+
+    def submit(self, data) -> Future:
+        raw = bytes(data)
+        self.hashed.append(len(raw))
+        f: Future = Future()
+        f.set_result(Chunk(sha256(raw), len(raw), sha256(raw), len(raw)))
+        return f
+
+    def known(self, chunk: Chunk) -> Future:
+        f: Future = Future()
+        f.set_result(chunk)
+        return f
+
+
+def test_a_worker_takes_a_known_chunk_where_its_cut_lands_on_one(tmp_path, monkeypatch):
+    """A segment handed with round 1's chunks moved into it: where the cut
+    produces a piece at a known chunk's offset and of its size, that chunk is
+    taken as it is (not hashed); a known chunk whose size the cut does not
+    reproduce, and every other piece, is hashed."""
+    params = chunker.ChunkParams(4096, 16384, 65536)
+    data = bytes(range(256)) * 4096 + os.urandom(1 << 20)
+    path = tmp_path / "pages-1.img"
+    path.write_bytes(b"\0" * 8192 + data)
+    cuts = list(chunker.chunks_of(memoryview(data), params))
+    offsets, pos = [], 8192
+    for c in cuts:
+        offsets.append((pos, len(c)))
+        pos += len(c)
+    taken = Chunk("sha256:" + "a" * 64, offsets[2][1], "sha256:" + "b" * 64, 7)
+    wrong = Chunk("sha256:" + "c" * 64, offsets[4][1] + 1, "sha256:" + "d" * 64, 7)
+    up = _Uploader()
+    monkeypatch.setitem(segments._worker, "uploader", up)
+    result = segments._run(segments.Segment(str(path), 8192, len(data), params,
+                                            ((offsets[2][0], taken), (offsets[4][0], wrong))))
+    assert result.chunks[2] == taken and result.chunks[4] != wrong
+    assert len(result.chunks) == len(cuts) and len(up.hashed) == len(cuts) - 1
+    assert sum(c.size for c in result.chunks) == len(data)
