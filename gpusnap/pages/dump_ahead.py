@@ -174,13 +174,16 @@ class _Prefix:
                 [(a, b, s) for (a, b), s in zip(final, self.same) if s is not None]))
 
 
-def _shifts(vm_read, fd: int, had: int, runs: list[tuple[int, int, int]]) -> list[int | None]:
+def _shifts(vm_read, fd: int, had: int, runs: list[tuple[int, int, int]]) -> list[int]:
     """Each run's shift against the kept file (same_pages.find_shift); the
-    shifts found for runs before are tried first for the next."""
-    found: list[int | None] = []
+    shifts found for runs before are tried first for the next. Where none is
+    found (the probes fell on memory that changed), 0: compared in place, as
+    where the layout held."""
+    found: list[int] = []
     for address, length, offset in runs:
-        tried = tuple(dict.fromkeys([0, *(f for f in found if f is not None)]))
-        found.append(same_pages.find_shift(vm_read, fd, had, address, length, offset, tried))
+        tried = tuple(dict.fromkeys([0, *found]))
+        shift = same_pages.find_shift(vm_read, fd, had, address, length, offset, tried)
+        found.append(0 if shift is None else shift)
     return found
 
 
@@ -201,7 +204,7 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
     everything is compared first and written after. Returns the bytes of
     memory reused, the bytes found unchanged, how far from the start the file
     still holds the donor's bytes where compose may compare (0: nowhere), and
-    each run's shift (None: not compared)."""
+    each run's shift (None: not compared: no donor)."""
     fd, held = kept_pages.open_over(path, donor)
     try:
         had = os.fstat(fd).st_size if compare else 0  # the donor's bytes: what can be compared
