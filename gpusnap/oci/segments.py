@@ -192,9 +192,10 @@ def known(chunks: list[Chunk]) -> Future:
     """A segment's result, done already: its chunks known without reading a
     byte of it (pages/same_pages.py: a pre-copy's final round)."""
     done: Future = Future()
+    raw = sum(c.size for c in chunks)
     done.set_result(SegmentResult(chunks, {"chunks": len(chunks), "chunks_transferred": 0,
-                                           "raw_bytes": sum(c.size for c in chunks),
-                                           "network_bytes": 0}))
+                                           "raw_bytes": raw, "network_bytes": 0,
+                                           "known_bytes": raw}))
     return done
 
 

@@ -53,6 +53,7 @@ class Stats:
     network_bytes: int = 0  # compressed bytes sent or fetched
     cached_bytes: int = 0  # compressed bytes served by the local cache (pull)
     repeated_bytes: int = 0  # compressed bytes of a blob seen earlier in this pull
+    known_bytes: int = 0  # raw bytes taken as chunks known already, not read (push: known())
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -152,6 +153,8 @@ class Uploader(_Pool):
         pre-copy's final round: pages/same_pages.py): counted, not read, hashed
         or asked of the registry. Future -> Chunk, done."""
         self._count(chunk.size, 0)
+        with self._lock:
+            self.stats.known_bytes += chunk.size
         done: Future = Future()
         done.set_result(chunk)
         return done

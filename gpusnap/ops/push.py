@@ -450,7 +450,7 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
         job.cache.prune()
     seconds = time.monotonic() - job.start
     journal.record("pushed", reference=str(job.ref), digest=digest, seconds=round(seconds, 3),
-                   unchanged_bytes=parts.early.unchanged_bytes if parts.early else 0,
+                   unchanged_bytes=uploader.stats.known_bytes,
                    timing={k: round(t - at["start"], 3) for k, t in at.items() if k != "start"},
                    left_s=round(time.monotonic() - at["manifest"], 3))
     stats = uploader.stats
@@ -464,7 +464,7 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
             "prefetched_bytes": prefetched,
             "parallel_bytes": parts.split_bytes, "processes": parts.pool.workers if parts.pool else 0,
             "early_bytes": parts.early.early_bytes if parts.early else 0,
-            "unchanged_bytes": parts.early.unchanged_bytes if parts.early else 0,
+            "unchanged_bytes": stats.known_bytes,
             "seconds": round(seconds, 3),
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "gpu": b.summary.get("gpu") is not None, "annotations": notes,

@@ -149,6 +149,7 @@ _BIG_MEMORY = ("mkfifo /tmp/w; exec 3<>/tmp/w; "
                "x=$(head -c 210m /dev/urandom | base64 -w 0); i=0; while true; do i=$((i+1)); "
                "echo $i > /tmp/c; "
                "if [ -e /tmp/flip ]; then rm /tmp/flip; x=\"${x%?}!\"; fi; "
+               "if [ -e /tmp/grow ]; then rm /tmp/grow; y=$(head -c 3m /dev/urandom | base64); fi; "
                "if [ -e /tmp/ask ]; then rm /tmp/ask; echo -n \"$x\" | md5sum > /tmp/sum.new; "
                "mv /tmp/sum.new /tmp/sum; fi; read -t 0.05 _ <&3; done")
 
