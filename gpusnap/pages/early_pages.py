@@ -200,19 +200,38 @@ class EarlyPages:
                 submitted[at] = self._known_or(ino, params, at, size) \
                     or self._early(ino, at, params)
 
-    def _early(self, ino: _Key, at: int, params: chunker.ChunkParams) -> Future:
+    def _early(self, ino: _Key, at: int, params: chunker.ChunkParams,
+               length: int | None = None) -> Future:
         """The segment to a worker, with round 1's chunks where the read found
         its bytes moved (same_pages.moved_chunks): those are not hashed there."""
-        self.early_bytes += params.segment
-        moved = [r for r in self._same.get(ino, []) if r[2]]
+        length = params.segment if length is None else length
+        self.early_bytes += length
+        moved = self._moved(ino)
         known: tuple = ()
-        if moved and self._known is not None and self._push_id is not None:
+        if moved:
             if ino not in self._offsets:
                 self._offsets[ino] = same_pages.chunk_offsets(self._read_as[ino], self._push_id)
-            known = same_pages.moved_chunks(self._offsets[ino], moved, at, at + params.segment)
+            known = same_pages.moved_chunks(self._offsets[ino], moved, at, at + length)
         held = self._held_ahead[ino]
-        return self._submit(held, at, params.segment, params, known) if known \
-            else self._submit(held, at, params.segment, params)
+        return self._submit(held, at, length, params, known) if known \
+            else self._submit(held, at, length, params)
+
+    def _moved(self, ino: _Key) -> list[tuple[int, int, int]]:
+        """The ranges the read found unchanged but moved, where round 1's index may serve."""
+        if self._known is None or self._push_id is None or ino not in self._read_as:
+            return []
+        return [r for r in self._same.get(ino, []) if r[2]]
+
+    def _add_moved(self, ino: _Key, params: chunker.ChunkParams, size: int,
+                   have: dict[int, Future]) -> dict[int, Future]:
+        """The segments not handed out yet that hold moved ranges, to the workers
+        now with round 1's chunks (a file too small to be taken early)."""
+        moved = self._moved(ino)
+        for at in range(0, size, params.segment) if moved else ():
+            end = min(at + params.segment, size)
+            if at not in have and any(a < end and at < b for a, b, _ in moved):
+                have[at] = self._early(ino, at, params, end - at)
+        return have
 
     def _known_or(self, ino: _Key, params: chunker.ChunkParams, at: int, size: int
                   ) -> Future | None:
@@ -268,11 +287,13 @@ class EarlyPages:
             ahead = self._ahead.pop(key, None) if key is not None else None
             if ahead is not None:
                 if ahead[0] == params and ahead[1] and max(ahead[1]) + params.segment <= size:
-                    return self._handed(self._add_known(key, params, size, ahead[1]), params)
+                    have = self._add_known(key, params, size, ahead[1])
+                    return self._handed(self._add_moved(key, params, size, have), params)
                 for f in ahead[1].values():
                     f.cancel()
             if key is not None and key in self._same and w is None:
-                return self._handed(self._add_known(key, params, size, {}), params)
+                have = self._add_known(key, params, size, {})
+                return self._handed(self._add_moved(key, params, size, have), params)
         if w is None:
             return {}
         same = st is not None and st.st_ino == w.ino and st.st_size >= w.end
