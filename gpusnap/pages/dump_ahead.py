@@ -201,7 +201,9 @@ def read(pid: int, runs: list[tuple[int, int, int]], path: str, size: int, threa
     memory the read writes over (kept_pages.open_over); with ``compare``, each
     run's bytes are compared with the donor's where they lie there
     (same_pages.find_shift): in place, only what differs is written; moved,
-    everything is compared first and written after. Returns the bytes of
+    everything is compared first and written after: a second read of memory
+    that must hold still in between, as the whole read-ahead needs (the
+    process is locked; nothing but the driver wrote it). Returns the bytes of
     memory reused, the bytes found unchanged, how far from the start the file
     still holds the donor's bytes where compose may compare (0: nowhere), and
     each run's shift (None: not compared: no donor)."""

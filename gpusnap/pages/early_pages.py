@@ -97,7 +97,8 @@ class EarlyPages:
         self._same: dict[_Key, list[tuple[int, int, int]]] = {}  # (start, end, shift)
         self._read_as: dict[_Key, Path] = {}
         self._indexes: dict[_Key, tuple[chunker.ChunkParams, dict[int, list[Chunk]]]] = {}
-        self._offsets: dict[_Key, list[tuple[int, Chunk]]] = {}  # round 1's chunks, each at its offset
+        # round 1's chunks, each at its offset, and those offsets alone (for bisect)
+        self._offsets: dict[_Key, tuple[list[tuple[int, Chunk]], list[int]]] = {}
         self._made_known: set[Future] = set()
         self.unchanged_bytes = 0
         # read ahead: file -> (chunk parameters, {segment offset: future})
@@ -210,8 +211,10 @@ class EarlyPages:
         known: tuple = ()
         if moved:
             if ino not in self._offsets:
-                self._offsets[ino] = same_pages.chunk_offsets(self._read_as[ino], self._push_id)
-            known = same_pages.moved_chunks(self._offsets[ino], moved, at, at + length)
+                chunks = same_pages.chunk_offsets(self._read_as[ino], self._push_id)
+                self._offsets[ino] = chunks, [o for o, _ in chunks]
+            chunks, offsets = self._offsets[ino]
+            known = same_pages.moved_chunks(chunks, moved, at, at + length, offsets)
         held = self._held_ahead[ino]
         return self._submit(held, at, length, params, known) if known \
             else self._submit(held, at, length, params)

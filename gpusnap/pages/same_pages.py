@@ -109,11 +109,13 @@ def chunk_offsets(path: str | Path, push_id: str) -> list[tuple[int, Chunk]]:
 
 
 def moved_chunks(chunks: list[tuple[int, Chunk]], moved: list[tuple[int, int, int]],
-                 start: int, end: int) -> tuple[tuple[int, Chunk], ...]:
+                 start: int, end: int, offsets: list[int] | None = None
+                 ) -> tuple[tuple[int, Chunk], ...]:
     """Round 1's chunks as they lie in [start, end) of the final file: each
     (offset there, chunk) where a range (a, b, shift) found unchanged holds
-    the chunk's bytes, moved by ``shift`` (final offset - round 1's)."""
-    offsets = [o for o, _ in chunks]
+    the chunk's bytes, moved by ``shift`` (final offset - round 1's).
+    ``offsets``: the chunks' offsets alone, where the caller keeps them."""
+    offsets = [o for o, _ in chunks] if offsets is None else offsets
     out = []
     for a, b, shift in moved:
         lo, hi = max(a, start), min(b, end)
