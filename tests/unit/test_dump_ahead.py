@@ -356,22 +356,27 @@ def test_take_with_notes_leaves_a_note_of_every_run_read(child, tmp_path, monkey
                     "final": [[o, o + n] for _, n, o in task.runs], "same": []}
 
 
+def _round_one(child, tmp_path: Path, monkeypatch):
+    """Small pieces, blocks and probes; round 1's file of the child's pages 4-11,
+    as a push would have kept it: (pid, runs, its task, the run's offset)."""
+    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
+    monkeypatch.setattr(dump_ahead, "READ_PIECE", 2 * PAGE)
+    monkeypatch.setattr(same_pages, "COMPARE", PAGE)
+    monkeypatch.setattr(same_pages, "PROBE", PAGE)
+    runs = [(child.addr + 4 * PAGE, child.addr + 12 * PAGE)]
+    first = dump_ahead.take(child.proc.pid, 1, runs, tmp_path)
+    return child.proc.pid, runs, first, first.runs[0][2]
+
+
 def test_a_kept_file_with_round_ones_index_is_compared_and_its_equal_pieces_noted(
         child, tmp_path, monkeypatch):
     """Round 1's kept file holds the runs' bytes except one page: the read
     compares piece by piece, notes the others as unchanged, writes the one
     that differs; the index follows the file to its new name."""
-    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
-    monkeypatch.setattr(dump_ahead, "READ_PIECE", 2 * PAGE)
-    monkeypatch.setattr(same_pages, "COMPARE", PAGE)
-    monkeypatch.setattr(same_pages, "PROBE", PAGE)
-    pid, a = child.proc.pid, child.addr
-    runs = [(a + 4 * PAGE, a + 12 * PAGE)]
-    first = dump_ahead.take(pid, 1, runs, tmp_path)  # round 1's file, as the push kept it
+    pid, runs, first, offset = _round_one(child, tmp_path, monkeypatch)
     donor = tmp_path / "000.img"
     os.rename(first.path, donor)
     data = bytearray(donor.read_bytes())
-    offset = first.runs[0][2]
     data[offset + 5 * PAGE] ^= 1  # one page of round 1 differs from the process now
     donor.write_bytes(bytes(data))
     same_pages.index_path(donor).write_text("{}")
@@ -395,14 +400,7 @@ def test_a_kept_file_whose_layout_moved_is_compared_where_its_bytes_lie_then_wri
     shift, compares there first and writes after; every piece is found
     unchanged, noted with its shift, and the file holds the process's bytes
     at this round's offsets; compose may compare nothing (compared 0)."""
-    monkeypatch.setattr(dump_ahead, "MIN_TOTAL", 0)
-    monkeypatch.setattr(dump_ahead, "READ_PIECE", 2 * PAGE)
-    monkeypatch.setattr(same_pages, "COMPARE", PAGE)
-    monkeypatch.setattr(same_pages, "PROBE", PAGE)
-    pid, a = child.proc.pid, child.addr
-    runs = [(a + 4 * PAGE, a + 12 * PAGE)]
-    first = dump_ahead.take(pid, 1, runs, tmp_path)
-    offset = first.runs[0][2]
+    pid, runs, first, offset = _round_one(child, tmp_path, monkeypatch)
     donor = tmp_path / "000.img"
     donor.write_bytes(b"\x5a" * (3 * PAGE) + Path(first.path).read_bytes() + b"\x5a" * PAGE)
     same_pages.index_path(donor).write_text("{}")
