@@ -17,7 +17,7 @@ piece, whether the bytes it brings are those already there:
   their offsets the same way (``copy_compared``) and tells the push the whole
   file is final, with the ranges found the same;
 - the push (early_pages.py) takes a segment lying wholly in those ranges as
-  round 1's chunks (``known_segments``): no hash, no compression, no question
+  round 1's chunks (``segment_chunks``): no hash, no compression, no question
   to the registry.
 
 Where the pages file's layout moved between the rounds (CRIU writes pages in
@@ -196,7 +196,7 @@ def find_shift(read, kept: int, kept_size: int, address: int, length: int, offse
         buf = ctypes.create_string_buffer(PROBE)
         read(ctypes.addressof(buf), address + at, PROBE)
         probes.append((at, buf.raw))
-    (mid, probe), (quarter, check) = probes
+    mid, probe = probes[0]  # the one looked for; both must agree with a shift
 
     def agrees(shift: int) -> bool:
         return all(0 <= offset + at - shift <= kept_size - PROBE
