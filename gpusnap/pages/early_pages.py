@@ -96,9 +96,7 @@ class EarlyPages:
         # asked) and the futures made of them
         self._same: dict[_Key, list[tuple[int, int, int]]] = {}  # (start, end, shift)
         self._read_as: dict[_Key, Path] = {}
-        self._indexes: dict[_Key, tuple[chunker.ChunkParams, dict[int, list[Chunk]]]] = {}
-        # round 1's chunks, each at its offset, and those offsets alone (for bisect)
-        self._offsets: dict[_Key, tuple[list[tuple[int, Chunk]], list[int]]] = {}
+        self._indexes: dict[_Key, same_pages.Index | None] = {}
         self._made_known: set[Future] = set()
         self.unchanged_bytes = 0
         # read ahead: file -> (chunk parameters, {segment offset: future})
@@ -204,20 +202,21 @@ class EarlyPages:
     def _early(self, ino: _Key, at: int, params: chunker.ChunkParams,
                length: int | None = None) -> Future:
         """The segment to a worker, with round 1's chunks where the read found
-        its bytes moved (same_pages.moved_chunks): those are not hashed there."""
+        its bytes moved (same_pages.Index.moved): those are not hashed there."""
         length = params.segment if length is None else length
         self.early_bytes += length
         moved = self._moved(ino)
-        known: tuple = ()
-        if moved:
-            if ino not in self._offsets:
-                chunks = same_pages.chunk_offsets(self._read_as[ino], self._push_id)
-                self._offsets[ino] = chunks, [o for o, _ in chunks]
-            chunks, offsets = self._offsets[ino]
-            known = same_pages.moved_chunks(chunks, moved, at, at + length, offsets)
+        index = self._index(ino) if moved else None
+        known = index.moved(moved, at, at + length) if index else ()
         held = self._held_ahead[ino]
         return self._submit(held, at, length, params, known) if known \
             else self._submit(held, at, length, params)
+
+    def _index(self, ino: _Key) -> same_pages.Index | None:
+        """Round 1's index beside the file read ahead, read once."""
+        if ino not in self._indexes:
+            self._indexes[ino] = same_pages.load_index(self._read_as[ino], self._push_id)
+        return self._indexes[ino]
 
     def _moved(self, ino: _Key) -> list[tuple[int, int, int]]:
         """The ranges the read found unchanged but moved, where round 1's index may serve."""
@@ -245,11 +244,8 @@ class EarlyPages:
         if self._known is None or self._push_id is None or not same or end > size \
                 or not same_pages.covered(same, at, end) or ino not in self._read_as:
             return None
-        index = self._indexes.get(ino)
-        if index is None or index[0] != params:
-            index = self._indexes[ino] = (params, same_pages.segment_chunks(
-                self._read_as[ino], params, self._push_id))
-        chunks = index[1].get(at)
+        index = self._index(ino)
+        chunks = index.segments(params).get(at) if index else None
         if chunks is None:
             return None
         made = self._known(chunks)

@@ -17,7 +17,7 @@ piece, whether the bytes it brings are those already there:
   their offsets the same way (``copy_compared``) and tells the push the whole
   file is final, with the ranges found the same;
 - the push (early_pages.py) takes a segment lying wholly in those ranges as
-  round 1's chunks (``segment_chunks``): no hash, no compression, no question
+  round 1's chunks (``Index.segments``): no hash, no compression, no question
   to the registry.
 
 Where the pages file's layout moved between the rounds (CRIU writes pages in
@@ -26,7 +26,7 @@ copy moves every offset after it), the read finds by how much each run moved
 (``find_shift``), compares at the moved offset in a first pass and writes in a
 second (a write in place would destroy bytes still to compare), and the push's
 workers take round 1's chunks moved by that distance wherever their cut lands
-on one (``moved_chunks``): the cut still runs over every byte, the hash, the
+on one (``Index.moved``): the cut still runs over every byte, the hash, the
 compression and the question to the registry do not.
 
 Only where it must hold: the same repository and compression (``push_id``),
@@ -80,75 +80,68 @@ def write_index(path: Path, chunks: list[Chunk], params: ChunkParams, push_id: s
         tmp.unlink(missing_ok=True)
 
 
-def _load(path: str | Path, push_id: str) -> dict | None:
+class Index:
+    """Round 1's chunks of one pages file (``write_index``), each at its offset
+    there: read once, asked for whole segments or for chunks moved."""
+
+    def __init__(self, params: list[int], chunks: list[tuple[int, Chunk]]) -> None:
+        self.params, self.chunks = params, chunks
+        self.offsets = [o for o, _ in chunks]
+        self._segments: dict[ChunkParams, dict[int, list[Chunk]]] = {}
+
+    def segments(self, params: ChunkParams) -> dict[int, list[Chunk]]:
+        """Round 1's chunks of each whole segment, by the segment's offset; {}
+        for other parameters, or chunks that do not tile as a push cuts (a
+        chunk never crosses a segment's end)."""
+        if params not in self._segments:
+            self._segments[params] = self._tiled(params) if self.params == _params(params) else {}
+        return self._segments[params]
+
+    def _tiled(self, params: ChunkParams) -> dict[int, list[Chunk]]:
+        seg = params.segment
+        found: dict[int, list[Chunk]] = {}
+        for pos, c in self.chunks:
+            at = pos - pos % seg
+            if pos + c.size > at + seg:
+                return {}
+            found.setdefault(at, []).append(c)
+        return {at: cs for at, cs in found.items() if sum(c.size for c in cs) == seg}
+
+    def moved(self, moved: list[tuple[int, int, int]], start: int, end: int
+              ) -> tuple[tuple[int, Chunk], ...]:
+        """Round 1's chunks as they lie in [start, end) of the final file: each
+        (offset there, chunk) where a range (a, b, shift) found unchanged holds
+        the chunk's bytes, moved by ``shift`` (final offset - round 1's)."""
+        out = []
+        for a, b, shift in moved:
+            lo, hi = max(a, start), min(b, end)
+            i = bisect.bisect_left(self.offsets, lo - shift)
+            while i < len(self.chunks) and self.chunks[i][0] + shift < hi:
+                at, c = self.chunks[i]
+                if at + shift >= lo and at + shift + c.size <= hi:
+                    out.append((at + shift, c))
+                i += 1
+        return tuple(sorted(out, key=lambda x: x[0]))
+
+
+def load_index(path: str | Path, push_id: str) -> Index | None:
+    """The index beside ``path``; None where there is none, or one of another
+    push (repository, compression) or version, or one that does not parse."""
     try:
         with open(index_path(path)) as f:
             body = json.load(f)
         if body.get("version") != VERSION or body.get("push") != push_id:
             return None
-        return body
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def chunk_offsets(path: str | Path, push_id: str) -> list[tuple[int, Chunk]]:
-    """Round 1's chunks of the file whose index is beside ``path``, each with its
-    offset there, in order; [] where there is none for this push."""
-    body = _load(path, push_id)
-    out, pos = [], 0
-    try:
-        for item in body["chunks"] if body else []:
+        chunks, pos = [], 0
+        for item in body["chunks"]:
             c = Chunk.from_list(item)
             if c.size <= 0:
-                return []
-            out.append((pos, c))
+                return None
+            chunks.append((pos, c))
             pos += c.size
-    except (ValueError, TypeError, KeyError):
-        return []
-    return out
-
-
-def moved_chunks(chunks: list[tuple[int, Chunk]], moved: list[tuple[int, int, int]],
-                 start: int, end: int, offsets: list[int] | None = None
-                 ) -> tuple[tuple[int, Chunk], ...]:
-    """Round 1's chunks as they lie in [start, end) of the final file: each
-    (offset there, chunk) where a range (a, b, shift) found unchanged holds
-    the chunk's bytes, moved by ``shift`` (final offset - round 1's).
-    ``offsets``: the chunks' offsets alone, where the caller keeps them."""
-    offsets = [o for o, _ in chunks] if offsets is None else offsets
-    out = []
-    for a, b, shift in moved:
-        lo, hi = max(a, start), min(b, end)
-        i = bisect.bisect_left(offsets, lo - shift)
-        while i < len(chunks) and chunks[i][0] + shift < hi:
-            at, c = chunks[i]
-            if at + shift >= lo and at + shift + c.size <= hi:
-                out.append((at + shift, c))
-            i += 1
-    return tuple(sorted(out, key=lambda x: x[0]))
-
-
-def segment_chunks(path: str | Path, params: ChunkParams, push_id: str) -> dict[int, list[Chunk]]:
-    """Round 1's chunks of each whole segment of the file whose index is beside
-    ``path``, by the segment's offset; {} where there is no index, or one of
-    another push, other parameters, or chunks that do not tile as a push cuts
-    (a chunk never crosses a segment's end)."""
-    body = _load(path, push_id)
-    if body is None or body.get("params") != _params(params):
-        return {}
-    try:
-        chunks = [Chunk.from_list(c) for c in body["chunks"]]
-    except (ValueError, TypeError, KeyError):
-        return {}
-    seg, pos = params.segment, 0
-    found: dict[int, list[Chunk]] = {}
-    for c in chunks:
-        at = pos - pos % seg
-        if c.size <= 0 or pos + c.size > at + seg:
-            return {}
-        found.setdefault(at, []).append(c)
-        pos += c.size
-    return {at: cs for at, cs in found.items() if sum(c.size for c in cs) == seg}
+        return Index(list(body["params"]), chunks)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def covered(ranges: list[tuple[int, int]], start: int, end: int) -> bool:

@@ -17,6 +17,12 @@ SEG = PARAMS.segment
 PUSH = "127.0.0.1:5000/ckpt/x cdc zstd-3"
 
 
+def _segments(path, params, push) -> dict:
+    """Round 1's chunks by whole segment, {} where no index serves this push."""
+    index = same_pages.load_index(path, push)
+    return index.segments(params) if index else {}
+
+
 def _chunks(sizes: list[int]) -> list[Chunk]:
     return [Chunk(f"sha256:{i:064x}", n, f"sha256:{i + 1000:064x}", n // 2)
             for i, n in enumerate(sizes)]
@@ -28,24 +34,24 @@ def test_an_index_gives_the_chunks_of_each_whole_segment_only(tmp_path):
     chunks = _chunks([SEG // 4] * 4 + [SEG // 2] * 2 + [SEG // 8])
     same_pages.write_index(pages, chunks, PARAMS, PUSH)
     assert same_pages.index_path(pages).stat().st_mode & 0o777 == 0o600
-    found = same_pages.segment_chunks(pages, PARAMS, PUSH)
+    found = _segments(pages, PARAMS, PUSH)
     assert found == {0: chunks[:4], SEG: chunks[4:6]}
 
 
 def test_an_index_of_another_push_or_other_parameters_gives_nothing(tmp_path):
     pages = tmp_path / "pages-1.img"
     same_pages.write_index(pages, _chunks([SEG // 2] * 4), PARAMS, PUSH)
-    assert same_pages.segment_chunks(pages, PARAMS, PUSH.replace("ckpt/x", "ckpt/y")) == {}
-    assert same_pages.segment_chunks(pages, chunker.ChunkParams(8192, 16384, 65536), PUSH) == {}
-    assert same_pages.segment_chunks(tmp_path / "none.img", PARAMS, PUSH) == {}
+    assert _segments(pages, PARAMS, PUSH.replace("ckpt/x", "ckpt/y")) == {}
+    assert _segments(pages, chunker.ChunkParams(8192, 16384, 65536), PUSH) == {}
+    assert _segments(tmp_path / "none.img", PARAMS, PUSH) == {}
     same_pages.index_path(pages).write_text("{not json")
-    assert same_pages.segment_chunks(pages, PARAMS, PUSH) == {}
+    assert _segments(pages, PARAMS, PUSH) == {}
 
 
 def test_an_index_whose_chunk_crosses_a_segment_is_not_trusted(tmp_path):
     pages = tmp_path / "pages-1.img"
     same_pages.write_index(pages, _chunks([SEG // 2, SEG, SEG // 2]), PARAMS, PUSH)
-    assert same_pages.segment_chunks(pages, PARAMS, PUSH) == {}
+    assert _segments(pages, PARAMS, PUSH) == {}
 
 
 def test_ranges_merge_where_they_touch_and_cover_only_whole():
@@ -87,14 +93,14 @@ def test_round_ones_chunks_moved_into_the_final_files_ranges(tmp_path):
     segment [0, 30) keeps those wholly inside it."""
     chunks = _chunks([10, 10, 10, 10])
     same_pages.write_index(tmp_path / "p.img", chunks, PARAMS, PUSH)
-    offsets = same_pages.chunk_offsets(tmp_path / "p.img", PUSH)
-    assert offsets == [(0, chunks[0]), (10, chunks[1]), (20, chunks[2]), (30, chunks[3])]
-    assert same_pages.chunk_offsets(tmp_path / "p.img", "another push") == []
+    index = same_pages.load_index(tmp_path / "p.img", PUSH)
+    assert index.chunks == [(0, chunks[0]), (10, chunks[1]), (20, chunks[2]), (30, chunks[3])]
+    assert same_pages.load_index(tmp_path / "p.img", "another push") is None
     moved = [(12, 45, 5)]
-    assert same_pages.moved_chunks(offsets, moved, 0, 100) == (
+    assert index.moved(moved, 0, 100) == (
         (15, chunks[1]), (25, chunks[2]), (35, chunks[3]))
-    assert same_pages.moved_chunks(offsets, moved, 0, 30) == ((15, chunks[1]),)
-    assert same_pages.moved_chunks(offsets, [(0, 40, -10)], 0, 100) == (
+    assert index.moved(moved, 0, 30) == ((15, chunks[1]),)
+    assert index.moved([(0, 40, -10)], 0, 100) == (
         (0, chunks[1]), (10, chunks[2]), (20, chunks[3]))
 
 
