@@ -98,7 +98,6 @@ class EarlyPages:
         self._read_as: dict[_Key, Path] = {}
         self._indexes: dict[_Key, same_pages.Index | None] = {}
         self._made_known: set[Future] = set()
-        self.unchanged_bytes = 0
         # read ahead: file -> (chunk parameters, {segment offset: future})
         self._ahead: dict[_Key, tuple[chunker.ChunkParams, dict[int, Future]]] = {}
         self._notes: dict[str, tuple[int, int]] = {}  # note -> (inode, mtime) last read
@@ -287,12 +286,12 @@ class EarlyPages:
             if ahead is not None:
                 if ahead[0] == params and ahead[1] and max(ahead[1]) + params.segment <= size:
                     have = self._add_known(key, params, size, ahead[1])
-                    return self._handed(self._add_moved(key, params, size, have), params)
+                    return self._handed(self._add_moved(key, params, size, have))
                 for f in ahead[1].values():
                     f.cancel()
             if key is not None and key in self._same and w is None:
                 have = self._add_known(key, params, size, {})
-                return self._handed(self._add_moved(key, params, size, have), params)
+                return self._handed(self._add_moved(key, params, size, have))
         if w is None:
             return {}
         same = st is not None and st.st_ino == w.ino and st.st_size >= w.end
@@ -302,12 +301,11 @@ class EarlyPages:
             return {}
         return {i * params.segment: f for i, f in enumerate(w.futures)}
 
-    def _handed(self, have: dict[int, Future], params: chunker.ChunkParams) -> dict[int, Future]:
+    def _handed(self, have: dict[int, Future]) -> dict[int, Future]:
         """``have`` goes to the push: its known segments are counted now, once."""
         for f in have.values():
             if f in self._made_known:
                 self._made_known.discard(f)
-                self.unchanged_bytes += params.segment
                 self._on_known(f)
         return have
 
