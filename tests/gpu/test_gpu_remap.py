@@ -156,15 +156,6 @@ def registry(tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
 
 
-def _figure(**fields) -> None:
-    """A measured time, kept with the run's logs for docs/benchmarks.md."""
-    logs = os.environ.get("GPUSNAP_TEST_LOGS")
-    if logs:
-        Path(logs).mkdir(parents=True, exist_ok=True)
-        with open(Path(logs) / "figures.jsonl", "a") as f:
-            f.write(json.dumps(fields) + "\n")
-
-
 def _gpusnap(registry, *args: str) -> dict:
     res = run([GPUSNAP, *args, *registry.flags(), "--json"], input=PASSWORD + "\n", timeout=900)
     assert res.returncode == 0, (args, res.stdout[-2000:], res.stderr[-2000:])
@@ -217,7 +208,7 @@ def test_restore_ref_onto_gpu1_with_every_tensor_compared(registry, gib, monkeyp
         assert harness.gpu_memory_used(1) - used1 >= gib * GIB
         assert harness.gpu_memory_used(0) < GIB
         _evidence(f"{ctr.name}-remap{gib}")
-        _figure(what="restore REF onto GPU 1", gib=gib, migrate_s=round(migrate_s, 2),
+        harness.figure(what="restore REF onto GPU 1", gib=gib, migrate_s=round(migrate_s, 2),
                 restore_no_map_s=round(plain_s, 2), restore_gpu_map_s=round(remap_s, 2),
                 ratio=round(remap_s / plain_s, 2))
     finally:
@@ -247,7 +238,7 @@ def test_two_containers_one_per_gpu_migrate_at_once(registry):
         for c, b, (_, its, _) in zip(ctrs, born, migrated):
             c.assert_restored(b, its)
         assert [_dev_nodes(c.name) for c in ctrs] == [{"nvidia0"}, {"nvidia1"}]
-        _figure(what="two 8 GiB containers, one per GPU, migrate + restore REF",
+        harness.figure(what="two 8 GiB containers, one per GPU, migrate + restore REF",
                 sequential_s=round(sequential_s, 2), together_s=round(together_s, 2),
                 ratio=round(together_s / sequential_s, 2))
     finally:
