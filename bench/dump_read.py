@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -65,10 +64,8 @@ def main() -> int:
     ap.add_argument("--python", default=sys.executable, help="a Python with PyTorch")
     args = ap.parse_args()
     folder = Path(args.dir)
-    if folder == memory.HUGE_ROOT and not os.path.ismount(folder):
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", memory.HUGE_OPTIONS, "tmpfs", str(folder)],
-                       check=True)
+    if folder == memory.HUGE_ROOT and not memory.mount_huge(folder):
+        sys.exit(f"{folder}: gpusnap's huge-page tmpfs could not be mounted (run as root)")
     child = subprocess.Popen([args.python, "-c", CHILD, str(args.gib)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     rows: list[dict] = []

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,10 +65,8 @@ def main() -> int:
     ap.add_argument("--pause", type=float, default=0.0, help="seconds between rounds")
     args = ap.parse_args()
     folder = Path(args.dir)
-    if folder == memory.HUGE_ROOT and not os.path.ismount(folder):
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", memory.HUGE_OPTIONS, "tmpfs", str(folder)],
-                       check=True)
+    if folder == memory.HUGE_ROOT and not memory.mount_huge(folder):
+        sys.exit(f"{folder}: gpusnap's huge-page tmpfs could not be mounted (run as root)")
     total = int(args.gib * (1 << 30))
     for threads in (int(t) for t in args.threads.split(",")):
         free_before = _meminfo_gb("MemFree")
