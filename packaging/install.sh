@@ -34,7 +34,7 @@ if [ "${GPUSNAP_OFFLINE:-0}" = 1 ]; then
   # otherwise compile its modules anew: 0.15-0.2 s of each start. GPUSNAP_PYLIB
   # (wheels unpacked, never compiled) likewise.
   "$ROOT/venv/bin/python" -m compileall -q -j 0 "$SRC/gpusnap" ${GPUSNAP_PYLIB:-} > /dev/null ||
-    echo "install.sh: could not compile $SRC/gpusnap ahead: each gpusnap process compiles it at start" >&2
+    echo "install.sh: not all of $SRC/gpusnap ${GPUSNAP_PYLIB:-} compiled ahead: what did not is compiled at each start" >&2
 else
   [ -x $ROOT/venv/bin/python ] || "$PY" -m venv $ROOT/venv
   $ROOT/venv/bin/pip install -q --upgrade "$SRC[test]"
