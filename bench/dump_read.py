@@ -65,7 +65,8 @@ def main() -> int:
     args = ap.parse_args()
     folder = Path(args.dir)
     if folder == memory.HUGE_ROOT and not memory.mount_huge(folder):
-        sys.exit(f"{folder}: gpusnap's huge-page tmpfs could not be mounted (run as root)")
+        sys.exit(f"{folder}: gpusnap's huge-page tmpfs could not be mounted "
+                 "(not root, or no tmpfs with huge pages here): give --dir")
     child = subprocess.Popen([args.python, "-c", CHILD, str(args.gib)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     rows: list[dict] = []

@@ -42,8 +42,11 @@ def write_new(folder: Path, total: int, threads: int, keep: bool = False) -> flo
         share = -(-total // threads // PIECE) * PIECE
 
         def part(i: int) -> None:
-            for off in range(i * share, min(total, (i + 1) * share), PIECE):
-                os.pwrite(fd, buf, off)
+            end = min(total, (i + 1) * share)
+            for off in range(i * share, end, PIECE):
+                piece = memoryview(buf)[:min(PIECE, end - off)]
+                if os.pwrite(fd, piece, off) != len(piece):  # a full tmpfs writes short
+                    raise OSError(f"{path}: short write at {off}")
 
         started = time.monotonic()
         with ThreadPoolExecutor(threads) as pool:
@@ -66,7 +69,8 @@ def main() -> int:
     args = ap.parse_args()
     folder = Path(args.dir)
     if folder == memory.HUGE_ROOT and not memory.mount_huge(folder):
-        sys.exit(f"{folder}: gpusnap's huge-page tmpfs could not be mounted (run as root)")
+        sys.exit(f"{folder}: gpusnap's huge-page tmpfs could not be mounted "
+                 "(not root, or no tmpfs with huge pages here): give --dir")
     total = int(args.gib * (1 << 30))
     for threads in (int(t) for t in args.threads.split(",")):
         free_before = _meminfo_gb("MemFree")
@@ -74,7 +78,8 @@ def main() -> int:
         print(json.dumps({"threads": threads, "gib": args.gib, "seconds": round(seconds, 2),
                           "gb_s": round(total / seconds / 1e9, 2), "free_gb_before": free_before}),
               flush=True)
-        time.sleep(args.pause)
+        if args.pause:
+            time.sleep(args.pause)
     for path in folder.glob(f"fresh-{os.getpid()}-*"):
         path.unlink()
     return 0

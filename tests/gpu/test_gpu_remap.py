@@ -209,8 +209,8 @@ def test_restore_ref_onto_gpu1_with_every_tensor_compared(registry, gib, monkeyp
         assert harness.gpu_memory_used(0) < GIB
         _evidence(f"{ctr.name}-remap{gib}")
         harness.figure(what="restore REF onto GPU 1", gib=gib, migrate_s=round(migrate_s, 2),
-                restore_no_map_s=round(plain_s, 2), restore_gpu_map_s=round(remap_s, 2),
-                ratio=round(remap_s / plain_s, 2))
+                       restore_no_map_s=round(plain_s, 2), restore_gpu_map_s=round(remap_s, 2),
+                       ratio=round(remap_s / plain_s, 2))
     finally:
         ctr.remove()
 
@@ -239,8 +239,8 @@ def test_two_containers_one_per_gpu_migrate_at_once(registry):
             c.assert_restored(b, its)
         assert [_dev_nodes(c.name) for c in ctrs] == [{"nvidia0"}, {"nvidia1"}]
         harness.figure(what="two 8 GiB containers, one per GPU, migrate + restore REF",
-                sequential_s=round(sequential_s, 2), together_s=round(together_s, 2),
-                ratio=round(together_s / sequential_s, 2))
+                       sequential_s=round(sequential_s, 2), together_s=round(together_s, 2),
+                       ratio=round(together_s / sequential_s, 2))
     finally:
         for c in ctrs:
             c.remove()
