@@ -289,6 +289,25 @@ def binary_log_uri(directory: Path, prefix: str) -> str:
     return f"binary://{logger}?out={directory / prefix}"
 
 
+def ctr_checkpoint(c: PrivateContainerd, name: str, ref: str) -> subprocess.CompletedProcess:
+    """`ctr containers checkpoint --task --rw NAME REF`, again where the shim
+    answers that ctr's pause caught the task in vfork() and to checkpoint again
+    (gpusnap/shim/checkpoint.py; busybox 1.38's sh in the sid leg), resumed
+    first if it is still paused: what a user does on that answer. Any other
+    failure is raised."""
+    for attempt in range(1, SEIZE_TRIES + 1):
+        res = c.ctr("containers", "checkpoint", "--task", "--rw", name, ref, check=False)
+        if res.returncode == 0:
+            return res
+        if UNSEIZABLE_MARK not in res.stderr or attempt == SEIZE_TRIES:
+            raise AssertionError(f"ctr containers checkpoint {name} failed ({res.returncode}):\n"
+                                 f"{res.stdout}\n{res.stderr}")
+        print(f"checkpoint again: {res.stderr.strip()}")
+        if tasks(c).get(name, (0, ""))[1] == "PAUSED":
+            c.ctr("tasks", "resume", name)
+    raise AssertionError("unreachable")
+
+
 def checkpoint_as_a_user(api, *args, **kwargs):
     """ops.containerd_api.checkpoint_to_dir (what nerdctl does), again where the
     shim answers that the client's pause caught a task in vfork() and to

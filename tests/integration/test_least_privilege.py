@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import (COUNTER, DEMO_IMAGE, GPUSNAP, assert_continued, born, gpusnap_json,
                             podman, read_counter, run, wait_counter)
 from tests.integration.oci_registry import PASSWORD, Registry
-from tests.integration.shim_containerd import private_containerd, remove, run_counter, tasks
+from tests.integration.shim_containerd import ctr_checkpoint, private_containerd, remove, run_counter, tasks
 from tests.integration.shim_containerd import wait_counter as shim_wait_counter
 
 STATE = Path("/run/gpusnap")
@@ -295,7 +295,7 @@ def test_shim_sockets_and_info_files_are_root_only():
             assert mode(Path(info["bundle"]) / "address") == 0o600
 
         # a checkpoint restored through the shim: CRIU's work folder in the bundle is 0700
-        c.ctr("containers", "checkpoint", "--task", "--rw", "lp1", "localhost/lp1:ckpt")
+        ctr_checkpoint(c, "lp1", "localhost/lp1:ckpt")
         remove(c, "lp1")
         c.ctr("containers", "restore", "--live", "--rw", "lp1", "localhost/lp1:ckpt")
         pid = tasks(c)["lp1"][0]

@@ -22,8 +22,8 @@ from google.protobuf import any_pb2
 
 from tests.conftest import DEMO_IMAGE, run
 from tests.integration.shim_containerd import (
-    RUNTIME, SHIM, STAMPED_COUNTER, VENV_BIN, counter_value, private_containerd, read_tmp_c,
-    remove, run_counter, shim_call, tasks, wait_counter, wait_status)
+    RUNTIME, SHIM, STAMPED_COUNTER, VENV_BIN, counter_value, ctr_checkpoint, private_containerd,
+    read_tmp_c, remove, run_counter, shim_call, tasks, wait_counter, wait_status)
 from tests.integration.shim_containerd import PrivateContainerd  # noqa: F401 (bench/shim_startup.py imports it here)
 
 
@@ -153,7 +153,7 @@ def test_checkpoint_then_restore_continues(containerd):
     c.ctr("run", "-d", "--runtime", RUNTIME, DEMO_IMAGE, "ck1", "sh", "-c", STAMPED_COUNTER)
     wait_counter(c, "ck1", 0)
     before = read_tmp_c(tasks(c)["ck1"][0])
-    c.ctr("containers", "checkpoint", "--task", "--rw", "ck1", "localhost/ck1:ckpt")
+    ctr_checkpoint(c, "ck1", "localhost/ck1:ckpt")
     assert tasks(c)["ck1"][1] == "RUNNING"  # no --exit: the task goes on
     assert "localhost/ck1:ckpt" in c.ctr("images", "ls", "-q").stdout.split()
     remove(c, "ck1")

@@ -23,7 +23,8 @@ from gpusnap.ops.containerd_api import Client, ContainerdError
 from gpusnap.ops.containerd_checkpoint import FORMAT, export_image, import_dir
 from tests.conftest import DEMO_IMAGE, run
 from tests.integration.shim_containerd import (
-    RUNTIME, STAMPED_COUNTER, private_containerd, read_tmp_c, remove, tasks, wait_counter)
+    RUNTIME, STAMPED_COUNTER, ctr_checkpoint, private_containerd, read_tmp_c, remove, tasks,
+    wait_counter)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_checkpoint_image_exported_and_restored_in_another_namespace(containerd,
     wait_counter(c, "mg1", 0)
     c.ctr("tasks", "exec", "--exec-id", "mark", "mg1", "sh", "-c", "echo kept > /marker")
     before = read_tmp_c(tasks(c)["mg1"][0])
-    c.ctr("containers", "checkpoint", "--task", "--rw", "mg1", "localhost/mg1:ckpt")
+    ctr_checkpoint(c, "mg1", "localhost/mg1:ckpt")
     with Client(c.address, c.namespace) as api:
         meta = export_image(api, "localhost/mg1:ckpt", tmp_path / "exp")
         with pytest.raises(ContainerdError, match=f"{DEMO_IMAGE} is not a containerd checkpoint image"):

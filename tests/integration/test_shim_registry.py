@@ -25,7 +25,8 @@ import pytest
 from tests.conftest import DEMO_IMAGE, RENAMING_HOLDER, assert_one_line_error, run
 from tests.integration.oci_registry import Registry, make_registry
 from tests.integration.shim_containerd import (
-    RUNTIME, STAMPED_COUNTER, private_containerd, read_tmp_c, remove, tasks, wait_counter)
+    RUNTIME, STAMPED_COUNTER, ctr_checkpoint, private_containerd, read_tmp_c, remove, tasks,
+    wait_counter)
 from tests.integration.test_registry import gs, gs_json
 from tests.integration.test_shim_migrate import _cleanup_ns, _counts_on, _ctr_ns
 
@@ -118,7 +119,7 @@ def test_checkpoint_image_pushed_then_restored(containerd, registry, other_ns, t
     c, (ns_b, made) = containerd, other_ns
     _start(c, "rg2")
     before = read_tmp_c(tasks(c)["rg2"][0])
-    c.ctr("containers", "checkpoint", "--task", "--rw", "rg2", "localhost/rg2:ckpt")
+    ctr_checkpoint(c, "rg2", "localhost/rg2:ckpt")
     remove(c, "rg2")
     time.sleep(1.0)
     ref = unique_ref(registry)
