@@ -244,8 +244,16 @@ def together(ref: str, tag: str, names: tuple[str, ...], case: str, cache: Path,
     drop_caches()
     t0 = time.time()
     done: dict[str, dict] = {}
-    threads = [threading.Thread(target=lambda n=n: done.__setitem__(
-        n, restore(ref, f"{tag}-{n}", cache, t0, keep))) for n in names]
+
+    def one(n: str) -> None:
+        # A thread drops SystemExit silently (migrate.timed raises it with the
+        # restore's own words): say it here, or "see above" points at nothing.
+        try:
+            done[n] = restore(ref, f"{tag}-{n}", cache, t0, keep)
+        except BaseException as exc:  # noqa: BLE001
+            print(f"replica {tag}-{n}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in names]
     for t in threads:
         t.start()
     for t in threads:
