@@ -268,23 +268,26 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
     one the agent loaded ahead (else loaded here)."""
     from gpusnap.gpu import manifest as gpu_manifest, quiesce  # see the imports above
 
-    procs = cuda_processes(init_pid)
     state = step_state.restore(criu_pid)
     kept = json.loads(state.read_text()) if state.exists() else {}
-    if not procs:
-        return
     manifest = gpu_manifest.Manifest.from_dict(json.loads(kept[MANIFEST_NAME])) \
         if MANIFEST_NAME in kept else None
     if manifest is not None and manifest.quiesced_by == "criu-cuda-plugin":
         return  # CRIU's plugin brings them back itself
+    # the processes NVML saw GPU memory of at the dump: the driver checkpointed them
+    expected = sum(1 for p in manifest.processes if any(p.gpu_memory.values())) if manifest else 0
+    if not expected and not cuda_processes(init_pid):
+        return
+    ahead, driver = driver is not None, driver or quiesce.require_driver()
+    pids, waited, unanswered = quiesce.restored_answers(
+        driver, lambda: [p.pid for p in cuda_processes(init_pid)], expected)
     timing = quiesce.Timing()
     live = _live_remap(init_pid)
     choices = live[1].pair_choices() if live else _pair_choices(kept.get(PLAN_NAME))
     try:
         if live:
             live[0].apply()
-        label, changed, refused = quiesce.resume_onto(driver or quiesce.require_driver(),
-                                                      [p.pid for p in procs], choices, timing)
+        label, changed, refused = quiesce.resume_onto(driver, pids, choices, timing)
     except BaseException:
         if live:
             live[0].undo()
@@ -296,7 +299,8 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
         journal.record("resumed", init_pid=init_pid, pids=changed, timing=timing.phases,
                        gpu_pairs=label, failed_first=refused,
                        moved_live=live[1].describe() if live else None,
-                       by=by, driver_ahead=driver is not None)
+                       by=by, driver_ahead=ahead,
+                       **({"waited_s": waited, "unanswered": unanswered} if waited else {}))
 
 
 def _live_remap(init_pid: int):

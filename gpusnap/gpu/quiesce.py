@@ -19,6 +19,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import CudaDriver, CudaError, ProcessState
 from gpusnap.gpu.inventory import Inventory, mps_active
 from gpusnap.procs import ProcessGpuUse
+from gpusnap.waits import Bound
 
 # How long the driver waits for a process's CUDA work to finish before its lock
 # fails: the checkpoint, freeze and move verbs take it as --lock-timeout/--timeout.
@@ -89,13 +90,20 @@ def states(driver: Driver, pids: Iterable[int]) -> dict[int, ProcessState]:
     with an error, and such a process has no GPU state to move. A question the
     driver could not answer (a stopped process, a bound run out) is raised.
     """
-    found = {}
+    return answers(driver, pids)[0]
+
+
+def answers(driver: Driver, pids: Iterable[int]) -> tuple[dict[int, ProcessState], dict[int, str]]:
+    """``states``, plus the driver's error for each pid it did not answer for:
+    after a restore, where it should answer for every process it checkpointed,
+    an error is what to wait out or report, not a process to pass over."""
+    found, errors = {}, {}
     for pid in pids:
         try:
             found[pid] = driver.state(pid)
-        except CudaError:  # not a CUDA process for the driver
-            continue
-    return found
+        except CudaError as exc:
+            errors[pid] = exc.name
+    return found, errors
 
 
 def refuse_unsupported(procs: list[ProcessGpuUse], inventory: Inventory) -> None:
@@ -224,6 +232,41 @@ def resume_onto(driver: Driver, pids: list[int],
         except QuiesceError as exc:
             refused.append(f"{label}: {exc}")
     raise QuiesceError("restore", {pid: RuntimeError("; ".join(refused)) for pid in pids})
+
+
+def restored_answers(driver: Driver, find: Callable[[], list[int]], expected: int,
+                     sleep: Callable[[float], None] = time.sleep) -> tuple[list[int], float, dict]:
+    """The restored processes (``find``'s pids), once the driver answers for at
+    least ``expected`` of them, the number the checkpoint holds GPU memory of.
+
+    One restore on an H200 (driver 580) left its process CHECKPOINTED behind a
+    post-resume that found nothing to resume: either the process or the driver's
+    answer for it was not there yet, and one passed over, as a dump passes over a
+    process without a context, stays off its GPU with nobody told. So the
+    answers are waited for, within RESUME_SETTLE; returns (pids, seconds
+    waited, the driver's errors seen first)."""
+    bound = Bound.of("RESUME_SETTLE")
+    start = time.monotonic()
+    first: dict[int, str] = {}
+    tries = 0
+    while True:
+        pids = find()
+        found, errors = answers(driver, pids)
+        first = first or errors
+        waited = time.monotonic() - start
+        if len(found) >= expected:  # answered at once: nothing was waited for
+            return pids, round(waited, 3) if tries else 0.0, first
+        if waited > bound.seconds:
+            said = "; ".join(f"pid {p}: {e}" for p, e in sorted(errors.items())) or \
+                "none of its CUDA processes found"
+            raise GpusnapError(
+                f"the checkpoint holds GPU memory of {expected} process(es), but after "
+                f"{waited:.0f} s the NVIDIA driver answers for {len(found)} of the "
+                f"{len(pids)} restored ones ({said}); they stay CHECKPOINTED",
+                "`gpusnap doctor --fix` brings them back once the driver answers; "
+                "GPUSNAP_WAIT_RESUME_SETTLE=SECONDS waits longer")
+        sleep(0.05)
+        tries += 1
 
 
 def require_driver() -> Driver:

@@ -7,8 +7,8 @@ import time
 from gpusnap import journal
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.quiesce import Driver, require_driver, resume, states
-from gpusnap.gpu.turn import holder, try_take
+from gpusnap.gpu.quiesce import Driver, require_driver, resume, resume_onto, states
+from gpusnap.gpu.turn import holder, key_for, try_take
 from gpusnap.procs import alive, stopped
 
 
@@ -49,3 +49,22 @@ def ensure_running(init_pid: int, pids: list[int], wait_s: float = 60.0) -> list
         return []
     with turn:
         return resume(driver, held)
+
+
+def bring_back(pids: list[int], driver: Driver,
+               choices: list[tuple[str, list[tuple[str, str]] | None]]) -> list[int]:
+    """After a restore Podman says is done: processes its post-resume step left
+    CHECKPOINTED or LOCKED resumed here, onto the plan's GPUs, under their
+    container's turn, rather than a restored container left off its GPU.
+    A turn someone holds is left to them. Returns the pids resumed; raises
+    QuiesceError where the driver refuses."""
+    turn = try_take(key_for(pids[0]), "restore's check")
+    if turn is None:
+        return []
+    with turn:
+        label, changed, refused = resume_onto(driver, pids, choices)
+    journal.record("resumed", init_pid=key_for(pids[0]), pids=changed, gpu_pairs=label,
+                   failed_first=refused, by="restore's check",
+                   why="post-resume left them off their GPUs")
+    return changed
+

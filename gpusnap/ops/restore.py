@@ -14,11 +14,12 @@ from gpusnap.criu.runtimes import require_gpu_restore
 from gpusnap.criu.version import require_supported
 from gpusnap.criu import yard
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.cuda import DriverAhead, ProcessState
+from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.gpu.plan import Plan
 from gpusnap.ops.engines import refuse_engine
 from gpusnap.ops.gpu_plan import plan_here
-from gpusnap.ops.gpu_state import load_driver
+from gpusnap.gpu.quiesce import Driver, QuiesceError
+from gpusnap.ops.gpu_state import bring_back, load_driver
 from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.partial import full_at
 from gpusnap.procs import cuda_processes
@@ -210,7 +211,7 @@ def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
     checked; ``after``: what the restore spent once Podman was done, by step
     (a replica's time counts to here); ``driver``: loaded while Podman worked."""
     checked = time.monotonic()
-    gpu = gpu_report(ctr.pid, driver)
+    gpu = gpu_report(ctr.pid, driver, plan)
     after = {**(after or {}), "gpu_check": round(time.monotonic() - checked, 3)}
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),
                    moves=plan.describe() if plan.needs_remap else None, after=after)
@@ -275,24 +276,40 @@ def _drop_half_restored(name: str | None) -> tuple[CriuLog | None, str | None]:
     return log, None
 
 
-def gpu_report(pid: int, ahead: DriverAhead | None = None) -> list[dict]:
+def gpu_report(pid: int, ahead: DriverAhead | None = None, plan: Plan | None = None) -> list[dict]:
+    """The restored container's CUDA processes and their driver states. One its
+    post-resume left off the GPU is resumed here, onto ``plan``'s GPUs
+    (gpu_state.bring_back): a restore that returns has its processes running."""
     procs = cuda_processes(pid)
     if not procs:
         return []
     driver = (ahead.get() if ahead else None) or load_driver()
-    report = []
-    for p in procs:
-        state, why = None, "no CUDA driver"
-        if driver is not None:
-            try:
-                state = driver.state(p.pid)
-            except Exception as exc:  # noqa: BLE001 -- reported, not fatal: it was restored
-                why = str(exc)
-        entry = {"pid": p.pid, "comm": p.comm, "state": state.name if state is not None else "unknown"}
-        if state is None:
-            entry["error"] = why
-        report.append(entry)
-        if state is not None and state != ProcessState.RUNNING:
-            raise GpusnapError(f"restored, but process {p.pid} ({p.comm}) is {state.name} on the GPU",
-                               "`gpusnap thaw` the container, or `gpusnap doctor --fix`")
+    report = [_gpu_entry(driver, p.pid, p.comm) for p in procs]
+    left = [e["pid"] for e in report if e["state"] in ("CHECKPOINTED", "LOCKED")]
+    if left and driver is not None:
+        try:
+            resumed = bring_back(left, driver, plan.pair_choices() if plan else [("none", None)])
+        except QuiesceError as exc:
+            raise GpusnapError(f"restored, but the driver did not resume process(es) "
+                               f"{', '.join(map(str, left))} left off the GPU ({exc})",
+                               "`gpusnap doctor --fix`, or `gpusnap thaw` the container") from None
+        report = [{**_gpu_entry(driver, e["pid"], e["comm"]), "resumed_late": True}
+                  if e["pid"] in resumed else e for e in report]
+    for e in report:
+        if e["state"] not in ("RUNNING", "unknown"):
+            raise GpusnapError(f"restored, but process {e['pid']} ({e['comm']}) is {e['state']} "
+                               "on the GPU", "`gpusnap thaw` the container, or `gpusnap doctor --fix`")
     return report
+
+
+def _gpu_entry(driver: Driver | None, pid: int, comm: str) -> dict:
+    state, why = None, "no CUDA driver"
+    if driver is not None:
+        try:
+            state = driver.state(pid)
+        except Exception as exc:  # noqa: BLE001 -- reported, not fatal: it was restored
+            why = str(exc)
+    entry = {"pid": pid, "comm": comm, "state": state.name if state is not None else "unknown"}
+    if state is None:
+        entry["error"] = why
+    return entry

@@ -1,0 +1,104 @@
+"""post-resume and the restore's check never leave a process the driver
+checkpointed off its GPU without a word: the driver's answer is waited for,
+and a process still CHECKPOINTED after Podman is resumed by the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpusnap import MANIFEST_NAME, journal
+from gpusnap.action import action, step_state
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu import quiesce
+from gpusnap.gpu.cuda import ProcessState
+from gpusnap.ops import restore as ops_restore
+from gpusnap.private import write_private
+from gpusnap.procs import ProcessGpuUse
+from tests.unit.fakes import UUID0, FakeDriver, gpu
+from tests.unit.test_plan import manifest
+
+CRIU = 4242
+TRAIN = [ProcessGpuUse(pid=77, comm="train", maps_libcuda=True)]
+
+
+@pytest.fixture
+def kept(tmp_path, monkeypatch):
+    """pre-restore's kept manifest: one process with 8 GiB on GPU 0."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    m = manifest(gpu(0, UUID0), used={UUID0: 8 << 30})
+    write_private(step_state.restore(CRIU), json.dumps({MANIFEST_NAME: m.to_json()}))
+
+
+def _resumed() -> list[dict]:
+    return [r for r in journal.read() if r.get("event") == "resumed"]
+
+
+def test_post_resume_waits_for_the_drivers_answer_for_a_process_it_checkpointed(kept, monkeypatch):
+    driver = FakeDriver({77: ProcessState.CHECKPOINTED},
+                        fail={("state", 77): "CUDA_ERROR_NOT_INITIALIZED"})
+    ask = driver.state
+
+    def state(pid):
+        if driver.calls.count(("state", pid)) == 2:  # it answers from the third question on
+            driver.fail.clear()
+        return ask(pid)
+
+    monkeypatch.setattr(driver, "state", state)
+    monkeypatch.setattr(action, "cuda_processes", lambda pid: TRAIN)
+    action.post_resume(init_pid=70, criu_pid=CRIU, driver=driver)
+    assert driver.states[77] == ProcessState.RUNNING
+    (rec,) = _resumed()
+    assert rec["pids"] == [77] and rec["waited_s"] > 0
+    assert rec["unanswered"] == {"77": "CUDA_ERROR_NOT_INITIALIZED"}
+
+
+def test_post_resume_waits_for_the_restored_process_to_be_seen(kept, monkeypatch):
+    seen = iter([[], [], TRAIN])
+    monkeypatch.setattr(action, "cuda_processes", lambda pid: next(seen, TRAIN))
+    driver = FakeDriver({77: ProcessState.CHECKPOINTED})
+    action.post_resume(init_pid=70, criu_pid=CRIU, driver=driver)
+    assert driver.states[77] == ProcessState.RUNNING
+
+
+def test_post_resume_says_so_when_the_driver_never_answers(kept, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_WAIT_RESUME_SETTLE", "0.2")
+    monkeypatch.setattr(action, "cuda_processes", lambda pid: TRAIN)
+    driver = FakeDriver({77: ProcessState.CHECKPOINTED},
+                        fail={("state", 77): "CUDA_ERROR_NOT_INITIALIZED"})
+    with pytest.raises(GpusnapError, match=r"GPU memory of 1 process\(es\), but after 0 s the "
+                       r"NVIDIA driver answers for 0 of the 1 restored ones \(pid 77: "
+                       r"CUDA_ERROR_NOT_INITIALIZED\); they stay CHECKPOINTED") as err:
+        action.post_resume(init_pid=70, criu_pid=CRIU, driver=driver)
+    assert "gpusnap doctor --fix" in err.value.hint
+    assert driver.states[77] == ProcessState.CHECKPOINTED and not _resumed()
+
+
+def test_a_tree_without_gpu_memory_or_cuda_processes_needs_no_driver(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(action, "cuda_processes", lambda pid: [])
+    monkeypatch.setattr(quiesce, "require_driver", lambda: pytest.fail("no driver needed"))
+    action.post_resume(init_pid=70, criu_pid=CRIU)
+
+
+def test_the_restores_check_resumes_a_process_post_resume_left_checkpointed(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(ops_restore, "cuda_processes", lambda pid: TRAIN)
+    driver = FakeDriver({77: ProcessState.CHECKPOINTED})
+    monkeypatch.setattr(ops_restore, "load_driver", lambda: driver)
+    report = ops_restore.gpu_report(70)
+    assert report == [{"pid": 77, "comm": "train", "state": "RUNNING", "resumed_late": True}]
+    (rec,) = _resumed()
+    assert rec["by"] == "restore's check" and rec["pids"] == [77]
+
+
+def test_the_restores_check_says_what_to_do_where_the_driver_refuses(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(ops_restore, "cuda_processes", lambda pid: TRAIN)
+    driver = FakeDriver({77: ProcessState.CHECKPOINTED},
+                        fail={("restore", 77): "CUDA_ERROR_OUT_OF_MEMORY"})
+    monkeypatch.setattr(ops_restore, "load_driver", lambda: driver)
+    with pytest.raises(GpusnapError, match="did not resume process.es. 77 left off the GPU") as err:
+        ops_restore.gpu_report(70)
+    assert "gpusnap doctor --fix" in err.value.hint
