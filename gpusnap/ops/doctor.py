@@ -181,6 +181,7 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
     stuck = stuck_processes()
     fixed: list[int] = []
     busy: dict[int, tuple[int | None, str, list[int]]] = {}
+    refused: dict[int, str] = {}  # the driver's words, where --fix could not resume one
     driver = load_driver() if stuck and fix else None
     by_init: dict[int, list[int]] = {}
     for s in stuck:
@@ -203,6 +204,7 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
                 fixed += resume(driver, pids)
             except QuiesceError as exc:  # said below as not fixed; the others go on
                 journal.record("doctor-resume-failed", pids=pids, error=str(exc))
+                refused.update({pid: str(err) for pid, err in exc.failures.items()})
     detail = "none held by an unfinished checkpoint" if not stuck else \
         ", ".join(f"pid {s['pid']} ({s['comm']}) {s['state']}" for s in stuck)
     if busy:
@@ -213,6 +215,11 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
     left = [s for s in stuck if s["pid"] not in at_work and s["pid"] not in fixed]
     hint = "run `gpusnap doctor --fix` to restore and unlock them (or `gpusnap thaw`)" \
         if left else ""
+    if refused:  # driver 580 refuses for good a process whose restore it once refused
+        detail += "; the driver refused to bring back " + "; ".join(
+            f"pid {pid}: {err}" for pid, err in sorted(refused.items()))
+        hint = ("their GPU state cannot come back here: `podman rm -f` their container and "
+                "restore its checkpoint again")
     return Check("gpu processes", not left, detail, hint), stuck, fixed
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -127,8 +128,16 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
     podman.restore(source, archive=False, name=name, keep=keep,
                    tcp_established=tcp_established, size=sum(contents.sizes.values()))
     seconds = time.monotonic() - start
-    return restored(podman.inspect(name or (contents.json_file("config.dump") or {}).get("name")
-                                   or source), source, seconds, plan, driver=ahead)
+    ctr = podman.inspect(name or (contents.json_file("config.dump") or {}).get("name") or source)
+    try:
+        return restored(ctr, source, seconds, plan, driver=ahead)
+    except OffTheGpu as exc:  # Podman drops a local checkpoint once it restored it, unless kept
+        raise GpusnapError(exc.message, (
+            f"`podman stop -t 0 {ctr.name}`, then restore it again once the GPU has the memory "
+            "free: Podman kept its checkpoint (--keep)") if keep else (
+            "Podman's restore removed the local checkpoint it restored (--keep keeps it): "
+            f"the job's GPU state is lost; `podman rm -f {ctr.name}` and start it anew, and "
+            "export checkpoints (--export) to restore them again")) from None
 
 
 def import_file(path: Path, contents: archive.CheckpointContents, plan: Plan,
@@ -200,8 +209,20 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
     hostname = None
     if name:  # a copy under a new name: its own hostname, not the checkpoint's
         hostname = identity.follow_new_id(ctr, (contents.json_file("config.dump") or {}).get("id", ""))
-    return restored(ctr, source, done - start, plan, hostname=hostname,
-                    after={"inspect": round(time.monotonic() - done, 3)}, driver=ahead)
+    try:
+        return restored(ctr, source, done - start, plan, hostname=hostname,
+                        after={"inspect": round(time.monotonic() - done, 3)}, driver=ahead)
+    except OffTheGpu as exc:  # its processes cannot run on; the checkpoint is untouched
+        journal.record("restore-off-the-gpu", container=ctr.id, pids=exc.pids, error=exc.message)
+        try:
+            podman.remove(ctr.name, force=True)
+            kept = f"; the restored container {ctr.name} is removed"
+        except GpusnapError as left:
+            kept = f"; the restored container {ctr.name} is left ({left.message}): " \
+                   f"`podman rm -f {ctr.name}`"
+        raise GpusnapError(f"{exc.message}{kept}; nothing was restored, {source} is unchanged",
+                           "restore it again once the GPU has the memory free (nvidia-smi "
+                           "shows what holds it)") from None
 
 
 def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
@@ -276,6 +297,39 @@ def _drop_half_restored(name: str | None) -> tuple[CriuLog | None, str | None]:
     return log, None
 
 
+class OffTheGpu(GpusnapError):
+    """Restored processes whose GPU state the driver would not bring back. On
+    driver 580 a process whose restore the driver once refused (no memory left
+    on the GPU) is refused for good, CUDA_ERROR_OPERATING_SYSTEM, however much
+    is free later: its container cannot run on, and only the checkpoint can."""
+
+    def __init__(self, pids: list[int], first: str | None, again: str) -> None:
+        self.pids = pids
+        again = _driver_words(again)
+        said = f"post-resume: {_driver_words(first)}; tried again: {again}" if first else again
+        super().__init__(f"the NVIDIA driver did not bring back the GPU state of restored "
+                         f"process(es) {', '.join(map(str, pids))} ({said})",
+                         "`gpusnap doctor` shows them; `podman rm -f` their container and "
+                         "restore the checkpoint again once the GPU has the memory free")
+
+
+def _driver_words(text: str) -> str:
+    """The driver's own failures in a QuiesceError's text, each once, without the
+    layers each GPU-pair choice tried wraps around them."""
+    calls = list(dict.fromkeys(re.findall(r"cuCheckpointProcess\w+\(pid \d+\) failed: \S+ \(\d+\)",
+                                          text)))
+    return "; ".join(calls) or text
+
+
+def _post_resume_said(init_pid: int) -> str | None:
+    """Why the post-resume step of the restore of ``init_pid`` failed, from the journal."""
+    for rec in reversed(journal.read(100)):
+        if rec.get("event") == "failed" and rec.get("action") == "post-resume" \
+                and str(rec.get("init_pid")) == str(init_pid):
+            return rec.get("error")
+    return None
+
+
 def gpu_report(pid: int, ahead: DriverAhead | None = None, plan: Plan | None = None) -> list[dict]:
     """The restored container's CUDA processes and their driver states. One its
     post-resume left off the GPU is resumed here, onto ``plan``'s GPUs
@@ -290,9 +344,7 @@ def gpu_report(pid: int, ahead: DriverAhead | None = None, plan: Plan | None = N
         try:
             resumed = bring_back(left, driver, plan.pair_choices() if plan else [("none", None)])
         except QuiesceError as exc:
-            raise GpusnapError(f"restored, but the driver did not resume process(es) "
-                               f"{', '.join(map(str, left))} left off the GPU ({exc})",
-                               "`gpusnap doctor --fix`, or `gpusnap thaw` the container") from None
+            raise OffTheGpu(left, _post_resume_said(pid), str(exc)) from None
         report = [{**_gpu_entry(driver, e["pid"], e["comm"]), "resumed_late": True}
                   if e["pid"] in resumed else e for e in report]
     for e in report:

@@ -335,8 +335,9 @@ def restore(source: str, *, archive: bool, name: str | None, keep: bool,
     return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
 
 
-def remove(name: str) -> None:
-    """Remove a container that is not running (never forces a running one)."""
-    res = _run(["rm", name])
+def remove(name: str, force: bool = False) -> None:
+    """Remove a container that is not running; ``force``: a running one too, at
+    once (only one gpusnap itself just restored and cannot let run on)."""
+    res = _run(["rm", *(["-f", "-t", "0"] if force else []), name])
     if res.returncode != 0 and "no such container" not in res.stderr.lower():
         raise GpusnapError(f"podman rm {name}: {_last_error(res.stderr)}")

@@ -8,8 +8,9 @@ the upload killed (foreground and detached), the registry killed mid-push, the
 export's disk full. Restore side, on one checkpoint of such a container: the
 registry killed mid-restore, the agent killed mid-fill, the target GPU taken
 between the plan and the driver's restore, the restored container killed
-during the driver's restore, `doctor --fix` run during it, and the CLI killed
-during it.
+during the driver's restore, `doctor --fix` run during it, the driver's restore
+refused for memory (the container it cannot run on removed, the archive
+unchanged), and the CLI killed during it.
 
 After each: the workers are the original ones (their seed) counting on from the
 checkpoint, every element of their GPU data equal to the checkpoint's; no CUDA
@@ -566,25 +567,11 @@ def test_doctor_fix_during_the_driver_restore_leaves_it_to_the_restore(gone, cap
     its turn until doctor has left them (its 'doctor-left' event)."""
     ctr, archive, its = gone
     mark = journal_mark()
-    before = set(_containers_now())
     cli = start_cli("restore", str(archive))
     agent: list[int] = []
-
-    def held() -> bool:
-        if not agent and "pages-filled" in {e.get("event") for e in journal_since(mark)}:
-            agent.extend(filter(None, [_agent_waiting_for_post_resume()]))
-        return bool(agent)
     doctor = None
     try:
-        when(held, cli, "the agent had answered post-restore", timeout=300)
-        restoring: list[int] = []
-
-        def checkpointed() -> bool:  # CRIU resumed them; the driver has not restored them
-            new = [pids for cid, pids in _containers_now().items() if cid not in before]
-            if new and _held_by_driver(new[0]):
-                restoring[:] = new[0]
-            return bool(restoring)
-        when(checkpointed, cli, "the restored processes waited for the driver", timeout=120)
+        restoring = _held_before_the_drivers_restore(cli, mark, agent)
         doctor = start_cli("doctor", "--fix", "--json")
         when(lambda: any(e.get("event") == "doctor-left" for e in journal_since(mark)), doctor,
              "doctor had left the processes to the restore", timeout=120)
@@ -599,6 +586,63 @@ def test_doctor_fix_during_the_driver_restore_leaves_it_to_the_restore(gone, cap
     assert not set(report["fixed"]) & set(restoring), report["fixed"]
     ctr.assert_restored(ctr.seeds, its)
     say(capsys, f"doctor --fix during the driver's restore: {gpu['detail']}")
+    assert_gpu_clean()
+
+
+def _held_before_the_drivers_restore(cli: subprocess.Popen, mark, agent: list[int]) -> list[int]:
+    """The restore ``cli`` runs followed until CRIU has resumed its processes and
+    they wait CHECKPOINTED for the driver's restore, the agent stopped (its pid
+    into ``agent``, for the caller to SIGCONT) before post-resume: their pids."""
+    before = set(_containers_now())
+
+    def held() -> bool:
+        if not agent and "pages-filled" in {e.get("event") for e in journal_since(mark)}:
+            agent.extend(filter(None, [_agent_waiting_for_post_resume()]))
+        return bool(agent)
+    when(held, cli, "the agent had answered post-restore", timeout=300)
+    restoring: list[int] = []
+
+    def checkpointed() -> bool:  # CRIU resumed them; the driver has not restored them
+        new = [pids for cid, pids in _containers_now().items() if cid not in before]
+        if new and _held_by_driver(new[0]):
+            restoring[:] = new[0]
+        return bool(restoring)
+    when(checkpointed, cli, "the restored processes waited for the driver", timeout=120)
+    return restoring
+
+
+def test_a_driver_restore_refused_for_memory_removes_the_restored_container(gone, capsys):
+    """CRIU only logs a post-resume step that failed, so Podman says the restore is
+    done while its processes wait CHECKPOINTED, off the GPU. Here the GPU is
+    filled just before the driver's restore, so post-resume fails for real
+    (CUDA_ERROR_OUT_OF_MEMORY); driver 580 then refuses that process's restore
+    for good (CUDA_ERROR_OPERATING_SYSTEM, seen 2026-11-30 with the memory free
+    again). The restore's check tries once more, then removes the container it
+    cannot run on and says the archive is unchanged; the archive restores."""
+    ctr, archive, its = gone
+    hog = harness.Hog(0)
+    mark = journal_mark()
+    cli = start_cli("restore", str(archive))
+    agent: list[int] = []
+    try:
+        _held_before_the_drivers_restore(cli, mark, agent)
+        hog.take(harness.gpu_memory_free(0) - (1 << 29))
+        os.kill(agent.pop(), signal.SIGCONT)
+        res = finished(cli)
+    finally:
+        for pid in agent:
+            os.kill(pid, signal.SIGCONT)
+        hog.remove()
+    events = journal_since(mark)
+    failed = [e for e in events if e.get("event") == "failed" and e.get("action") == "post-resume"]
+    assert failed and "CUDA_ERROR_OUT_OF_MEMORY" in failed[0]["error"], failed
+    assert_one_line_error(res, "did not bring back the GPU state", "is removed",
+                          f"nothing was restored, {archive} is unchanged")
+    assert _status(ctr.name) == "gone", _status(ctr.name)
+    assert any(e.get("event") == "restore-off-the-gpu" for e in events)
+    assert_gpu_clean()
+    _restores_again(ctr, str(archive), its)
+    say(capsys, f"the driver's restore refused for memory: {_one_line(res)}")
     assert_gpu_clean()
 
 

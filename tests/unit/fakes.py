@@ -20,7 +20,8 @@ _CALLS = {"lock": "cuCheckpointProcessLock", "checkpoint": "cuCheckpointProcessC
           "state": "cuCheckpointProcessGetState"}
 _CODES = {"CUDA_ERROR_INVALID_VALUE": 1, "CUDA_ERROR_OUT_OF_MEMORY": 2,
           "CUDA_ERROR_NOT_INITIALIZED": 3, "CUDA_ERROR_TIMEOUT": 909,
-          "CUDA_ERROR_ILLEGAL_STATE": 401, "CUDA_ERROR_NOT_SUPPORTED": 801}
+          "CUDA_ERROR_ILLEGAL_STATE": 401, "CUDA_ERROR_NOT_SUPPORTED": 801,
+          "CUDA_ERROR_OPERATING_SYSTEM": 304}
 
 
 class FakeDriver:

@@ -93,12 +93,53 @@ def test_the_restores_check_resumes_a_process_post_resume_left_checkpointed(tmp_
     assert rec["by"] == "restore's check" and rec["pids"] == [77]
 
 
-def test_the_restores_check_says_what_to_do_where_the_driver_refuses(tmp_path, monkeypatch):
+def _refused_for_good(monkeypatch, tmp_path) -> FakeDriver:
+    """Driver 580 as seen on an H200 (2026-11-30): post-resume's restore refused for
+    memory, and every restore of that process after it refused too."""
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    journal.record("failed", action="post-resume", init_pid="70",
+                   error="cuCheckpointProcessRestore(pid 77) failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
     monkeypatch.setattr(ops_restore, "cuda_processes", lambda pid: TRAIN)
     driver = FakeDriver({77: ProcessState.CHECKPOINTED},
-                        fail={("restore", 77): "CUDA_ERROR_OUT_OF_MEMORY"})
+                        fail={("restore", 77): "CUDA_ERROR_OPERATING_SYSTEM"})
     monkeypatch.setattr(ops_restore, "load_driver", lambda: driver)
-    with pytest.raises(GpusnapError, match="did not resume process.es. 77 left off the GPU") as err:
+    return driver
+
+
+def test_a_process_the_driver_will_not_bring_back_is_said_with_both_refusals(tmp_path, monkeypatch):
+    _refused_for_good(monkeypatch, tmp_path)
+    with pytest.raises(ops_restore.OffTheGpu) as err:
         ops_restore.gpu_report(70)
-    assert "gpusnap doctor --fix" in err.value.hint
+    msg = err.value.message
+    assert msg.startswith("the NVIDIA driver did not bring back the GPU state of restored "
+                          "process(es) 77 (post-resume: cuCheckpointProcessRestore(pid 77) "
+                          "failed: CUDA_ERROR_OUT_OF_MEMORY (2); tried again: "), msg
+    assert msg.endswith("tried again: cuCheckpointProcessRestore(pid 77) failed: "
+                        "CUDA_ERROR_OPERATING_SYSTEM (304))"), msg
+    assert "restore it again" in err.value.hint or "restore the checkpoint again" in err.value.hint
+
+
+def test_an_imported_restore_off_the_gpu_removes_its_container_and_keeps_the_source(
+        tmp_path, monkeypatch):
+    import contextlib
+
+    from gpusnap.gpu.plan import Plan
+    from gpusnap.runtime import podman
+    from gpusnap.runtime.stream import ImportStream
+
+    _refused_for_good(monkeypatch, tmp_path)
+    ctr = podman.Container(id="c0ffee", name="r2-1", status="running", pid=70, image="img",
+                           checkpointed=False, userdata=tmp_path, devices=[])
+    removed = []
+    monkeypatch.setattr(podman, "restore", lambda *a, **k: None)
+    monkeypatch.setattr(podman, "inspect", lambda name: ctr)
+    monkeypatch.setattr(podman, "remove", lambda name, force=False: removed.append((name, force)))
+    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
+    with pytest.raises(GpusnapError) as err:
+        ops_restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")),
+                                   contents, Plan([], [], False), "r2-1", False, False, "REF")
+    assert removed == [("r2-1", True)]
+    assert err.value.message.endswith("; the restored container r2-1 is removed; nothing was "
+                                      "restored, REF is unchanged"), err.value.message
+    assert "restore it again once the GPU has the memory free" in err.value.hint
+    assert [r["event"] for r in journal.read()][-1] == "restore-off-the-gpu"

@@ -270,3 +270,24 @@ def test_doctor_asks_the_driver_nothing_about_gpusnaps_own_helpers(monkeypatch, 
     monkeypatch.setattr(doctor, "stopped", lambda pid: pid == 103)
     asked.clear()
     assert doctor.stuck_processes() == [] and asked == []
+
+
+def test_doctor_fix_says_where_the_driver_refuses_a_process_for_good(monkeypatch):
+    """Driver 580 refuses every restore of a process once one was refused for memory
+    (H200, 2026-11-30): doctor says so, and not to run --fix again."""
+    from gpusnap.gpu.quiesce import QuiesceError
+    from gpusnap.ops import doctor
+    stuck = [{"pid": INIT + 1, "comm": "python3", "state": "CHECKPOINTED"}]
+    monkeypatch.setattr(doctor, "stuck_processes", lambda: stuck)
+    monkeypatch.setattr(doctor.turn, "key_for", lambda pid: pid - 1)
+    monkeypatch.setattr(doctor, "load_driver", lambda: object())
+
+    def resume(driver, pids):
+        raise QuiesceError("restore", {INIT + 1: RuntimeError(
+            "cuCheckpointProcessRestore(pid 1) failed: CUDA_ERROR_OPERATING_SYSTEM (304)")})
+    monkeypatch.setattr(doctor, "resume", resume)
+    check, _, fixed = doctor._gpu_processes_check(fix=True)
+    assert not check.ok and fixed == []
+    assert f"the driver refused to bring back pid {INIT + 1}: cuCheckpointProcessRestore" \
+        in check.detail and "CUDA_ERROR_OPERATING_SYSTEM" in check.detail
+    assert "podman rm -f" in check.fix and "doctor --fix" not in check.fix
