@@ -205,6 +205,14 @@ def test_a_gpu_restores_agent_holds_its_turn_until_post_resume_so_doctor_leaves_
             in check.detail
         assert _script("post-resume", task.pid, state).returncode == 0  # no CUDA here: done
         assert _gone(agent_files.folder(me))
+        # the agent removes its folder, then lets go of the turn as it exits
+        free = None
+        deadline = time.monotonic() + 15
+        while free is None and time.monotonic() < deadline:
+            free = turn.try_take(runtime, "test")
+            time.sleep(0 if free else 0.02)
+        assert free is not None, turn.holder(runtime)
+        free.close()
         _, _, fixed = doctor._gpu_processes_check(fix=True)
         assert fixed == [task.pid]
         assert list((state / "turns").iterdir()) == []
