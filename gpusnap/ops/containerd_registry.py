@@ -339,6 +339,16 @@ def _import(plan: RestorePlan, src: Path, source: str, log_uri: str | None) -> d
                                f"{exc}", f"nothing was left there; {source} is unchanged (the "
                                "shim's log, in containerd's journal, says more)") from None
     seconds = time.monotonic() - start
+    try:
+        gpu = ops_restore.gpu_report(pid, plan=plan.gpu_plan)
+    except ops_restore.OffTheGpu as exc:  # its processes cannot run on; the source is untouched
+        journal.record("restore-off-the-gpu", container=plan.container, pids=exc.pids,
+                       error=exc.message)
+        ns, cid = plan.namespace, plan.container
+        raise GpusnapError(f"{exc.message}; {source} is unchanged", (
+            f"`ctr -n {ns} task kill -s SIGKILL {cid}`, `ctr -n {ns} task rm {cid}`, "
+            f"`ctr -n {ns} container rm {cid}`, then restore it again once the GPU has the "
+            "memory free")) from None
     moves = plan.gpu_plan.describe() if plan.gpu_plan.needs_remap else None
     journal.record("restored", container=plan.container, namespace=plan.namespace,
                    engine=ENGINE, source=source, seconds=round(seconds, 3), moves=moves)
@@ -346,7 +356,7 @@ def _import(plan: RestorePlan, src: Path, source: str, log_uri: str | None) -> d
               "container": {"id": plan.container, "name": plan.container, "status": "running",
                             "namespace": plan.namespace, "pid": pid, "image": plan.image,
                             "runtime": plan.runtime},
-              "gpu_processes": ops_restore.gpu_report(pid)}
+              "gpu_processes": gpu}
     if plan.gpu_plan.moves:
         result["gpus"] = [{"from": m.source.to_dict(), "to": m.target.to_dict(),
                            "why": list(m.reasons)} for m in plan.gpu_plan.moves]
