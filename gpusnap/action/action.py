@@ -279,15 +279,15 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
     if not expected and not cuda_processes(init_pid):
         return
     ahead, driver = driver is not None, driver or quiesce.require_driver()
-    pids, waited, unanswered = quiesce.restored_answers(
-        driver, lambda: [p.pid for p in cuda_processes(init_pid)], expected)
+    seen = quiesce.restored_answers(driver, lambda: [p.pid for p in cuda_processes(init_pid)],
+                                    expected)
     timing = quiesce.Timing()
     live = _live_remap(init_pid)
     choices = live[1].pair_choices() if live else _pair_choices(kept.get(PLAN_NAME))
     try:
         if live:
             live[0].apply()
-        label, changed, refused = quiesce.resume_onto(driver, pids, choices, timing)
+        label, changed, refused = quiesce.resume_onto(driver, seen.pids, choices, timing)
     except BaseException:
         if live:
             live[0].undo()
@@ -300,7 +300,12 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
                        gpu_pairs=label, failed_first=refused,
                        moved_live=live[1].describe() if live else None,
                        by=by, driver_ahead=ahead,
-                       **({"waited_s": waited, "unanswered": unanswered} if waited else {}))
+                       **({"waited_s": seen.waited, "unanswered": seen.unanswered}
+                          if seen.waited else {}))
+    if seen.short:  # what answered runs again; the rest is said, and left to doctor --fix
+        raise GpusnapError(f"{seen.short}; those stay CHECKPOINTED",
+                           "`gpusnap doctor --fix` brings them back once the driver answers; "
+                           "GPUSNAP_WAIT_RESUME_SETTLE=SECONDS waits longer")
 
 
 def _live_remap(init_pid: int):

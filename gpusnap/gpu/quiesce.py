@@ -21,6 +21,11 @@ from gpusnap.gpu.inventory import Inventory, mps_active
 from gpusnap.procs import ProcessGpuUse
 from gpusnap.waits import Bound
 
+# A restore refused with these is refused for good on driver 580: once it answered
+# OUT_OF_MEMORY, every later restore of that process answers OPERATING_SYSTEM,
+# however much memory is free (H200, 2026-11-30; docs/reliability.md)
+REFUSED_FOR_GOOD = ("CUDA_ERROR_OPERATING_SYSTEM", "CUDA_ERROR_OUT_OF_MEMORY")
+
 # How long the driver waits for a process's CUDA work to finish before its lock
 # fails: the checkpoint, freeze and move verbs take it as --lock-timeout/--timeout.
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
@@ -234,8 +239,18 @@ def resume_onto(driver: Driver, pids: list[int],
     raise QuiesceError("restore", {pid: RuntimeError("; ".join(refused)) for pid in pids})
 
 
+@dataclass
+class Answers:
+    """What the driver answered about a restored tree (restored_answers)."""
+
+    pids: list[int]  # its CUDA processes, as last seen
+    waited: float  # seconds spent asking again, 0.0 where it answered at once
+    unanswered: dict[int, str]  # the driver's errors seen first, where it had to ask again
+    short: str | None = None  # where the bound ran out: what is missing, in words
+
+
 def restored_answers(driver: Driver, find: Callable[[], list[int]], expected: int,
-                     sleep: Callable[[float], None] = time.sleep) -> tuple[list[int], float, dict]:
+                     sleep: Callable[[float], None] = time.sleep) -> Answers:
     """The restored processes (``find``'s pids), once the driver answers for at
     least ``expected`` of them, the number the checkpoint holds GPU memory of.
 
@@ -243,8 +258,10 @@ def restored_answers(driver: Driver, find: Callable[[], list[int]], expected: in
     post-resume that found nothing to resume: either the process or the driver's
     answer for it was not there yet, and one passed over, as a dump passes over a
     process without a context, stays off its GPU with nobody told. So the
-    answers are waited for, within RESUME_SETTLE; returns (pids, seconds
-    waited, the driver's errors seen first)."""
+    answers are waited for, within RESUME_SETTLE; where they never come, the
+    processes that did answer are still the caller's to resume (``short``
+    says what is missing): one that exited meanwhile must not hold back the
+    rest."""
     bound = Bound.of("RESUME_SETTLE")
     start = time.monotonic()
     first: dict[int, str] = {}
@@ -255,16 +272,14 @@ def restored_answers(driver: Driver, find: Callable[[], list[int]], expected: in
         first = first or errors
         waited = time.monotonic() - start
         if len(found) >= expected:  # answered at once: nothing was waited for
-            return pids, round(waited, 3) if tries else 0.0, first
+            return Answers(pids, round(waited, 3) if tries else 0.0, first)
         if waited > bound.seconds:
             said = "; ".join(f"pid {p}: {e}" for p, e in sorted(errors.items())) or \
-                "none of its CUDA processes found"
-            raise GpusnapError(
+                "no other CUDA process found"
+            return Answers(pids, round(waited, 3), first, (
                 f"the checkpoint holds GPU memory of {expected} process(es), but after "
                 f"{waited:.0f} s the NVIDIA driver answers for {len(found)} of the "
-                f"{len(pids)} restored ones ({said}); they stay CHECKPOINTED",
-                "`gpusnap doctor --fix` brings them back once the driver answers; "
-                "GPUSNAP_WAIT_RESUME_SETTLE=SECONDS waits longer")
+                f"{len(pids)} restored ones ({said})"))
         sleep(0.05)
         tries += 1
 

@@ -39,6 +39,7 @@ from gpusnap.gpu.manifest import Manifest
 from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.dirfiles import DirectoryWriter
 from gpusnap.ops import restore as ops_restore
+from gpusnap.ops import restore_check
 from gpusnap.ops.containerd_api import Client, ContainerdError
 from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image, import_dir
 from gpusnap.ops.engines import ENGINE, refuse_engine
@@ -340,15 +341,16 @@ def _import(plan: RestorePlan, src: Path, source: str, log_uri: str | None) -> d
                                "shim's log, in containerd's journal, says more)") from None
     seconds = time.monotonic() - start
     try:
-        gpu = ops_restore.gpu_report(pid, plan=plan.gpu_plan)
-    except ops_restore.OffTheGpu as exc:  # its processes cannot run on; the source is untouched
+        gpu = restore_check.gpu_report(pid, plan=plan.gpu_plan)
+    except restore_check.OffTheGpu as exc:  # its processes cannot run on; the source is untouched
         journal.record("restore-off-the-gpu", container=plan.container, pids=exc.pids,
                        error=exc.message)
         ns, cid = plan.namespace, plan.container
-        raise GpusnapError(f"{exc.message}; {source} is unchanged", (
-            f"`ctr -n {ns} task kill -s SIGKILL {cid}`, `ctr -n {ns} task rm {cid}`, "
-            f"`ctr -n {ns} container rm {cid}`, then restore it again once the GPU has the "
-            "memory free")) from None
+        raise GpusnapError(f"{exc.message}; task {cid} in namespace {ns} is left running off "
+                           f"its GPU; {source} is unchanged", (
+                               f"`ctr -n {ns} task kill -s SIGKILL {cid}`, `ctr -n {ns} task rm "
+                               f"{cid}`, `ctr -n {ns} container rm {cid}`, then restore it again "
+                               "once the GPU has the memory free")) from None
     moves = plan.gpu_plan.describe() if plan.gpu_plan.needs_remap else None
     journal.record("restored", container=plan.container, namespace=plan.namespace,
                    engine=ENGINE, source=source, seconds=round(seconds, 3), moves=moves)

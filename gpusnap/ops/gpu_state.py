@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable, TypeVar
 
 from gpusnap import journal
 from gpusnap.gpu.cuda import ProcessState
@@ -10,6 +11,10 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu.quiesce import Driver, require_driver, resume, resume_onto, states
 from gpusnap.gpu.turn import holder, key_for, try_take
 from gpusnap.procs import alive, stopped
+
+T = TypeVar("T")
+# How long the restore's check waits for a restore's turn: the agent lets go of it as it exits
+TURN_WAIT_S = 10.0
 
 
 def load_driver() -> Driver | None:
@@ -42,29 +47,42 @@ def ensure_running(init_pid: int, pids: list[int], wait_s: float = 60.0) -> list
         if time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    turn = try_take(init_pid, "checkpoint's clean-up")
+    resumed = under_turn(init_pid, "checkpoint's clean-up", held, lambda: resume(driver, held))
+    return resumed or []
+
+
+def under_turn(key: int, role: str, pids: list[int], act: Callable[[], T],
+               wait_s: float = 0.0) -> T | None:
+    """``act()`` (a resume of ``pids``) under their container's turn (gpu/turn.py),
+    waiting up to ``wait_s`` for it; None where another holds it on (recorded
+    as 'resume-left', with who): two resumes of one process fail each other."""
+    deadline = time.monotonic() + wait_s
+    while (turn := try_take(key, role)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     if turn is None:
-        who, role = holder(init_pid)
-        journal.record("resume-left", init_pid=init_pid, pids=held, holder=who, role=role)
-        return []
+        who, held_as = holder(key)
+        journal.record("resume-left", init_pid=key, pids=pids, holder=who, role=held_as, by=role)
+        return None
     with turn:
-        return resume(driver, held)
+        return act()
 
 
 def bring_back(pids: list[int], driver: Driver,
-               choices: list[tuple[str, list[tuple[str, str]] | None]]) -> list[int]:
+               choices: list[tuple[str, list[tuple[str, str]] | None]]) -> list[int] | None:
     """After a restore Podman says is done: processes its post-resume step left
     CHECKPOINTED or LOCKED resumed here, onto the plan's GPUs, under their
-    container's turn, rather than a restored container left off its GPU.
-    A turn someone holds is left to them. Returns the pids resumed; raises
-    QuiesceError where the driver refuses."""
-    turn = try_take(key_for(pids[0]), "restore's check")
-    if turn is None:
-        return []
-    with turn:
-        label, changed, refused = resume_onto(driver, pids, choices)
-    journal.record("resumed", init_pid=key_for(pids[0]), pids=changed, gpu_pairs=label,
-                   failed_first=refused, by="restore's check",
-                   why="post-resume left them off their GPUs")
+    container's turn (waited for up to TURN_WAIT_S), rather than a restored
+    container left off its GPU. Returns the pids resumed, None where the turn
+    stayed held; raises QuiesceError where the driver refuses."""
+    key = key_for(pids[0])
+    try:
+        done = under_turn(key, "restore's check", pids,
+                          lambda: resume_onto(driver, pids, choices), wait_s=TURN_WAIT_S)
+    except OSError:  # a state folder this process cannot write: the caller says it is left
+        return None
+    if done is None:
+        return None
+    label, changed, refused = done
+    journal.record("resumed", init_pid=key, pids=changed, gpu_pairs=label, failed_first=refused,
+                   by="restore's check", why="post-resume left them off their GPUs")
     return changed
-

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -19,11 +18,9 @@ from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.gpu.plan import Plan
 from gpusnap.ops.engines import refuse_engine
 from gpusnap.ops.gpu_plan import plan_here
-from gpusnap.gpu.quiesce import Driver, QuiesceError
-from gpusnap.ops.gpu_state import bring_back, load_driver
+from gpusnap.ops.restore_check import OffTheGpu, gpu_report
 from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.partial import full_at
-from gpusnap.procs import cuda_processes
 from gpusnap.runtime import identity, podman
 from gpusnap.runtime.retarget import edit_members
 from gpusnap.runtime.stream import (CONFIG_FILES, ImportStream, config_only_opens, config_tar,
@@ -132,6 +129,7 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
     try:
         return restored(ctr, source, seconds, plan, driver=ahead)
     except OffTheGpu as exc:  # Podman drops a local checkpoint once it restored it, unless kept
+        journal.record("restore-off-the-gpu", container=ctr.id, pids=exc.pids, error=exc.message)
         raise GpusnapError(exc.message, (
             f"`podman stop -t 0 {ctr.name}`, then restore it again once the GPU has the memory "
             "free: Podman kept its checkpoint (--keep)") if keep else (
@@ -216,11 +214,11 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
         journal.record("restore-off-the-gpu", container=ctr.id, pids=exc.pids, error=exc.message)
         try:
             podman.remove(ctr.name, force=True)
-            kept = f"; the restored container {ctr.name} is removed"
+            what = f"the restored container {ctr.name} is removed; nothing was restored"
         except GpusnapError as left:
-            kept = f"; the restored container {ctr.name} is left ({left.message}): " \
+            what = f"the restored container {ctr.name} could not be removed ({left.message}): " \
                    f"`podman rm -f {ctr.name}`"
-        raise GpusnapError(f"{exc.message}{kept}; nothing was restored, {source} is unchanged",
+        raise GpusnapError(f"{exc.message}; {what}; {source} is unchanged",
                            "restore it again once the GPU has the memory free (nvidia-smi "
                            "shows what holds it)") from None
 
@@ -295,73 +293,3 @@ def _drop_half_restored(name: str | None) -> tuple[CriuLog | None, str | None]:
         journal.record("half-restored-left", container=ctr.id, error=exc.message)
         return log, exc.message
     return log, None
-
-
-class OffTheGpu(GpusnapError):
-    """Restored processes whose GPU state the driver would not bring back. On
-    driver 580 a process whose restore the driver once refused (no memory left
-    on the GPU) is refused for good, CUDA_ERROR_OPERATING_SYSTEM, however much
-    is free later: its container cannot run on, and only the checkpoint can."""
-
-    def __init__(self, pids: list[int], first: str | None, again: str) -> None:
-        self.pids = pids
-        again = _driver_words(again)
-        said = f"post-resume: {_driver_words(first)}; tried again: {again}" if first else again
-        super().__init__(f"the NVIDIA driver did not bring back the GPU state of restored "
-                         f"process(es) {', '.join(map(str, pids))} ({said})",
-                         "`gpusnap doctor` shows them; `podman rm -f` their container and "
-                         "restore the checkpoint again once the GPU has the memory free")
-
-
-def _driver_words(text: str) -> str:
-    """The driver's own failures in a QuiesceError's text, each once, without the
-    layers each GPU-pair choice tried wraps around them."""
-    calls = list(dict.fromkeys(re.findall(r"cuCheckpointProcess\w+\(pid \d+\) failed: \S+ \(\d+\)",
-                                          text)))
-    return "; ".join(calls) or text
-
-
-def _post_resume_said(init_pid: int) -> str | None:
-    """Why the post-resume step of the restore of ``init_pid`` failed, from the journal."""
-    for rec in reversed(journal.read(100)):
-        if rec.get("event") == "failed" and rec.get("action") == "post-resume" \
-                and str(rec.get("init_pid")) == str(init_pid):
-            return rec.get("error")
-    return None
-
-
-def gpu_report(pid: int, ahead: DriverAhead | None = None, plan: Plan | None = None) -> list[dict]:
-    """The restored container's CUDA processes and their driver states. One its
-    post-resume left off the GPU is resumed here, onto ``plan``'s GPUs
-    (gpu_state.bring_back): a restore that returns has its processes running."""
-    procs = cuda_processes(pid)
-    if not procs:
-        return []
-    driver = (ahead.get() if ahead else None) or load_driver()
-    report = [_gpu_entry(driver, p.pid, p.comm) for p in procs]
-    left = [e["pid"] for e in report if e["state"] in ("CHECKPOINTED", "LOCKED")]
-    if left and driver is not None:
-        try:
-            resumed = bring_back(left, driver, plan.pair_choices() if plan else [("none", None)])
-        except QuiesceError as exc:
-            raise OffTheGpu(left, _post_resume_said(pid), str(exc)) from None
-        report = [{**_gpu_entry(driver, e["pid"], e["comm"]), "resumed_late": True}
-                  if e["pid"] in resumed else e for e in report]
-    for e in report:
-        if e["state"] not in ("RUNNING", "unknown"):
-            raise GpusnapError(f"restored, but process {e['pid']} ({e['comm']}) is {e['state']} "
-                               "on the GPU", "`gpusnap thaw` the container, or `gpusnap doctor --fix`")
-    return report
-
-
-def _gpu_entry(driver: Driver | None, pid: int, comm: str) -> dict:
-    state, why = None, "no CUDA driver"
-    if driver is not None:
-        try:
-            state = driver.state(pid)
-        except Exception as exc:  # noqa: BLE001 -- reported, not fatal: it was restored
-            why = str(exc)
-    entry = {"pid": pid, "comm": comm, "state": state.name if state is not None else "unknown"}
-    if state is None:
-        entry["error"] = why
-    return entry

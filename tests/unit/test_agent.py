@@ -212,6 +212,7 @@ def test_a_gpu_restores_agent_holds_its_turn_until_post_resume_so_doctor_leaves_
             free = turn.try_take(runtime, "test")
             time.sleep(0 if free else 0.02)
         assert free is not None, turn.holder(runtime)
+        free.release()
         free.close()
         _, _, fixed = doctor._gpu_processes_check(fix=True)
         assert fixed == [task.pid]

@@ -1,0 +1,98 @@
+"""The restored container's GPU processes, checked before a restore says it is done.
+
+CRIU only logs a post-resume step that failed, so Podman (or the containerd
+shim) counts such a restore as done while its processes wait CHECKPOINTED,
+off their GPU. The check here resumes what the step left (under the
+container's turn, onto the plan's GPUs) and says in words what it cannot:
+on driver 580 a process whose restore the driver once refused for lack of GPU
+memory is refused for good (CUDA_ERROR_OPERATING_SYSTEM, however much is free
+later; docs/reliability.md), and only its checkpoint can bring the job back.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gpusnap import journal
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.cuda import DriverAhead
+from gpusnap.gpu.plan import Plan
+from gpusnap.gpu.quiesce import REFUSED_FOR_GOOD, Driver, QuiesceError
+from gpusnap.ops.gpu_state import bring_back, load_driver
+from gpusnap.procs import cuda_processes
+
+DOCTOR = "`gpusnap doctor --fix`, or `gpusnap thaw` the container"
+
+
+class OffTheGpu(GpusnapError):
+    """Restored processes whose GPU state the driver refused for good: their
+    container cannot run on; the caller says what of the checkpoint is left."""
+
+    def __init__(self, pids: list[int], first: str | None, again: str) -> None:
+        self.pids = pids
+        said = f"post-resume: {driver_words(first)}; tried again: {again}" if first else again
+        super().__init__(f"the NVIDIA driver did not bring back the GPU state of restored "
+                         f"process(es) {', '.join(map(str, pids))} ({said})",
+                         "restore the checkpoint again once the GPU has the memory free")
+
+
+def driver_words(text: str) -> str:
+    """The driver's own failures in a QuiesceError's text, each once, without the
+    layers each GPU-pair choice tried wraps around them."""
+    calls = re.findall(r"cuCheckpointProcess\w+\(pid \d+\) failed: \S+ \(\d+\)", text)
+    return "; ".join(dict.fromkeys(calls)) or text
+
+
+def post_resume_said(init_pid: int) -> str | None:
+    """Why the post-resume step of the restore of ``init_pid`` failed, from the journal."""
+    for rec in reversed(journal.read(100)):
+        if rec.get("event") == "failed" and rec.get("action") == "post-resume" \
+                and str(rec.get("init_pid")) == str(init_pid):
+            return rec.get("error")
+    return None
+
+
+def gpu_report(pid: int, ahead: DriverAhead | None = None, plan: Plan | None = None) -> list[dict]:
+    """The CUDA processes of the container whose init is ``pid`` and their driver
+    states, any post-resume left off the GPU resumed first (gpu_state.bring_back).
+    Raises OffTheGpu where the driver refuses them for good, GpusnapError where
+    one is still not running or a failed post-resume cannot be checked."""
+    procs = cuda_processes(pid)
+    if not procs:
+        return []
+    driver = (ahead.get() if ahead else None) or load_driver()
+    report = [_entry(driver, p.pid, p.comm) for p in procs]
+    left = [e["pid"] for e in report if e["state"] in ("CHECKPOINTED", "LOCKED")]
+    if left and driver is not None:
+        try:
+            resumed = bring_back(left, driver, plan.pair_choices() if plan else [("none", None)])
+        except QuiesceError as exc:
+            again = driver_words(str(exc))
+            if any(code in again for code in REFUSED_FOR_GOOD):
+                raise OffTheGpu(left, post_resume_said(pid), again) from None
+            raise GpusnapError(f"restored, but the driver did not resume process(es) "
+                               f"{', '.join(map(str, left))} ({again})", DOCTOR) from None
+        report = [{**_entry(driver, e["pid"], e["comm"]), "resumed_late": True}
+                  if e["pid"] in (resumed or []) else e for e in report]
+    for e in report:
+        if e["state"] == "unknown" and post_resume_said(pid):
+            raise GpusnapError(f"restored, but its post-resume step failed "
+                               f"({driver_words(post_resume_said(pid) or '')}) and the driver does "
+                               f"not answer about process {e['pid']} ({e.get('error')})", DOCTOR)
+        if e["state"] not in ("RUNNING", "unknown"):
+            raise GpusnapError(f"restored, but process {e['pid']} ({e['comm']}) is {e['state']} "
+                               "on the GPU", DOCTOR)
+    return report
+
+
+def _entry(driver: Driver | None, pid: int, comm: str) -> dict:
+    state, why = None, "no CUDA driver"
+    if driver is not None:
+        try:
+            state = driver.state(pid)
+        except Exception as exc:  # noqa: BLE001 -- reported, not fatal: it was restored
+            why = str(exc)
+    entry = {"pid": pid, "comm": comm, "state": state.name if state is not None else "unknown"}
+    if state is None:
+        entry["error"] = why
+    return entry
