@@ -302,10 +302,20 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
                        by=by, driver_ahead=ahead,
                        **({"waited_s": seen.waited, "unanswered": seen.unanswered}
                           if seen.waited else {}))
-    if seen.short:  # what answered runs again; the rest is said, and left to doctor --fix
-        raise GpusnapError(f"{seen.short}; those stay CHECKPOINTED",
-                           "`gpusnap doctor --fix` brings them back once the driver answers; "
-                           "GPUSNAP_WAIT_RESUME_SETTLE=SECONDS waits longer")
+    if seen.short and seen.missing:  # what answered runs again; the rest is said
+        raise NotAnswered(f"{seen.short}; those stay CHECKPOINTED", seen.missing)
+    if seen.short:  # nothing left to resume: a process exited once CRIU resumed it
+        journal.record("resume-short", init_pid=init_pid, error=seen.short)
+
+
+class NotAnswered(GpusnapError):
+    """Restored processes the driver did not answer for: left CHECKPOINTED. The
+    pids go into the step's journal record, for the restore's own check."""
+
+    def __init__(self, message: str, pids: list[int]) -> None:
+        super().__init__(message, "`gpusnap doctor --fix` brings them back once the driver "
+                                  "answers; GPUSNAP_WAIT_RESUME_SETTLE=SECONDS waits longer")
+        self.pids = pids
 
 
 def _live_remap(init_pid: int):
@@ -395,7 +405,8 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
         # a refusal (GpusnapError) keeps its hint apart: the CLI says it as its own
         journal.record("failed", action=action, init_pid=os.environ.get("CRTOOLS_INIT_PID"),
                        error=getattr(exc, "message", str(exc)), hint=getattr(exc, "hint", None),
-                       refused=isinstance(exc, GpusnapError))
+                       refused=isinstance(exc, GpusnapError),
+                       **({"pids": exc.pids} if isinstance(exc, NotAnswered) else {}))
         # CRIU logs what its scripts print; criu.log.first_error takes this line
         print(f"gpusnap: {action}: {exc}", file=sys.stderr)
         return 1

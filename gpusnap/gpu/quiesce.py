@@ -10,6 +10,7 @@ running on its GPUs.
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +25,13 @@ from gpusnap.waits import Bound
 # A restore refused with these is refused for good on driver 580: once it answered
 # OUT_OF_MEMORY, every later restore of that process answers OPERATING_SYSTEM,
 # however much memory is free (H200, 2026-11-30; docs/reliability.md)
-REFUSED_FOR_GOOD = ("CUDA_ERROR_OPERATING_SYSTEM", "CUDA_ERROR_OUT_OF_MEMORY")
+_REFUSED_FOR_GOOD = re.compile(r"cuCheckpointProcessRestore\(pid \d+\) failed: "
+                               r"CUDA_ERROR_(OPERATING_SYSTEM|OUT_OF_MEMORY)\b")
+
+
+def refused_for_good(said: str) -> bool:
+    """Whether the driver's words (a QuiesceError's) hold a restore refused for good."""
+    return bool(_REFUSED_FOR_GOOD.search(said))
 
 # How long the driver waits for a process's CUDA work to finish before its lock
 # fails: the checkpoint, freeze and move verbs take it as --lock-timeout/--timeout.
@@ -247,6 +254,7 @@ class Answers:
     waited: float  # seconds spent asking again, 0.0 where it answered at once
     unanswered: dict[int, str]  # the driver's errors seen first, where it had to ask again
     short: str | None = None  # where the bound ran out: what is missing, in words
+    missing: list[int] = field(default_factory=list)  # then: those the driver did not answer for
 
 
 def restored_answers(driver: Driver, find: Callable[[], list[int]], expected: int,
@@ -274,12 +282,12 @@ def restored_answers(driver: Driver, find: Callable[[], list[int]], expected: in
         if len(found) >= expected:  # answered at once: nothing was waited for
             return Answers(pids, round(waited, 3) if tries else 0.0, first)
         if waited > bound.seconds:
-            said = "; ".join(f"pid {p}: {e}" for p, e in sorted(errors.items())) or \
-                "no other CUDA process found"
+            said = "; ".join(f"pid {p}: {e}" for p, e in sorted(errors.items())) if errors \
+                else f"{expected - len(found)} of them gone from the restored tree"
             return Answers(pids, round(waited, 3), first, (
                 f"the checkpoint holds GPU memory of {expected} process(es), but after "
                 f"{waited:.0f} s the NVIDIA driver answers for {len(found)} of the "
-                f"{len(pids)} restored ones ({said})"))
+                f"{len(pids)} restored ones ({said})"), sorted(errors))
         sleep(0.05)
         tries += 1
 

@@ -351,6 +351,10 @@ def _import(plan: RestorePlan, src: Path, source: str, log_uri: str | None) -> d
                                f"`ctr -n {ns} task kill -s SIGKILL {cid}`, `ctr -n {ns} task rm "
                                f"{cid}`, `ctr -n {ns} container rm {cid}`, then restore it again "
                                "once the GPU has the memory free")) from None
+    except GpusnapError as exc:  # its check failed otherwise: the task and where it is
+        journal.record("restore-check-failed", container=plan.container, error=exc.message)
+        raise GpusnapError(f"{exc.message} (task {plan.container} in namespace "
+                           f"{plan.namespace})", "`gpusnap doctor --fix`") from None
     moves = plan.gpu_plan.describe() if plan.gpu_plan.needs_remap else None
     journal.record("restored", container=plan.container, namespace=plan.namespace,
                    engine=ENGINE, source=source, seconds=round(seconds, 3), moves=moves)

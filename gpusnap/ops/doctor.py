@@ -18,7 +18,7 @@ from gpusnap.gpu.checks import MIN_CHECKPOINT_DRIVER, driver_major
 from gpusnap.criu.freezer import is_frozen
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
-from gpusnap.gpu.quiesce import REFUSED_FOR_GOOD, QuiesceError, resume, states
+from gpusnap.gpu.quiesce import QuiesceError, refused_for_good, resume, states
 from gpusnap.gpu import turn
 from gpusnap.ops import leftovers
 from gpusnap.pages import prepared_pages
@@ -204,8 +204,7 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
                 fixed += resume(driver, pids)
             except QuiesceError as exc:  # said below as not fixed; the others go on
                 journal.record("doctor-resume-failed", pids=pids, error=str(exc))
-                refused.update({pid: str(err) for pid, err in exc.failures.items()
-                                if any(code in str(err) for code in REFUSED_FOR_GOOD)})
+                refused.update({pid: str(err) for pid, err in exc.failures.items()})
     detail = "none held by an unfinished checkpoint" if not stuck else \
         ", ".join(f"pid {s['pid']} ({s['comm']}) {s['state']}" for s in stuck)
     if busy:
@@ -216,9 +215,11 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
     left = [s for s in stuck if s["pid"] not in at_work and s["pid"] not in fixed]
     hint = "run `gpusnap doctor --fix` to restore and unlock them (or `gpusnap thaw`)" \
         if left else ""
-    if refused:  # driver 580 refuses for good a process whose restore it once refused
+    if refused:
         detail += "; the driver refused to bring back " + "; ".join(
             f"pid {pid}: {err}" for pid, err in sorted(refused.items()))
+    # driver 580 refuses for good a process whose restore it once refused for memory
+    if any(refused_for_good(err) for err in refused.values()):
         hint = ("their GPU state cannot come back: end their container (`podman rm -f`, or "
                 "its containerd task) and restore it again from its checkpoint, where it has one")
     return Check("gpu processes", not left, detail, hint), stuck, fixed

@@ -54,11 +54,16 @@ def ensure_running(init_pid: int, pids: list[int], wait_s: float = 60.0) -> list
 def under_turn(key: int, role: str, pids: list[int], act: Callable[[], T],
                wait_s: float = 0.0) -> T | None:
     """``act()`` (a resume of ``pids``) under their container's turn (gpu/turn.py),
-    waiting up to ``wait_s`` for it; None where another holds it on (recorded
-    as 'resume-left', with who): two resumes of one process fail each other."""
+    waiting up to ``wait_s`` for it; None where another holds it on, or it
+    cannot be taken from here (recorded as 'resume-left', with who or why):
+    two resumes of one process fail each other."""
     deadline = time.monotonic() + wait_s
-    while (turn := try_take(key, role)) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    try:
+        while (turn := try_take(key, role)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except OSError as exc:  # a state folder this process cannot write: nothing done from here
+        journal.record("resume-left", init_pid=key, pids=pids, error=str(exc), by=role)
+        return None
     if turn is None:
         who, held_as = holder(key)
         journal.record("resume-left", init_pid=key, pids=pids, holder=who, role=held_as, by=role)
@@ -75,11 +80,8 @@ def bring_back(pids: list[int], driver: Driver,
     container left off its GPU. Returns the pids resumed, None where the turn
     stayed held; raises QuiesceError where the driver refuses."""
     key = key_for(pids[0])
-    try:
-        done = under_turn(key, "restore's check", pids,
-                          lambda: resume_onto(driver, pids, choices), wait_s=TURN_WAIT_S)
-    except OSError:  # a state folder this process cannot write: the caller says it is left
-        return None
+    done = under_turn(key, "restore's check", pids,
+                      lambda: resume_onto(driver, pids, choices), wait_s=TURN_WAIT_S)
     if done is None:
         return None
     label, changed, refused = done

@@ -12,14 +12,15 @@ later; docs/reliability.md), and only its checkpoint can bring the job back.
 from __future__ import annotations
 
 import re
+import time
 
 from gpusnap import journal
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.gpu.plan import Plan
-from gpusnap.gpu.quiesce import REFUSED_FOR_GOOD, Driver, QuiesceError
+from gpusnap.gpu.quiesce import Driver, QuiesceError, refused_for_good
 from gpusnap.ops.gpu_state import bring_back, load_driver
-from gpusnap.procs import cuda_processes
+from gpusnap.procs import age_s, cuda_processes
 
 DOCTOR = "`gpusnap doctor --fix`, or `gpusnap thaw` the container"
 
@@ -43,13 +44,17 @@ def driver_words(text: str) -> str:
     return "; ".join(dict.fromkeys(calls)) or text
 
 
-def post_resume_said(init_pid: int) -> str | None:
-    """Why the post-resume step of the restore of ``init_pid`` failed, from the journal."""
+def post_resume_failure(init_pid: int) -> dict:
+    """The journal's record of this restore's post-resume step failing, or {}:
+    only records since ``init_pid`` (restored by this restore) began, so no
+    earlier restore's whose init had the same pid."""
+    age = age_s(init_pid)
+    since = time.time() - age - 1.0 if age is not None else 0.0
     for rec in reversed(journal.read(100)):
         if rec.get("event") == "failed" and rec.get("action") == "post-resume" \
-                and str(rec.get("init_pid")) == str(init_pid):
-            return rec.get("error")
-    return None
+                and str(rec.get("init_pid")) == str(init_pid) and rec.get("at", 0) >= since:
+            return rec
+    return {}
 
 
 def gpu_report(pid: int, ahead: DriverAhead | None = None, plan: Plan | None = None) -> list[dict]:
@@ -62,22 +67,24 @@ def gpu_report(pid: int, ahead: DriverAhead | None = None, plan: Plan | None = N
         return []
     driver = (ahead.get() if ahead else None) or load_driver()
     report = [_entry(driver, p.pid, p.comm) for p in procs]
+    failed = post_resume_failure(pid)
     left = [e["pid"] for e in report if e["state"] in ("CHECKPOINTED", "LOCKED")]
     if left and driver is not None:
         try:
             resumed = bring_back(left, driver, plan.pair_choices() if plan else [("none", None)])
         except QuiesceError as exc:
             again = driver_words(str(exc))
-            if any(code in again for code in REFUSED_FOR_GOOD):
-                raise OffTheGpu(left, post_resume_said(pid), again) from None
+            if refused_for_good(again):
+                raise OffTheGpu(left, failed.get("error"), again) from None
             raise GpusnapError(f"restored, but the driver did not resume process(es) "
                                f"{', '.join(map(str, left))} ({again})", DOCTOR) from None
         report = [{**_entry(driver, e["pid"], e["comm"]), "resumed_late": True}
                   if e["pid"] in (resumed or []) else e for e in report]
+    unanswered = set(failed.get("pids") or [])  # those post-resume waited for in vain
     for e in report:
-        if e["state"] == "unknown" and post_resume_said(pid):
+        if e["state"] == "unknown" and failed and (driver is None or e["pid"] in unanswered):
             raise GpusnapError(f"restored, but its post-resume step failed "
-                               f"({driver_words(post_resume_said(pid) or '')}) and the driver does "
+                               f"({driver_words(failed.get('error') or '')}) and the driver does "
                                f"not answer about process {e['pid']} ({e.get('error')})", DOCTOR)
         if e["state"] not in ("RUNNING", "unknown"):
             raise GpusnapError(f"restored, but process {e['pid']} ({e['comm']}) is {e['state']} "

@@ -638,12 +638,15 @@ def test_a_driver_restore_refused_for_memory_removes_the_restored_container(gone
         deadline = time.monotonic() + 120
         while not failed() and time.monotonic() < deadline:
             time.sleep(0.05)
-    finally:
-        for pid in agent:
-            os.kill(pid, signal.SIGCONT)
-        hog.remove()
+    finally:  # the hog goes before the CLI goes on (its retry meets a free GPU); the CLI goes on whatever fails
         with contextlib.suppress(ProcessLookupError):
-            os.kill(cli.pid, signal.SIGCONT)
+            for pid in agent:
+                os.kill(pid, signal.SIGCONT)
+        try:
+            hog.remove()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(cli.pid, signal.SIGCONT)
     res = finished(cli)
     assert failed() and "CUDA_ERROR_OUT_OF_MEMORY" in failed()[0]["error"], failed()
     if res.returncode == 0:  # a driver that takes the process back once memory is free

@@ -200,9 +200,53 @@ def test_a_refusal_that_is_not_for_good_keeps_the_container_and_says_doctor(chec
     assert "gpusnap doctor --fix" in err.value.hint
 
 
-def test_a_failed_post_resume_the_driver_cannot_be_asked_about_is_not_a_success(check):
-    journal.record("failed", action="post-resume", init_pid="70",
+def test_a_process_post_resume_waited_for_in_vain_is_not_a_success(check):
+    journal.record("failed", action="post-resume", init_pid="70", pids=[77],
                    error="the checkpoint holds GPU memory of 1 process(es), but ...")
     check(FakeDriver({}, fail={("state", 77): "CUDA_ERROR_NOT_INITIALIZED"}))
     with pytest.raises(GpusnapError, match="restored, but its post-resume step failed"):
         restore_check.gpu_report(70)
+
+
+def test_a_helper_without_a_context_does_not_fail_a_restore_the_check_completed(check,
+                                                                                monkeypatch):
+    """A process that maps libcuda without a context of its own answers
+    NOT_INITIALIZED: beside a failed post-resume whose process the check brought
+    back, it is no reason to fail the restore."""
+    journal.record("failed", action="post-resume", init_pid="70",
+                   error="cuCheckpointProcessRestore(pid 77) failed: CUDA_ERROR_INVALID_VALUE (1)")
+    monkeypatch.setattr(restore_check, "cuda_processes", lambda pid: TRAIN + [
+        ProcessGpuUse(pid=79, comm="helper", maps_libcuda=True)])
+    check(FakeDriver({77: ProcessState.CHECKPOINTED}))
+    report = restore_check.gpu_report(70)
+    assert [(e["pid"], e["state"]) for e in report] == [(77, "RUNNING"), (79, "unknown")]
+
+
+def test_an_earlier_restores_failure_is_not_this_ones(check, monkeypatch):
+    """The journal is searched by init pid, which an earlier restore may have had."""
+    import time
+    journal.record("failed", action="post-resume", init_pid="70", pids=[77],
+                   at=round(time.time() - 3600, 3), error="an hour ago")
+    monkeypatch.setattr(restore_check, "age_s", lambda pid: 5.0)
+    check(FakeDriver({}, fail={("state", 77): "CUDA_ERROR_NOT_INITIALIZED"}))
+    assert restore_check.gpu_report(70)[0]["state"] == "unknown"
+
+
+def test_a_process_that_exited_is_said_apart_not_left_checkpointed(kept, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_WAIT_RESUME_SETTLE", "0.2")
+    monkeypatch.setattr(action, "cuda_processes", lambda pid: [])
+    action.post_resume(init_pid=70, criu_pid=CRIU, driver=FakeDriver({}))
+    (rec,) = [r for r in journal.read() if r["event"] == "resume-short"]
+    assert "1 of them gone from the restored tree" in rec["error"]
+
+
+def test_the_steps_record_names_the_processes_left_for_the_restores_check(kept, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_WAIT_RESUME_SETTLE", "0.2")
+    monkeypatch.setenv("CRTOOLS_INIT_PID", "70")
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", "")
+    monkeypatch.setattr(action, "cuda_processes", lambda pid: TRAIN)
+    driver = FakeDriver({77: ProcessState.CHECKPOINTED},
+                        fail={("state", 77): "CUDA_ERROR_NOT_INITIALIZED"})
+    assert action._run("post-resume", CRIU, driver=driver) == 1
+    (rec,) = [r for r in journal.read() if r["event"] == "failed"]
+    assert rec["action"] == "post-resume" and rec["pids"] == [77] and rec["init_pid"] == "70"
