@@ -33,6 +33,7 @@ def refused_for_good(said: str) -> bool:
     """Whether the driver's words (a QuiesceError's) hold a restore refused for good."""
     return bool(_REFUSED_FOR_GOOD.search(said))
 
+
 # How long the driver waits for a process's CUDA work to finish before its lock
 # fails: the checkpoint, freeze and move verbs take it as --lock-timeout/--timeout.
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
