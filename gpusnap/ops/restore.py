@@ -129,7 +129,6 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
     try:
         return restored(ctr, source, seconds, plan, driver=ahead)
     except OffTheGpu as exc:  # Podman drops a local checkpoint once it restored it, unless kept
-        journal.record("restore-off-the-gpu", container=ctr.id, pids=exc.pids, error=exc.message)
         raise GpusnapError(exc.message, (
             f"`podman stop -t 0 {ctr.name}`, then restore it again once the GPU has the memory "
             "free: Podman kept its checkpoint (--keep)") if keep else (
@@ -211,7 +210,6 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
         return restored(ctr, source, done - start, plan, hostname=hostname,
                         after={"inspect": round(time.monotonic() - done, 3)}, driver=ahead)
     except OffTheGpu as exc:  # its processes cannot run on; the checkpoint is untouched
-        journal.record("restore-off-the-gpu", container=ctr.id, pids=exc.pids, error=exc.message)
         try:
             podman.remove(ctr.name, force=True)
             what = f"the restored container {ctr.name} is removed; nothing was restored"
@@ -230,7 +228,11 @@ def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
     checked; ``after``: what the restore spent once Podman was done, by step
     (a replica's time counts to here); ``driver``: loaded while Podman worked."""
     checked = time.monotonic()
-    gpu = gpu_report(ctr.pid, driver, plan)
+    try:
+        gpu = gpu_report(ctr.pid, driver, plan)
+    except OffTheGpu as exc:  # the caller says what of the checkpoint is left
+        journal.record("restore-off-the-gpu", container=ctr.id, pids=exc.pids, error=exc.message)
+        raise
     after = {**(after or {}), "gpu_check": round(time.monotonic() - checked, 3)}
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),
                    moves=plan.describe() if plan.needs_remap else None, after=after)

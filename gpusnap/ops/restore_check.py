@@ -67,6 +67,8 @@ def gpu_report(pid: int, ahead: DriverAhead | None = None, plan: Plan | None = N
         return []
     driver = (ahead.get() if ahead else None) or load_driver()
     report = [_entry(driver, p.pid, p.comm) for p in procs]
+    if all(e["state"] == "RUNNING" for e in report):
+        return report  # the common case: no journal to read on a replica's path
     failed = post_resume_failure(pid)
     left = [e["pid"] for e in report if e["state"] in ("CHECKPOINTED", "LOCKED")]
     if left and driver is not None:

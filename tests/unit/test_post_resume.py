@@ -250,3 +250,11 @@ def test_the_steps_record_names_the_processes_left_for_the_restores_check(kept, 
     assert action._run("post-resume", CRIU, driver=driver) == 1
     (rec,) = [r for r in journal.read() if r["event"] == "failed"]
     assert rec["action"] == "post-resume" and rec["pids"] == [77] and rec["init_pid"] == "70"
+
+
+def test_a_restore_whose_processes_run_reads_no_journal(check, monkeypatch):
+    """The journal grows until the host reboots: a replica's check reads it only
+    where a process is not running."""
+    check(FakeDriver({77: ProcessState.RUNNING}))
+    monkeypatch.setattr(journal, "read", lambda *a, **k: pytest.fail("journal read"))
+    assert restore_check.gpu_report(70) == [{"pid": 77, "comm": "train", "state": "RUNNING"}]
