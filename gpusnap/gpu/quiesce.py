@@ -238,13 +238,19 @@ def resume_onto(driver: Driver, pids: list[int],
     A refused restore leaves the processes CHECKPOINTED, so the next choice can
     be tried. Returns (the choice taken, pids changed, what was refused first).
     """
-    refused: list[str] = []
+    refused: dict[str, QuiesceError] = {}
     for label, pairs in choices:
         try:
-            return label, resume(driver, pids, pairs, timing), refused
+            return label, resume(driver, pids, pairs, timing), [
+                f"{was}: {exc}" for was, exc in refused.items()]
         except QuiesceError as exc:
-            refused.append(f"{label}: {exc}")
-    raise QuiesceError("restore", {pid: RuntimeError("; ".join(refused)) for pid in pids})
+            refused[label] = exc
+    if len(refused) == 1:  # one choice: its own words, not wrapped in a second "failed for"
+        raise next(iter(refused.values()))
+    failed = sorted({pid for exc in refused.values() for pid in exc.failures})
+    raise QuiesceError("restore", {pid: RuntimeError("; ".join(
+        f"{label}: {exc.failures[pid]}" for label, exc in refused.items() if pid in exc.failures))
+        for pid in failed})
 
 
 @dataclass

@@ -8,7 +8,8 @@ import pytest
 
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.quiesce import QuiesceError, Timing, quiesce, refuse_unmanaged, resume, states
+from gpusnap.gpu.quiesce import (QuiesceError, Timing, quiesce, refuse_unmanaged, resume,
+                                 resume_onto, states)
 from gpusnap.procs import ProcessGpuUse
 from tests.unit.fakes import FakeDriver
 
@@ -301,3 +302,37 @@ def test_processes_the_driver_manages_or_that_hold_nothing_pass():
     driver = FakeDriver({1: R, 2: C})
     refuse_unmanaged(driver, [_use(1), _use(2), _use(3, fds=False, maps=False)])
     refuse_unmanaged(driver, [])
+
+
+def test_resume_onto_one_choice_says_the_drivers_words_once():
+    driver = FakeDriver({7: C}, fail={("restore", 7): "CUDA_ERROR_OUT_OF_MEMORY"})
+    with pytest.raises(QuiesceError) as info:
+        resume_onto(driver, [7], [("none", None)])
+    assert str(info.value).count("failed for") == 1, str(info.value)
+    assert str(info.value).startswith("restore failed for 1 process(es): pid 7: ")
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in str(info.value)
+
+
+def test_resume_onto_names_each_refused_choice_per_process():
+    driver = FakeDriver({7: C, 8: C}, fail={("restore", 7): "CUDA_ERROR_OUT_OF_MEMORY"})
+    with pytest.raises(QuiesceError) as info:
+        resume_onto(driver, [7, 8], [("as planned", None), ("swapped", None)])
+    assert set(info.value.failures) == {7}
+    said = str(info.value.failures[7])
+    assert said.startswith("as planned: ") and "; swapped: " in said, said
+    assert said.count("CUDA_ERROR_OUT_OF_MEMORY") == 2 and "failed for" not in said, said
+
+
+def test_resume_onto_reports_what_was_refused_before_the_choice_taken():
+    driver = FakeDriver({7: C})
+    refusals = iter(["CUDA_ERROR_OUT_OF_MEMORY"])
+
+    def refuse_once(call, pid):
+        if call == "restore" and (name := next(refusals, None)):
+            driver.fail[("restore", pid)] = name
+        else:
+            driver.fail.pop(("restore", pid), None)
+    driver.on_call = refuse_once
+    label, changed, refused = resume_onto(driver, [7], [("as planned", None), ("swapped", None)])
+    assert (label, changed) == ("swapped", [7])
+    assert len(refused) == 1 and refused[0].startswith("as planned: restore failed"), refused
