@@ -120,21 +120,30 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
         return plan_report(source, plan)
     if archive_mode:
         return import_file(path, contents, plan, name, keep, tcp_established, source)
+    return restore_local(source, contents, plan, keep, tcp_established)
+
+
+def restore_local(source: str, contents: archive.CheckpointContents, plan: Plan, keep: bool,
+                  tcp_established: bool) -> dict:
+    """Podman's restore of a container's own checkpoint, checked. Podman drops
+    that checkpoint as soon as CRIU is done, before the driver may refuse the GPU
+    state for good: a GPU checkpoint is kept until the check found it back."""
+    hold = contents.manifest is not None and not keep
     start = time.monotonic()
     ahead = DriverAhead() if plan.moves else None
-    podman.restore(source, archive=False, name=name, keep=keep,
+    podman.restore(source, archive=False, name=None, keep=keep or hold,
                    tcp_established=tcp_established, size=sum(contents.sizes.values()))
     seconds = time.monotonic() - start
-    ctr = podman.inspect(name or (contents.json_file("config.dump") or {}).get("name") or source)
+    ctr = podman.inspect(source)
     try:
-        return restored(ctr, source, seconds, plan, driver=ahead)
-    except OffTheGpu as exc:  # Podman drops a local checkpoint once it restored it, unless kept
+        result = restored(ctr, source, seconds, plan, driver=ahead)
+    except OffTheGpu as exc:
         raise GpusnapError(exc.message, (
-            f"`podman stop -t 0 {ctr.name}`, then restore it again once the GPU has the memory "
-            "free: Podman kept its checkpoint (--keep)") if keep else (
-            "Podman's restore removed the local checkpoint it restored (--keep keeps it): "
-            f"the job's GPU state is lost; `podman rm -f {ctr.name}` and start it anew, and "
-            "export checkpoints (--export) to restore them again")) from None
+            f"`podman stop -t 0 {ctr.name}`, then `gpusnap restore {ctr.name}` once the GPU has "
+            "the memory free: its checkpoint is kept")) from None
+    if hold:
+        podman.drop_checkpoint(ctr)
+    return result
 
 
 def import_file(path: Path, contents: archive.CheckpointContents, plan: Plan,

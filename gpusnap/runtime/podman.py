@@ -7,6 +7,8 @@ The CLI rather than podman-py's REST client: checkpoint/restore with
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import json
 import os
@@ -341,3 +343,22 @@ def remove(name: str, force: bool = False) -> None:
     res = _run(["rm", *(["-f", "-t", "0"] if force else []), name])
     if res.returncode != 0 and "no such container" not in res.stderr.lower():
         raise GpusnapError(f"podman rm {name}: {_last_error(res.stderr)}")
+
+
+# What `podman container restore` without --keep removes once its restore is
+# done (libpod's restore): the dump, CRIU's logs and statistics, the rootfs diff.
+_CHECKPOINT_DIRS = ("checkpoint", "pre-checkpoint")
+_CHECKPOINT_FILES = ("restore.log", "dump.log", "stats-dump", "stats-restore",
+                     "devshm-checkpoint.tar", "network.status", "rootfs-diff.tar", "deleted.files")
+
+
+def drop_checkpoint(ctr: Container) -> None:
+    """Remove a restored container's local checkpoint as Podman's restore without
+    --keep would: for a restore that asked Podman to keep it until it knew the
+    restore held (the GPU state back on the GPU)."""
+    for name in _CHECKPOINT_DIRS:
+        shutil.rmtree(ctr.userdata / name, ignore_errors=True)
+    for name in _CHECKPOINT_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            (ctr.userdata / name).unlink()
+

@@ -10,7 +10,8 @@ registry killed mid-restore, the agent killed mid-fill, the target GPU taken
 between the plan and the driver's restore, the restored container killed
 during the driver's restore, `doctor --fix` run during it, the driver's restore
 refused for memory (the container it cannot run on removed, the archive
-unchanged), and the CLI killed during it.
+unchanged; a local checkpoint kept until the GPU state is back), and the CLI
+killed during it.
 
 After each: the workers are the original ones (their seed) counting on from the
 checkpoint, every element of their GPU data equal to the checkpoint's; no CUDA
@@ -36,6 +37,7 @@ import pytest
 
 from gpusnap.gpu.cuda import CudaDriver, ProcessState
 from gpusnap.ops.leftovers import staging_folders
+from gpusnap.runtime import podman as rt_podman
 from tests.conftest import (assert_one_line_error, gpusnap, gpusnap_json, journal_mark,
                             journal_since, podman)
 from tests.faults.conftest import (cached_blobs, finished, kept_in, kill_criu_mid_dump,
@@ -611,32 +613,25 @@ def _held_before_the_drivers_restore(cli: subprocess.Popen, mark, agent: list[in
     return restoring
 
 
-def test_a_driver_restore_refused_for_memory_removes_the_restored_container(gone, capsys):
-    """CRIU only logs a post-resume step that failed, so Podman says the restore is
-    done while its processes wait CHECKPOINTED, off the GPU. Here GPU 0 (the
-    checkpoint's) is filled just before the driver's restore, so post-resume
-    fails for real (CUDA_ERROR_OUT_OF_MEMORY); the CLI, stopped meanwhile, goes
-    on once the memory is free again and tries the resume itself, which driver
-    580 refuses for good (CUDA_ERROR_OPERATING_SYSTEM, seen 2026-11-30): it
-    then removes the container it cannot run on and says the archive is
-    unchanged, and the archive restores. A driver that takes the process
-    back is resumed by that check, with every tensor equal."""
-    ctr, archive, its = gone
-    hog = harness.Hog(0)
-    mark = journal_mark()
-    cli = start_cli("restore", str(archive))
-    agent: list[int] = []
+def _post_resume_failed(mark) -> list[dict]:
+    return [e for e in journal_since(mark)
+            if e.get("event") == "failed" and e.get("action") == "post-resume"]
 
-    def failed() -> list[dict]:
-        return [e for e in journal_since(mark)
-                if e.get("event") == "failed" and e.get("action") == "post-resume"]
+
+def _refused_for_memory(cli: subprocess.Popen, mark) -> subprocess.CompletedProcess:
+    """The restore ``cli`` runs held before the driver's restore while GPU 0 (the
+    checkpoint's) is filled but for 512 MiB, so post-resume fails for real; the
+    CLI, stopped meanwhile, goes on once the memory is free again and tries the
+    resume itself: its result."""
+    hog = harness.Hog(0)
+    agent: list[int] = []
     try:
         _held_before_the_drivers_restore(cli, mark, agent)
         os.kill(cli.pid, signal.SIGSTOP)  # its check of the processes waits for the free GPU
         hog.take(harness.gpu_memory_free(0) - (1 << 29))
         os.kill(agent.pop(), signal.SIGCONT)
         deadline = time.monotonic() + 120
-        while not failed() and time.monotonic() < deadline:
+        while not _post_resume_failed(mark) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:  # the hog goes before the CLI goes on (its retry meets a free GPU); the CLI goes on whatever fails
         with contextlib.suppress(ProcessLookupError):
@@ -648,12 +643,34 @@ def test_a_driver_restore_refused_for_memory_removes_the_restored_container(gone
             with contextlib.suppress(ProcessLookupError):
                 os.kill(cli.pid, signal.SIGCONT)
     res = finished(cli)
-    assert failed() and "CUDA_ERROR_OUT_OF_MEMORY" in failed()[0]["error"], failed()
-    if res.returncode == 0:  # a driver that takes the process back once memory is free
-        late = [e for e in journal_since(mark) if e.get("by") == "restore's check"]
-        assert late and late[0]["event"] == "resumed", late
-        ctr.assert_restored(ctr.seeds, its)
-        happened = f"resumed by the restore's check: pids {late[0]['pids']}"
+    failed = _post_resume_failed(mark)
+    assert failed and "CUDA_ERROR_OUT_OF_MEMORY" in failed[0]["error"], failed
+    return res
+
+
+def _resumed_by_the_check(ctr: harness.CudaContainer, its: list[int], mark) -> str:
+    """A driver that takes the process back once the memory is free: the
+    restore's check resumed it, every tensor equal."""
+    late = [e for e in journal_since(mark) if e.get("by") == "restore's check"]
+    assert late and late[0]["event"] == "resumed", late
+    ctr.assert_restored(ctr.seeds, its)
+    return f"resumed by the restore's check: pids {late[0]['pids']}"
+
+
+def test_a_driver_restore_refused_for_memory_removes_the_restored_container(gone, capsys):
+    """CRIU only logs a post-resume step that failed, so Podman says the restore is
+    done while its processes wait CHECKPOINTED, off the GPU. Here post-resume
+    fails for real (CUDA_ERROR_OUT_OF_MEMORY) and the CLI's own try once the
+    memory is free again is refused for good by driver 580
+    (CUDA_ERROR_OPERATING_SYSTEM, seen 2026-11-30): it then removes the
+    container it cannot run on and says the archive is unchanged, and the
+    archive restores. A driver that takes the process back is resumed by that
+    check, with every tensor equal."""
+    ctr, archive, its = gone
+    mark = journal_mark()
+    res = _refused_for_memory(start_cli("restore", str(archive)), mark)
+    if res.returncode == 0:
+        happened = _resumed_by_the_check(ctr, its, mark)
     else:  # driver 580: refused for good
         assert_one_line_error(res, "did not bring back the GPU state", "tried again: ",
                               "is removed; nothing was restored", f"{archive} is unchanged")
@@ -663,6 +680,33 @@ def test_a_driver_restore_refused_for_memory_removes_the_restored_container(gone
         _restores_again(ctr, str(archive), its)
         happened = _one_line(res)
     say(capsys, f"the driver's restore refused for memory: {happened}")
+    assert_gpu_clean()
+
+
+def test_a_local_restore_refused_for_memory_keeps_its_checkpoint(gone, capsys):
+    """The same refusal for a container's own checkpoint: Podman drops it once
+    CRIU is done unless kept, so gpusnap keeps it until the GPU state is back;
+    the container stopped, the same checkpoint restores with every tensor equal."""
+    ctr, archive, its = gone
+    gpusnap_json("restore", str(archive))
+    ctr.wait_running()
+    its = ctr.iterations()
+    gpusnap_json("checkpoint", ctr.name)
+    mark = journal_mark()
+    res = _refused_for_memory(start_cli("restore", ctr.name), mark)
+    if res.returncode == 0:
+        happened = _resumed_by_the_check(ctr, its, mark)
+    else:
+        assert_one_line_error(res, "did not bring back the GPU state",
+                              f"`podman stop -t 0 {ctr.name}`", "its checkpoint is kept")
+        podman("stop", "-t", "0", ctr.name)
+        assert_gpu_clean()
+        gpusnap_json("restore", ctr.name)
+        ctr.assert_restored(ctr.seeds, its)
+        happened = _one_line(res)
+    assert not rt_podman.inspect(ctr.name).checkpoint_dir.exists(), \
+        "the checkpoint stayed after the restore that brought the GPU state back"
+    say(capsys, f"a local restore refused for memory: {happened}")
     assert_gpu_clean()
 
 

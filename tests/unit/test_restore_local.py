@@ -1,0 +1,84 @@
+"""A local restore of a GPU checkpoint keeps the checkpoint until its GPU state
+is back (Podman's own restore drops it as soon as CRIU is done), and then drops
+it as Podman would. Podman and the restore's check are stood in for: the
+restore itself runs against real Podman in tests/gpu/test_gpu_faults.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.plan import Plan
+from gpusnap.ops import restore as ops_restore
+from gpusnap.ops.restore_check import OffTheGpu
+from gpusnap.runtime import podman
+
+
+def _container(userdata: Path) -> podman.Container:
+    return podman.Container(id="c0ffee", name="job", status="running", pid=4242, image="img",
+                            checkpointed=False, userdata=userdata, devices=[])
+
+
+@pytest.fixture
+def stood_in(monkeypatch, tmp_path):
+    """Podman's restore and inspect, and the check, stood in; what they were asked."""
+    asked: dict = {"dropped": []}
+    ctr = _container(tmp_path)
+    monkeypatch.setattr(podman, "restore", lambda source, **kw: asked.setdefault("restore", kw))
+    monkeypatch.setattr(podman, "inspect", lambda name: ctr)
+    monkeypatch.setattr(podman, "drop_checkpoint", lambda c: asked["dropped"].append(c.name))
+    monkeypatch.setattr(ops_restore, "restored", lambda *a, **kw: {"container": {"name": "job"}})
+    return asked
+
+
+def _contents(gpu: bool):
+    return SimpleNamespace(manifest=object() if gpu else None, sizes={"pages-1.img": 1 << 20})
+
+
+def test_a_gpu_checkpoint_is_kept_through_podman_and_dropped_once_checked(stood_in):
+    ops_restore.restore_local("job", _contents(gpu=True), Plan((), (), False), keep=False,
+                              tcp_established=False)
+    assert stood_in["restore"]["keep"] is True
+    assert stood_in["dropped"] == ["job"]
+
+
+def test_keep_asked_by_the_user_is_left_to_podman(stood_in):
+    ops_restore.restore_local("job", _contents(gpu=True), Plan((), (), False), keep=True,
+                              tcp_established=False)
+    assert stood_in["restore"]["keep"] is True
+    assert stood_in["dropped"] == []
+
+
+def test_a_checkpoint_without_gpu_processes_is_podmans_to_drop(stood_in):
+    ops_restore.restore_local("job", _contents(gpu=False), Plan((), (), False), keep=False,
+                              tcp_established=False)
+    assert stood_in["restore"]["keep"] is False
+    assert stood_in["dropped"] == []
+
+
+def test_refused_for_good_keeps_the_checkpoint_and_says_how_to_restore_it(stood_in, monkeypatch):
+    def refused(*a, **kw):
+        raise OffTheGpu([77], "cuCheckpointProcessRestore(pid 77) failed: "
+                        "CUDA_ERROR_OUT_OF_MEMORY (2)", "CUDA_ERROR_OPERATING_SYSTEM (304)")
+    monkeypatch.setattr(ops_restore, "restored", refused)
+    with pytest.raises(GpusnapError) as err:
+        ops_restore.restore_local("job", _contents(gpu=True), Plan((), (), False), keep=False,
+                                  tcp_established=False)
+    assert stood_in["dropped"] == []
+    assert "did not bring back the GPU state" in err.value.message
+    assert err.value.hint == ("`podman stop -t 0 job`, then `gpusnap restore job` once the GPU "
+                              "has the memory free: its checkpoint is kept")
+
+
+def test_drop_checkpoint_removes_what_podman_would_and_nothing_else(tmp_path):
+    for d in ("checkpoint", "pre-checkpoint"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "pages-1.img").write_bytes(b"x")
+    for f in ("dump.log", "restore.log", "stats-dump", "rootfs-diff.tar", "config.json"):
+        (tmp_path / f).write_text("x")
+    podman.drop_checkpoint(_container(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    podman.drop_checkpoint(_container(tmp_path))  # nothing left to drop: no error
