@@ -16,8 +16,9 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -28,6 +29,7 @@ from tests.conftest import COUNTER, DEMO_IMAGE, run
 RUNTIME = "io.containerd.gpusnap.v1"
 SHIM = "containerd-shim-gpusnap-v1"
 VENV_BIN = "/opt/gpusnap/venv/bin"
+T = TypeVar("T")
 
 
 class PrivateContainerd:
@@ -289,34 +291,39 @@ def binary_log_uri(directory: Path, prefix: str) -> str:
     return f"binary://{logger}?out={directory / prefix}"
 
 
-def ctr_checkpoint(c: PrivateContainerd, name: str, ref: str) -> subprocess.CompletedProcess:
-    """`ctr containers checkpoint --task --rw NAME REF`, again where the shim
-    answers that ctr's pause caught the task in vfork() and to checkpoint again
-    (gpusnap/shim/checkpoint.py; busybox 1.38's sh in the sid leg), resumed
-    first if it is still paused: what a user does on that answer. Any other
-    failure is raised."""
-    for attempt in range(1, SEIZE_TRIES + 1):
-        res = c.ctr("containers", "checkpoint", "--task", "--rw", name, ref, check=False)
-        if res.returncode == 0:
-            return res
-        if UNSEIZABLE_MARK not in res.stderr or attempt == SEIZE_TRIES:
-            raise AssertionError(f"ctr containers checkpoint {name} failed ({res.returncode}):\n"
-                                 f"{res.stdout}\n{res.stderr}")
-        print(f"checkpoint again: {res.stderr.strip()}")
-        if tasks(c).get(name, (0, ""))[1] == "PAUSED":
-            c.ctr("tasks", "resume", name)
-    raise AssertionError("unreachable")
-
-
-def checkpoint_as_a_user(api, *args, **kwargs):
-    """ops.containerd_api.checkpoint_to_dir (what nerdctl does), again where the
-    shim answers that the client's pause caught a task in vfork() and to
-    checkpoint again (gpusnap/shim/checkpoint.py; busybox 1.38's sh in the sid
-    leg): what a user does on that answer. Any other failure is raised."""
+def _again_as_a_user(once: Callable[[], T], between: Callable[[], None] = lambda: None) -> T:
+    """``once()`` again where the shim answers that the client's pause caught the
+    task in vfork() and to checkpoint again (gpusnap/shim/checkpoint.py; busybox
+    1.38's sh in the sid leg), ``between()`` first: what a user does on that
+    answer. Any other failure is raised."""
     for attempt in range(1, SEIZE_TRIES + 1):
         try:
-            return checkpoint_to_dir(api, *args, **kwargs)
-        except ContainerdError as e:
+            return once()
+        except (AssertionError, ContainerdError) as e:
             if UNSEIZABLE_MARK not in str(e) or attempt == SEIZE_TRIES:
                 raise
             print(f"checkpoint again: {e}")
+            between()
+    raise AssertionError("unreachable")
+
+
+def ctr_checkpoint(c: PrivateContainerd, name: str, ref: str) -> subprocess.CompletedProcess:
+    """`ctr containers checkpoint --task --rw NAME REF`, again on the shim's
+    answer to do so, the task resumed first if it is still paused."""
+    def once() -> subprocess.CompletedProcess:
+        res = c.ctr("containers", "checkpoint", "--task", "--rw", name, ref, check=False)
+        if res.returncode != 0:
+            raise AssertionError(f"ctr containers checkpoint {name} failed ({res.returncode}):\n"
+                                 f"{res.stdout}\n{res.stderr}")
+        return res
+
+    def resume_paused() -> None:
+        if tasks(c).get(name, (0, ""))[1] == "PAUSED":
+            c.ctr("tasks", "resume", name)
+    return _again_as_a_user(once, resume_paused)
+
+
+def checkpoint_as_a_user(api, *args, **kwargs):
+    """ops.containerd_api.checkpoint_to_dir (what nerdctl does), again on the
+    shim's answer to do so."""
+    return _again_as_a_user(lambda: checkpoint_to_dir(api, *args, **kwargs))
