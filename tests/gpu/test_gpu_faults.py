@@ -618,12 +618,14 @@ def _post_resume_failed(mark) -> list[dict]:
             if e.get("event") == "failed" and e.get("action") == "post-resume"]
 
 
-def _refused_for_memory(cli: subprocess.Popen, mark) -> subprocess.CompletedProcess:
-    """The restore ``cli`` runs held before the driver's restore while GPU 0 (the
-    checkpoint's) is filled but for 512 MiB, so post-resume fails for real; the
-    CLI, stopped meanwhile, goes on once the memory is free again and tries the
-    resume itself: its result."""
-    hog = harness.Hog(0)
+def _refused_for_memory(*restore: str) -> tuple[subprocess.CompletedProcess, object]:
+    """`gpusnap restore RESTORE...` held before the driver's restore while GPU 0
+    (the checkpoint's) is filled but for 512 MiB, so post-resume fails for real;
+    the CLI, stopped meanwhile, goes on once the memory is free again and tries
+    the resume itself: its result, and the journal mark taken before it."""
+    hog = harness.Hog(0)  # its container up first: starting it takes longer than the restore
+    mark = journal_mark()
+    cli = start_cli("restore", *restore)
     agent: list[int] = []
     try:
         _held_before_the_drivers_restore(cli, mark, agent)
@@ -645,7 +647,7 @@ def _refused_for_memory(cli: subprocess.Popen, mark) -> subprocess.CompletedProc
     res = finished(cli)
     failed = _post_resume_failed(mark)
     assert failed and "CUDA_ERROR_OUT_OF_MEMORY" in failed[0]["error"], failed
-    return res
+    return res, mark
 
 
 def _resumed_by_the_check(ctr: harness.CudaContainer, its: list[int], mark) -> str:
@@ -667,8 +669,7 @@ def test_a_driver_restore_refused_for_memory_removes_the_restored_container(gone
     archive restores. A driver that takes the process back is resumed by that
     check, with every tensor equal."""
     ctr, archive, its = gone
-    mark = journal_mark()
-    res = _refused_for_memory(start_cli("restore", str(archive)), mark)
+    res, mark = _refused_for_memory(str(archive))
     if res.returncode == 0:
         happened = _resumed_by_the_check(ctr, its, mark)
     else:  # driver 580: refused for good
@@ -692,8 +693,7 @@ def test_a_local_restore_refused_for_memory_keeps_its_checkpoint(gone, capsys):
     ctr.wait_running()
     its = ctr.iterations()
     gpusnap_json("checkpoint", ctr.name)
-    mark = journal_mark()
-    res = _refused_for_memory(start_cli("restore", ctr.name), mark)
+    res, mark = _refused_for_memory(ctr.name)
     if res.returncode == 0:
         happened = _resumed_by_the_check(ctr, its, mark)
     else:

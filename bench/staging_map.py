@@ -1,0 +1,185 @@
+"""The driver's restore from a copy of its staging memory filled in, or mapped from a file.
+
+    python bench/staging_map.py [--gib 8] [--rounds 2] [--threads 16] [--out staging_map.json]
+
+After cuCheckpointProcessCheckpoint a CUDA process holds its GPU memory in new
+private anonymous memory (the staging); cuCheckpointProcessRestore reads it
+back to the GPU. A restore today writes that memory from the pages file into
+the restored process (pages/page_fill.py, ~0.45 s for 11 GB on an H200
+host): the one part of a replica's time beyond the driver that grows with its
+size. If the driver takes its staging as a private mapping of the pages file
+(MAP_PRIVATE over gpusnap's huge-page tmpfs, what CRIU would set up for a
+file-backed area), no byte needs writing before the driver's restore.
+
+This asks the driver that, without CRIU: a PyTorch process fills GIB GiB on
+GPU 0 and sums it; each round locks and checkpoints it, copies its staging
+ranges to a file on the huge-page tmpfs, then either
+
+- ``fill``: writes the ranges back from the file on THREADS threads, as a
+  restore does, then the driver's restore; or
+- ``map``: the process maps the file over its own ranges (mmap MAP_FIXED |
+  MAP_PRIVATE; it runs no CUDA call meanwhile), then the driver's restore,
+
+both after the ranges were dropped (MADV_DONTNEED: empty, as in a restored
+process before its pages come), and unlocks it; the process then sums its GPU memory again, which must equal
+the first sums. Printed per round: the fill or the map, the driver's restore,
+whether the file is still mapped after the restore (what a later dump would
+then meet), and the sums. Root, one GPU, /opt/torch's PyTorch (GPU machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpusnap.gpu.cuda import CudaDriver  # noqa: E402
+from gpusnap.pages import dump_ahead, memory, page_fill  # noqa: E402
+
+TORCH_PY = "/opt/torch/.venv/bin/python3"
+HUGE = 2 << 20
+
+# The CUDA process: fills its memory, answers "sums", and maps or drops its own
+# ranges when asked (plain CPU work: the driver holds its CUDA calls meanwhile).
+APP = r"""
+import ctypes, mmap, os, sys, torch
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+gib = float(sys.argv[1])
+n = int(gib * (1 << 30)) // 8 // 64
+blocks = [torch.arange(n, device="cuda", dtype=torch.int64) * (k + 1) % 1000003
+          for k in range(64)]
+def sums():
+    return [int(b.sum().item()) for b in blocks]
+print("ready", *sums(), flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "sums":
+        print("sums", *sums(), flush=True)
+    elif cmd == "map":
+        fd = os.open(args[0], os.O_RDONLY)
+        for i in range(1, len(args), 3):
+            addr, length, off = map(int, args[i:i + 3])
+            got = libc.mmap(addr, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_PRIVATE | 0x10, fd, off)  # MAP_FIXED
+            if got != addr:
+                print("error mmap", ctypes.get_errno(), flush=True)
+                break
+        else:
+            print("mapped", flush=True)
+        os.close(fd)
+    elif cmd == "drop":
+        for i in range(0, len(args), 2):
+            libc.madvise(int(args[i]), int(args[i + 1]), 4)  # MADV_DONTNEED
+        print("dropped", flush=True)
+"""
+
+
+def _ask(app: subprocess.Popen, line: str, answer: str) -> list[str]:
+    app.stdin.write(line + "\n")
+    app.stdin.flush()
+    got = app.stdout.readline().split()
+    if not got or got[0] != answer:
+        raise SystemExit(f"the CUDA process answered {got} to {line[:40]!r}")
+    return got[1:]
+
+
+def _copy_out(pid: int, runs: list[tuple[int, int]], path: Path) -> list[tuple[int, int, int]]:
+    """The ranges' bytes into ``path`` at 2 MiB-aligned offsets: (addr, length, offset)."""
+    placed, off = [], 0
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem, open(path, "wb") as out:
+        for start, end in runs:
+            out.seek(off)
+            for at in range(start, end, 64 << 20):
+                mem.seek(at)
+                out.write(mem.read(min(64 << 20, end - at)))
+            placed.append((start, end - start, off))
+            off += (end - start + HUGE - 1) // HUGE * HUGE
+    return placed
+
+
+def _still_mapped(pid: int, path: Path) -> int:
+    return sum(1 for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+               if line.endswith(str(path)))
+
+
+def one_round(driver: CudaDriver, app: subprocess.Popen, how: str, folder: Path,
+              threads: int, before: list[tuple[int, int]], first: list[str]) -> dict:
+    pid = app.pid
+    t = time.monotonic()
+    driver.lock(pid, 10_000)
+    driver.checkpoint(pid)
+    checkpoint_s = time.monotonic() - t
+    runs = dump_ahead.staging(pid, before)
+    path = folder / f"staging-{how}.bin"
+    placed = _copy_out(pid, runs, path)
+    # both start where a restored process does: the ranges mapped, nothing in them
+    _ask(app, "drop " + " ".join(f"{a} {n}" for a, n, _ in placed), "dropped")
+    t = time.monotonic()
+    if how == "map":
+        _ask(app, "map " + str(path) + " " + " ".join(f"{a} {n} {o}" for a, n, o in placed),
+             "mapped")
+    else:
+        page_fill.fill(pid, [page_fill.Run(a, n, str(path), o) for a, n, o in placed], threads)
+    prepare_s = time.monotonic() - t
+    t = time.monotonic()
+    driver.restore(pid)
+    restore_s = time.monotonic() - t
+    driver.unlock(pid)
+    mapped_after = _still_mapped(pid, path)
+    equal = _ask(app, "sums", "sums") == first
+    path.unlink()
+    row = {"how": how, "staging_bytes": sum(n for _, n, _ in placed), "ranges": len(placed),
+           "checkpoint_s": round(checkpoint_s, 3), "fill_or_map_s": round(prepare_s, 3),
+           "driver_restore_s": round(restore_s, 3),
+           "beyond_plus_driver_s": round(prepare_s + restore_s, 3),
+           "file_mapped_after_restore": mapped_after, "sums_equal": equal}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=page_fill.default_threads())
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="staging-", dir=memory.HUGE_ROOT)) \
+        if memory.mount_huge(memory.HUGE_ROOT) else Path(tempfile.mkdtemp(dir="/dev/shm"))
+    app = subprocess.Popen([TORCH_PY, "-c", APP, str(args.gib)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    rows = []
+    try:
+        first = app.stdout.readline().split()
+        if not first or first[0] != "ready":
+            raise SystemExit(f"the CUDA process did not start: {first}")
+        before = dump_ahead.mapped(app.pid)
+        driver = CudaDriver()
+        for _ in range(args.rounds):
+            for how in ("fill", "map"):
+                rows.append(one_round(driver, app, how, folder, args.threads, before, first[1:]))
+    finally:
+        app.kill()
+        app.wait()
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+    if args.out:
+        Path(args.out).write_text(json.dumps({"gib": args.gib, "rows": rows}, indent=1))
+    ok = all(r["sums_equal"] for r in rows)
+    print("all sums equal" if ok else "SUMS DIFFER")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
