@@ -23,7 +23,7 @@ import os
 import platform
 import signal
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -312,3 +312,16 @@ def _madvise_on(pid: int, tid: int, at: int, ranges: list[tuple[int, int]],
             if ret < 0:
                 raise RemoteSyscallError(-ret, f"process {pid} refused madvise({address:#x}, "
                                                f"{length}): {os.strerror(-ret)}")
+
+
+@contextmanager
+def calls(pid: int) -> Iterator[Callable[..., int]]:
+    """One thread of ``pid`` stopped for a series of calls: yields
+    ``call(number, *args)``, which returns what the call returned (a negative
+    errno where it failed). The thread goes on as before on leaving."""
+    if not supported():
+        raise RemoteSyscallError(errno.ENOSYS, f"remote calls need x86-64, not {platform.machine()}")
+    at = syscall_address(pid)
+    with _seized(pid) as (tracee, saved):
+        yield lambda number, *args: _call(tracee, saved, at, number, args)
+

@@ -1,0 +1,129 @@
+"""A file mapped into another process's memory in place of pages it would be written.
+
+A restored CUDA process gets back the driver's staging (its GPU memory, in host
+memory) from the pages file, where the driver reads it once, at its restore,
+and then unmaps it. Writing it there first (page_fill.py) is the one step of a
+replica's restore that grows with its size; driver 580 restores as fast from
+the pages file mapped private over those addresses, with nothing written
+(bench/staging_map.py, docs/benchmarks.md). A private mapping is the process's
+own memory from then on: a write copies the page, the file is never changed.
+
+mmap(2) maps only into the caller, so the process makes the calls itself
+(remote_syscall.py), and it needs the file open: the path means nothing in a
+container's mount namespace, so the descriptor is passed, as CRIU's compel
+passes its own to a parasite: a socket pair made in the process, one end
+taken here (pidfd_getfd), the file sent over it (SCM_RIGHTS) and received in
+the process. The call buffers lie in the first page of the last run, which
+that run's mapping then replaces: nothing of the process's is written over.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+import struct
+from collections.abc import Callable, Sequence
+
+from gpusnap.pages import remote_syscall
+from gpusnap.pages.page_fill import IoVec, PROT_READ, PROT_WRITE, libc
+
+SYS_CLOSE, SYS_MMAP, SYS_RECVMSG, SYS_SOCKETPAIR = 3, 9, 47, 53
+SYS_PIDFD_GETFD = 438
+AF_UNIX, SOCK_DGRAM, SOCK_CLOEXEC, MSG_CMSG_CLOEXEC = 1, 2, 0o2000000, 0x40000000
+MAP_PRIVATE, MAP_FIXED = 0x02, 0x10
+SOL_SOCKET, SCM_RIGHTS = 1, 1
+PAGE = 4096
+# where the call buffers lie in the scratch page
+MSGHDR, IOVEC, BYTE, CONTROL = 0, 64, 128, 192
+CONTROL_LEN = 24  # CMSG_SPACE(sizeof(int))
+
+
+class RemoteMapError(OSError):
+    """The file could not be mapped; some runs may be (their bytes are the file's)."""
+
+
+def _vm(pid: int, address: int, data: bytes | None, length: int = 0) -> bytes:
+    """Write ``data`` at ``address`` of ``pid``, or read ``length`` bytes there."""
+    c = libc()
+    buf = ctypes.create_string_buffer(data if data is not None else length,
+                                      len(data) if data is not None else length)
+    local = IoVec(ctypes.cast(buf, ctypes.c_void_p), len(buf))
+    remote = IoVec(address, len(buf))
+    call = c.process_vm_writev if data is not None else c.process_vm_readv
+    done = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if done != len(buf):
+        err = ctypes.get_errno()
+        raise RemoteMapError(err or errno.EFAULT, f"process {pid}'s memory at {address:#x}: "
+                                                  f"{os.strerror(err) if err else 'short'}")
+    return buf.raw
+
+
+def _ok(ret: int, what: str) -> int:
+    if ret < 0:
+        raise RemoteMapError(-ret, f"{what}: {os.strerror(-ret)}")
+    return ret
+
+
+def _taken(pid: int, fd: int) -> int:
+    """A copy here of the process's descriptor ``fd`` (pidfd_getfd(2))."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        c = ctypes.CDLL(None, use_errno=True)
+        got = c.syscall(ctypes.c_long(SYS_PIDFD_GETFD), ctypes.c_int(pidfd), ctypes.c_int(fd),
+                        ctypes.c_uint(0))
+        return _ok(got if got >= 0 else -ctypes.get_errno(),
+                   f"pidfd_getfd of process {pid}'s descriptor {fd}")
+    finally:
+        os.close(pidfd)
+
+
+def _received(pid: int, call: Callable[..., int], scratch: int, end: int) -> int:
+    """recvmsg(2) on the process's end ``end`` of the pair: the descriptor sent."""
+    iov = struct.pack("QQ", scratch + BYTE, 1)
+    msghdr = struct.pack("QIIQQQQi4x", 0, 0, 0, scratch + IOVEC, 1, scratch + CONTROL,
+                         CONTROL_LEN, 0)
+    _vm(pid, scratch, msghdr.ljust(IOVEC, b"\0") + iov.ljust(CONTROL - IOVEC, b"\0")
+        + bytes(CONTROL_LEN))
+    _ok(call(SYS_RECVMSG, end, scratch + MSGHDR, MSG_CMSG_CLOEXEC), f"recvmsg in process {pid}")
+    length, level, kind, fd = struct.unpack("QiiI", _vm(pid, scratch + CONTROL, None, 20))
+    if (level, kind) != (SOL_SOCKET, SCM_RIGHTS) or length < 20:
+        raise RemoteMapError(errno.EPROTO, f"process {pid} received no descriptor")
+    return fd
+
+
+def map_file(pid: int, path: str, runs: Sequence[tuple[int, int, int]]) -> None:
+    """Map ``path`` private over ``pid``'s memory: each run (address, length,
+    offset in the file), page-aligned. RemoteMapError where it could not be
+    done (runs mapped before it hold the file's bytes, the others are as they were)."""
+    if not runs:
+        return
+    scratch = runs[-1][0]
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with remote_syscall.calls(pid) as call:
+            _vm(pid, scratch, bytes(8))
+            _ok(call(SYS_SOCKETPAIR, AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, scratch),
+                f"socketpair in process {pid}")
+            ends = struct.unpack("ii", _vm(pid, scratch, None, 8))
+            theirs = -1
+            try:
+                ours = _taken(pid, ends[0])
+                with socket.socket(fileno=ours) as sock:
+                    socket.send_fds(sock, [b"f"], [fd])
+                theirs = _received(pid, call, scratch, ends[1])
+                for address, length, offset in runs:
+                    got = call(SYS_MMAP, address, length, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_FIXED, theirs, offset)
+                    if got != address:
+                        _ok(got if got < 0 else -errno.EFAULT,
+                            f"mmap of {path} at {address:#x} in process {pid}")
+            finally:
+                for end in (*ends, theirs):
+                    if end >= 0:
+                        call(SYS_CLOSE, end)
+    except remote_syscall.RemoteSyscallError as exc:
+        raise RemoteMapError(exc.errno or errno.EIO, str(exc)) from None
+    finally:
+        os.close(fd)
