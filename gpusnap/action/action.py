@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 from gpusnap.action import agent_files, step_state
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu import turn
+from gpusnap.gpu import staging, turn
 from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, ns_pid, parent_of, process_tree, start_time
 from gpusnap.waits import leave
@@ -165,7 +165,8 @@ def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:
     started = time.monotonic()
     try:
         planned = fill_plan.prepare(folder, lambda p: write_private(state, p.to_json()),
-                                    huge_pages=wanted.huge_pages and fill_plan.thp_available())
+                                    huge_pages=wanted.huge_pages and fill_plan.thp_available(),
+                                    map_staging=wanted.map_staging)
     except (OSError, ValueError) as exc:
         state.unlink(missing_ok=True)
         undo_leftover_fill(str(folder))  # where prepare could not put it back itself
@@ -173,7 +174,8 @@ def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:
         return
     if planned is not None:
         journal.record("pages-fill-planned", bytes=planned.bytes, tasks=len(planned.tasks),
-                       huge_bytes=planned.huge_bytes, seconds=round(time.monotonic() - started, 3))
+                       huge_bytes=planned.huge_bytes, mapped_bytes=planned.mapped_bytes,
+                       seconds=round(time.monotonic() - started, 3))
 
 
 def undo_leftover_fill(image_dir: str) -> None:
@@ -214,6 +216,8 @@ def post_restore(init_pid: int, criu_pid: int, by: str = "script") -> None:
             if vpid not in pids:
                 raise OSError(f"no restored task has pid {vpid} in the container")
             page_fill.fill(pids[vpid], runs, threads)
+        for vpid, runs in planned.mapped.items():  # post-resume maps them (gpu/staging.py)
+            staging.hold(pids[vpid], [(r.address, r.length, r.path, r.offset) for r in runs])
         fill_s = time.monotonic() - filling
     except Exception as exc:
         raise GpusnapError(f"could not write the restored memory ({exc}); CRIU stops the "
@@ -224,6 +228,7 @@ def post_restore(init_pid: int, criu_pid: int, by: str = "script") -> None:
                 fill_plan.undo(folder)
         state.unlink(missing_ok=True)
     journal.record("pages-filled", init_pid=init_pid, bytes=planned.bytes, threads=threads,
+                   mapped_bytes=planned.mapped_bytes,
                    tasks=len(planned.tasks), runs=sum(len(r) for r in planned.tasks.values()),
                    fill_s=round(fill_s, 3), seconds=round(time.monotonic() - started, 3), by=by)
 
@@ -268,6 +273,10 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
     one the agent loaded ahead (else loaded here)."""
     from gpusnap.gpu import manifest as gpu_manifest, quiesce  # see the imports above
 
+    held = staging.held_in(process_tree(init_pid))  # before anything asks the driver to restore it
+    if held:
+        from gpusnap.pages import remote_map  # only where post-restore left staging to map
+        remote_map.put_back(held, init_pid, by)
     state = step_state.restore(criu_pid)
     kept = json.loads(state.read_text()) if state.exists() else {}
     manifest = gpu_manifest.Manifest.from_dict(json.loads(kept[MANIFEST_NAME])) \

@@ -11,6 +11,7 @@ puts it back into the images.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -23,7 +24,7 @@ from gpusnap import journal, requests
 from gpusnap.action import step_state
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu import manifest as gpu_manifest
+from gpusnap.gpu import manifest as gpu_manifest, staging
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.turn import Turn, wait_turn
 from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, Timing, quiesce, refuse_unmanaged,
@@ -95,17 +96,20 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
     free_at = None  # when the GPU was free for the next job: its memory in host memory
     if plugin is None:
         from gpusnap.pages import dump_ahead  # GPU dumps only: not every step's start-up
-        before = {pid: dump_ahead.mapped(pid) for pid in pids} if ahead else {}
+        before = {pid: _mapped(dump_ahead.mapped, pid) for pid in pids}
         timing = Timing()
         driver = require_driver()
         refuse_unmanaged(driver, procs)
         changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
         free_at = round(time.time(), 3)  # before the read-ahead below, which takes seconds at GBs
         manifest.timing = timing.phases
+        held = _held(dump_ahead, changed, before)
+        if image_dir:  # a restore maps these from the pages file instead of writing them
+            staging.record(image_dir, held)
+        held = {pid: ranges for (pid, _), ranges in held.items()}
         guardian = _start_guardian(criu_pid, changed, init_pid, turn)
         if ahead and guardian is not None:
-            _read_ahead(criu_pid, guardian, push,
-                        {pid: dump_ahead.staging(pid, before[pid]) for pid in changed})
+            _read_ahead(criu_pid, guardian, push, held)
     elif turn is not None:  # the plugin quiesces and resumes inside CRIU: held till it exits
         guardian = _start_guardian(criu_pid, [], init_pid, turn, force=True)
         if guardian is not None:
@@ -116,6 +120,28 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
     journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
                    **({"at": free_at} if free_at is not None else {}),
                    turn_waited_s=turn.waited_s if turn is not None else None)
+
+
+def _mapped(read, pid: int) -> list[tuple[int, int]] | None:
+    """``read(pid)`` of its memory map, None where it cannot be read (the staging
+    record and the read-ahead are for speed: a process gone is CRIU's to find)."""
+    try:
+        return read(pid)
+    except OSError:
+        return None
+
+
+def _held(dump_ahead, pids: list[int], before: dict) -> dict[tuple[int, int], list]:
+    """Where the driver's checkpoint put each process's GPU memory: by (pid, its
+    pid in the container, as CRIU's images name it)."""
+    out = {}
+    for pid in pids:
+        ranges = _mapped(lambda p: dump_ahead.staging(p, before[p]), pid) \
+            if before.get(pid) is not None else None
+        with contextlib.suppress(OSError):
+            if ranges is not None:
+                out[(pid, ns_pid(pid))] = ranges
+    return out
 
 
 def _quiesced_before_the_pause(init_pid: int, image_dir: str) -> bool:

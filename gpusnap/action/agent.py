@@ -49,7 +49,7 @@ from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.waits import leave
 from gpusnap.gpu import inventory as gpu_inventory, turn
 # Loaded as the agent starts, before the steps that use them are asked
-from gpusnap.pages import fill_plan, page_fill  # noqa: F401
+from gpusnap.pages import fill_plan, page_fill, remote_map  # noqa: F401
 from gpusnap.private import write_private
 
 LIFETIME_S = 3600.0

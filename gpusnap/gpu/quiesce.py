@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 from gpusnap.errors import GpusnapError
+from gpusnap.gpu import staging
 from gpusnap.gpu.cuda import CudaDriver, CudaError, ProcessState
 from gpusnap.gpu.inventory import Inventory, mps_active
 from gpusnap.procs import ProcessGpuUse
@@ -221,6 +222,11 @@ def resume(driver: Driver, pids: list[int], gpu_pairs: list[tuple[str, str]] | N
     before = states(driver, pids)
     to_restore = [p for p, s in before.items() if s == ProcessState.CHECKPOINTED]
     to_unlock = [p for p, s in before.items() if s in (ProcessState.CHECKPOINTED, ProcessState.LOCKED)]
+    empty = [pid for pid in to_restore if staging.held(pid) is not None]
+    if empty:  # the driver would bring back whatever is there: zeros
+        raise QuiesceError("restore", {pid: RuntimeError(
+            "its GPU memory is not back in host memory (the restore's post-resume step did not "
+            "map it from the checkpoint); restore the checkpoint again") for pid in empty})
     failures = _timed(timing, "restore", to_restore, lambda pid: driver.restore(pid, gpu_pairs))
     if failures:
         raise QuiesceError("restore", failures)

@@ -58,6 +58,7 @@ from pathlib import Path
 
 from gpusnap.criu import mm, pagemap
 from gpusnap.criu.images import ImageError
+from gpusnap.gpu import staging
 from gpusnap.pages.page_fill import Run, merged
 from gpusnap.pages.pages_aside import relative_link
 
@@ -73,17 +74,27 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 @dataclass
 class Plan:
     """The runs to write into each task (by its pid in the images), the folder,
-    and each task's areas (start, end) that get MADV_HUGEPAGE."""
+    each task's areas (start, end) that get MADV_HUGEPAGE, and the runs of the
+    driver's staging that post-resume maps instead (gpu/staging.py)."""
 
     folder: str
     tasks: dict[int, list[Run]] = field(default_factory=dict)
     huge: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    mapped: dict[int, list[Run]] = field(default_factory=dict)
     # the pagemaps plan() read, for rewrite(): not in the JSON, each read once
     pagemaps: dict[int, pagemap.Pagemap] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def bytes(self) -> int:
         return sum(r.length for runs in self.tasks.values() for r in runs)
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(r.length for runs in self.mapped.values() for r in runs)
+
+    def holes(self, vpid: int) -> list[Run]:
+        """Every run CRIU leaves out of the task, in address order."""
+        return sorted(self.tasks.get(vpid, []) + self.mapped.get(vpid, []), key=lambda r: r.address)
 
     @property
     def huge_bytes(self) -> int:
@@ -93,7 +104,9 @@ class Plan:
         return json.dumps({"folder": self.folder, "tasks": {
             str(vpid): [[r.address, r.length, r.path, r.offset] for r in runs]
             for vpid, runs in self.tasks.items()},
-            "huge": {str(vpid): areas for vpid, areas in self.huge.items()}})
+            "huge": {str(vpid): areas for vpid, areas in self.huge.items()},
+            "mapped": {str(vpid): [[r.address, r.length, r.path, r.offset] for r in runs]
+                       for vpid, runs in self.mapped.items()}})
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -101,7 +114,8 @@ class Plan:
         return cls(data["folder"], {int(v): [Run(*r) for r in runs]
                                     for v, runs in data["tasks"].items()},
                    {int(v): [(a, b) for a, b in areas]
-                    for v, areas in data.get("huge", {}).items()})
+                    for v, areas in data.get("huge", {}).items()},
+                   {int(v): [Run(*r) for r in runs] for v, runs in data.get("mapped", {}).items()})
 
 
 def locate(folder: Path, vpid: int, depth: int = 0, pm: pagemap.Pagemap | None = None) -> list[Run]:
@@ -147,10 +161,8 @@ def _covering(located: list[Run], starts: list[int], start: int, length: int) ->
     return out
 
 
-def _clip(located: list[Run], areas: list[tuple[int, int]]) -> list[Run]:
-    """The parts of the located runs that lie inside one of ``areas`` (sorted), where
-    they make a stretch of MIN_RUN or more (a stretch may span pieces of several
-    files: the final round's own pages and its parent's)."""
+def _parts(located: list[Run], areas: list[tuple[int, int]]) -> list[Run]:
+    """The parts of the located runs that lie inside one of ``areas`` (sorted)."""
     parts, starts = [], [a for a, _ in areas]
     for r in located:
         i = max(bisect.bisect_right(starts, r.address) - 1, 0)
@@ -159,6 +171,24 @@ def _clip(located: list[Run], areas: list[tuple[int, int]]) -> list[Run]:
             if hi > lo:
                 parts.append(Run(lo, hi - lo, r.path, r.offset + lo - r.address))
             i += 1
+    return parts
+
+
+def _outside(areas: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The address space but ``areas`` (sorted, not overlapping)."""
+    out, at = [], 0
+    for lo, hi in areas:
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    return out + [(at, 1 << 64)]
+
+
+def _clip(located: list[Run], areas: list[tuple[int, int]]) -> list[Run]:
+    """The parts of the located runs that lie inside one of ``areas`` (sorted), where
+    they make a stretch of MIN_RUN or more (a stretch may span pieces of several
+    files: the final round's own pages and its parent's)."""
+    parts = _parts(located, areas)
     out: list[Run] = []
     stretch: list[Run] = []
     for part in parts + [None]:
@@ -215,9 +245,10 @@ def _dense(areas: list[mm.Vma], runs: list[Run]) -> list[tuple[int, int]]:
             and filled[(v.start, v.end)] >= HUGE_SHARE * (v.end - v.start)]
 
 
-def plan(folder: Path, huge_pages: bool = False) -> Plan | None:
+def plan(folder: Path, huge_pages: bool = False, map_staging: bool = False) -> Plan | None:
     """The runs worth filling in this images folder, or None (CRIU restores all);
-    with ``huge_pages``, the areas they fill almost whole get huge pages."""
+    with ``huge_pages``, the areas they fill almost whole get huge pages; with
+    ``map_staging``, the runs in the driver's staging are to be mapped instead."""
     real = Path(os.path.realpath(folder))
     parent = real / "parent"
     if parent.exists() and not parent.is_symlink():
@@ -230,6 +261,7 @@ def plan(folder: Path, huge_pages: bool = False) -> Plan | None:
     if any(v.restored_in_place for areas in vmas.values() for v in areas):
         return None
     seen = Counter((v.start, v.end) for areas in vmas.values() for v in areas)
+    held = staging.recorded(real) if map_staging else {}
     out = Plan(str(real))
     for vpid, areas in sorted(vmas.items()):
         if not (real / f"pagemap-{vpid}.img").is_file():
@@ -240,13 +272,17 @@ def plan(folder: Path, huge_pages: bool = False) -> Plan | None:
             continue
         out.pagemaps[vpid] = pm = pagemap.parse((real / f"pagemap-{vpid}.img").read_bytes())
         runs = merged(_clip(locate(real, vpid, pm=pm), [(v.start, v.end) for v in own]))
-        if runs:
+        mapped = _parts(runs, held[vpid]) if held.get(vpid) else []
+        if mapped:  # each byte either written or mapped, none left out
+            out.mapped[vpid] = mapped
+            runs = _parts(runs, _outside(held[vpid]))
+        if runs or mapped:
             out.tasks[vpid] = runs
             mm_image = real / f"mm-{vpid}.img"
             dense = _dense(own, runs) if huge_pages and not mm_image.is_symlink() else []
             if dense:
                 out.huge[vpid] = dense
-    return out if out.bytes >= MIN_TOTAL else None
+    return out if out.bytes + out.mapped_bytes >= MIN_TOTAL else None
 
 
 def _link_text(folder: Path) -> str | None:
@@ -292,7 +328,7 @@ def rewrite(p: Plan) -> None:
             os.symlink(relative_link(path, aside), aside / path.name)
         else:
             os.link(path, aside / path.name)
-        holes = sorted(p.tasks.get(vpid, []), key=lambda r: r.address)
+        holes = p.holes(vpid)
         tmp = path.with_name(path.name + ".gpusnap-tmp")
         tmp.write_bytes(pagemap.serialize(pagemap.Pagemap(new_id, _without(old.runs, holes))))
         os.replace(tmp, path)
@@ -356,13 +392,14 @@ def undo(folder: Path) -> bool:
     return True
 
 
-def prepare(folder: Path, keep: Callable[[Plan], None], huge_pages: bool = False) -> Plan | None:
+def prepare(folder: Path, keep: Callable[[Plan], None], huge_pages: bool = False,
+            map_staging: bool = False) -> Plan | None:
     """Undo a leftover rewrite, plan, and rewrite where there is something to fill.
     ``keep`` stores the plan for post-restore before the folder changes (a rewrite
     whose plan is lost would restore zeros); any failure puts the folder back
     and leaves the restore to CRIU alone."""
     undo(folder)
-    p = plan(folder, huge_pages)
+    p = plan(folder, huge_pages, map_staging)
     if p is None:
         return None
     keep(p)
@@ -381,13 +418,17 @@ class Settings:
     {"huge_pages": false} leaves every area's madvise as the application had it;
     {"agent": false} runs each later CRIU step in a Python of its own, without
     action/agent.py; {"read_ahead": false} leaves the file pages CRIU copies on
-    write to its faults (file_pages.py). Benchmarks compare."""
+    write to its faults (file_pages.py); {"map_staging": true} maps the
+    driver's staging from the pages file instead of writing it (gpu/staging.py;
+    off: the driver restored from it 1.6-4x slower in a replica's restore,
+    docs/benchmarks.md). Benchmarks compare."""
 
     enabled: bool = True
     threads: int = 0
     huge_pages: bool = True
     agent: bool = True
     read_ahead: bool = True
+    map_staging: bool = False
 
 
 SETTINGS = Path("/etc/gpusnap/page-fill.json")
@@ -404,10 +445,11 @@ def settings(path: Path | None = None) -> Settings:
     if not isinstance(data, dict) or not isinstance(data.get("enabled", True), bool) \
             or not isinstance(data.get("threads", 0), int) or data.get("threads", 0) < 0 \
             or not isinstance(data.get("huge_pages", True), bool) \
-            or not all(isinstance(data.get(k, True), bool) for k in ("agent", "read_ahead")):
+            or not all(isinstance(data.get(k, True), bool)
+                       for k in ("agent", "read_ahead", "map_staging")):
         raise ValueError(f'{path}: expected {{"enabled": true|false, "threads": N, '
                          f'"huge_pages": true|false, "agent": true|false, '
-                         f'"read_ahead": true|false}}')
+                         f'"read_ahead": true|false, "map_staging": true|false}}')
     return Settings(data.get("enabled", True), data.get("threads", 0),
                     data.get("huge_pages", True), data.get("agent", True),
-                    data.get("read_ahead", True))
+                    data.get("read_ahead", True), data.get("map_staging", False))

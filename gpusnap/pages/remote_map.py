@@ -24,9 +24,12 @@ import errno
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 
-from gpusnap.pages import remote_syscall
+from gpusnap import journal
+from gpusnap.gpu import staging
+from gpusnap.pages import fill_plan, page_fill, remote_syscall
 from gpusnap.pages.page_fill import IoVec, PROT_READ, PROT_WRITE, libc
 
 SYS_CLOSE, SYS_MMAP, SYS_RECVMSG, SYS_SOCKETPAIR = 3, 9, 47, 53
@@ -127,3 +130,26 @@ def map_file(pid: int, path: str, runs: Sequence[tuple[int, int, int]]) -> None:
         raise RemoteMapError(exc.errno or errno.EIO, str(exc)) from None
     finally:
         os.close(fd)
+
+
+def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> None:
+    """The driver's staging post-restore left out of processes (staging.held:
+    pid -> runs) put in place: mapped from its pages files, or written
+    (page_fill) where the process refused the mapping; each process released
+    once its staging is in place. Journaled as ``pages-mapped``."""
+    started = time.monotonic()
+    done: dict = {"bytes": 0, "mapped": [], "written": [], "why": None}
+    for pid, runs in held.items():
+        try:
+            for path in dict.fromkeys(p for _, _, p, _ in runs):
+                map_file(pid, path, [(a, n, o) for a, n, p, o in runs if p == path])
+            done["mapped"].append(pid)
+        except OSError as exc:  # RemoteMapError and the file's own: the bytes are written instead
+            done["why"] = done["why"] or str(exc)
+            page_fill.fill(pid, [page_fill.Run(*r) for r in runs],
+                           fill_plan.settings().threads or page_fill.default_threads())
+            done["written"].append(pid)
+        done["bytes"] += sum(n for _, n, _, _ in runs)
+        staging.release(pid)
+    journal.record("pages-mapped", init_pid=init_pid, by=by,
+                   seconds=round(time.monotonic() - started, 3), **done)

@@ -1,0 +1,101 @@
+"""The driver's staging mapped from the pages file instead of written: the plan
+splits each task's runs into written and mapped (never both, none left out),
+post-restore writes the one and holds the other, post-resume maps it into the
+real child process (pages/remote_map.py), and the driver's restore is refused
+for a process whose staging is not in place yet."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from gpusnap.action import action, step_state
+from gpusnap.gpu import staging
+from gpusnap.gpu.cuda import ProcessState
+from gpusnap.gpu.quiesce import QuiesceError, resume
+from gpusnap.pages import fill_plan, remote_map, remote_syscall
+from gpusnap.criu import pagemap as pm
+from tests.unit.fakes import FakeDriver
+from tests.unit.test_fill_plan import (PAGE, PLAIN, _criu_reads, _fills, _memory_of, _task,
+                                       child, small, state)  # noqa: F401 (fixtures)
+
+A = 0x10000000
+
+
+def _record(folder, vpid: int, ranges: list[tuple[int, int]]) -> None:
+    staging.record(folder, {(os.getpid(), vpid): ranges})
+
+
+def test_runs_in_the_staging_are_mapped_and_the_rest_written_each_page_once(tmp_path):
+    folder = tmp_path / "images"
+    memory = _task(folder, 1, 1, [(A, A + 64 * PAGE, PLAIN)], [(A, 64, pm.PE_PRESENT)],
+                   random.Random(3))
+    _record(folder, 1, [(A + 10 * PAGE, A + 50 * PAGE)])
+    p = fill_plan.prepare(folder, lambda p: None, map_staging=True)
+    assert [(r.address, r.length) for r in p.mapped[1]] == [(A + 10 * PAGE, 40 * PAGE)]
+    assert [(r.address, r.length) for r in p.tasks[1]] == [(A, 10 * PAGE), (A + 50 * PAGE, 14 * PAGE)]
+    assert p.mapped_bytes == 40 * PAGE and p.bytes == 24 * PAGE
+    by_criu, written, mapped = _criu_reads(folder, 1), _fills(p.tasks[1]), _fills(p.mapped[1])
+    assert not (by_criu.keys() & written.keys() or by_criu.keys() & mapped.keys()
+                or written.keys() & mapped.keys())
+    assert {**by_criu, **written, **mapped} == memory
+    assert fill_plan.Plan.from_json(p.to_json()) == p
+    fill_plan.undo(folder)
+
+
+def test_without_a_record_or_unless_told_to_nothing_is_mapped(tmp_path):
+    folder = tmp_path / "images"
+    _task(folder, 1, 1, [(A, A + 64 * PAGE, PLAIN)], [(A, 64, pm.PE_PRESENT)], random.Random(3))
+    assert fill_plan.plan(folder, map_staging=True).mapped == {}
+    _record(folder, 1, [(A, A + 64 * PAGE)])
+    assert fill_plan.plan(folder).mapped == {}  # off unless the settings ask (docs/benchmarks.md)
+    assert fill_plan.settings(tmp_path / "page-fill.json").map_staging is False
+    assert fill_plan.plan(folder, map_staging=True).mapped != {}
+    (folder / staging.NAME).write_text("{not json")
+    assert fill_plan.plan(folder, map_staging=True).mapped == {}  # unreadable: every page written
+
+
+def test_the_driver_is_not_asked_to_restore_a_staging_still_empty(state):
+    pid = os.getpid()
+    staging.hold(pid, [(A, PAGE, "/nowhere", 0)])
+    driver = FakeDriver({pid: ProcessState.CHECKPOINTED})
+    with pytest.raises(QuiesceError, match="not back in host memory"):
+        resume(driver, [pid])
+    assert ("restore", pid) not in driver.calls
+    staging.release(pid)
+    assert resume(driver, [pid]) == [pid]
+
+
+def test_a_marker_of_a_process_long_gone_holds_no_other(state):
+    pid = os.getpid()
+    staging.hold(pid, [(A, PAGE, "/nowhere", 0)])
+    marker = json.loads(staging._marker(pid).read_text())
+    staging._marker(pid).write_text(json.dumps({**marker, "start": marker["start"] - 1}))
+    assert staging.held(pid) is None
+
+
+@pytest.mark.skipif(not remote_syscall.supported(), reason="x86-64 only")
+def test_post_restore_holds_the_staging_and_post_resume_maps_it(tmp_path, state, child):
+    proc, base, size = child
+    folder = tmp_path / "images"
+    memory = _task(folder, proc.pid, 1, [(base, base + size, PLAIN)],
+                   [(base, size // PAGE, pm.PE_PRESENT)], random.Random(9))
+    data = b"".join(memory[a] for a in sorted(memory))
+    _record(folder, proc.pid, [(base + (1 << 20), base + size)])
+    fill_plan.prepare(folder, lambda p: action.write_private(step_state.fill(4250), p.to_json()),
+                      map_staging=True)
+    action.post_restore(init_pid=proc.pid, criu_pid=4250)
+    assert _memory_of(proc.pid, base, 1 << 20) == data[:1 << 20]  # written
+    assert staging.held(proc.pid)  # the rest waits for post-resume
+    remote_map.put_back(staging.held_in([proc.pid]), proc.pid, "test")
+    assert _memory_of(proc.pid, base, size) == data
+    assert staging.held(proc.pid) is None
+    pages = os.path.realpath(folder / "pages-1.img")
+    assert any(line.endswith(pages) and int(line.split("-")[0], 16) == base + (1 << 20)
+               for line in open(f"/proc/{proc.pid}/maps").read().splitlines())  # mapped, not written
+    event = json.loads((state / "journal.jsonl").read_text().splitlines()[-1])
+    assert event["event"] == "pages-mapped" and event["mapped"] == [proc.pid]
+    assert event["bytes"] == size - (1 << 20) and event["written"] == []
