@@ -1,6 +1,7 @@
 """The driver's restore from a copy of its staging memory filled in, or mapped from a file.
 
-    python bench/staging_map.py [--gib 8] [--rounds 2] [--threads 16] [--out staging_map.json]
+    python bench/staging_map.py [--gib 8] [--rounds 2] [--threads 16]
+                                [--hows fill,map,map-4k,map-4k-read] [--out staging_map.json]
 
 After cuCheckpointProcessCheckpoint a CUDA process holds its GPU memory in new
 private anonymous memory (the staging); cuCheckpointProcessRestore reads it
@@ -18,11 +19,15 @@ ranges to a file on the huge-page tmpfs, then either
 - ``fill``: writes the ranges back from the file on THREADS threads, as a
   restore does, then the driver's restore; or
 - ``map``: the process maps the file over its own ranges (mmap MAP_FIXED |
-  MAP_PRIVATE; it runs no CUDA call meanwhile), then the driver's restore,
+  MAP_PRIVATE; it runs no CUDA call meanwhile), then the driver's restore;
+  ``map-4k`` with the staging 4 KiB past a 2 MiB boundary of the file (as in a
+  pages file, where CRIU's own pages come first: no huge page mapping), and
+  ``map-4k-read`` with that file read through another mapping first (as a
+  replica's pages file, linked from the replica before it),
 
-both after the ranges were dropped (MADV_DONTNEED: empty, as in a restored
-process before its pages come), and unlocks it; the process then sums its GPU memory again, which must equal
-the first sums. Printed per round: the fill or the map, the driver's restore,
+each after the ranges were dropped (MADV_DONTNEED: empty, as in a restored
+process before its pages come), and unlocks it; the process then sums its GPU
+memory again, which must equal the first sums. Printed per round: the fill or the map, the driver's restore,
 whether the file is still mapped after the restore (what a later dump would
 then meet), and the sums. Root, one GPU, /opt/torch's PyTorch (GPU machines).
 """
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
+import os
 import subprocess
 import sys
 import tempfile
@@ -93,9 +100,11 @@ def _ask(app: subprocess.Popen, line: str, answer: str) -> list[str]:
     return got[1:]
 
 
-def _copy_out(pid: int, runs: list[tuple[int, int]], path: Path) -> list[tuple[int, int, int]]:
-    """The ranges' bytes into ``path`` at 2 MiB-aligned offsets: (addr, length, offset)."""
-    placed, off = [], 0
+def _copy_out(pid: int, runs: list[tuple[int, int]], path: Path,
+              shift: int = 0) -> list[tuple[int, int, int]]:
+    """The ranges' bytes into ``path`` at 2 MiB-aligned offsets plus ``shift``:
+    (addr, length, offset)."""
+    placed, off = [], shift
     with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem, open(path, "wb") as out:
         for start, end in runs:
             out.seek(off)
@@ -105,6 +114,15 @@ def _copy_out(pid: int, runs: list[tuple[int, int]], path: Path) -> list[tuple[i
             placed.append((start, end - start, off))
             off += (end - start + HUGE - 1) // HUGE * HUGE
     return placed
+
+
+def _read_through_a_mapping(path: Path) -> None:
+    """Every page of ``path`` read through a private mapping here, then unmapped:
+    as a replica's pages file the replica before it had mapped."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        with mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as m:
+            sum(m[i] for i in range(0, size, 4096))
 
 
 def _still_mapped(pid: int, path: Path) -> int:
@@ -121,11 +139,16 @@ def one_round(driver: CudaDriver, app: subprocess.Popen, how: str, folder: Path,
     checkpoint_s = time.monotonic() - t
     runs = dump_ahead.staging(pid, before)
     path = folder / f"staging-{how}.bin"
-    placed = _copy_out(pid, runs, path)
+    # map-4k: the staging 4 KiB past a 2 MiB boundary of the file, as in a pages
+    # file (CRIU's own pages come before it); -read: the file read through another
+    # mapping first, as a replica's linked pages file is
+    placed = _copy_out(pid, runs, path, 4096 if how.startswith("map-4k") else 0)
+    if how.endswith("-read"):
+        _read_through_a_mapping(path)
     # both start where a restored process does: the ranges mapped, nothing in them
     _ask(app, "drop " + " ".join(f"{a} {n}" for a, n, _ in placed), "dropped")
     t = time.monotonic()
-    if how == "map":
+    if how.startswith("map"):
         _ask(app, "map " + str(path) + " " + " ".join(f"{a} {n} {o}" for a, n, o in placed),
              "mapped")
     else:
@@ -152,6 +175,8 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=page_fill.default_threads())
+    ap.add_argument("--hows", default="fill,map,map-4k,map-4k-read",
+                    help="fill, map (2 MiB-aligned), map-4k (4 KiB past it), map-4k-read")
     ap.add_argument("--out")
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="staging-", dir=memory.HUGE_ROOT)) \
@@ -166,7 +191,7 @@ def main() -> int:
         before = dump_ahead.mapped(app.pid)
         driver = CudaDriver()
         for _ in range(args.rounds):
-            for how in ("fill", "map"):
+            for how in args.hows.split(","):
                 rows.append(one_round(driver, app, how, folder, args.threads, before, first[1:]))
     finally:
         app.kill()
