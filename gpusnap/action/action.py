@@ -199,7 +199,9 @@ def post_restore(init_pid: int, criu_pid: int, by: str = "script") -> None:
     CRIU's restorer with their memory in place (before CRIU's late device hooks,
     rseq fix-ups and the tasks' resume). Any failure (GpusnapError here, or this
     script dying) makes CRIU kill the tasks and fail the restore: nothing runs
-    on memory that is not what was dumped. The images folder is put back either way."""
+    on memory that is not what was dumped, but for the driver's staging where
+    it is to be mapped (staging.hold: no driver restore until post-resume put
+    it back). The images folder is put back either way."""
     from gpusnap.pages import fill_plan, page_fill  # post-restore only: not every step's start-up
     state = step_state.fill(criu_pid)
     if not state.exists():

@@ -61,6 +61,8 @@ def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int) -> None:
         from gpusnap.pages import pages_aside  # pre-dump only: not every step's start-up
         pages_aside.drop_stale_parent(Path(image_dir))
     step_state.ahead(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
+    if image_dir:  # a folder Podman kept from an earlier dump: never its staging record
+        staging.forget(image_dir)
     if _quiesced_before_the_pause(init_pid, image_dir):  # its client holds the turn
         return
     # The shim holds the task for its client, and an earlier try's guardian
@@ -104,10 +106,13 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
         free_at = round(time.time(), 3)  # before the read-ahead below, which takes seconds at GBs
         manifest.timing = timing.phases
         held = _held(dump_ahead, changed, before)
-        if image_dir:  # a restore maps these from the pages file instead of writing them
-            staging.record(image_dir, held)
-        held = {pid: ranges for (pid, _), ranges in held.items()}
         guardian = _start_guardian(criu_pid, changed, init_pid, turn)
+        if image_dir:  # for a restore that maps these instead of writing them: not needed
+            try:
+                staging.record(image_dir, held)
+            except OSError as exc:
+                journal.record("staging-not-recorded", init_pid=init_pid, error=str(exc))
+        held = {pid: ranges for (pid, _), ranges in held.items()}
         if ahead and guardian is not None:
             _read_ahead(criu_pid, guardian, push, held)
     elif turn is not None:  # the plugin quiesces and resumes inside CRIU: held till it exits

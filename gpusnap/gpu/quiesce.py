@@ -222,11 +222,7 @@ def resume(driver: Driver, pids: list[int], gpu_pairs: list[tuple[str, str]] | N
     before = states(driver, pids)
     to_restore = [p for p, s in before.items() if s == ProcessState.CHECKPOINTED]
     to_unlock = [p for p, s in before.items() if s in (ProcessState.CHECKPOINTED, ProcessState.LOCKED)]
-    empty = [pid for pid in to_restore if staging.held(pid) is not None]
-    if empty:  # the driver would bring back whatever is there: zeros
-        raise QuiesceError("restore", {pid: RuntimeError(
-            "its GPU memory is not back in host memory (the restore's post-resume step did not "
-            "map it from the checkpoint); restore the checkpoint again") for pid in empty})
+    _refuse_empty_staging(to_restore)
     failures = _timed(timing, "restore", to_restore, lambda pid: driver.restore(pid, gpu_pairs))
     if failures:
         raise QuiesceError("restore", failures)
@@ -234,6 +230,16 @@ def resume(driver: Driver, pids: list[int], gpu_pairs: list[tuple[str, str]] | N
     if failures:
         raise QuiesceError("unlock", failures)
     return to_unlock
+
+
+def _refuse_empty_staging(pids: list[int]) -> None:
+    """The driver would bring back whatever its staging holds: zeros, where a
+    restore's post-resume did not put it back (gpu/staging.py)."""
+    empty = [pid for pid in pids if staging.held(pid) is not None]
+    if empty:
+        raise QuiesceError("restore", {pid: RuntimeError(
+            "its GPU memory is not back in host memory (the restore's post-resume step did not "
+            "map it from the checkpoint); restore the checkpoint again") for pid in empty})
 
 
 def resume_onto(driver: Driver, pids: list[int],
@@ -244,6 +250,7 @@ def resume_onto(driver: Driver, pids: list[int],
     A refused restore leaves the processes CHECKPOINTED, so the next choice can
     be tried. Returns (the choice taken, pids changed, what was refused first).
     """
+    _refuse_empty_staging(pids)  # once, not for every choice
     refused: dict[str, QuiesceError] = {}
     for label, pairs in choices:
         try:

@@ -2,10 +2,11 @@
 
 At the dump, pre-dump records where the driver's checkpoint put it in each
 task (``record``: a file beside the GPU manifest, by the task's pid in the
-images). At the restore, pre-restore leaves those pages out of CRIU's restore
-(pages/fill_plan.py) and post-resume maps them from the pages file
-(pages/remote_map.py): the driver reads them once, at its restore, and then
-unmaps them, so nothing needs writing them first.
+images). At a restore that asks for it (page-fill.json's map_staging, off:
+the driver restored slower from the mapping, docs/benchmarks.md),
+pre-restore leaves those pages out of CRIU's restore (pages/fill_plan.py)
+and post-resume maps them from the pages file (pages/remote_map.py): the
+driver reads them once, at its restore, and then unmaps them.
 
 Between post-restore and that mapping a restored process's staging is empty.
 ``hold`` marks such a process (by host pid and start time) with the runs
@@ -33,6 +34,11 @@ def record(image_dir: str | Path, staging: dict[tuple[int, int], list[tuple[int,
         write_private(Path(image_dir) / NAME, json.dumps({"tasks": ranges}))
 
 
+def forget(image_dir: str | Path) -> None:
+    """No record left from an earlier dump into the same folder."""
+    (Path(image_dir) / NAME).unlink(missing_ok=True)
+
+
 def recorded(folder: Path) -> dict[int, list[tuple[int, int]]]:
     """What ``record`` wrote in an images folder; {} where it did not (a CPU
     dump, CRIU's CUDA plugin, an older gpusnap). A file that cannot be read
@@ -56,14 +62,17 @@ def hold(pid: int, runs: Runs) -> None:
 
 def held(pid: int) -> Runs | None:
     """The runs still to map into ``pid``, None where it has none (or the marker
-    is another process's, long gone, whose pid this one took)."""
+    is another process's, long gone, whose pid this one took); [] where the
+    marker cannot be read: still held, nothing known to map."""
     try:
         data = json.loads(_marker(pid).read_text())
-    except (OSError, ValueError):
+        if data["start"] != start_time(pid):
+            return None
+        return [(int(a), int(n), str(p), int(o)) for a, n, p, o in data["runs"]]
+    except FileNotFoundError:
         return None
-    if data.get("start") != start_time(pid):
-        return None
-    return [(int(a), int(n), str(p), int(o)) for a, n, p, o in data["runs"]]
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable: held, with nothing to map
+        return []
 
 
 def held_in(pids: list[int]) -> dict[int, Runs]:

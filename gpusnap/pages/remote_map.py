@@ -5,8 +5,10 @@ memory) from the pages file, where the driver reads it once, at its restore,
 and then unmaps it. Writing it there first (page_fill.py) is the one step of a
 replica's restore that grows with its size; driver 580 restores as fast from
 the pages file mapped private over those addresses, with nothing written
-(bench/staging_map.py, docs/benchmarks.md). A private mapping is the process's
-own memory from then on: a write copies the page, the file is never changed.
+(bench/staging_map.py), but in a replica's restore it restored 1.6-4x slower
+from such a mapping than from written staging (docs/benchmarks.md): opt-in,
+page-fill.json's map_staging. A private mapping is the process's own memory
+from then on: a write copies the page, the file is never changed.
 
 mmap(2) maps only into the caller, so the process makes the calls itself
 (remote_syscall.py), and it needs the file open: the path means nothing in a
@@ -19,6 +21,7 @@ that run's mapping then replaces: nothing of the process's is written over.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -28,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from gpusnap import journal
+from gpusnap.errors import GpusnapError
 from gpusnap.gpu import staging
 from gpusnap.pages import fill_plan, page_fill, remote_syscall
 from gpusnap.pages.page_fill import IoVec, PROT_READ, PROT_WRITE, libc
@@ -99,7 +103,8 @@ def _received(pid: int, call: Callable[..., int], scratch: int, end: int) -> int
 def map_file(pid: int, path: str, runs: Sequence[tuple[int, int, int]]) -> None:
     """Map ``path`` private over ``pid``'s memory: each run (address, length,
     offset in the file), page-aligned. RemoteMapError where it could not be
-    done (runs mapped before it hold the file's bytes, the others are as they were)."""
+    done (runs mapped before it hold the file's bytes; the others hold what
+    they did, but for the first page of the last run, the call buffers)."""
     if not runs:
         return
     scratch = runs[-1][0]
@@ -122,10 +127,11 @@ def map_file(pid: int, path: str, runs: Sequence[tuple[int, int, int]]) -> None:
                     if got != address:
                         _ok(got if got < 0 else -errno.EFAULT,
                             f"mmap of {path} at {address:#x} in process {pid}")
-            finally:
+            finally:  # each closed whatever another close met: an fd left open pins the file
                 for end in (*ends, theirs):
                     if end >= 0:
-                        call(SYS_CLOSE, end)
+                        with contextlib.suppress(remote_syscall.RemoteSyscallError):
+                            call(SYS_CLOSE, end)
     except remote_syscall.RemoteSyscallError as exc:
         raise RemoteMapError(exc.errno or errno.EIO, str(exc)) from None
     finally:
@@ -135,21 +141,42 @@ def map_file(pid: int, path: str, runs: Sequence[tuple[int, int, int]]) -> None:
 def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> None:
     """The driver's staging post-restore left out of processes (staging.held:
     pid -> runs) put in place: mapped from its pages files, or written
-    (page_fill) where the process refused the mapping; each process released
-    once its staging is in place. Journaled as ``pages-mapped``."""
+    (page_fill) where the process refused the mapping or the file has other
+    links (a kept or prepared folder's, which a later restore may patch in
+    place: a private mapping shows such changes); each process released once
+    its staging is in place. Journaled as ``pages-mapped``; GpusnapError
+    names the processes left held (the driver is not asked to restore them)."""
     started = time.monotonic()
-    done: dict = {"bytes": 0, "mapped": [], "written": [], "why": None}
+    done: dict = {"bytes": 0, "mapped": [], "written": [], "why": None, "failed": {}}
     for pid, runs in held.items():
         try:
-            for path in dict.fromkeys(p for _, _, p, _ in runs):
-                map_file(pid, path, [(a, n, o) for a, n, p, o in runs if p == path])
-            done["mapped"].append(pid)
-        except OSError as exc:  # RemoteMapError and the file's own: the bytes are written instead
-            done["why"] = done["why"] or str(exc)
-            page_fill.fill(pid, [page_fill.Run(*r) for r in runs],
-                           fill_plan.settings().threads or page_fill.default_threads())
-            done["written"].append(pid)
+            if not runs:
+                raise OSError(errno.ENOENT, "its staging record cannot be read")
+            done["mapped" if _mapped_or_written(pid, runs, done) else "written"].append(pid)
+        except (OSError, ValueError) as exc:
+            done["failed"][pid] = str(exc)
+            continue
         done["bytes"] += sum(n for _, n, _, _ in runs)
         staging.release(pid)
     journal.record("pages-mapped", init_pid=init_pid, by=by,
                    seconds=round(time.monotonic() - started, 3), **done)
+    if done["failed"]:
+        raise GpusnapError("the driver's copy of the GPU memory could not be put back into "
+                           "restored process(es) " + "; ".join(
+                               f"{pid}: {why}" for pid, why in done["failed"].items()),
+                           "restore the checkpoint again")
+
+
+def _mapped_or_written(pid: int, runs: staging.Runs, done: dict) -> bool:
+    """True where every file was mapped, False where the runs were written."""
+    try:
+        for path in dict.fromkeys(p for _, _, p, _ in runs):
+            if os.stat(path).st_nlink != 1:
+                raise RemoteMapError(errno.EMLINK, f"{path} has other links")
+            map_file(pid, path, [(a, n, o) for a, n, p, o in runs if p == path])
+        return True
+    except OSError as exc:  # RemoteMapError and the file's own: the bytes are written instead
+        done["why"] = done["why"] or str(exc)
+    page_fill.fill(pid, [page_fill.Run(*r) for r in runs],
+                   fill_plan.settings().threads or page_fill.default_threads())
+    return False

@@ -353,8 +353,9 @@ _CHECKPOINT_FILES = ("restore.log", "dump.log", "stats-dump", "stats-restore",
 
 
 def drop_checkpoint(ctr: Container) -> None:
-    """Remove a restored container's local checkpoint as Podman's restore without
-    --keep would: for a restore that asked Podman to keep it until it knew the
+    """Remove the files of a restored container's local checkpoint that Podman's
+    restore without --keep removes (its database still names the checkpoint
+    path): for a restore that asked Podman to keep them until it knew the
     restore held (the GPU state back on the GPU)."""
     for name in _CHECKPOINT_DIRS:
         shutil.rmtree(ctr.userdata / name, ignore_errors=True)

@@ -624,8 +624,12 @@ def _refused_for_memory(*restore: str) -> tuple[subprocess.CompletedProcess, obj
     the CLI, stopped meanwhile, goes on once the memory is free again and tries
     the resume itself: its result, and the journal mark taken before it."""
     hog = harness.Hog(0)  # its container up first: starting it takes longer than the restore
-    mark = journal_mark()
-    cli = start_cli("restore", *restore)
+    try:
+        mark = journal_mark()
+        cli = start_cli("restore", *restore)
+    except BaseException:
+        hog.remove()
+        raise
     agent: list[int] = []
     try:
         _held_before_the_drivers_restore(cli, mark, agent)

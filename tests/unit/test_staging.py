@@ -15,7 +15,8 @@ import pytest
 from gpusnap.action import action, step_state
 from gpusnap.gpu import staging
 from gpusnap.gpu.cuda import ProcessState
-from gpusnap.gpu.quiesce import QuiesceError, resume
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.quiesce import QuiesceError, resume, resume_onto
 from gpusnap.pages import fill_plan, remote_map, remote_syscall
 from gpusnap.criu import pagemap as pm
 from tests.unit.fakes import FakeDriver
@@ -99,3 +100,49 @@ def test_post_restore_holds_the_staging_and_post_resume_maps_it(tmp_path, state,
     event = json.loads((state / "journal.jsonl").read_text().splitlines()[-1])
     assert event["event"] == "pages-mapped" and event["mapped"] == [proc.pid]
     assert event["bytes"] == size - (1 << 20) and event["written"] == []
+
+
+def test_resume_onto_refuses_an_empty_staging_once_not_per_gpu_choice(state):
+    pid = os.getpid()
+    staging.hold(pid, [(A, PAGE, "/nowhere", 0)])
+    driver = FakeDriver({pid: ProcessState.CHECKPOINTED})
+    with pytest.raises(QuiesceError) as err:
+        resume_onto(driver, [pid], [("every GPU", None), ("none", None)])
+    assert str(err.value).count("not back in host memory") == 1, str(err.value)
+    assert not any(call == "restore" for call, _ in driver.calls)
+    staging.release(pid)
+
+
+def test_an_unreadable_marker_holds_the_process_and_post_resume_says_so(state):
+    pid = os.getpid()
+    staging.hold(pid, [(A, PAGE, "/nowhere", 0)])
+    staging._marker(pid).write_text("[1, 2]")
+    assert staging.held(pid) == []
+    with pytest.raises(GpusnapError, match="could not be put back into restored process"):
+        remote_map.put_back(staging.held_in([pid]), pid, "test")
+    assert staging.held(pid) == []  # still held: no driver restore of zeros
+    staging.release(pid)
+
+
+def test_a_dump_into_a_kept_folder_leaves_no_earlier_record(tmp_path):
+    _record(tmp_path, 1, [(A, A + PAGE)])
+    staging.forget(tmp_path)
+    assert staging.recorded(tmp_path) == {}
+    staging.forget(tmp_path)  # nothing to forget: no error
+
+
+@pytest.mark.skipif(not remote_syscall.supported(), reason="x86-64 only")
+def test_a_pages_file_with_other_links_is_written_not_mapped(tmp_path, state, child):
+    """A kept or prepared folder's file (linked) may be patched in place by a
+    later restore: a private mapping would show that, written bytes do not."""
+    proc, base, size = child
+    data = random.Random(4).randbytes(size)
+    path = tmp_path / "pages.img"
+    path.write_bytes(data)
+    os.link(path, tmp_path / "kept.img")
+    staging.hold(proc.pid, [(base, size, str(path), 0)])
+    remote_map.put_back(staging.held_in([proc.pid]), proc.pid, "test")
+    assert _memory_of(proc.pid, base, size) == data
+    assert str(path) not in open(f"/proc/{proc.pid}/maps").read()
+    event = json.loads((state / "journal.jsonl").read_text().splitlines()[-1])
+    assert event["written"] == [proc.pid] and "other links" in event["why"]
