@@ -45,6 +45,7 @@ PAGE = 4096
 # where the call buffers lie in the scratch page
 MSGHDR, IOVEC, BYTE, CONTROL = 0, 64, 128, 192
 CONTROL_LEN = 24  # CMSG_SPACE(sizeof(int))
+STOP_S = 2.0  # a process whose threads do not stop by then gets its staging written instead
 
 
 class RemoteMapError(OSError):
@@ -110,7 +111,7 @@ def map_file(pid: int, path: str, runs: Sequence[tuple[int, int, int]]) -> None:
     scratch = runs[-1][0]
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        with remote_syscall.calls(pid) as call:
+        with remote_syscall.calls(pid, STOP_S) as call:
             _vm(pid, scratch, bytes(8))
             _ok(call(SYS_SOCKETPAIR, AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, scratch),
                 f"socketpair in process {pid}")

@@ -315,13 +315,16 @@ def _madvise_on(pid: int, tid: int, at: int, ranges: list[tuple[int, int]],
 
 
 @contextmanager
-def calls(pid: int) -> Iterator[Callable[..., int]]:
-    """One thread of ``pid`` stopped for a series of calls: yields
-    ``call(number, *args)``, which returns what the call returned (a negative
-    errno where it failed). The thread goes on as before on leaving."""
+def calls(pid: int, stop_s: float | None = None) -> Iterator[Callable[..., int]]:
+    """One thread of ``pid`` stopped (within ``stop_s``, default the PTRACE
+    bound) for a series of calls: yields ``call(number, *args)``, which returns
+    what the call returned (a negative errno where it failed). A thread asleep
+    or running is taken before one in an uninterruptible wait (a driver call),
+    which stops only once it leaves it. The thread goes on as before on leaving."""
     if not supported():
         raise RemoteSyscallError(errno.ENOSYS, f"remote calls need x86-64, not {platform.machine()}")
     at = syscall_address(pid)
-    with _seized(pid) as (tracee, saved):
+    ready = [tid for tid, state in _threads(pid) if state in ("S", "R")]
+    with _seized(pid, ready[0] if ready else None, stop_s) as (tracee, saved):
         yield lambda number, *args: _call(tracee, saved, at, number, args)
 
