@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from gpusnap.pages import remote_map, remote_syscall
-from tests.unit.test_dump_ahead import CHILD, PAGE, Child
+from tests.unit.test_dump_ahead import CHILD, PAGE, Child, child  # noqa: F401 -- a fixture
 
 pytestmark = pytest.mark.skipif(not remote_syscall.supported(), reason="x86-64 only")
 
@@ -28,14 +28,6 @@ def _file(tmp_path, pages: int, mark: int):
 def _maps(pid: int, path) -> int:
     with open(f"/proc/{pid}/maps") as f:
         return sum(1 for line in f if line.rstrip().endswith(str(path)))
-
-
-@pytest.fixture
-def child():
-    c = Child()
-    yield c
-    if c.proc.poll() is None:
-        c.close()
 
 
 def test_the_file_takes_the_place_of_the_runs_and_the_process_goes_on(child, tmp_path):
