@@ -275,7 +275,7 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
     one the agent loaded ahead (else loaded here)."""
     from gpusnap.gpu import manifest as gpu_manifest, quiesce  # see the imports above
 
-    held = staging.held_in(process_tree(init_pid))  # before anything asks the driver to restore it
+    held = staging.held_under(init_pid)  # before anything asks the driver to restore it
     if held:
         from gpusnap.pages import remote_map  # only where post-restore left staging to map
         remote_map.put_back(held, init_pid, by)

@@ -138,14 +138,13 @@ def _mapped(read, pid: int) -> list[tuple[int, int]] | None:
 
 def _held(dump_ahead, pids: list[int], before: dict) -> dict[tuple[int, int], list]:
     """Where the driver's checkpoint put each process's GPU memory: by (pid, its
-    pid in the container, as CRIU's images name it)."""
+    pid in the container, as CRIU's images name it); a process whose map could
+    not be read is left out (a process gone is CRIU's to find)."""
     out = {}
     for pid in pids:
-        ranges = _mapped(lambda p: dump_ahead.staging(p, before[p]), pid) \
-            if before.get(pid) is not None else None
-        with contextlib.suppress(OSError):
-            if ranges is not None:
-                out[(pid, ns_pid(pid))] = ranges
+        if before.get(pid) is not None:
+            with contextlib.suppress(OSError):
+                out[(pid, ns_pid(pid))] = dump_ahead.staging(pid, before[pid])
     return out
 
 

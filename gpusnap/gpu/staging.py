@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.private import write_private
-from gpusnap.procs import start_time
+from gpusnap.procs import process_tree, start_time
 
 NAME = "gpusnap-staging.json"  # in CRIU's images, beside the GPU manifest
 Runs = list[tuple[int, int, str, int]]  # (address, length, pages file, offset)
@@ -51,8 +51,12 @@ def recorded(folder: Path) -> dict[int, list[tuple[int, int]]]:
         return {}
 
 
+def _folder() -> Path:
+    return journal.state_subdir("staging")
+
+
 def _marker(pid: int) -> Path:
-    return journal.state_subdir("staging") / f"{pid}.json"
+    return _folder() / f"{pid}.json"
 
 
 def hold(pid: int, runs: Runs) -> None:
@@ -78,6 +82,17 @@ def held(pid: int) -> Runs | None:
 def held_in(pids: list[int]) -> dict[int, Runs]:
     """The runs still to map, of each of ``pids`` that has some."""
     return {pid: runs for pid in pids if (runs := held(pid)) is not None}
+
+
+def held_under(init_pid: int) -> dict[int, Runs]:
+    """``held_in`` of the container whose init is ``init_pid``: the marks are
+    listed first, so a restore that mapped nothing (the default) does not walk
+    the host's process table on its way to the driver."""
+    marked = [int(p.stem) for p in _folder().glob("*.json") if p.stem.isdigit()]
+    if not marked:
+        return {}
+    tree = set(process_tree(init_pid))
+    return held_in([pid for pid in marked if pid in tree])
 
 
 def release(pid: int) -> None:

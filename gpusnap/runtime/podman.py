@@ -8,7 +8,6 @@ The CLI rather than podman-py's REST client: checkpoint/restore with
 from __future__ import annotations
 
 import contextlib
-
 import hashlib
 import json
 import os

@@ -91,7 +91,7 @@ def test_post_restore_holds_the_staging_and_post_resume_maps_it(tmp_path, state,
     action.post_restore(init_pid=proc.pid, criu_pid=4250)
     assert _memory_of(proc.pid, base, 1 << 20) == data[:1 << 20]  # written
     assert staging.held(proc.pid)  # the rest waits for post-resume
-    remote_map.put_back(staging.held_in([proc.pid]), proc.pid, "test")
+    remote_map.put_back(staging.held_under(proc.pid), proc.pid, "test")
     assert _memory_of(proc.pid, base, size) == data
     assert staging.held(proc.pid) is None
     pages = os.path.realpath(folder / "pages-1.img")
@@ -146,3 +146,10 @@ def test_a_pages_file_with_other_links_is_written_not_mapped(tmp_path, state, ch
     assert str(path) not in open(f"/proc/{proc.pid}/maps").read()
     event = json.loads((state / "journal.jsonl").read_text().splitlines()[-1])
     assert event["written"] == [proc.pid] and "other links" in event["why"]
+
+
+def test_with_nothing_marked_the_process_table_is_not_walked(state, monkeypatch):
+    def walked(pid):
+        raise AssertionError("process_tree walked with no staging marked")
+    monkeypatch.setattr(staging, "process_tree", walked)
+    assert staging.held_under(os.getpid()) == {}
