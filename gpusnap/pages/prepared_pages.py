@@ -20,7 +20,8 @@ lists in ``index.json``; a later restore compares its own chunk lists with it:
   (pages/parent_pages.py). Where that cannot be (a folder prepared without
   pagemaps, addresses that moved), chunks found elsewhere are moved within
   the file (page_patch.py), each file resized and only the rest fetched in
-  place. The folder is gone afterwards;
+  place; never a file a replica's restore linked before the claim (that
+  restore may still read it): written anew. The folder is gone afterwards;
 - otherwise the file is written anew, as without a prepared folder.
 
 Every way out of a failed claim or link (another restore took it, memory
@@ -32,6 +33,7 @@ the pulling process only.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import os
@@ -184,6 +186,10 @@ def use(match: Match, entry: FileEntry, path: Path) -> Runs | None:
             os.link(match.folder / name, path)
             runs: Runs = []
         elif match.claimed is not None:
+            if os.stat(match.claimed / name).st_nlink != 1:
+                # linked by a replica's restore before the claim: its CRIU, fill
+                # or mapped staging may still read these bytes, so none move
+                raise OSError(errno.EMLINK, "linked by another restore")
             os.rename(match.claimed / name, path)
             runs = patch_in_place(path, entry, old)
         else:

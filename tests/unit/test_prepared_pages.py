@@ -175,6 +175,24 @@ def test_a_patch_claims_the_folder_resizes_and_leaves_nothing(tmp_path):
     assert not list(tmp_path.glob("*claimed*"))
 
 
+def test_a_file_a_replica_linked_is_never_patched(tmp_path):
+    """A replica's restore linked the prepared file before a patch claimed the
+    folder: its CRIU, fill or mapped staging may still read those bytes."""
+    old = pages(quarters("a", "b", "c", "d"))
+    new = pages([*quarters("b", "c", "d"), chunk("e", SIZE // 4)])  # every chunk moves
+    folder = make_folder(tmp_path, "pre", old, fill=b"replica's")
+    os.link(folder / "pages-1.img", tmp_path / "replica.img")
+    match = pp.best(bundle(new), [tmp_path])
+    assert pp.claim(match)
+    assert pp.use(match, new, tmp_path / "pages-1.img") is None  # written anew
+    assert match.failed == "pages-1.img: linked by another restore"
+    replica = tmp_path / "replica.img"
+    assert replica.stat().st_size == old.size and replica.read_bytes()[:9] == b"replica's"
+    assert not (tmp_path / "pages-1.img").exists()
+    pp.release(match)
+    assert replica.read_bytes()[:9] == b"replica's"
+
+
 def test_a_file_gone_from_the_folder_is_written_anew(tmp_path):
     final = pages(quarters("a", "b", "c", "d"))
     folder = make_folder(tmp_path, "gone", final)
@@ -240,6 +258,7 @@ def test_a_renumbered_pages_file_is_found_under_its_old_name(tmp_path):
     assert match.exact and match.sources == {"checkpoint/pages-3.img": "checkpoint/pages-1.img"}
     assert pp.use(match, new, tmp_path / "pages-3.img") == []
     assert (tmp_path / "pages-3.img").read_bytes()[:5] == b"first"
+    os.unlink(tmp_path / "pages-3.img")  # that restore is done: a patch may move bytes
     near = pages(quarters("a", "b", "c", "x"), "checkpoint/pages-2.img")
     match = pp.best(bundle(near), [tmp_path])
     assert match.sources == {"checkpoint/pages-2.img": "checkpoint/pages-1.img"}
