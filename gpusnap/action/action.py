@@ -275,10 +275,10 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
     one the agent loaded ahead (else loaded here)."""
     from gpusnap.gpu import manifest as gpu_manifest, quiesce  # see the imports above
 
-    held = staging.held_under(init_pid)  # before anything asks the driver to restore it
+    held, mapped = staging.held_under(init_pid), {}  # before the driver is asked to restore
     if held:
         from gpusnap.pages import remote_map  # only where post-restore left staging to map
-        remote_map.put_back(held, init_pid, by)
+        mapped = remote_map.put_back(held, init_pid, by)
     state = step_state.restore(criu_pid)
     kept = json.loads(state.read_text()) if state.exists() else {}
     manifest = gpu_manifest.Manifest.from_dict(json.loads(kept[MANIFEST_NAME])) \
@@ -306,6 +306,8 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
     finally:
         if live:
             live[0].close()
+    if mapped:  # what the driver's restore did not unmap becomes the process's own
+        remote_map.let_go(mapped, init_pid, by)
     if changed:
         journal.record("resumed", init_pid=init_pid, pids=changed, timing=timing.phases,
                        gpu_pairs=label, failed_first=refused,

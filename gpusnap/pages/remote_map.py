@@ -36,7 +36,8 @@ from gpusnap.gpu import staging
 from gpusnap.pages import fill_plan, page_fill, remote_syscall
 from gpusnap.pages.page_fill import IoVec, PROT_READ, PROT_WRITE, libc
 
-SYS_CLOSE, SYS_MMAP, SYS_RECVMSG, SYS_SOCKETPAIR = 3, 9, 47, 53
+SYS_CLOSE, SYS_MMAP, SYS_MADVISE, SYS_RECVMSG, SYS_SOCKETPAIR = 3, 9, 28, 47, 53
+MADV_POPULATE_WRITE = 23
 SYS_PIDFD_GETFD = 438
 AF_UNIX, SOCK_DGRAM, SOCK_CLOEXEC, MSG_CMSG_CLOEXEC = 1, 2, 0o2000000, 0x40000000
 MAP_PRIVATE, MAP_FIXED = 0x02, 0x10
@@ -139,21 +140,26 @@ def map_file(pid: int, path: str, runs: Sequence[tuple[int, int, int]]) -> None:
         os.close(fd)
 
 
-def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> None:
+def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> dict[int, list[str]]:
     """The driver's staging post-restore left out of processes (staging.held:
-    pid -> runs) put in place: mapped from its pages files, or written
-    (page_fill) where the process refused the mapping or the file has other
-    links (a kept or prepared folder's, which a later restore may patch in
-    place: a private mapping shows such changes); each process released once
-    its staging is in place. Journaled as ``pages-mapped``; GpusnapError
-    names the processes left held (the driver is not asked to restore them)."""
+    pid -> runs) put in place: mapped from its pages files (a file linked from
+    a prepared folder too: a later restore never patches a linked file,
+    prepared_pages.use), or written (page_fill) where the process refused the
+    mapping; each process released once its staging is in place. Journaled
+    as ``pages-mapped``; GpusnapError names the processes left held (the
+    driver is not asked to restore them). Returns each process's files
+    mapped, for let_go."""
     started = time.monotonic()
+    files: dict[int, list[str]] = {}
     done: dict = {"bytes": 0, "mapped": [], "written": [], "why": None, "failed": {}}
     for pid, runs in held.items():
         try:
             if not runs:
                 raise OSError(errno.ENOENT, "its staging record cannot be read")
-            done["mapped" if _mapped_or_written(pid, runs, done) else "written"].append(pid)
+            mapped = _mapped_or_written(pid, runs, done)
+            done["mapped" if mapped else "written"].append(pid)
+            if mapped:
+                files[pid] = list(dict.fromkeys(p for _, _, p, _ in runs))
         except (OSError, ValueError) as exc:
             done["failed"][pid] = str(exc)
             continue
@@ -166,14 +172,59 @@ def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> None:
                            "restored process(es) " + "; ".join(
                                f"{pid}: {why}" for pid, why in done["failed"].items()),
                            "restore the checkpoint again")
+    return files
+
+
+def let_go(files: dict[int, list[str]], init_pid: int, by: str) -> None:
+    """After the driver's restore: whatever of put_back's files a process still
+    maps (the driver unmaps its staging; memory the application allocated while
+    the driver checkpointed is recorded as staging too) made the process's own,
+    every page copied (MADV_POPULATE_WRITE on a private mapping), so that no
+    later change of the file (a kept folder, patched once unlinked) shows
+    through. Journaled as ``staging-left-mapped`` where any was; a process
+    that refuses keeps the file's bytes as they are now, and the journal says so."""
+    for pid, paths in files.items():
+        try:
+            left = _left_mapped(pid, paths)
+        except OSError:
+            continue  # the process is gone: nothing maps the file
+        if not left:
+            continue
+        error = None
+        try:
+            with remote_syscall.calls(pid, STOP_S) as call:
+                for address, length in left:
+                    ret = call(SYS_MADVISE, address, length, MADV_POPULATE_WRITE)
+                    if ret < 0 and error is None:
+                        error = f"madvise at {address:#x}: {os.strerror(-ret)}"
+        except OSError as exc:  # it would not stop within STOP_S, or went away
+            error = str(exc)
+        journal.record("staging-left-mapped", init_pid=init_pid, pid=pid, by=by,
+                       bytes=sum(n for _, n in left), copied=error is None, error=error)
+
+
+def _left_mapped(pid: int, paths: list[str]) -> list[tuple[int, int]]:
+    """``pid``'s ranges (address, length) still mapped from one of ``paths``,
+    told by device and inode (a path may be gone or read otherwise in maps)."""
+    keys = set()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            keys.add((f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino))
+    out = []
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            span, _, _, dev, inode, *_ = line.split() + [""]
+            if (dev, int(inode or 0)) in keys:
+                start, end = (int(x, 16) for x in span.split("-"))
+                out.append((start, end - start))
+    return out
 
 
 def _mapped_or_written(pid: int, runs: staging.Runs, done: dict) -> bool:
     """True where every file was mapped, False where the runs were written."""
     try:
         for path in dict.fromkeys(p for _, _, p, _ in runs):
-            if os.stat(path).st_nlink != 1:
-                raise RemoteMapError(errno.EMLINK, f"{path} has other links")
             map_file(pid, path, [(a, n, o) for a, n, p, o in runs if p == path])
         return True
     except OSError as exc:  # RemoteMapError and the file's own: the bytes are written instead

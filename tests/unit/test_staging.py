@@ -132,20 +132,20 @@ def test_a_dump_into_a_kept_folder_leaves_no_earlier_record(tmp_path):
 
 
 @pytest.mark.skipif(not remote_syscall.supported(), reason="x86-64 only")
-def test_a_pages_file_with_other_links_is_written_not_mapped(tmp_path, state, child):
-    """A kept or prepared folder's file (linked) may be patched in place by a
-    later restore: a private mapping would show that, written bytes do not."""
+def test_a_pages_file_linked_from_a_prepared_folder_is_mapped_too(tmp_path, state, child):
+    """A replica's pages file is a link to a prepared folder's: never patched
+    while linked (prepared_pages.use), so its bytes cannot change under the map."""
     proc, base, size = child
     data = random.Random(4).randbytes(size)
     path = tmp_path / "pages.img"
     path.write_bytes(data)
-    os.link(path, tmp_path / "kept.img")
+    os.link(path, tmp_path / "prepared.img")
     staging.hold(proc.pid, [(base, size, str(path), 0)])
     remote_map.put_back(staging.held_in([proc.pid]), proc.pid, "test")
     assert _memory_of(proc.pid, base, size) == data
-    assert str(path) not in open(f"/proc/{proc.pid}/maps").read()
+    assert str(path) in open(f"/proc/{proc.pid}/maps").read()
     event = json.loads((state / "journal.jsonl").read_text().splitlines()[-1])
-    assert event["written"] == [proc.pid] and "other links" in event["why"]
+    assert event["mapped"] == [proc.pid] and event["written"] == []
 
 
 def test_with_nothing_marked_the_process_table_is_not_walked(state, monkeypatch):
@@ -153,3 +153,31 @@ def test_with_nothing_marked_the_process_table_is_not_walked(state, monkeypatch)
         raise AssertionError("process_tree walked with no staging marked")
     monkeypatch.setattr(staging, "process_tree", walked)
     assert staging.held_under(os.getpid()) == {}
+
+
+@pytest.mark.skipif(not remote_syscall.supported(), reason="x86-64 only")
+def test_what_the_driver_left_mapped_becomes_the_process_own(tmp_path, state, child):
+    """Memory the application allocated while the driver checkpointed is
+    recorded as staging too, and no driver restore unmaps it: a later change
+    of the file (a kept folder patched once unlinked) must not show through."""
+    proc, base, size = child
+    data = random.Random(5).randbytes(size)
+    path = tmp_path / "pages.img"
+    path.write_bytes(data)
+    staging.hold(proc.pid, [(base, size, str(path), 0)])
+    mapped = remote_map.put_back(staging.held_in([proc.pid]), proc.pid, "test")
+    assert mapped == {proc.pid: [str(path)]}
+    with open(path, "r+b") as f:  # the private mapping shows the file's change...
+        f.write(b"patched")
+    assert _memory_of(proc.pid, base, 7) == b"patched"
+    with open(path, "r+b") as f:
+        f.write(data[:7])
+    remote_map.let_go(mapped, proc.pid, "test")
+    with open(path, "r+b") as f:  # ...no more once every page is the process's own
+        f.write(b"patched")
+    assert _memory_of(proc.pid, base, size) == data
+    event = json.loads((state / "journal.jsonl").read_text().splitlines()[-1])
+    assert event["event"] == "staging-left-mapped" and event["bytes"] == size
+    assert event["copied"] is True and event["error"] is None
+    remote_map.let_go({proc.pid: [str(tmp_path / "gone.img")]}, proc.pid, "test")
+    assert json.loads((state / "journal.jsonl").read_text().splitlines()[-1]) == event
