@@ -142,10 +142,11 @@ def map_file(pid: int, path: str, runs: Sequence[tuple[int, int, int]]) -> None:
 
 def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> dict[int, list[str]]:
     """The driver's staging post-restore left out of processes (staging.held:
-    pid -> runs) put in place: mapped from its pages files (a file linked from
-    a prepared folder too: a later restore never patches a linked file,
-    prepared_pages.use), or written (page_fill) where the process refused the
-    mapping; each process released once its staging is in place. Journaled
+    pid -> runs) put in place: mapped from its pages files, or written
+    (page_fill) where the process refused the mapping or the file has other
+    links (a prepared folder's: the driver restored 3x slower from a mapping
+    of such a file than from written staging, docs/benchmarks.md); each
+    process released once its staging is in place. Journaled
     as ``pages-mapped``; GpusnapError names the processes left held (the
     driver is not asked to restore them). Returns each process's files
     mapped, for let_go."""
@@ -225,6 +226,8 @@ def _mapped_or_written(pid: int, runs: staging.Runs, done: dict) -> bool:
     """True where every file was mapped, False where the runs were written."""
     try:
         for path in dict.fromkeys(p for _, _, p, _ in runs):
+            if os.stat(path).st_nlink != 1:
+                raise RemoteMapError(errno.EMLINK, f"{path} has other links")
             map_file(pid, path, [(a, n, o) for a, n, p, o in runs if p == path])
         return True
     except OSError as exc:  # RemoteMapError and the file's own: the bytes are written instead
