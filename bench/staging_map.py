@@ -1,7 +1,7 @@
 """The driver's restore from a copy of its staging memory filled in, or mapped from a file.
 
     python bench/staging_map.py [--gib 8] [--rounds 2] [--threads 16]
-                                [--hows fill,map,map-4k,map-4k-read] [--out staging_map.json]
+                                [--hows fill,map,map-4k,map-4k-read,map-4k-again] [--out staging_map.json]
 
 After cuCheckpointProcessCheckpoint a CUDA process holds its GPU memory in new
 private anonymous memory (the staging); cuCheckpointProcessRestore reads it
@@ -22,8 +22,10 @@ ranges to a file on the huge-page tmpfs, then either
   MAP_PRIVATE; it runs no CUDA call meanwhile), then the driver's restore;
   ``map-4k`` with the staging 4 KiB past a 2 MiB boundary of the file (as in a
   pages file, where CRIU's own pages come first: no huge page mapping), and
-  ``map-4k-read`` with that file read through another mapping first (as a
-  replica's pages file, linked from the replica before it),
+  ``map-4k-read`` with that file read through another mapping first, and
+  ``map-4k-again`` with the file the driver restored from in this how's round
+  before, written over in place (as a replica's pages file, linked from the
+  replica before it),
 
 each after the ranges were dropped (MADV_DONTNEED: empty, as in a restored
 process before its pages come), and unlocks it; the process then sums its GPU
@@ -103,9 +105,11 @@ def _ask(app: subprocess.Popen, line: str, answer: str) -> list[str]:
 def _copy_out(pid: int, runs: list[tuple[int, int]], path: Path,
               shift: int = 0) -> list[tuple[int, int, int]]:
     """The ranges' bytes into ``path`` at 2 MiB-aligned offsets plus ``shift``:
-    (addr, length, offset)."""
+    (addr, length, offset). An existing file is written over in place (its
+    page cache pages stay: what an earlier restore did to them stays too)."""
     placed, off = [], shift
-    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem, open(path, "wb") as out:
+    mode = "r+b" if path.exists() else "wb"
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem, open(path, mode) as out:
         for start, end in runs:
             out.seek(off)
             for at in range(start, end, 64 << 20):
@@ -139,12 +143,15 @@ def one_round(driver: CudaDriver, app: subprocess.Popen, how: str, folder: Path,
     checkpoint_s = time.monotonic() - t
     runs = dump_ahead.staging(pid, before)
     path = folder / f"staging-{how}.bin"
+    again = path.exists()
     # map-4k: the staging 4 KiB past a 2 MiB boundary of the file, as in a pages
     # file (CRIU's own pages come before it); -read: the file read through another
     # mapping first, as a replica's linked pages file is
     placed = _copy_out(pid, runs, path, 4096 if how.startswith("map-4k") else 0)
     if how.endswith("-read"):
         _read_through_a_mapping(path)
+    # -again: the file of this how's round before, which the driver restored from
+    # through a mapping (as a replica's pages file linked from the one before)
     # both start where a restored process does: the ranges mapped, nothing in them
     _ask(app, "drop " + " ".join(f"{a} {n}" for a, n, _ in placed), "dropped")
     t = time.monotonic()
@@ -160,8 +167,10 @@ def one_round(driver: CudaDriver, app: subprocess.Popen, how: str, folder: Path,
     driver.unlock(pid)
     mapped_after = _still_mapped(pid, path)
     equal = _ask(app, "sums", "sums") == first
-    path.unlink()
-    row = {"how": how, "staging_bytes": sum(n for _, n, _ in placed), "ranges": len(placed),
+    if not how.endswith("-again"):
+        path.unlink()
+    row = {"how": how, "file_restored_from_before": how.endswith("-again") and again,
+           "staging_bytes": sum(n for _, n, _ in placed), "ranges": len(placed),
            "checkpoint_s": round(checkpoint_s, 3), "fill_or_map_s": round(prepare_s, 3),
            "driver_restore_s": round(restore_s, 3),
            "beyond_plus_driver_s": round(prepare_s + restore_s, 3),
@@ -176,7 +185,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=page_fill.default_threads())
     ap.add_argument("--hows", default="fill,map,map-4k,map-4k-read",
-                    help="fill, map (2 MiB-aligned), map-4k (4 KiB past it), map-4k-read")
+                    help="fill, map (2 MiB-aligned), map-4k (4 KiB past it), map-4k-read, "
+                         "map-4k-again")
     ap.add_argument("--out")
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="staging-", dir=memory.HUGE_ROOT)) \
