@@ -5,9 +5,10 @@ memory) from the pages file, where the driver reads it once, at its restore,
 and then unmaps it. Writing it there first (page_fill.py) is the one step of a
 replica's restore that grows with its size; driver 580 restores as fast from
 the pages file mapped private over those addresses, with nothing written
-(bench/staging_map.py), but in a replica's restore it restored 1.6-4x slower
-from such a mapping than from written staging (docs/benchmarks.md): opt-in,
-page-fill.json's map_staging. A private mapping is the process's own memory
+(bench/staging_map.py), but in a replica's restore it restored 1.4-3.6x
+slower from such a mapping than from written staging, 3x from a pages file
+linked from a prepared folder (docs/benchmarks.md): opt-in, page-fill.json's
+map_staging. A private mapping is the process's own memory
 from then on: a write copies the page, the file is never changed.
 
 mmap(2) maps only into the caller, so the process makes the calls itself
