@@ -141,6 +141,11 @@ def restore_local(source: str, contents: archive.CheckpointContents, plan: Plan,
         raise GpusnapError(exc.message, (
             f"`podman stop -t 0 {ctr.name}`, then `gpusnap restore {ctr.name}` once the GPU has "
             "the memory free: its checkpoint is kept")) from None
+    except GpusnapError as exc:  # not refused for good: they may still come back
+        if hold:
+            exc.hint = (f"{exc.hint}; its checkpoint is kept: should they not come back, "
+                        f"`podman stop -t 0 {ctr.name}`, then `gpusnap restore {ctr.name}`")
+        raise
     if hold:
         podman.drop_checkpoint(ctr)
     return result

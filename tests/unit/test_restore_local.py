@@ -73,6 +73,23 @@ def test_refused_for_good_keeps_the_checkpoint_and_says_how_to_restore_it(stood_
                               "has the memory free: its checkpoint is kept")
 
 
+def test_a_check_failed_otherwise_says_the_checkpoint_is_kept(stood_in, monkeypatch):
+    def unanswered(*a, **kw):
+        raise GpusnapError("restored, but the driver did not resume process(es) 77 (timeout)",
+                           "`gpusnap doctor --fix`")
+    monkeypatch.setattr(ops_restore, "restored", unanswered)
+    with pytest.raises(GpusnapError) as err:
+        ops_restore.restore_local("job", _contents(gpu=True), Plan((), (), False), keep=False,
+                                  tcp_established=False)
+    assert stood_in["dropped"] == []
+    assert err.value.hint == ("`gpusnap doctor --fix`; its checkpoint is kept: should they not "
+                              "come back, `podman stop -t 0 job`, then `gpusnap restore job`")
+    with pytest.raises(GpusnapError) as err:  # the user's --keep: Podman keeps it, nothing said
+        ops_restore.restore_local("job", _contents(gpu=True), Plan((), (), False), keep=True,
+                                  tcp_established=False)
+    assert err.value.hint == "`gpusnap doctor --fix`"
+
+
 def test_drop_checkpoint_removes_what_podman_would_and_nothing_else(tmp_path):
     for d in ("checkpoint", "pre-checkpoint"):
         (tmp_path / d).mkdir()
