@@ -47,6 +47,7 @@ PAGE = 4096
 # where the call buffers lie in the scratch page
 MSGHDR, IOVEC, BYTE, CONTROL = 0, 64, 128, 192
 CONTROL_LEN = 24  # CMSG_SPACE(sizeof(int))
+FileKey = tuple[str, int]  # a file as /proc/PID/maps names it: "major:minor" (hex), inode
 STOP_S = 2.0  # a process whose threads do not stop by then gets its staging written instead
 
 
@@ -141,7 +142,7 @@ def map_file(pid: int, path: str, runs: Sequence[tuple[int, int, int]]) -> None:
         os.close(fd)
 
 
-def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> dict[int, list[str]]:
+def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> dict[int, set[FileKey]]:
     """The driver's staging post-restore left out of processes (staging.held:
     pid -> runs) put in place: mapped from its pages files, or written
     (page_fill) where the process refused the mapping or the file has other
@@ -150,18 +151,19 @@ def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> dict[int,
     process released once its staging is in place. Journaled
     as ``pages-mapped``; GpusnapError names the processes left held (the
     driver is not asked to restore them). Returns each process's files
-    mapped, for let_go."""
+    mapped (as /proc/PID/maps names them), for let_go."""
     started = time.monotonic()
-    files: dict[int, list[str]] = {}
+    files: dict[int, set[FileKey]] = {}
     done: dict = {"bytes": 0, "mapped": [], "written": [], "why": None, "failed": {}}
     for pid, runs in held.items():
         try:
             if not runs:
                 raise OSError(errno.ENOENT, "its staging record cannot be read")
+            keys = {_key(p) for _, _, p, _ in runs}  # a file gone: nothing to map or write
             mapped = _mapped_or_written(pid, runs, done)
             done["mapped" if mapped else "written"].append(pid)
             if mapped:
-                files[pid] = list(dict.fromkeys(p for _, _, p, _ in runs))
+                files[pid] = keys
         except (OSError, ValueError) as exc:
             done["failed"][pid] = str(exc)
             continue
@@ -177,17 +179,18 @@ def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> dict[int,
     return files
 
 
-def let_go(files: dict[int, list[str]], init_pid: int, by: str) -> None:
+def let_go(files: dict[int, set[FileKey]], init_pid: int, by: str) -> None:
     """After the driver's restore: whatever of put_back's files a process still
     maps (the driver unmaps its staging; memory the application allocated while
     the driver checkpointed is recorded as staging too) made the process's own,
     every page copied (MADV_POPULATE_WRITE on a private mapping), so that no
     later change of the file (a kept folder, patched once unlinked) shows
-    through. Journaled as ``staging-left-mapped`` where any was; a process
-    that refuses keeps the file's bytes as they are now, and the journal says so."""
-    for pid, paths in files.items():
+    through; the range stays a mapping of the file (a later dump of the
+    process meets a host file). Journaled as ``staging-left-mapped`` where
+    any was, with the error of a process that refused."""
+    for pid, keys in files.items():
         try:
-            left = _left_mapped(pid, paths)
+            left = _left_mapped(pid, keys)
         except OSError:
             continue  # the process is gone: nothing maps the file
         if not left:
@@ -205,14 +208,13 @@ def let_go(files: dict[int, list[str]], init_pid: int, by: str) -> None:
                        bytes=sum(n for _, n in left), copied=error is None, error=error)
 
 
-def _left_mapped(pid: int, paths: list[str]) -> list[tuple[int, int]]:
-    """``pid``'s ranges (address, length) still mapped from one of ``paths``,
-    told by device and inode (a path may be gone or read otherwise in maps)."""
-    keys = set()
-    for path in paths:
-        with contextlib.suppress(OSError):
-            st = os.stat(path)
-            keys.add((f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino))
+def _key(path: str) -> FileKey:
+    st = os.stat(path)
+    return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino
+
+
+def _left_mapped(pid: int, keys: set[FileKey]) -> list[tuple[int, int]]:
+    """``pid``'s ranges (address, length) still mapped from one of the files."""
     out = []
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:

@@ -166,7 +166,9 @@ def test_what_the_driver_left_mapped_becomes_the_process_own(tmp_path, state, ch
     path.write_bytes(data)
     staging.hold(proc.pid, [(base, size, str(path), 0)])
     mapped = remote_map.put_back(staging.held_in([proc.pid]), proc.pid, "test")
-    assert mapped == {proc.pid: [str(path)]}
+    st = path.stat()
+    assert mapped == {proc.pid: {(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}",
+                                  st.st_ino)}}
     with open(path, "r+b") as f:  # the private mapping shows the file's change...
         f.write(b"patched")
     assert _memory_of(proc.pid, base, 7) == b"patched"
@@ -179,5 +181,5 @@ def test_what_the_driver_left_mapped_becomes_the_process_own(tmp_path, state, ch
     event = json.loads((state / "journal.jsonl").read_text().splitlines()[-1])
     assert event["event"] == "staging-left-mapped" and event["bytes"] == size
     assert event["copied"] is True and event["error"] is None
-    remote_map.let_go({proc.pid: [str(tmp_path / "gone.img")]}, proc.pid, "test")
+    remote_map.let_go({proc.pid: {("00:00", 1)}}, proc.pid, "test")  # nothing maps it
     assert json.loads((state / "journal.jsonl").read_text().splitlines()[-1]) == event
