@@ -143,8 +143,9 @@ def restore_local(source: str, contents: archive.CheckpointContents, plan: Plan,
             "the memory free: its checkpoint is kept")) from None
     except GpusnapError as exc:  # not refused for good: they may still come back
         if hold:
-            exc.hint = (f"{exc.hint}; its checkpoint is kept: should they not come back, "
-                        f"`podman stop -t 0 {ctr.name}`, then `gpusnap restore {ctr.name}`")
+            exc.hint = "; ".join(filter(None, [
+                exc.hint, f"its checkpoint is kept: should they not come back, "
+                          f"`podman stop -t 0 {ctr.name}`, then `gpusnap restore {ctr.name}`"]))
         raise
     if hold:
         podman.drop_checkpoint(ctr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 
 from gpusnap import journal
 from gpusnap.errors import GpusnapError
@@ -45,14 +46,28 @@ def driver_words(text: str) -> str:
 
 
 def post_resume_failure(init_pid: int) -> dict:
-    """The journal's record of this restore's post-resume step failing, or {}:
-    only records since ``init_pid`` (restored by this restore) began, so no
-    earlier restore's whose init had the same pid."""
+    """The journal's record of this restore's post-resume step failing, or {}."""
+    return _journaled(init_pid, lambda r: r.get("event") == "failed"
+                      and r.get("action") == "post-resume")
+
+
+def staging_left_uncopied(init_pid: int) -> bool:
+    """Whether this restore's post-resume left a range of a pages file mapped in
+    a process and could not copy it (remote_map.let_go): a later change of that
+    file would show through."""
+    return bool(_journaled(init_pid, lambda r: r.get("event") == "staging-left-mapped"
+                           and not r.get("copied")))
+
+
+def _journaled(init_pid: int, matches: Callable[[dict], bool]) -> dict:
+    """The journal's latest record of this restore that ``matches``, or {}: only
+    records since ``init_pid`` (restored by this restore) began, so no earlier
+    restore's whose init had the same pid."""
     age = age_s(init_pid)
     since = time.time() - age - 1.0 if age is not None else 0.0
     for rec in reversed(journal.read(100)):
-        if rec.get("event") == "failed" and rec.get("action") == "post-resume" \
-                and str(rec.get("init_pid")) == str(init_pid) and rec.get("at", 0) >= since:
+        if matches(rec) and str(rec.get("init_pid")) == str(init_pid) \
+                and rec.get("at", 0) >= since:
             return rec
     return {}
 

@@ -31,10 +31,11 @@ from gpusnap.oci.registry import RegistryOptions
 from gpusnap.oci.tarfiles import PipeWriter, ReaderStopped
 from gpusnap.ops import gpu_plan
 from gpusnap.ops import restore as ops_restore
+from gpusnap.ops import restore_check
 from gpusnap.ops.engines import refuse_engine
 from gpusnap.ops.pull import (PULL_MISSING, OnTrusted, Remote, fetch_small, open_remote,
                               write_archive, write_files)
-from gpusnap.pages import prepared_pages
+from gpusnap.pages import fill_plan, prepared_pages
 from gpusnap.pages.memory import pages_dir
 from gpusnap.runtime import podman, retarget
 from gpusnap.runtime import stream as stream_module
@@ -152,7 +153,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         # why nothing prepared was taken: asked before this restore's own pages lie beside
         why = _unprepared(remote, where, prepared, aside) if restored else None
         if restored and pages is not None and prepared is None and job.exception() is None:
-            kept = _keep_pages(remote, pages)  # written anew: the next replica links them
+            kept = _keep_pages(remote, pages, result)  # written anew: the next replica links them
         if pages is not None and kept is None:  # restored (or not needed): in the background
             discard(pages, pages.parent)
         prepared_pages.release(prepared)
@@ -171,16 +172,31 @@ def _unprepared(remote: Remote, where: list[Path], prepared: prepared_pages.Matc
     return prepared_pages.explain(remote.bundle, where, prepared)
 
 
-def _keep_pages(remote: Remote, pages: Path) -> dict | None:
+def _keep_pages(remote: Remote, pages: Path, result: dict) -> dict | None:
     """The pages a restore wrote anew, kept for the next replica where RAM allows
     (prepared_pages.keep); None where not (the caller discards them)."""
     if fmt.is_pre_checkpoint(remote.manifest):
         return None  # its final round comes next, and drops its round's folders (drop_rounds)
+    if _maybe_still_mapped(result["container"]["pid"]):
+        return None  # a kept file may be patched later: none may show through a mapping
     ref = remote.client.ref
     with suppress(OSError):
         return prepared_pages.keep(remote.bundle, remote.digest, pages,
                                    repository=f"{ref.registry}/{ref.repository}")
     return None
+
+
+def _maybe_still_mapped(init_pid: int) -> bool:
+    """Whether a restored process may still map a page of this restore's pages
+    files (the opt-in staging mapping): its post-resume failed before the copy
+    of what the driver left mapped, or the copy failed (remote_map.let_go)."""
+    try:
+        if not fill_plan.settings().map_staging:
+            return False
+    except ValueError:
+        return True  # an unreadable page-fill.json (the restore's steps said so): keep nothing
+    return bool(restore_check.post_resume_failure(init_pid)
+                or restore_check.staging_left_uncopied(init_pid))
 
 
 def _pages_root(remote: Remote, prepared: prepared_pages.Match | None) -> Path:

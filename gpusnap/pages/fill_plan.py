@@ -420,7 +420,7 @@ class Settings:
     action/agent.py; {"read_ahead": false} leaves the file pages CRIU copies on
     write to its faults (file_pages.py); {"map_staging": true} maps the
     driver's staging from the pages file instead of writing it (gpu/staging.py;
-    off: the driver restored from it 1.4-3.6x slower in a replica's restore,
+    off: the driver restored from it 1.0-4x slower in a replica's restore,
     docs/benchmarks.md). Benchmarks compare."""
 
     enabled: bool = True

@@ -5,11 +5,12 @@ memory) from the pages file, where the driver reads it once, at its restore,
 and then unmaps it. Writing it there first (page_fill.py) is the one step of a
 replica's restore that grows with its size; driver 580 restores as fast from
 the pages file mapped private over those addresses, with nothing written
-(bench/staging_map.py), but in a replica's restore it restored 1.4-3.6x
-slower from such a mapping than from written staging, 3x from a pages file
-linked from a prepared folder (docs/benchmarks.md): opt-in, page-fill.json's
-map_staging. A private mapping is the process's own memory
-from then on: a write copies the page, the file is never changed.
+(bench/staging_map.py), but in a replica's restore it restored 1.0-1.6x
+slower from a mapping of a fresh pages file than from written staging, and
+3-4x from one linked from a prepared folder (docs/benchmarks.md): opt-in,
+page-fill.json's map_staging. A private mapping never changes the file: a page the process
+writes becomes its own copy; one it has not written still shows the file's
+later changes (let_go copies what the driver's restore leaves mapped).
 
 mmap(2) maps only into the caller, so the process makes the calls itself
 (remote_syscall.py), and it needs the file open: the path means nothing in a
@@ -47,7 +48,7 @@ PAGE = 4096
 # where the call buffers lie in the scratch page
 MSGHDR, IOVEC, BYTE, CONTROL = 0, 64, 128, 192
 CONTROL_LEN = 24  # CMSG_SPACE(sizeof(int))
-FileKey = tuple[str, int]  # a file as /proc/PID/maps names it: "major:minor" (hex), inode
+FileKey = tuple[int, int]  # a file's st_dev, st_ino
 STOP_S = 2.0  # a process whose threads do not stop by then gets its staging written instead
 
 
@@ -146,12 +147,12 @@ def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> dict[int,
     """The driver's staging post-restore left out of processes (staging.held:
     pid -> runs) put in place: mapped from its pages files, or written
     (page_fill) where the process refused the mapping or the file has other
-    links (a prepared folder's: the driver restored 3x slower from a mapping
+    links (a prepared folder's: the driver restored 3-4x slower from a mapping
     of such a file than from written staging, docs/benchmarks.md); each
     process released once its staging is in place. Journaled
     as ``pages-mapped``; GpusnapError names the processes left held (the
     driver is not asked to restore them). Returns each process's files
-    mapped (as /proc/PID/maps names them), for let_go."""
+    mapped (device, inode), for let_go."""
     started = time.monotonic()
     files: dict[int, set[FileKey]] = {}
     done: dict = {"bytes": 0, "mapped": [], "written": [], "why": None, "failed": {}}
@@ -210,18 +211,24 @@ def let_go(files: dict[int, set[FileKey]], init_pid: int, by: str) -> None:
 
 def _key(path: str) -> FileKey:
     st = os.stat(path)
-    return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino
+    return st.st_dev, st.st_ino
 
 
 def _left_mapped(pid: int, keys: set[FileKey]) -> list[tuple[int, int]]:
-    """``pid``'s ranges (address, length) still mapped from one of the files."""
+    """``pid``'s ranges (address, length) still mapped from one of the files:
+    told by stat of /proc/PID/map_files (maps' device number is the
+    filesystem's, which btrfs's stat does not report)."""
+    inodes = {ino for _, ino in keys}
     out = []
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
-            span, _, _, dev, inode, *_ = line.split() + [""]
-            if (dev, int(inode or 0)) in keys:
-                start, end = (int(x, 16) for x in span.split("-"))
-                out.append((start, end - start))
+            span, _, _, _, inode, *_ = line.split() + [""]
+            if int(inode or 0) not in inodes:
+                continue
+            with contextlib.suppress(OSError):  # unmapped meanwhile
+                if _key(f"/proc/{pid}/map_files/{span}") in keys:
+                    start, end = (int(x, 16) for x in span.split("-"))
+                    out.append((start, end - start))
     return out
 
 

@@ -166,9 +166,7 @@ def test_what_the_driver_left_mapped_becomes_the_process_own(tmp_path, state, ch
     path.write_bytes(data)
     staging.hold(proc.pid, [(base, size, str(path), 0)])
     mapped = remote_map.put_back(staging.held_in([proc.pid]), proc.pid, "test")
-    st = path.stat()
-    assert mapped == {proc.pid: {(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}",
-                                  st.st_ino)}}
+    assert mapped == {proc.pid: {(path.stat().st_dev, path.stat().st_ino)}}
     with open(path, "r+b") as f:  # the private mapping shows the file's change...
         f.write(b"patched")
     assert _memory_of(proc.pid, base, 7) == b"patched"
@@ -181,5 +179,29 @@ def test_what_the_driver_left_mapped_becomes_the_process_own(tmp_path, state, ch
     event = json.loads((state / "journal.jsonl").read_text().splitlines()[-1])
     assert event["event"] == "staging-left-mapped" and event["bytes"] == size
     assert event["copied"] is True and event["error"] is None
-    remote_map.let_go({proc.pid: {("00:00", 1)}}, proc.pid, "test")  # nothing maps it
+    remote_map.let_go({proc.pid: {(0, 1)}}, proc.pid, "test")  # nothing maps that file
     assert json.loads((state / "journal.jsonl").read_text().splitlines()[-1]) == event
+
+
+def test_a_replica_whose_copy_failed_keeps_no_pages_for_the_next(state, tmp_path):
+    """A kept pages file may be patched in place later (prepared_pages.use): not
+    one a restored process may still map."""
+    from gpusnap import journal
+    from gpusnap.ops import restore_ref
+    pid = os.getpid()
+    (tmp_path / "page-fill.json").write_text('{"map_staging": true}')
+    assert not restore_ref._maybe_still_mapped(pid)
+    journal.record("staging-left-mapped", init_pid=pid, pid=pid, by="test", bytes=PAGE,
+                   copied=True, error=None)
+    assert not restore_ref._maybe_still_mapped(pid)
+    journal.record("staging-left-mapped", init_pid=pid, pid=pid, by="test", bytes=PAGE,
+                   copied=False, error="madvise at 0x1000: Invalid argument")
+    assert restore_ref._maybe_still_mapped(pid)
+    assert not restore_ref._maybe_still_mapped(pid + 1)  # another restore's
+    (tmp_path / "page-fill.json").write_text("{}")
+    assert not restore_ref._maybe_still_mapped(pid)  # the default path maps nothing
+    (tmp_path / "page-fill.json").write_text('{"map_staging": true}')
+    journal.record("failed", action="post-resume", init_pid=pid + 1, error="refused")
+    assert restore_ref._maybe_still_mapped(pid + 1)  # failed before the copy was made
+    (tmp_path / "page-fill.json").write_text("{not json")
+    assert restore_ref._maybe_still_mapped(pid + 2)  # unreadable settings: keep nothing
