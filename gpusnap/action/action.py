@@ -14,7 +14,8 @@ a non-zero exit aborts the dump. Two steps matter:
 
 (And, for a restore with big memory, pre-restore picks the runs of pages that
 page_fill.py writes on many threads at post-restore, while the tasks wait in
-CRIU's restorer, instead of CRIU on one: fill_plan.py.)
+CRIU's restorer, instead of CRIU on one: fill_plan.py. A post-resume that
+fails keeps a local checkpoint Podman would drop: kept_checkpoint.py.)
 
 (And post-dump, only for a push that asks: the memory pages set aside, out of
 Podman's export; pages_aside.py. Where those go to RAM, pre-dump reads the
@@ -33,18 +34,18 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
-from gpusnap.action import agent_files, step_state
+from gpusnap.action import agent_files, read_ahead_child, step_state
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import staging, turn
 from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, ns_pid, parent_of, process_tree, start_time
+from gpusnap.runtime import kept_checkpoint
 from gpusnap.waits import leave
 
 if TYPE_CHECKING:
@@ -81,79 +82,14 @@ def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
     except ValueError as exc:
         journal.record("pages-fill-skipped", error=str(exc))
         return None
-    reader = _read_file_pages_ahead_beside(folder) if wanted.read_ahead else None
+    reader = read_ahead_child.start(folder) if wanted.read_ahead else None
     try:
         if wanted.enabled:
             _plan_fill(folder, criu_pid, wanted)
     finally:
         if reader is not None:
-            _reap(reader)
+            read_ahead_child.reap(reader)
     return wanted
-
-
-READ_AHEAD_WAIT_S = 5.0
-
-
-def _read_file_pages_ahead_beside(folder: Path) -> int | None:
-    """_read_file_pages_ahead in a child process, beside fill planning (each parses
-    CRIU's images, which takes a share of the stop, on a core of its own); its pid,
-    for _reap before the step ends: a child left behind would be CRIU's to reap."""
-    try:
-        pid = os.fork()
-    except OSError as exc:  # only ever a hint: never in the step's own way
-        journal.record("file-pages-not-read-ahead", error=f"fork: {exc}")
-        return None
-    if pid == 0:  # the child: never back into the caller's code
-        code = 1
-        try:
-            _read_file_pages_ahead(folder)
-            code = 0
-        except BaseException:  # noqa: BLE001 -- a hint that failed: the step goes on
-            pass
-        finally:
-            os._exit(code)
-    return pid
-
-
-def _reap(pid: int) -> None:
-    """Wait for the read-ahead child; one that hangs (a mount that does not answer)
-    is killed after READ_AHEAD_WAIT_S: it only ever gave hints. One that not even
-    SIGKILL ends at once (uninterruptible I/O) is left after a second more."""
-    with contextlib.suppress(ChildProcessError):
-        if _waited(pid, READ_AHEAD_WAIT_S):
-            return
-        os.kill(pid, signal.SIGKILL)
-        ended = _waited(pid, 1.0)
-        journal.record("file-pages-not-read-ahead", error=f"stopped after {READ_AHEAD_WAIT_S:g} s"
-                       + ("" if ended else f" (pid {pid} left in uninterruptible I/O)"))
-
-
-def _waited(pid: int, seconds: float) -> bool:
-    """Whether child ``pid`` ended (and was reaped) within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-def _read_file_pages_ahead(folder: Path) -> None:
-    """The file pages CRIU copies on write, asked of the disk now (file_pages.py);
-    only ever a hint: CRIU faults in what this did not."""
-    from gpusnap.pages import file_pages  # the read-ahead child only: not every step's start-up
-    started = time.monotonic()
-    try:
-        dirs = file_pages.host_dirs(folder)
-        if dirs is None:
-            return
-        done = file_pages.read_ahead(folder, dirs)
-    except (OSError, ValueError) as exc:
-        journal.record("file-pages-not-read-ahead", error=str(exc))
-        return
-    if done.files or done.skipped:
-        journal.record("file-pages-read-ahead", files=done.files, bytes=done.bytes,
-                       skipped=done.skipped, seconds=round(time.monotonic() - started, 3))
 
 
 def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:
@@ -414,12 +350,15 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
             post_restore(init_pid, criu_pid, by)
         else:
             post_resume(init_pid, criu_pid, driver, by)
+            kept_checkpoint.after_resume(image_dir)
     except (GpusnapError, QuiesceError) as exc:
         # a refusal (GpusnapError) keeps its hint apart: the CLI says it as its own
         journal.record("failed", action=action, init_pid=os.environ.get("CRTOOLS_INIT_PID"),
                        error=getattr(exc, "message", str(exc)), hint=getattr(exc, "hint", None),
                        refused=isinstance(exc, GpusnapError),
                        **({"pids": exc.pids} if isinstance(exc, NotAnswered) else {}))
+        if action == "post-resume":
+            kept_checkpoint.after_failed_resume(image_dir, getattr(exc, "message", str(exc)))
         # CRIU logs what its scripts print; criu.log.first_error takes this line
         print(f"gpusnap: {action}: {exc}", file=sys.stderr)
         return 1

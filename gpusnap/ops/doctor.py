@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -24,7 +25,9 @@ from gpusnap.ops import leftovers
 from gpusnap.pages import prepared_pages
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import PROC, gpu_use, stopped
-from gpusnap.runtime import podman
+from gpusnap.errors import GpusnapError
+from gpusnap.runtime import kept_checkpoint, podman
+from gpusnap.runtime.storage import storage_root
 from gpusnap.pages import memory
 from gpusnap.waits import Bound
 
@@ -220,9 +223,30 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
             f"pid {pid}: {err}" for pid, err in sorted(refused.items()))
     # driver 580 refuses for good a process whose restore it once refused for memory
     if any(refused_for_good(err) for err in refused.values()):
-        hint = ("their GPU state cannot come back: end their container (`podman rm -f`, or "
-                "its containerd task) and restore it again from its checkpoint, where it has one")
+        hint = ("their GPU state cannot come back: where gpusnap kept their checkpoint "
+                "(\"restores off the gpu\" below), `podman stop -t 0 NAME`, then `gpusnap "
+                "restore NAME`; else end their container (`podman rm -f`, or its containerd task) "
+                "and restore it again from its checkpoint, where it has one")
     return Check("gpu processes", not left, detail, hint), stuck, fixed
+
+
+def _kept_aside_check(graph_root: Path | None) -> Check:
+    """Local checkpoints a restore kept where its GPU state did not come back
+    (runtime/kept_checkpoint.py): the way back for a container whose processes
+    the driver refuses for good."""
+    found = kept_checkpoint.found(graph_root) if graph_root else []
+    if not found:
+        return Check("restores off the gpu", True, "no checkpoint kept aside", required=False)
+    names = []
+    for k in found:
+        with contextlib.suppress(GpusnapError):
+            ctr = podman.find(k["container"])
+            k["name"] = ctr.name if ctr else k["container"][:12]
+        names.append(k.get("name") or k["container"][:12])
+    return Check("restores off the gpu", False, "; ".join(
+        f"{n}: {k['why']} (its checkpoint kept in {k['path']})" for n, k in zip(names, found)),
+        "`podman stop -t 0 NAME`, then `gpusnap restore NAME` restores it from there",
+        required=False)
 
 
 def _pages_check() -> Check:
@@ -263,7 +287,7 @@ def run(fix: bool) -> dict:
                                                                         _prepared_check()]
     checks.append(Check("kernel", True, f"{platform.release()} {platform.machine()}",
                         required=False))
-    checks.append(gpu_check)
+    checks += [gpu_check, _kept_aside_check(storage_root())]
     ok = all(c.ok for c in checks if c.required)
     left = leftovers.find()
     removed = leftovers.remove(left) if fix else []

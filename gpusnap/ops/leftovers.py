@@ -24,6 +24,7 @@ from gpusnap import journal
 from gpusnap.ops import uploads
 from gpusnap.pages import kept_pages, memory, pages_aside
 from gpusnap.runtime.fifo_pump import referenced
+from gpusnap.runtime.kept_checkpoint import KEPT_NAME
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, TRASH_PREFIX, storage_root
 from gpusnap.partial import partial_path
 from gpusnap.runtime.stream import FIFO_DIR_PREFIX, FIFO_NAME
@@ -78,12 +79,15 @@ def kept() -> list[dict]:
 
 def _linked_from_checkpoints() -> set[Path]:
     """Staging folders holding the pages of a container's local checkpoint (a
-    push killed after its dump: pages/pages_aside.py): the only copy, kept."""
+    push killed after its dump: pages/pages_aside.py), or of one a failed
+    restore kept (runtime/kept_checkpoint.py): the only copy, kept."""
     root = storage_root()
     if root is None:
         return set()
     found = set()
-    for link in root.glob(f"overlay-containers/*/userdata/checkpoint/{pages_aside.PATTERN}"):
+    for link in [*root.glob(f"overlay-containers/*/userdata/checkpoint/{pages_aside.PATTERN}"),
+                 *root.glob(f"overlay-containers/*/userdata/{KEPT_NAME}/checkpoint/"
+                            f"{pages_aside.PATTERN}")]:
         if link.is_symlink():
             folder = pages_aside.staging_folder(os.readlink(link))
             if folder is not None:

@@ -21,7 +21,7 @@ from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.ops.restore_check import OffTheGpu, gpu_report
 from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.partial import full_at
-from gpusnap.runtime import identity, podman
+from gpusnap.runtime import identity, kept_checkpoint, podman
 from gpusnap.runtime.retarget import edit_members
 from gpusnap.runtime.stream import (CONFIG_FILES, ImportStream, config_only_opens, config_tar,
                                     import_fifo, is_zstd)
@@ -93,9 +93,12 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
         archive_mode = True
     elif podman.exists(source):
         ctr = podman.inspect(source)
+        kept = kept_checkpoint.why_kept(ctr.userdata)
         if ctr.running:
-            raise GpusnapError(f"container {ctr.name} is running; there is nothing to restore")
-        if not has_checkpoint(ctr):
+            raise GpusnapError(f"container {ctr.name} is running; there is nothing to restore",
+                               _off_the_gpu_hint(ctr) if kept else "")
+        from_kept = kept is not None and not has_checkpoint(ctr)
+        if not has_checkpoint(ctr) and not from_kept:
             raise GpusnapError(f"container {ctr.name} has no checkpoint to restore",
                                "checkpoint it first with `gpusnap checkpoint`")
         if name:
@@ -107,7 +110,8 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
                                "Podman keeps a local checkpoint's devices in its database",
                                f"export it (`gpusnap checkpoint {ctr.name} --export FILE`) "
                                "and restore the file")
-        contents = archive.read_directory(ctr.userdata)
+        contents = archive.read_directory(ctr.userdata / kept_checkpoint.KEPT_NAME if from_kept
+                                          else ctr.userdata)
         plan = _plan(contents, None, remap=False)
         archive_mode = False
     elif "/" in source or source.endswith((".tar", ".zst", ".gz")):
@@ -120,7 +124,18 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
         return plan_report(source, plan)
     if archive_mode:
         return import_file(path, contents, plan, name, keep, tcp_established, source)
+    if from_kept and kept_checkpoint.put_back(ctr.userdata):
+        journal.record("kept-checkpoint-put-back", container=ctr.id, why=kept.get("why"))
+    elif kept and kept_checkpoint.drop(ctr.userdata):  # never newer than the one in place
+        journal.record("kept-checkpoint-dropped", container=ctr.id, why="a checkpoint in place")
     return restore_local(source, contents, plan, keep, tcp_established)
+
+
+def _off_the_gpu_hint(ctr: podman.Container) -> str:
+    """For a container whose last restore left its GPU state off the GPU, its
+    checkpoint kept aside (runtime/kept_checkpoint.py)."""
+    return (f"its last restore could not bring its GPU state back and kept its checkpoint: "
+            f"`podman stop -t 0 {ctr.name}`, then `gpusnap restore {ctr.name}`")
 
 
 def restore_local(source: str, contents: archive.CheckpointContents, plan: Plan, keep: bool,
@@ -249,6 +264,9 @@ def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
         journal.record("restore-off-the-gpu", container=ctr.id, pids=exc.pids, error=exc.message)
         raise
     after = {**(after or {}), "gpu_check": round(time.monotonic() - checked, 3)}
+    if kept_checkpoint.drop(ctr.userdata):  # a post-resume that failed kept it; back now
+        journal.record("kept-checkpoint-dropped", container=ctr.id,
+                       why="the restore's check found the GPU state back")
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),
                    moves=plan.describe() if plan.needs_remap else None, after=after)
     result = {"container": {"id": ctr.id, "name": ctr.name, "status": ctr.status, "pid": ctr.pid},

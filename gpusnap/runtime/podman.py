@@ -21,6 +21,7 @@ from typing import Callable, TypeVar
 from gpusnap import journal, waits
 from gpusnap.errors import GpusnapError
 from gpusnap.private import write_private
+from gpusnap.runtime.kept_checkpoint import CHECKPOINT_DIRS, CHECKPOINT_FILES
 from gpusnap.waits import Bound
 
 T = TypeVar("T")
@@ -344,21 +345,14 @@ def remove(name: str, force: bool = False) -> None:
         raise GpusnapError(f"podman rm {name}: {_last_error(res.stderr)}")
 
 
-# What `podman container restore` without --keep removes once its restore is
-# done (libpod's restore): the dump, CRIU's logs and statistics, the rootfs diff.
-_CHECKPOINT_DIRS = ("checkpoint", "pre-checkpoint")
-_CHECKPOINT_FILES = ("restore.log", "dump.log", "stats-dump", "stats-restore",
-                     "devshm-checkpoint.tar", "network.status", "rootfs-diff.tar", "deleted.files")
-
-
 def drop_checkpoint(ctr: Container) -> None:
     """Remove the files of a restored container's local checkpoint that Podman's
     restore without --keep removes (its database still names the checkpoint
     path): for a restore that asked Podman to keep them until it knew the
     restore held (the GPU state back on the GPU)."""
-    for name in _CHECKPOINT_DIRS:
+    for name in CHECKPOINT_DIRS:
         shutil.rmtree(ctr.userdata / name, ignore_errors=True)
-    for name in _CHECKPOINT_FILES:
+    for name in CHECKPOINT_FILES:
         with contextlib.suppress(FileNotFoundError):
             (ctr.userdata / name).unlink()
 

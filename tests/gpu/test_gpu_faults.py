@@ -618,15 +618,19 @@ def _post_resume_failed(mark) -> list[dict]:
             if e.get("event") == "failed" and e.get("action") == "post-resume"]
 
 
-def _refused_for_memory(*restore: str) -> tuple[subprocess.CompletedProcess, object]:
-    """`gpusnap restore RESTORE...` held before the driver's restore while GPU 0
-    (the checkpoint's) is filled but for 512 MiB, so post-resume fails for real;
-    the CLI, stopped meanwhile, goes on once the memory is free again and tries
-    the resume itself: its result, and the journal mark taken before it."""
+def _refused_for_memory(*restore: str, plain: bool = False
+                        ) -> tuple[subprocess.CompletedProcess, object]:
+    """`gpusnap restore RESTORE...` (``plain``: `podman container restore
+    RESTORE...`) held before the driver's restore while GPU 0 (the checkpoint's)
+    is filled but for 512 MiB, so post-resume fails for real; the command,
+    stopped meanwhile, goes on once the memory is free again (the CLI tries the
+    resume itself): its result, and the journal mark taken before it."""
     hog = harness.Hog(0)  # its container up first: starting it takes longer than the restore
     try:
         mark = journal_mark()
-        cli = start_cli("restore", *restore)
+        cli = subprocess.Popen(["podman", "container", "restore", *restore], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) \
+            if plain else start_cli("restore", *restore)
     except BaseException:
         hog.remove()
         raise
@@ -711,6 +715,33 @@ def test_a_local_restore_refused_for_memory_keeps_its_checkpoint(gone, capsys):
     assert not rt_podman.inspect(ctr.name).checkpoint_dir.exists(), \
         "the checkpoint stayed after the restore that brought the GPU state back"
     say(capsys, f"a local restore refused for memory: {happened}")
+    assert_gpu_clean()
+
+
+def test_a_plain_podman_restore_refused_for_memory_keeps_its_checkpoint(gone, capsys):
+    """G15: G14's refusal under a plain `podman container restore NAME` (the OCI
+    hook's path, no gpusnap CLI): CRIU only logs the failed post-resume, so
+    Podman says the restore is done and removes its checkpoint; the action
+    script kept it aside first. doctor names it; the container stopped,
+    `gpusnap restore NAME` restores it with every tensor equal."""
+    ctr, archive, its = gone
+    gpusnap_json("restore", str(archive))
+    ctr.wait_running()
+    its = ctr.iterations()
+    gpusnap_json("checkpoint", ctr.name)
+    res, mark = _refused_for_memory(ctr.name, plain=True)
+    (kept,) = [e for e in journal_since(mark) if e.get("event") == "checkpoint-kept"]
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in kept["why"], kept
+    said = next(c for c in json.loads(gpusnap("doctor", "--json").stdout)["checks"]
+                if c["name"] == "restores off the gpu")
+    assert said["level"] == "warning" and ctr.name in said["detail"], said
+    podman("stop", "-t", "0", ctr.name)
+    assert_gpu_clean()
+    gpusnap_json("restore", ctr.name)
+    ctr.assert_restored(ctr.seeds, its)
+    assert not (rt_podman.inspect(ctr.name).userdata / "gpusnap-kept-checkpoint").exists()
+    say(capsys, f"a plain podman restore refused for memory: podman rc {res.returncode}, "
+                f"checkpoint kept ({kept['path']}), restored from it")
     assert_gpu_clean()
 
 

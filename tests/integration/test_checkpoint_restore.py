@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 from gpusnap.procs import process_tree
+from gpusnap.runtime import kept_checkpoint, podman as rt_podman
 from tests.conftest import (DEMO_IMAGE, GPUSNAP, RENAMING_HOLDER, assert_continued,
                             assert_one_line_error, born, gpusnap, gpusnap_json, podman,
                             read_counter, run, wait_counter)
@@ -134,6 +136,32 @@ def test_restore_from_local_checkpoint(counter):
     restored = gpusnap_json("restore", counter)
     assert restored["container"]["status"] == "running"
     assert_continued(counter, before, token)
+
+
+def test_a_checkpoint_kept_at_a_failed_restore_restores_after_podman_dropped_it(counter):
+    """Where post-resume fails, the action script keeps the checkpoint aside
+    (runtime/kept_checkpoint.py): here kept by that same call, then removed as
+    Podman's restore without --keep removes it. doctor names it; `gpusnap
+    restore NAME` puts it back, and Podman restores the process that counted,
+    not a fresh start. (post-resume failing for real on a GPU: G15.)"""
+    before, token = read_counter(counter), born(counter)
+    gpusnap_json("checkpoint", counter)
+    ctr = rt_podman.inspect(counter)
+    assert kept_checkpoint.keep_aside(ctr.checkpoint_dir, "post-resume: refused") is not None
+    rt_podman.drop_checkpoint(ctr)
+    assert not ctr.checkpoint_dir.exists()
+
+    def doctor_says() -> dict:
+        return next(c for c in json.loads(gpusnap("doctor", "--json").stdout)["checks"]
+                    if c["name"] == "restores off the gpu")
+    said = doctor_says()
+    assert said["level"] == "warning" and f"{counter}: post-resume: refused" in said["detail"]
+    assert "`gpusnap restore NAME`" in said["fix"]
+    restored = gpusnap_json("restore", counter)
+    assert restored["container"]["status"] == "running"
+    assert_continued(counter, before, token)
+    assert kept_checkpoint.why_kept(ctr.userdata) is None
+    assert doctor_says()["level"] == "ok"
 
 
 def test_container_without_gpu_is_checkpointed_as_podman_would(counter, name, tmp_path):

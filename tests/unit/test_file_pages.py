@@ -15,7 +15,7 @@ import pytest
 
 from gpusnap import journal
 from gpusnap.criu import mm
-from gpusnap.action import action
+from gpusnap.action import action, read_ahead_child
 from gpusnap.pages import file_pages, fill_plan
 from gpusnap.criu import pagemap as pm
 from gpusnap.criu.images import IMG_COMMON_MAGIC, MNTS_MAGIC, ImageError
@@ -152,11 +152,11 @@ def test_a_read_ahead_that_hangs_is_stopped_and_the_restore_goes_on(tmp_path, mo
     """The child that reads ahead (beside fill planning) is always reaped before
     pre-restore ends; one stuck on a mount that does not answer is killed."""
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setattr(action, "READ_AHEAD_WAIT_S", 0.3)
-    monkeypatch.setattr(action, "_read_file_pages_ahead", lambda folder: time.sleep(60))
+    monkeypatch.setattr(read_ahead_child, "READ_AHEAD_WAIT_S", 0.3)
+    monkeypatch.setattr(read_ahead_child, "read_ahead", lambda folder: time.sleep(60))
     started = time.monotonic()
-    pid = action._read_file_pages_ahead_beside(tmp_path)
-    action._reap(pid)
+    pid = read_ahead_child.start(tmp_path)
+    read_ahead_child.reap(pid)
     assert time.monotonic() - started < 5
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)  # reaped: nothing left for CRIU
@@ -189,8 +189,8 @@ def test_a_fork_that_fails_skips_the_read_ahead(tmp_path, monkeypatch):
         raise BlockingIOError(11, "Resource temporarily unavailable")
 
     monkeypatch.setattr(os, "fork", no_fork)
-    monkeypatch.setattr(action, "_read_file_pages_ahead",
+    monkeypatch.setattr(read_ahead_child, "read_ahead",
                         lambda folder: pytest.fail("read inline, without its time limit"))
-    assert action._read_file_pages_ahead_beside(tmp_path) is None
+    assert read_ahead_child.start(tmp_path) is None
     assert any(e["event"] == "file-pages-not-read-ahead" and "fork" in e["error"]
                for e in journal.read())

@@ -1,0 +1,146 @@
+"""A container's local checkpoint kept aside where its restore left the GPU
+state off the GPU, for `gpusnap restore NAME` to restore again.
+
+CRIU only logs a post-resume step that failed, so Podman counts such a restore
+as done and, without --keep, removes the checkpoint once runc returns (a plain
+`podman container restore NAME`, the OCI hook's path). Driver 580 refuses for
+good a process whose restore it once refused for memory, so that checkpoint is
+then the only way back. The action script links Podman's checkpoint files into
+``USERDATA/gpusnap-kept-checkpoint`` before it answers CRIU: hard links, so no
+copy, on the same file system, and gone with the container (`podman rm`).
+Once the container is stopped, `gpusnap restore NAME` moves them back where
+Podman looks. A restore of that container whose GPU state came back drops
+them (they would restore an older state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from gpusnap import journal
+from gpusnap.private import write_private
+
+KEPT_NAME = "gpusnap-kept-checkpoint"
+WHY_NAME = "gpusnap-why.json"
+# What Podman's restore without --keep removes (libpod's restore cleanup); a
+# local restore needs the folders, /dev/shm's tar and the network's status.
+CHECKPOINT_DIRS = ("checkpoint", "pre-checkpoint")
+CHECKPOINT_FILES = ("restore.log", "dump.log", "stats-dump", "stats-restore",
+                    "devshm-checkpoint.tar", "network.status", "rootfs-diff.tar", "deleted.files")
+
+
+def podman_userdata(image_dir: Path) -> Path | None:
+    """The container's userdata folder (its bundle) where ``image_dir`` is
+    Podman's folder of a container's own checkpoint; None otherwise (containerd,
+    CRIU run by hand)."""
+    if image_dir.name != CHECKPOINT_DIRS[0]:
+        return None
+    userdata = image_dir.parent
+    return userdata if (userdata / "config.json").is_file() else None
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``dst`` a tree of hard links to ``src``'s files (a symlink linked as one)."""
+    os.mkdir(dst, 0o700)
+    for entry in os.scandir(src):
+        if entry.is_dir(follow_symlinks=False):
+            _link_tree(Path(entry.path), dst / entry.name)
+        else:
+            os.link(entry.path, dst / entry.name, follow_symlinks=False)
+
+
+def keep_aside(image_dir: Path, why: str) -> Path | None:
+    """Link the checkpoint Podman restored from into USERDATA/gpusnap-kept-checkpoint
+    (replacing an older one: this checkpoint is the later); its path, None where
+    ``image_dir`` is not a Podman container's own checkpoint. Raises OSError,
+    leaving nothing half made, where a link cannot be made."""
+    userdata = podman_userdata(image_dir)
+    if userdata is None or not (image_dir / "inventory.img").is_file():
+        return None
+    kept, work = userdata / KEPT_NAME, userdata / f".{KEPT_NAME}.tmp"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        os.mkdir(work, 0o700)
+        for name in CHECKPOINT_DIRS:
+            if (userdata / name).is_dir():
+                _link_tree(userdata / name, work / name)
+        for name in CHECKPOINT_FILES:
+            if os.path.lexists(userdata / name):
+                os.link(userdata / name, work / name, follow_symlinks=False)
+        write_private(work / WHY_NAME, json.dumps({"why": why, "at": time.time()}))
+        shutil.rmtree(kept, ignore_errors=True)
+        os.rename(work, kept)
+    except OSError:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return kept
+
+
+def why_kept(userdata: Path) -> dict | None:
+    """{"why", "at"} of a checkpoint kept aside under ``userdata``; None where none is."""
+    kept = userdata / KEPT_NAME
+    if not (kept / CHECKPOINT_DIRS[0] / "inventory.img").is_file():
+        return None
+    try:
+        return json.loads((kept / WHY_NAME).read_text())
+    except (OSError, ValueError):
+        return {"why": "unknown", "at": None}
+
+
+def put_back(userdata: Path) -> bool:
+    """Move a kept checkpoint back where Podman restores from (over what a later,
+    incomplete dump left there); False where none is kept."""
+    if why_kept(userdata) is None:
+        return False
+    kept = userdata / KEPT_NAME
+    for entry in kept.iterdir():
+        if entry.name == WHY_NAME:
+            continue
+        target = userdata / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif os.path.lexists(target):
+            target.unlink()
+        os.rename(entry, target)
+    shutil.rmtree(kept, ignore_errors=True)
+    return True
+
+
+def drop(userdata: Path) -> bool:
+    """Remove a kept checkpoint (the container's GPU state came back since);
+    whether there was one."""
+    kept = userdata / KEPT_NAME
+    if not kept.exists():
+        return False
+    shutil.rmtree(kept, ignore_errors=True)
+    return True
+
+
+def found(graph_root: Path) -> list[dict]:
+    """Every kept checkpoint in Podman's storage: {container (its id), path, why, at}."""
+    return [{"container": kept.parents[1].name, "path": str(kept), **(why_kept(kept.parent) or {})}
+            for kept in sorted(graph_root.glob(f"*-containers/*/userdata/{KEPT_NAME}"))
+            if why_kept(kept.parent) is not None]
+
+
+def after_failed_resume(image_dir: str, why: str) -> None:
+    """post-resume failed (the action script): keep the checkpoint, journaled."""
+    try:
+        kept = keep_aside(Path(image_dir), why)
+    except OSError as exc:
+        journal.record("checkpoint-not-kept", folder=image_dir, error=str(exc))
+        return
+    if kept is not None:
+        journal.record("checkpoint-kept", path=str(kept), why=why)
+
+
+def after_resume(image_dir: str) -> None:
+    """post-resume brought the GPU state back: an older kept checkpoint goes."""
+    userdata = podman_userdata(Path(image_dir))
+    if userdata is not None and drop(userdata):
+        journal.record("kept-checkpoint-dropped", path=str(userdata / KEPT_NAME),
+                       why="a later restore brought the GPU state back")

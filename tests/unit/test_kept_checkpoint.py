@@ -1,0 +1,147 @@
+"""A local checkpoint kept aside where post-resume failed (runtime/kept_checkpoint.py):
+Podman's restore without --keep removes its checkpoint once runc returns, and
+driver 580 refuses for good a process whose restore it once refused. The real
+Podman half is tests/integration/test_kept_checkpoint.py; the GPU half, G15."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gpusnap import journal
+from gpusnap.action import action
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.cuda import ProcessState
+from gpusnap.ops import restore as ops_restore
+from gpusnap.runtime import kept_checkpoint as kc, podman
+from tests.unit.fakes import FakeDriver
+from tests.unit.test_post_resume import CRIU, TRAIN, kept  # noqa: F401 -- a fixture
+
+
+@pytest.fixture
+def userdata(tmp_path, monkeypatch) -> Path:
+    """A Podman container's userdata, as a restore without --keep finds it."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    ud = tmp_path / "storage/overlay-containers/c0ffee/userdata"
+    (ud / "checkpoint/sub").mkdir(parents=True)
+    (ud / "config.json").write_text("{}")
+    (ud / "checkpoint/inventory.img").write_bytes(b"inv")
+    (ud / "checkpoint/pages-1.img").write_bytes(b"p" * 4096)
+    (ud / "checkpoint/sub/x").write_text("x")
+    (ud / "checkpoint/pages-2.img").symlink_to(tmp_path / "elsewhere")
+    (ud / "devshm-checkpoint.tar").write_bytes(b"shm")
+    (ud / "network.status").write_text("[]")
+    return ud
+
+
+def _podman_drops(ud: Path) -> None:
+    """What Podman's restore without --keep removes once runc returns."""
+    podman.drop_checkpoint(SimpleNamespace(userdata=ud))
+
+
+def test_kept_files_are_the_same_files_and_come_back_where_podman_looks(userdata):
+    inode = (userdata / "checkpoint/pages-1.img").stat().st_ino
+    aside = kc.keep_aside(userdata / "checkpoint", "CUDA_ERROR_OUT_OF_MEMORY")
+    assert aside == userdata / kc.KEPT_NAME
+    assert (aside / "checkpoint/pages-1.img").stat().st_ino == inode  # a link, not a copy
+    assert os.readlink(aside / "checkpoint/pages-2.img") == str(userdata.parent.parent.parent.parent
+                                                                / "elsewhere")
+    _podman_drops(userdata)
+    assert kc.why_kept(userdata)["why"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert kc.put_back(userdata)
+    assert (userdata / "checkpoint/pages-1.img").read_bytes() == b"p" * 4096
+    assert (userdata / "checkpoint/sub/x").read_text() == "x"
+    assert (userdata / "checkpoint/pages-2.img").is_symlink()
+    assert (userdata / "devshm-checkpoint.tar").read_bytes() == b"shm"
+    assert (userdata / "network.status").exists()
+    assert not (userdata / kc.KEPT_NAME).exists() and not (userdata / kc.WHY_NAME).exists()
+    assert kc.why_kept(userdata) is None and not kc.put_back(userdata)
+
+
+def test_put_back_replaces_what_a_later_incomplete_dump_left(userdata):
+    kc.keep_aside(userdata / "checkpoint", "refused")
+    _podman_drops(userdata)
+    (userdata / "checkpoint").mkdir()
+    (userdata / "checkpoint/core-1.img").write_bytes(b"half")  # no inventory.img: incomplete
+    (userdata / "dump.log").write_text("later")
+    assert kc.put_back(userdata)
+    assert sorted(p.name for p in (userdata / "checkpoint").iterdir()) == \
+        ["inventory.img", "pages-1.img", "pages-2.img", "sub"]
+    assert (userdata / "dump.log").read_text() == "later"  # only what was kept is put back
+
+
+def test_only_a_podman_containers_own_complete_checkpoint_is_kept(tmp_path, userdata):
+    bare = tmp_path / "images"
+    bare.mkdir()
+    (bare / "inventory.img").write_bytes(b"inv")
+    assert kc.keep_aside(bare, "x") is None  # containerd, CRIU by hand
+    (userdata / "config.json").unlink()
+    assert kc.keep_aside(userdata / "checkpoint", "x") is None
+    (userdata / "config.json").write_text("{}")
+    (userdata / "checkpoint/inventory.img").unlink()
+    assert kc.keep_aside(userdata / "checkpoint", "x") is None
+    assert not (userdata / kc.KEPT_NAME).exists()
+
+
+def test_a_link_that_fails_leaves_nothing_half_made_and_is_journaled(userdata, monkeypatch):
+    link, calls = os.link, []
+
+    def failing(*args, **kw):
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError(18, "Invalid cross-device link")
+        return link(*args, **kw)
+
+    monkeypatch.setattr(os, "link", failing)
+    kc.after_failed_resume(str(userdata / "checkpoint"), "refused")
+    assert sorted(p.name for p in userdata.iterdir()) == \
+        ["checkpoint", "config.json", "devshm-checkpoint.tar", "network.status"]
+    (rec,) = [e for e in journal.read() if e["event"] == "checkpoint-not-kept"]
+    assert "cross-device" in rec["error"]
+
+
+def test_a_later_keep_replaces_an_older_and_a_restore_that_held_drops_it(userdata):
+    kc.keep_aside(userdata / "checkpoint", "first")
+    (userdata / "checkpoint/inventory.img").unlink()
+    (userdata / "checkpoint/inventory.img").write_bytes(b"newer")
+    kc.keep_aside(userdata / "checkpoint", "second")
+    assert kc.why_kept(userdata)["why"] == "second"
+    assert (userdata / kc.KEPT_NAME / "checkpoint/inventory.img").read_bytes() == b"newer"
+    assert [k["container"] for k in kc.found(userdata.parents[2])] == ["c0ffee"]
+    kc.after_resume(str(userdata / "checkpoint"))
+    assert kc.why_kept(userdata) is None and kc.found(userdata.parents[2]) == []
+    assert [e["event"] for e in journal.read()] == ["kept-checkpoint-dropped"]
+
+
+def test_a_failed_post_resume_keeps_the_checkpoint_podman_drops_next(kept, userdata,  # noqa: F811
+                                                                     monkeypatch):
+    monkeypatch.setenv("GPUSNAP_WAIT_RESUME_SETTLE", "0.2")
+    monkeypatch.setenv("CRTOOLS_INIT_PID", "70")
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(userdata / "checkpoint"))
+    monkeypatch.setattr(action, "cuda_processes", lambda pid: TRAIN)
+    driver = FakeDriver({77: ProcessState.CHECKPOINTED},
+                        fail={("restore", 77): "CUDA_ERROR_OUT_OF_MEMORY"})
+    assert action._run("post-resume", CRIU, driver=driver) == 1
+    _podman_drops(userdata)
+    (rec,) = [e for e in journal.read() if e["event"] == "checkpoint-kept"]
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in rec["why"] and kc.why_kept(userdata) is not None
+    # the same restore, the driver answering: what an earlier failure kept goes
+    driver = FakeDriver({77: ProcessState.CHECKPOINTED})
+    assert action._run("post-resume", CRIU, driver=driver) == 0
+    assert kc.why_kept(userdata) is None
+
+
+def test_a_running_container_whose_checkpoint_was_kept_is_told_to_stop_it_first(
+        userdata, monkeypatch):
+    kc.keep_aside(userdata / "checkpoint", "refused")
+    ctr = SimpleNamespace(name="job", userdata=userdata, running=True,
+                          checkpoint_dir=userdata / "checkpoint")
+    monkeypatch.setattr(podman, "exists", lambda name: True)
+    monkeypatch.setattr(podman, "inspect", lambda name: ctr)
+    with pytest.raises(GpusnapError, match="job is running; there is nothing to restore") as err:
+        ops_restore.run("job", None, keep=False, tcp_established=False)
+    assert "`podman stop -t 0 job`, then `gpusnap restore job`" in err.value.hint
+    assert kc.why_kept(userdata) is not None
