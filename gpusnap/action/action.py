@@ -73,7 +73,8 @@ def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
         journal.record("pages-in-place", files=moved, in_ram=in_ram)
     kept = {name: (folder / name).read_text() for name in (MANIFEST_NAME, PLAN_NAME)
             if (folder / name).exists()}
-    if kept:
+    if kept:  # with the folder's path: post-resume's CRTOOLS_IMAGE_DIR is a /proc fd CRIU closed
+        kept["images"] = os.path.realpath(folder)
         write_private(step_state.restore(criu_pid), json.dumps(kept))
     from gpusnap.pages import fill_plan  # pre-restore only: not every step's start-up
     step_state.fill(criu_pid).unlink(missing_ok=True)  # never another restore's (pid reused)
@@ -350,7 +351,7 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
             post_restore(init_pid, criu_pid, by)
         else:
             post_resume(init_pid, criu_pid, driver, by)
-            kept_checkpoint.after_resume(image_dir)
+            kept_checkpoint.after_resume(_images(criu_pid, image_dir))
     except (GpusnapError, QuiesceError) as exc:
         # a refusal (GpusnapError) keeps its hint apart: the CLI says it as its own
         journal.record("failed", action=action, init_pid=os.environ.get("CRTOOLS_INIT_PID"),
@@ -358,7 +359,8 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
                        refused=isinstance(exc, GpusnapError),
                        **({"pids": exc.pids} if isinstance(exc, NotAnswered) else {}))
         if action == "post-resume":
-            kept_checkpoint.after_failed_resume(image_dir, getattr(exc, "message", str(exc)))
+            kept_checkpoint.after_failed_resume(_images(criu_pid, image_dir),
+                                                getattr(exc, "message", str(exc)))
         # CRIU logs what its scripts print; criu.log.first_error takes this line
         print(f"gpusnap: {action}: {exc}", file=sys.stderr)
         return 1
@@ -366,6 +368,13 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
         print(f"gpusnap: {action}: CRIU did not pass {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _images(criu_pid: int, image_dir: str) -> str:
+    """The images folder as pre-restore resolved it (a GPU checkpoint's)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return json.loads(step_state.restore(criu_pid).read_text()).get("images") or image_dir
+    return image_dir
 
 
 def _start_agent(criu_pid: int, driver: bool) -> None:

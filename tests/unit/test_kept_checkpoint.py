@@ -11,14 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpusnap import journal
+from gpusnap import MANIFEST_NAME, journal
 from gpusnap.action import action
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.ops import restore as ops_restore
+from gpusnap.pages import fill_plan
 from gpusnap.runtime import kept_checkpoint as kc, podman
 from tests.unit.fakes import FakeDriver
-from tests.unit.test_post_resume import CRIU, TRAIN, kept  # noqa: F401 -- a fixture
+from tests.unit.fakes import UUID0, gpu
+from tests.unit.test_plan import manifest
+from tests.unit.test_post_resume import CRIU, TRAIN
 
 
 @pytest.fixture
@@ -116,11 +119,22 @@ def test_a_later_keep_replaces_an_older_and_a_restore_that_held_drops_it(userdat
     assert [e["event"] for e in journal.read()] == ["kept-checkpoint-dropped"]
 
 
-def test_a_failed_post_resume_keeps_the_checkpoint_podman_drops_next(kept, userdata,  # noqa: F811
+def test_a_failed_post_resume_keeps_the_checkpoint_podman_drops_next(userdata, tmp_path,
                                                                      monkeypatch):
+    """CRIU names its images folder by a /proc fd of its own, closed by
+    post-resume: pre-restore's resolved path is the one used."""
+    (userdata / "checkpoint" / MANIFEST_NAME).write_text(
+        manifest(gpu(0, UUID0), used={UUID0: 8 << 30}).to_json())
+    monkeypatch.setattr(fill_plan, "SETTINGS", tmp_path / "page-fill.json")
+    fill_plan.SETTINGS.write_text('{"enabled": false, "read_ahead": false}')
+    fd = os.open(userdata / "checkpoint", os.O_RDONLY)
+    try:
+        action.pre_restore(f"/proc/self/fd/{fd}", CRIU)
+    finally:
+        os.close(fd)
     monkeypatch.setenv("GPUSNAP_WAIT_RESUME_SETTLE", "0.2")
     monkeypatch.setenv("CRTOOLS_INIT_PID", "70")
-    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(userdata / "checkpoint"))
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", f"/proc/self/fd/{fd}")
     monkeypatch.setattr(action, "cuda_processes", lambda pid: TRAIN)
     driver = FakeDriver({77: ProcessState.CHECKPOINTED},
                         fail={("restore", 77): "CUDA_ERROR_OUT_OF_MEMORY"})
