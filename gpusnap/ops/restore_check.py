@@ -45,18 +45,26 @@ def driver_words(text: str) -> str:
     return "; ".join(dict.fromkeys(calls)) or text
 
 
+def _post_resume_failed(rec: dict) -> bool:
+    return rec.get("event") == "failed" and rec.get("action") == "post-resume"
+
+
+def _left_uncopied(rec: dict) -> bool:
+    """post-resume left a range of a pages file mapped and could not copy it
+    (remote_map.let_go): a later change of that file would show through."""
+    return rec.get("event") == "staging-left-mapped" and not rec.get("copied")
+
+
 def post_resume_failure(init_pid: int) -> dict:
     """The journal's record of this restore's post-resume step failing, or {}."""
-    return _journaled(init_pid, lambda r: r.get("event") == "failed"
-                      and r.get("action") == "post-resume")
+    return _journaled(init_pid, _post_resume_failed)
 
 
-def staging_left_uncopied(init_pid: int) -> bool:
-    """Whether this restore's post-resume left a range of a pages file mapped in
-    a process and could not copy it (remote_map.let_go): a later change of that
-    file would show through."""
-    return bool(_journaled(init_pid, lambda r: r.get("event") == "staging-left-mapped"
-                           and not r.get("copied")))
+def staging_in_doubt(init_pid: int) -> bool:
+    """Whether a process of this restore may still map a pages file (the opt-in
+    staging mapping): its post-resume failed before the copy of what the driver
+    left mapped, or the copy failed. One read of the journal."""
+    return bool(_journaled(init_pid, lambda r: _post_resume_failed(r) or _left_uncopied(r)))
 
 
 def _journaled(init_pid: int, matches: Callable[[dict], bool]) -> dict:

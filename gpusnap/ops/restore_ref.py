@@ -188,15 +188,13 @@ def _keep_pages(remote: Remote, pages: Path, result: dict) -> dict | None:
 
 def _maybe_still_mapped(init_pid: int) -> bool:
     """Whether a restored process may still map a page of this restore's pages
-    files (the opt-in staging mapping): its post-resume failed before the copy
-    of what the driver left mapped, or the copy failed (remote_map.let_go)."""
+    files (restore_check.staging_in_doubt; the opt-in staging mapping only)."""
     try:
         if not fill_plan.settings().map_staging:
             return False
     except ValueError:
         return True  # an unreadable page-fill.json (the restore's steps said so): keep nothing
-    return bool(restore_check.post_resume_failure(init_pid)
-                or restore_check.staging_left_uncopied(init_pid))
+    return restore_check.staging_in_doubt(init_pid)
 
 
 def _pages_root(remote: Remote, prepared: prepared_pages.Match | None) -> Path:

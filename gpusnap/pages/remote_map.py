@@ -160,11 +160,12 @@ def put_back(held: dict[int, staging.Runs], init_pid: int, by: str) -> dict[int,
         try:
             if not runs:
                 raise OSError(errno.ENOENT, "its staging record cannot be read")
-            keys = {_key(p) for _, _, p, _ in runs}  # a file gone: nothing to map or write
-            mapped = _mapped_or_written(pid, runs, done)
+            # each file once (a file gone: nothing to map or write)
+            stats = {p: os.stat(p) for p in dict.fromkeys(p for _, _, p, _ in runs)}
+            mapped = _mapped_or_written(pid, runs, stats, done)
             done["mapped" if mapped else "written"].append(pid)
             if mapped:
-                files[pid] = keys
+                files[pid] = {(st.st_dev, st.st_ino) for st in stats.values()}
         except (OSError, ValueError) as exc:
             done["failed"][pid] = str(exc)
             continue
@@ -232,11 +233,12 @@ def _left_mapped(pid: int, keys: set[FileKey]) -> list[tuple[int, int]]:
     return out
 
 
-def _mapped_or_written(pid: int, runs: staging.Runs, done: dict) -> bool:
+def _mapped_or_written(pid: int, runs: staging.Runs, stats: dict[str, os.stat_result],
+                       done: dict) -> bool:
     """True where every file was mapped, False where the runs were written."""
     try:
-        for path in dict.fromkeys(p for _, _, p, _ in runs):
-            if os.stat(path).st_nlink != 1:
+        for path, st in stats.items():
+            if st.st_nlink != 1:
                 raise RemoteMapError(errno.EMLINK, f"{path} has other links")
             map_file(pid, path, [(a, n, o) for a, n, p, o in runs if p == path])
         return True
