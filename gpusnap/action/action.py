@@ -76,6 +76,8 @@ def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
     if kept:  # with the folder's path: post-resume's CRTOOLS_IMAGE_DIR is a /proc fd CRIU closed
         kept["images"] = os.path.realpath(folder)
         write_private(step_state.restore(criu_pid), json.dumps(kept))
+    else:  # never another restore's (pid reused): it names a folder post-resume acts on
+        step_state.restore(criu_pid).unlink(missing_ok=True)
     from gpusnap.pages import fill_plan  # pre-restore only: not every step's start-up
     step_state.fill(criu_pid).unlink(missing_ok=True)  # never another restore's (pid reused)
     try:
@@ -346,6 +348,7 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
         image_dir = os.environ["CRTOOLS_IMAGE_DIR"]
         if action == "pre-dump":
             from gpusnap.action.action_dump import pre_dump  # see the imports above
+            kept_checkpoint.before_dump(os.path.realpath(image_dir))
             pre_dump(init_pid, image_dir, criu_pid)
         elif action == "post-restore":
             post_restore(init_pid, criu_pid, by)
@@ -360,7 +363,7 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
                        **({"pids": exc.pids} if isinstance(exc, NotAnswered) else {}))
         if action == "post-resume":
             kept_checkpoint.after_failed_resume(_images(criu_pid, image_dir),
-                                                getattr(exc, "message", str(exc)))
+                                                getattr(exc, "message", str(exc)), init_pid)
         # CRIU logs what its scripts print; criu.log.first_error takes this line
         print(f"gpusnap: {action}: {exc}", file=sys.stderr)
         return 1

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from gpusnap import MANIFEST_NAME, journal
 from gpusnap.action import agent_files
 from gpusnap.private import write_private
+from gpusnap.runtime import kept_checkpoint
 
 if TYPE_CHECKING:
     from gpusnap.gpu.inventory import Inventory
@@ -133,6 +134,8 @@ def run(state: dict, stage: str | None = None) -> int:
     spec = json.loads((bundle / "config.json").read_text())
     manifest_path = bundle / "checkpoint" / MANIFEST_NAME
     inventory = None
+    if not (bundle / "checkpoint" / "inventory.img").exists():  # a create, not a restore:
+        kept_checkpoint.at_create(bundle)  # the state a failed restore kept is given up
     if manifest_path.exists():
         problems, plan, inventory = plan_for_restore(manifest_path, spec)
         if problems:

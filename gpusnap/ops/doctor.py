@@ -24,7 +24,7 @@ from gpusnap.gpu import turn
 from gpusnap.ops import leftovers
 from gpusnap.pages import prepared_pages
 from gpusnap.ops.gpu_state import load_driver
-from gpusnap.procs import PROC, gpu_use, stopped
+from gpusnap.procs import PROC, gpu_use, process_tree, stopped
 from gpusnap.errors import GpusnapError
 from gpusnap.runtime import kept_checkpoint, podman
 from gpusnap.runtime.storage import storage_root
@@ -230,23 +230,33 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
     return Check("gpu processes", not left, detail, hint), stuck, fixed
 
 
-def _kept_aside_check(graph_root: Path | None) -> Check:
+def _kept_aside_check(graph_root: Path | None, stuck: list[dict], fix: bool) -> Check:
     """Local checkpoints a restore kept where its GPU state did not come back
     (runtime/kept_checkpoint.py): the way back for a container whose processes
-    the driver refuses for good."""
-    found = kept_checkpoint.found(graph_root) if graph_root else []
-    if not found:
-        return Check("restores off the gpu", True, "no checkpoint kept aside", required=False)
-    names = []
-    for k in found:
+    the driver refuses for good. One whose container runs again (its processes
+    back on the GPU since, or started afresh) restores nothing newer: ``fix``
+    drops it."""
+    stuck_pids = {s["pid"] for s in stuck}
+    needed, stale, dropped = [], [], []
+    for k in kept_checkpoint.found(graph_root) if graph_root else []:
+        ctr = None
         with contextlib.suppress(GpusnapError):
             ctr = podman.find(k["container"])
-            k["name"] = ctr.name if ctr else k["container"][:12]
-        names.append(k.get("name") or k["container"][:12])
-    return Check("restores off the gpu", False, "; ".join(
-        f"{n}: {k['why']} (its checkpoint kept in {k['path']})" for n, k in zip(names, found)),
-        "`podman stop -t 0 NAME`, then `gpusnap restore NAME` restores it from there",
-        required=False)
+        name = ctr.name if ctr else k["container"][:12]
+        if ctr and ctr.running and not (kept_checkpoint.left_by(k, ctr.pid)
+                                        and stuck_pids & set(process_tree(ctr.pid))):
+            if fix and kept_checkpoint.drop(Path(k["path"]).parent):
+                dropped.append(name)
+            else:
+                stale.append(f"{name}: runs on its GPU again ({k['path']})")
+        else:
+            needed.append(f"{name}: {k['why']} (its checkpoint kept in {k['path']})")
+    detail = "; ".join(needed + stale + [f"dropped {n}'s, which runs again" for n in dropped])
+    hint = "; ".join(filter(None, [
+        "`podman stop -t 0 NAME`, then `gpusnap restore NAME` restores it from there"
+        if needed else "", "`gpusnap doctor --fix` drops those that run again" if stale else ""]))
+    return Check("restores off the gpu", not needed and not stale,
+                 detail or "no checkpoint kept aside", hint, required=False)
 
 
 def _pages_check() -> Check:
@@ -287,7 +297,7 @@ def run(fix: bool) -> dict:
                                                                         _prepared_check()]
     checks.append(Check("kernel", True, f"{platform.release()} {platform.machine()}",
                         required=False))
-    checks += [gpu_check, _kept_aside_check(storage_root())]
+    checks += [gpu_check, _kept_aside_check(storage_root(), stuck, fix)]
     ok = all(c.ok for c in checks if c.required)
     left = leftovers.find()
     removed = leftovers.remove(left) if fix else []

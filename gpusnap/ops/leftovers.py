@@ -85,13 +85,16 @@ def _linked_from_checkpoints() -> set[Path]:
     if root is None:
         return set()
     found = set()
-    for link in [*root.glob(f"overlay-containers/*/userdata/checkpoint/{pages_aside.PATTERN}"),
-                 *root.glob(f"overlay-containers/*/userdata/{KEPT_NAME}/checkpoint/"
-                            f"{pages_aside.PATTERN}")]:
-        if link.is_symlink():
-            folder = pages_aside.staging_folder(os.readlink(link))
-            if folder is not None:
-                found.add(folder)
+    for userdata in root.glob("*-containers/*/userdata"):
+        for link in [*userdata.glob(f"checkpoint/{pages_aside.PATTERN}"),
+                     *userdata.glob(f"{KEPT_NAME}/checkpoint/{pages_aside.PATTERN}")]:
+            if link.is_symlink():
+                # a relative link (pre-restore's, across filesystems) was made in
+                # userdata/checkpoint, also for the kept copy of that folder
+                target = os.path.normpath(userdata / "checkpoint" / os.readlink(link))
+                folder = pages_aside.staging_folder(target)
+                if folder is not None:
+                    found.add(folder)
     return found
 
 

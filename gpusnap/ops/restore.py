@@ -96,7 +96,8 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
         kept = kept_checkpoint.why_kept(ctr.userdata)
         if ctr.running:
             raise GpusnapError(f"container {ctr.name} is running; there is nothing to restore",
-                               _off_the_gpu_hint(ctr) if kept else "")
+                               _off_the_gpu_hint(ctr) if kept and
+                               kept_checkpoint.left_by(kept, ctr.pid) else "")
         from_kept = kept is not None and not has_checkpoint(ctr)
         if not has_checkpoint(ctr) and not from_kept:
             raise GpusnapError(f"container {ctr.name} has no checkpoint to restore",
@@ -110,8 +111,7 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
                                "Podman keeps a local checkpoint's devices in its database",
                                f"export it (`gpusnap checkpoint {ctr.name} --export FILE`) "
                                "and restore the file")
-        contents = archive.read_directory(ctr.userdata / kept_checkpoint.KEPT_NAME if from_kept
-                                          else ctr.userdata)
+        contents = _kept_contents(ctr) if from_kept else archive.read_directory(ctr.userdata)
         plan = _plan(contents, None, remap=False)
         archive_mode = False
     elif "/" in source or source.endswith((".tar", ".zst", ".gz")):
@@ -124,8 +124,8 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
         return plan_report(source, plan)
     if archive_mode:
         return import_file(path, contents, plan, name, keep, tcp_established, source)
-    if from_kept and kept_checkpoint.put_back(ctr.userdata):
-        journal.record("kept-checkpoint-put-back", container=ctr.id, why=kept.get("why"))
+    if from_kept:
+        _put_back(ctr, kept)
     elif kept and kept_checkpoint.drop(ctr.userdata):  # never newer than the one in place
         journal.record("kept-checkpoint-dropped", container=ctr.id, why="a checkpoint in place")
     return restore_local(source, contents, plan, keep, tcp_established)
@@ -136,6 +136,27 @@ def _off_the_gpu_hint(ctr: podman.Container) -> str:
     checkpoint kept aside (runtime/kept_checkpoint.py)."""
     return (f"its last restore could not bring its GPU state back and kept its checkpoint: "
             f"`podman stop -t 0 {ctr.name}`, then `gpusnap restore {ctr.name}`")
+
+
+def _kept_contents(ctr: podman.Container) -> archive.CheckpointContents:
+    """A kept checkpoint's contents; Podman's config.dump and spec.dump stay in
+    userdata (they are not the checkpoint's to drop)."""
+    contents = archive.read_directory(ctr.userdata / kept_checkpoint.KEPT_NAME)
+    for name in archive.METADATA:
+        if name not in contents.files and (ctr.userdata / name).is_file():
+            contents.files[name] = (ctr.userdata / name).read_bytes()
+    return contents
+
+
+def _put_back(ctr: podman.Container, kept: dict) -> None:
+    path = ctr.userdata / kept_checkpoint.KEPT_NAME
+    try:
+        kept_checkpoint.put_back(ctr.userdata)
+    except OSError as exc:
+        raise GpusnapError(f"could not put back the checkpoint kept at {ctr.name}'s failed "
+                           f"restore ({exc}); it is still in {path}",
+                           f"run `gpusnap restore {ctr.name}` again") from None
+    journal.record("kept-checkpoint-put-back", container=ctr.id, why=kept.get("why"))
 
 
 def restore_local(source: str, contents: archive.CheckpointContents, plan: Plan, keep: bool,
@@ -150,6 +171,8 @@ def restore_local(source: str, contents: archive.CheckpointContents, plan: Plan,
                    tcp_established=tcp_established, size=sum(contents.sizes.values()))
     seconds = time.monotonic() - start
     ctr = podman.inspect(source)
+    if keep or hold:  # Podman kept its checkpoint: a copy a failed post-resume linked is not needed
+        kept_checkpoint.drop(ctr.userdata)
     try:
         result = restored(ctr, source, seconds, plan, driver=ahead)
     except OffTheGpu as exc:

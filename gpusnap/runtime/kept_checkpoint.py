@@ -15,6 +15,7 @@ them (they would restore an older state).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -53,16 +54,19 @@ def _link_tree(src: Path, dst: Path) -> None:
             os.link(entry.path, dst / entry.name, follow_symlinks=False)
 
 
-def keep_aside(image_dir: Path, why: str) -> Path | None:
+def keep_aside(image_dir: Path, why: str, init_pid: int | None = None) -> Path | None:
     """Link the checkpoint Podman restored from into USERDATA/gpusnap-kept-checkpoint
-    (replacing an older one: this checkpoint is the later); its path, None where
+    (replacing an older one: this checkpoint is the later), with why and which
+    restored init it left off the GPU (pid and start time); its path, None where
     ``image_dir`` is not a Podman container's own checkpoint. Raises OSError,
     leaving nothing half made, where a link cannot be made."""
     userdata = podman_userdata(image_dir)
     if userdata is None or not (image_dir / "inventory.img").is_file():
         return None
     kept, work = userdata / KEPT_NAME, userdata / f".{KEPT_NAME}.tmp"
-    shutil.rmtree(work, ignore_errors=True)
+    trash = userdata / f".{KEPT_NAME}.old"
+    for leftover in (work, trash):
+        shutil.rmtree(leftover, ignore_errors=True)
     try:
         os.mkdir(work, 0o700)
         for name in CHECKPOINT_DIRS:
@@ -71,35 +75,51 @@ def keep_aside(image_dir: Path, why: str) -> Path | None:
         for name in CHECKPOINT_FILES:
             if os.path.lexists(userdata / name):
                 os.link(userdata / name, work / name, follow_symlinks=False)
-        write_private(work / WHY_NAME, json.dumps({"why": why, "at": time.time()}))
-        shutil.rmtree(kept, ignore_errors=True)
+        from gpusnap.procs import start_time  # start-up: the OCI hook imports this module
+        write_private(work / WHY_NAME, json.dumps({
+            "why": why, "at": time.time(), "init_pid": init_pid,
+            "start_time": start_time(init_pid) if init_pid else None}))
+        if kept.exists():  # an older one goes only once this one is in its place
+            os.rename(kept, trash)
         os.rename(work, kept)
     except OSError:
         shutil.rmtree(work, ignore_errors=True)
         raise
+    shutil.rmtree(trash, ignore_errors=True)
     return kept
 
 
 def why_kept(userdata: Path) -> dict | None:
-    """{"why", "at"} of a checkpoint kept aside under ``userdata``; None where none is."""
+    """{"why", "at", "init_pid", "start_time"} of a checkpoint kept aside under
+    ``userdata``; None where none is."""
     kept = userdata / KEPT_NAME
     if not (kept / CHECKPOINT_DIRS[0] / "inventory.img").is_file():
         return None
-    try:
-        return json.loads((kept / WHY_NAME).read_text())
-    except (OSError, ValueError):
-        return {"why": "unknown", "at": None}
+    with contextlib.suppress(OSError, ValueError):
+        said = json.loads((kept / WHY_NAME).read_text())
+        if isinstance(said, dict):
+            return {"why": "unknown", "at": None, **said}
+    return {"why": "unknown", "at": None}
+
+
+def left_by(said: dict, pid: int) -> bool:
+    """Whether ``pid`` is the restored init whose failed post-resume kept it
+    (still running since: the container was not started afresh)."""
+    from gpusnap.procs import start_time  # start-up: the OCI hook imports this module
+    return said.get("init_pid") == pid and said.get("start_time") is not None \
+        and said.get("start_time") == start_time(pid)
 
 
 def put_back(userdata: Path) -> bool:
     """Move a kept checkpoint back where Podman restores from (over what a later,
-    incomplete dump left there); False where none is kept."""
+    incomplete dump left there); False where none is kept. The images folder
+    goes last: cut short, the kept copy is still found and a rerun finishes."""
     if why_kept(userdata) is None:
         return False
     kept = userdata / KEPT_NAME
-    for entry in kept.iterdir():
-        if entry.name == WHY_NAME:
-            continue
+    entries = sorted((e for e in kept.iterdir() if e.name != WHY_NAME),
+                     key=lambda e: e.name == CHECKPOINT_DIRS[0])
+    for entry in entries:
         target = userdata / entry.name
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
@@ -111,8 +131,8 @@ def put_back(userdata: Path) -> bool:
 
 
 def drop(userdata: Path) -> bool:
-    """Remove a kept checkpoint (the container's GPU state came back since);
-    whether there was one."""
+    """Remove a kept checkpoint (the container's GPU state came back since, or
+    it was started afresh); whether there was one."""
     kept = userdata / KEPT_NAME
     if not kept.exists():
         return False
@@ -120,22 +140,54 @@ def drop(userdata: Path) -> bool:
     return True
 
 
+def shares_files(userdata: Path) -> bool:
+    """Whether the kept copy links the very files of a checkpoint still in place
+    (Podman kept it: --keep): a later dump rewriting those would change it."""
+    try:
+        return os.path.samefile(userdata / CHECKPOINT_DIRS[0] / "inventory.img",
+                                userdata / KEPT_NAME / CHECKPOINT_DIRS[0] / "inventory.img")
+    except OSError:
+        return False
+
+
 def found(graph_root: Path) -> list[dict]:
-    """Every kept checkpoint in Podman's storage: {container (its id), path, why, at}."""
-    return [{"container": kept.parents[1].name, "path": str(kept), **(why_kept(kept.parent) or {})}
-            for kept in sorted(graph_root.glob(f"*-containers/*/userdata/{KEPT_NAME}"))
-            if why_kept(kept.parent) is not None]
+    """Every kept checkpoint in Podman's storage: {container (its id), path, why,
+    at, init_pid, start_time}."""
+    said = {kept: why_kept(kept.parent)
+            for kept in sorted(graph_root.glob(f"*-containers/*/userdata/{KEPT_NAME}"))}
+    return [{"container": kept.parents[1].name, "path": str(kept), **why}
+            for kept, why in said.items() if why is not None]
 
 
-def after_failed_resume(image_dir: str, why: str) -> None:
+def after_failed_resume(image_dir: str, why: str, init_pid: int | None = None) -> None:
     """post-resume failed (the action script): keep the checkpoint, journaled."""
     try:
-        kept = keep_aside(Path(image_dir), why)
+        kept = keep_aside(Path(image_dir), why, init_pid)
     except OSError as exc:
         journal.record("checkpoint-not-kept", folder=image_dir, error=str(exc))
         return
     if kept is not None:
         journal.record("checkpoint-kept", path=str(kept), why=why)
+    elif image_dir.startswith("/proc/"):  # pre-restore did not resolve it (no GPU manifest)
+        journal.record("checkpoint-not-kept", folder=image_dir,
+                       error="the images folder's path is not known")
+
+
+def before_dump(image_dir: str) -> None:
+    """A dump into a Podman checkpoint folder whose files a kept copy shares
+    (Podman kept them too): the copy goes, as the dump rewrites them."""
+    userdata = podman_userdata(Path(image_dir))
+    if userdata is not None and shares_files(userdata) and drop(userdata):
+        journal.record("kept-checkpoint-dropped", path=str(userdata / KEPT_NAME),
+                       why="a dump rewrites the files it shares")
+
+
+def at_create(userdata: Path) -> None:
+    """A container created afresh (not restored): the state a kept copy holds
+    was given up for a new start (Podman's own start, the OCI hook)."""
+    if drop(userdata):
+        journal.record("kept-checkpoint-dropped", path=str(userdata / KEPT_NAME),
+                       why="the container was started afresh")
 
 
 def after_resume(image_dir: str) -> None:

@@ -730,15 +730,19 @@ def test_a_plain_podman_restore_refused_for_memory_keeps_its_checkpoint(gone, ca
     its = ctr.iterations()
     gpusnap_json("checkpoint", ctr.name)
     res, mark = _refused_for_memory(ctr.name, plain=True)
+    assert res.returncode == 0, res.stderr  # CRIU only logs post-resume: Podman says done
     (kept,) = [e for e in journal_since(mark) if e.get("event") == "checkpoint-kept"]
     assert "CUDA_ERROR_OUT_OF_MEMORY" in kept["why"], kept
+    assert not rt_podman.inspect(ctr.name).checkpoint_dir.exists(), "Podman kept it itself"
     said = next(c for c in json.loads(gpusnap("doctor", "--json").stdout)["checks"]
                 if c["name"] == "restores off the gpu")
     assert said["level"] == "warning" and ctr.name in said["detail"], said
     podman("stop", "-t", "0", ctr.name)
     assert_gpu_clean()
+    again = journal_mark()
     gpusnap_json("restore", ctr.name)
     ctr.assert_restored(ctr.seeds, its)
+    assert any(e.get("event") == "kept-checkpoint-put-back" for e in journal_since(again))
     assert not (rt_podman.inspect(ctr.name).userdata / "gpusnap-kept-checkpoint").exists()
     say(capsys, f"a plain podman restore refused for memory: podman rc {res.returncode}, "
                 f"checkpoint kept ({kept['path']}), restored from it")

@@ -14,6 +14,7 @@ from pathlib import Path
 from gpusnap.procs import process_tree
 from gpusnap.runtime import kept_checkpoint, podman as rt_podman
 from tests.conftest import (DEMO_IMAGE, GPUSNAP, RENAMING_HOLDER, assert_continued,
+                            journal_mark, journal_since,
                             assert_one_line_error, born, gpusnap, gpusnap_json, podman,
                             read_counter, run, wait_counter)
 
@@ -140,16 +141,19 @@ def test_restore_from_local_checkpoint(counter):
 
 def test_a_checkpoint_kept_at_a_failed_restore_restores_after_podman_dropped_it(counter):
     """Where post-resume fails, the action script keeps the checkpoint aside
-    (runtime/kept_checkpoint.py): here kept by that same call, then removed as
-    Podman's restore without --keep removes it. doctor names it; `gpusnap
-    restore NAME` puts it back, and Podman restores the process that counted,
-    not a fresh start. (post-resume failing for real on a GPU: G15.)"""
+    (runtime/kept_checkpoint.py): here kept by that same call, then a real
+    `podman container restore` (without --keep) removes what it removes; the
+    kept copy survives it. doctor names it; stopped, `gpusnap restore NAME`
+    puts it back, and Podman restores the process that counted, not a fresh
+    start. (post-resume failing for real on a GPU: G15.)"""
     before, token = read_counter(counter), born(counter)
     gpusnap_json("checkpoint", counter)
     ctr = rt_podman.inspect(counter)
     assert kept_checkpoint.keep_aside(ctr.checkpoint_dir, "post-resume: refused") is not None
-    rt_podman.drop_checkpoint(ctr)
-    assert not ctr.checkpoint_dir.exists()
+    podman("container", "restore", counter)
+    assert not ctr.checkpoint_dir.exists(), "Podman kept its checkpoint: nothing tested"
+    assert kept_checkpoint.why_kept(ctr.userdata) is not None
+    podman("stop", "-t", "0", counter)
 
     def doctor_says() -> dict:
         return next(c for c in json.loads(gpusnap("doctor", "--json").stdout)["checks"]
@@ -157,11 +161,28 @@ def test_a_checkpoint_kept_at_a_failed_restore_restores_after_podman_dropped_it(
     said = doctor_says()
     assert said["level"] == "warning" and f"{counter}: post-resume: refused" in said["detail"]
     assert "`gpusnap restore NAME`" in said["fix"]
+    mark = journal_mark()
     restored = gpusnap_json("restore", counter)
     assert restored["container"]["status"] == "running"
     assert_continued(counter, before, token)
+    assert [e["event"] for e in journal_since(mark) if "kept" in e["event"]] == \
+        ["kept-checkpoint-put-back"]
     assert kept_checkpoint.why_kept(ctr.userdata) is None
     assert doctor_says()["level"] == "ok"
+
+
+def test_a_kept_checkpoint_goes_when_its_container_is_started_afresh(counter):
+    """`podman start` after the failed restore gives the kept state up (the OCI
+    hook at create): a later `gpusnap restore NAME` must not go back to it."""
+    gpusnap_json("checkpoint", counter)
+    ctr = rt_podman.inspect(counter)
+    kept_checkpoint.keep_aside(ctr.checkpoint_dir, "post-resume: refused")
+    rt_podman.drop_checkpoint(ctr)
+    podman("start", counter)
+    assert kept_checkpoint.why_kept(ctr.userdata) is None
+    podman("stop", "-t", "0", counter)
+    res = gpusnap("restore", counter)
+    assert_one_line_error(res, f"container {counter} has no checkpoint to restore")
 
 
 def test_container_without_gpu_is_checkpointed_as_podman_would(counter, name, tmp_path):

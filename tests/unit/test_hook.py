@@ -20,6 +20,7 @@ from gpusnap.gpu.inventory import GpuInfo, Inventory
 from gpusnap.gpu.manifest import SCHEMA
 from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
 from gpusnap.hook import main as hook
+from gpusnap.runtime import kept_checkpoint
 from tests.unit.fakes import UUID0, UUID1, gpu, inventory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,6 +108,22 @@ def test_prestart_of_a_container_without_gpus_records_nothing(tmp_path, state_di
     b = bundle(tmp_path, [dev("/dev/nvidiactl", 255), dev("/dev/nvidia-uvm", 0)])
     assert run_main(monkeypatch, json.dumps(state(b))) == 0
     assert not record_file(state_dir).exists()
+
+
+def test_a_create_gives_up_a_checkpoint_a_failed_restore_kept_and_a_restore_does_not(
+        tmp_path, state_dir, host, monkeypatch):
+    """runtime/kept_checkpoint.py: a fresh start gives the kept state up."""
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 1)])
+    (b / kept_checkpoint.KEPT_NAME / "checkpoint").mkdir(parents=True)
+    (b / kept_checkpoint.KEPT_NAME / "checkpoint/inventory.img").write_bytes(b"inv")
+    (b / "checkpoint").mkdir(exist_ok=True)
+    (b / "checkpoint/inventory.img").write_bytes(b"inv")  # a restore's
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+    assert kept_checkpoint.why_kept(b) is not None
+    (b / "checkpoint/inventory.img").unlink()  # Podman dropped it: a start afresh
+    assert run_main(monkeypatch, json.dumps(state(b))) == 0
+    assert kept_checkpoint.why_kept(b) is None
+    assert events("kept-checkpoint-dropped")[0]["why"] == "the container was started afresh"
 
 
 def test_gpu_devices_keeps_only_numbered_gpu_nodes():

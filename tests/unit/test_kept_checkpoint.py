@@ -1,7 +1,8 @@
 """A local checkpoint kept aside where post-resume failed (runtime/kept_checkpoint.py):
 Podman's restore without --keep removes its checkpoint once runc returns, and
 driver 580 refuses for good a process whose restore it once refused. The real
-Podman half is tests/integration/test_kept_checkpoint.py; the GPU half, G15."""
+Podman half is in tests/integration/test_checkpoint_restore.py; the GPU
+half, G15 (tests/gpu/test_gpu_faults.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from gpusnap import MANIFEST_NAME, journal
 from gpusnap.action import action
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import ProcessState
-from gpusnap.ops import restore as ops_restore
+from gpusnap.ops import doctor, leftovers, restore as ops_restore
 from gpusnap.pages import fill_plan
 from gpusnap.runtime import kept_checkpoint as kc, podman
 from tests.unit.fakes import FakeDriver
@@ -150,12 +151,117 @@ def test_a_failed_post_resume_keeps_the_checkpoint_podman_drops_next(userdata, t
 
 def test_a_running_container_whose_checkpoint_was_kept_is_told_to_stop_it_first(
         userdata, monkeypatch):
-    kc.keep_aside(userdata / "checkpoint", "refused")
-    ctr = SimpleNamespace(name="job", userdata=userdata, running=True,
+    """Only while it runs the very processes the failed restore left: one started
+    afresh since (another init) is not told to go back to the kept state."""
+    kc.keep_aside(userdata / "checkpoint", "refused", init_pid=os.getpid())
+    ctr = SimpleNamespace(name="job", userdata=userdata, running=True, pid=os.getpid(),
                           checkpoint_dir=userdata / "checkpoint")
     monkeypatch.setattr(podman, "exists", lambda name: True)
     monkeypatch.setattr(podman, "inspect", lambda name: ctr)
     with pytest.raises(GpusnapError, match="job is running; there is nothing to restore") as err:
         ops_restore.run("job", None, keep=False, tcp_established=False)
     assert "`podman stop -t 0 job`, then `gpusnap restore job`" in err.value.hint
+    ctr.pid = os.getppid()
+    with pytest.raises(GpusnapError) as err:
+        ops_restore.run("job", None, keep=False, tcp_established=False)
+    assert not err.value.hint
     assert kc.why_kept(userdata) is not None
+
+
+def test_a_put_back_cut_short_is_still_found_and_finished(userdata, monkeypatch):
+    kc.keep_aside(userdata / "checkpoint", "refused")
+    _podman_drops(userdata)
+    rename, moved = os.rename, []
+
+    def cut(src, dst):
+        if Path(src).name == "checkpoint":
+            raise OSError(28, "No space left on device")
+        moved.append(Path(src).name)
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", cut)
+    with pytest.raises(OSError):
+        kc.put_back(userdata)
+    assert sorted(moved) == ["devshm-checkpoint.tar", "network.status"]  # the folder last
+    assert kc.why_kept(userdata) is not None  # still there for a rerun
+    monkeypatch.setattr(os, "rename", rename)
+    assert kc.put_back(userdata) and (userdata / "checkpoint/inventory.img").is_file()
+
+
+def test_a_put_back_that_fails_is_one_line_saying_where_the_copy_is(userdata, monkeypatch):
+    kc.keep_aside(userdata / "checkpoint", "refused")
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kc, "put_back", full)
+    ctr = SimpleNamespace(name="job", id="c0ffee", userdata=userdata)
+    with pytest.raises(GpusnapError, match="still in .*gpusnap-kept-checkpoint") as err:
+        ops_restore._put_back(ctr, {"why": "refused"})
+    assert "gpusnap restore job" in err.value.hint
+
+
+def test_a_kept_copy_reads_podmans_config_from_userdata(userdata):
+    (userdata / "config.dump").write_text('{"name": "job"}')
+    kc.keep_aside(userdata / "checkpoint", "refused")
+    _podman_drops(userdata)
+    ctr = SimpleNamespace(name="job", userdata=userdata)
+    contents = ops_restore._kept_contents(ctr)
+    assert contents.json_file("config.dump") == {"name": "job"}
+    assert "checkpoint/inventory.img" in contents.sizes
+
+
+def test_a_copy_sharing_a_checkpoint_podman_kept_goes_before_a_dump_rewrites_it(userdata):
+    kc.keep_aside(userdata / "checkpoint", "refused")  # Podman kept its own (--keep)
+    kc.before_dump(str(userdata / "checkpoint"))
+    assert kc.why_kept(userdata) is None
+    kc.keep_aside(userdata / "checkpoint", "refused")
+    _podman_drops(userdata)  # the only copy now: a dump writes new files beside it
+    (userdata / "checkpoint").mkdir()
+    kc.before_dump(str(userdata / "checkpoint"))
+    assert kc.why_kept(userdata) is not None
+
+
+def test_a_fresh_start_gives_the_kept_state_up(userdata):
+    kc.keep_aside(userdata / "checkpoint", "refused")
+    kc.at_create(userdata)
+    assert kc.why_kept(userdata) is None
+    assert [e["why"] for e in journal.read()] == ["the container was started afresh"]
+
+
+def test_a_damaged_note_still_names_the_kept_copy(userdata):
+    kc.keep_aside(userdata / "checkpoint", "refused")
+    (userdata / kc.KEPT_NAME / kc.WHY_NAME).write_text("[1, 2]")
+    assert kc.why_kept(userdata) == {"why": "unknown", "at": None}
+    assert kc.found(userdata.parents[2])[0]["why"] == "unknown"
+
+
+def test_doctor_tells_a_needed_copy_from_one_whose_container_runs_again(userdata, monkeypatch):
+    kc.keep_aside(userdata / "checkpoint", "refused", init_pid=os.getpid())
+    ctr = SimpleNamespace(name="job", running=False, pid=0)
+    monkeypatch.setattr(podman, "find", lambda cid: ctr)
+    check = doctor._kept_aside_check(userdata.parents[2], [], fix=False)
+    assert check.level == "warning" and check.detail.startswith("job: refused")
+    assert "`gpusnap restore NAME`" in check.fix
+    ctr.running, ctr.pid = True, os.getpid()  # the same processes, none stuck: back on the GPU
+    check = doctor._kept_aside_check(userdata.parents[2], [], fix=False)
+    assert "job: runs on its GPU again" in check.detail and "--fix" in check.fix
+    stuck = [{"pid": os.getpid()}]
+    assert doctor._kept_aside_check(userdata.parents[2], stuck, fix=True).detail.startswith(
+        "job: refused")  # still off its GPU: never dropped
+    check = doctor._kept_aside_check(userdata.parents[2], [], fix=True)
+    assert check.ok and "dropped job's" in check.detail and kc.why_kept(userdata) is None
+
+
+def test_leftovers_keep_the_staging_a_relative_pages_link_names(tmp_path, userdata, monkeypatch):
+    """pre-restore leaves a relative link where the pages lie on another
+    filesystem; the kept copy holds the same link, one folder deeper."""
+    staging = tmp_path / "storage" / ".gpusnap-pull-abc"
+    staging.mkdir()
+    (staging / "pages-3.img").write_bytes(b"p")
+    rel = os.path.relpath(staging / "pages-3.img", userdata / "checkpoint")
+    (userdata / "checkpoint/pages-3.img").symlink_to(rel)
+    kc.keep_aside(userdata / "checkpoint", "refused")
+    (userdata / "checkpoint/pages-3.img").unlink()
+    monkeypatch.setattr(leftovers, "storage_root", lambda: tmp_path / "storage")
+    assert leftovers._linked_from_checkpoints() == {staging}
