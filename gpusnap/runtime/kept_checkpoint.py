@@ -9,8 +9,11 @@ then the only way back. The action script links Podman's checkpoint files into
 ``USERDATA/gpusnap-kept-checkpoint`` before it answers CRIU: hard links, so no
 copy, on the same file system, and gone with the container (`podman rm`).
 Once the container is stopped, `gpusnap restore NAME` moves them back where
-Podman looks. A restore of that container whose GPU state came back drops
-them (they would restore an older state).
+Podman looks. They never stand for an older state than the container's: a
+restore whose GPU state came back drops them, and so do a create that is
+not a restore (the container started afresh: the OCI hook), a dump into a
+checkpoint whose files they share, and `doctor --fix` once the container
+runs on its GPU again.
 """
 
 from __future__ import annotations
