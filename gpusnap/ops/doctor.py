@@ -245,7 +245,7 @@ def _kept_aside_check(graph_root: Path | None, stuck: list[dict], fix: bool) -> 
         name = ctr.name if ctr else k["container"][:12]
         if ctr and ctr.running and not (kept_checkpoint.left_by(k, ctr.pid)
                                         and stuck_pids & set(process_tree(ctr.pid))):
-            if fix and kept_checkpoint.drop(Path(k["path"]).parent):
+            if fix and kept_checkpoint.drop(Path(k["path"]).parent, "doctor --fix: it runs again"):
                 dropped.append(name)
             else:
                 stale.append(f"{name}: runs on its GPU again ({k['path']})")

@@ -98,8 +98,8 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
             raise GpusnapError(f"container {ctr.name} is running; there is nothing to restore",
                                _off_the_gpu_hint(ctr) if kept and
                                kept_checkpoint.left_by(kept, ctr.pid) else "")
-        from_kept = kept is not None and not has_checkpoint(ctr)
-        if not has_checkpoint(ctr) and not from_kept:
+        from_kept = not has_checkpoint(ctr)
+        if from_kept and kept is None:
             raise GpusnapError(f"container {ctr.name} has no checkpoint to restore",
                                "checkpoint it first with `gpusnap checkpoint`")
         if name:
@@ -126,8 +126,8 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
         return import_file(path, contents, plan, name, keep, tcp_established, source)
     if from_kept:
         _put_back(ctr, kept)
-    elif kept and kept_checkpoint.drop(ctr.userdata):  # never newer than the one in place
-        journal.record("kept-checkpoint-dropped", container=ctr.id, why="a checkpoint in place")
+    elif kept:  # never newer than the one in place
+        kept_checkpoint.drop(ctr.userdata, "a checkpoint in place")
     return restore_local(source, contents, plan, keep, tcp_established)
 
 
@@ -172,7 +172,7 @@ def restore_local(source: str, contents: archive.CheckpointContents, plan: Plan,
     seconds = time.monotonic() - start
     ctr = podman.inspect(source)
     if keep or hold:  # Podman kept its checkpoint: a copy a failed post-resume linked is not needed
-        kept_checkpoint.drop(ctr.userdata)
+        kept_checkpoint.drop(ctr.userdata, "Podman kept the checkpoint itself")
     try:
         result = restored(ctr, source, seconds, plan, driver=ahead)
     except OffTheGpu as exc:
@@ -287,9 +287,8 @@ def restored(ctr: podman.Container, source: str, seconds: float, plan: Plan,
         journal.record("restore-off-the-gpu", container=ctr.id, pids=exc.pids, error=exc.message)
         raise
     after = {**(after or {}), "gpu_check": round(time.monotonic() - checked, 3)}
-    if kept_checkpoint.drop(ctr.userdata):  # a post-resume that failed kept it; back now
-        journal.record("kept-checkpoint-dropped", container=ctr.id,
-                       why="the restore's check found the GPU state back")
+    # a post-resume that failed kept it; the GPU state is back now
+    kept_checkpoint.drop(ctr.userdata, "the restore's check found the GPU state back")
     journal.record("restored", container=ctr.id, source=source, seconds=round(seconds, 3),
                    moves=plan.describe() if plan.needs_remap else None, after=after)
     result = {"container": {"id": ctr.id, "name": ctr.name, "status": ctr.status, "pid": ctr.pid},

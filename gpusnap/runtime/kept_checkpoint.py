@@ -133,13 +133,14 @@ def put_back(userdata: Path) -> bool:
     return True
 
 
-def drop(userdata: Path) -> bool:
-    """Remove a kept checkpoint (the container's GPU state came back since, or
-    it was started afresh); whether there was one."""
+def drop(userdata: Path, why: str) -> bool:
+    """Remove a kept checkpoint (``why``: the container's GPU state came back
+    since, it was started afresh, ...), journaled; whether there was one."""
     kept = userdata / KEPT_NAME
     if not kept.exists():
         return False
     shutil.rmtree(kept, ignore_errors=True)
+    journal.record("kept-checkpoint-dropped", path=str(kept), why=why)
     return True
 
 
@@ -180,22 +181,18 @@ def before_dump(image_dir: str) -> None:
     """A dump into a Podman checkpoint folder whose files a kept copy shares
     (Podman kept them too): the copy goes, as the dump rewrites them."""
     userdata = podman_userdata(Path(image_dir))
-    if userdata is not None and shares_files(userdata) and drop(userdata):
-        journal.record("kept-checkpoint-dropped", path=str(userdata / KEPT_NAME),
-                       why="a dump rewrites the files it shares")
+    if userdata is not None and shares_files(userdata):
+        drop(userdata, "a dump rewrites the files it shares")
 
 
 def at_create(userdata: Path) -> None:
     """A container created afresh (not restored): the state a kept copy holds
     was given up for a new start (Podman's own start, the OCI hook)."""
-    if drop(userdata):
-        journal.record("kept-checkpoint-dropped", path=str(userdata / KEPT_NAME),
-                       why="the container was started afresh")
+    drop(userdata, "the container was started afresh")
 
 
 def after_resume(image_dir: str) -> None:
     """post-resume brought the GPU state back: an older kept checkpoint goes."""
     userdata = podman_userdata(Path(image_dir))
-    if userdata is not None and drop(userdata):
-        journal.record("kept-checkpoint-dropped", path=str(userdata / KEPT_NAME),
-                       why="a later restore brought the GPU state back")
+    if userdata is not None:
+        drop(userdata, "a later restore brought the GPU state back")
