@@ -59,10 +59,24 @@ if TYPE_CHECKING:
 ACTIONS = ("pre-dump", "post-dump", "pre-restore", "post-restore", "post-resume")
 
 
-def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
+def fill_settings() -> "Settings | None":
+    """page-fill.json's settings; None (journaled) where it cannot be read: no fill."""
+    from gpusnap.pages import fill_plan  # pre-restore only: not every step's start-up
+    try:
+        return fill_plan.settings()
+    except ValueError as exc:
+        journal.record("pages-fill-skipped", error=str(exc))
+        return None
+
+
+_READ = object()  # pre_restore's default: it reads page-fill.json itself
+
+
+def pre_restore(image_dir: str, criu_pid: int, wanted=_READ) -> "Settings | None":
     """Keep the manifest and the GPU plan for post-resume: by then CRIU has
     closed its image directory (CRTOOLS_IMAGE_DIR names a /proc fd of it).
-    Returns page-fill.json's settings, where it read them (for the agent)."""
+    ``wanted``: page-fill.json's settings where the caller read them (None: no
+    fill). Returns them, where they were read (for the agent)."""
     if not image_dir:
         return None
     folder = Path(image_dir)
@@ -78,12 +92,9 @@ def pre_restore(image_dir: str, criu_pid: int) -> "Settings | None":
         write_private(step_state.restore(criu_pid), json.dumps(kept))
     else:  # never another restore's (pid reused): it names a folder post-resume acts on
         step_state.restore(criu_pid).unlink(missing_ok=True)
-    from gpusnap.pages import fill_plan  # pre-restore only: not every step's start-up
     step_state.fill(criu_pid).unlink(missing_ok=True)  # never another restore's (pid reused)
-    try:
-        wanted = fill_plan.settings()
-    except ValueError as exc:
-        journal.record("pages-fill-skipped", error=str(exc))
+    wanted = fill_settings() if wanted is _READ else wanted
+    if wanted is None:
         return None
     reader = read_ahead_child.start(folder) if wanted.read_ahead else None
     try:
@@ -325,14 +336,20 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
             undo_leftover_fill(image_dir)
             check_without_hook(image_dir, criu_pid)
             try:  # only keeps files for later and speeds the restore: never why it fails...
-                wanted = pre_restore(image_dir, criu_pid)
                 # The agent takes post-restore's fill and post-resume from here; for a
                 # GPU checkpoint it loads the driver and reads NVML ahead too, and
-                # holds the restore's turn (agent.py).
+                # holds the restore's turn (agent.py). There it starts first: its
+                # Python, libcuda and NVML load while the pages are put in place and
+                # the fill is planned, not after (runc's hook waits for its NVML read).
                 gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
-                if (wanted is None or wanted.agent) and \
-                        (gpu or (wanted is not None and step_state.fill(criu_pid).exists())):
-                    _start_agent(criu_pid, driver=gpu)
+                wanted = fill_settings()
+                agent = wanted is None or wanted.agent
+                if agent and gpu:
+                    _start_agent(criu_pid, driver=True)
+                pre_restore(image_dir, criu_pid, wanted)
+                if agent and not gpu and wanted is not None and image_dir \
+                        and step_state.fill(criu_pid).exists():
+                    _start_agent(criu_pid, driver=False)
             except (OSError, ValueError) as exc:
                 journal.record("failed", action=action, error=str(exc))
         except GpusnapError as exc:  # ...unless it must: CRIU stops before any task is restored

@@ -237,6 +237,30 @@ def test_pre_restore_of_a_gpu_checkpoint_starts_the_agent_without_a_fill(
     assert started == [(4325, True)]
 
 
+
+def test_a_gpu_restores_agent_starts_before_the_pages_are_put_in_place(
+        tmp_path, state, monkeypatch, child):
+    """Its Python, libcuda and NVML load while pre-restore moves and plans the
+    pages: runc's hook, next in CRIU's stop, waits for its NVML read."""
+    from gpusnap.pages import pages_aside
+    proc, base, size = child
+    order = []
+    monkeypatch.setattr(action, "_start_agent", lambda pid, driver: order.append("agent"))
+    real_bring_back = pages_aside.bring_back
+    monkeypatch.setattr(pages_aside, "bring_back",
+                        lambda folder: order.append("pages") or real_bring_back(folder))
+    monkeypatch.setattr(action, "_plan_fill", lambda *a: order.append("fill planned"))
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / action.MANIFEST_NAME).write_text("{}")
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(folder))
+    assert action._run("pre-restore", 4327) == 0
+    assert order == ["agent", "pages", "fill planned"]
+    order.clear()
+    (folder / action.MANIFEST_NAME).unlink()  # a CPU checkpoint: only where a fill was planned
+    assert action._run("pre-restore", 4328) == 0
+    assert order == ["pages", "fill planned"]
+
 INVENTORY = {"driver_version": "580.159.04", "cuda_driver_version": "13.0",
              "gpus": [{"index": 0, "uuid": "GPU-aaaa", "name": "NVIDIA H200", "minor": 0,
                        "pci_bus_id": "0000:01:00.0", "memory_total": 150 << 30,
