@@ -10,6 +10,7 @@ from typing import Collection
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.gpumap import GpuMap, parse_gpu_map
 from gpusnap.gpu.host_plan import plan_on_host
+from gpusnap.gpu.inventory import Inventory
 from gpusnap.gpu.manifest import Manifest
 from gpusnap.gpu.plan import Plan
 
@@ -18,15 +19,17 @@ GPU_MAP_ENV = "GPUSNAP_GPU_MAP"
 
 def plan_here(manifest: Manifest | None, gpu_map: str | GpuMap | None = None, *,
               remap: bool = True, only_minors: Collection[int] | None = None,
-              skip: frozenset[str] | None = None, refusal_hint: str | None = None) -> Plan:
+              skip: frozenset[str] | None = None, refusal_hint: str | None = None,
+              inventory: Inventory | None = None) -> Plan:
     """The plan for restoring ``manifest`` on this host, or GpusnapError with every
-    problem; a ``gpu_map`` for a checkpoint without GPUs among them."""
+    problem; a ``gpu_map`` for a checkpoint without GPUs among them. ``inventory``:
+    NVML's GPUs where the caller read them already (else read here)."""
     if manifest is None and gpu_map:
         raise GpusnapError("--gpu-map names GPUs, but the checkpoint holds no GPU state "
                            "(its container used no GPU)", "drop --gpu-map; nothing was changed")
     parsed = parse_gpu_map(gpu_map) if isinstance(gpu_map, str) else gpu_map
-    result = plan_on_host(manifest, gpu_map=parsed, remap=remap, only_minors=only_minors,
-                          skip=skip)
+    result = plan_on_host(manifest, inventory, gpu_map=parsed, remap=remap,
+                          only_minors=only_minors, skip=skip)
     if isinstance(result, list):
         raise GpusnapError("cannot restore here: " + "; ".join(p.line for p in result),
                            refusal_hint or "restore on a host with GPUs like the checkpoint's "

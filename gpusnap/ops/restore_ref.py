@@ -24,6 +24,7 @@ from gpusnap.pages import pages_aside
 from gpusnap.criu.runtimes import require_gpu_restore, runs_action_script
 from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
+from gpusnap.gpu.inventory import Inventory, read_inventory
 from gpusnap.gpu.manifest import Manifest
 from gpusnap.oci import bundle as fmt
 from gpusnap.oci.cache import ChunkCache
@@ -45,10 +46,11 @@ from gpusnap.trust.options import TrustOptions
 
 def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
                     facts: Callable[[], podman.HostFacts],
-                    name_taken: Callable[[], bool] | None = None):
+                    name_taken: Callable[[], bool] | None = None,
+                    inventory: Callable[[], Inventory] | None = None):
     """What restore would refuse, refused before gigabytes are downloaded; the GPU
-    plan. ``name_taken`` answers whether --name's container exists (asked while
-    the registry was)."""
+    plan. ``name_taken`` answers whether --name's container exists, ``inventory``
+    NVML's GPUs (both asked while the registry was)."""
     if remote.bundle.summary.get("engine", "podman") != "podman":  # containerd's: --to containerd://
         refuse_engine(remote.bundle.summary, str(remote.client.ref), "podman")
     if fmt.is_pre_checkpoint(remote.manifest) and not name:
@@ -64,7 +66,7 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
     require_gpu_restore(remote.bundle.summary.get("runtime") or facts().runtime, manifest,
                         str(remote.client.ref), "nothing was downloaded")
     return gpu_plan.plan_here(Manifest.from_dict(manifest) if manifest else None, gpu_map,
-                     refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
+                     inventory=inventory() if inventory else None, refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
                                   "inspect REF` lists them), or name targets with --gpu-map; "
                                   "nothing was downloaded")
 
@@ -251,11 +253,13 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     facts = facts or podman.ask_host_facts()
     if name_taken is None and name:
         name_taken = podman.in_background(podman.exists, name)
+    # NVML's first read takes a GPU host tens of milliseconds: beside the registry's
+    inventory = podman.in_background(read_inventory)
     start = time.monotonic()
     cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
     remote = open_remote(ref_text, opts, trust, cache, pull)
     opened = time.monotonic()
-    plan = _restore_checks(remote, name, gpu_map, facts, name_taken)
+    plan = _restore_checks(remote, name, gpu_map, facts, name_taken, inventory)
     if dry_run:
         return ops_restore.plan_report(str(remote.client.ref), plan)
     # what a restore spends before Podman starts, in its timeline (bench/coldstart.py);
