@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import multiprocessing
 import os
 import shutil
 import tempfile
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+# BrokenExecutor, not concurrent.futures.process's BrokenProcessPool: that module
+# imports multiprocessing (~13 ms), which only a push or pull with workers needs.
+from concurrent.futures import BrokenExecutor, Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -158,6 +158,15 @@ def _release(mapped: mmap.mmap, offset: int, length: int):
 # -- in the pushing process -------------------------------------------------------------
 
 
+def _process_pool(workers: int, initializer: Callable, initargs: tuple) -> Executor:
+    """Worker processes started fresh ("spawn"): never a fork of this threaded process."""
+    import multiprocessing  # start-up: most commands never start a pool
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=initializer, initargs=initargs)
+
+
 class SegmentPool:
     """Worker processes for the big files of one push; ``submit_file`` returns a
     future per segment (-> SegmentResult), in file order."""
@@ -165,9 +174,8 @@ class SegmentPool:
     def __init__(self, ref: str, opts: RegistryOptions, cache_root: Path | None, level: int,
                  workers: int) -> None:
         self.workers = workers
-        self._pool = ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init,
-            initargs=(ref, opts, str(cache_root) if cache_root else None, level))
+        self._pool = _process_pool(workers, _init,
+                                   (ref, opts, str(cache_root) if cache_root else None, level))
 
     def submit_file(self, path: Path, size: int, params: chunker.ChunkParams,
                     have: dict[int, Future] | None = None) -> list[Future]:
@@ -181,7 +189,7 @@ class SegmentPool:
                known: tuple[tuple[int, Chunk], ...] = ()) -> Future:
         try:
             return self._pool.submit(_run, Segment(str(path), start, length, params, known))
-        except BrokenProcessPool:  # a worker died before this segment was handed out
+        except BrokenExecutor:  # a worker died before this segment was handed out
             raise worker_died("push") from None
 
     def close(self) -> None:
@@ -299,7 +307,7 @@ class FetchPool:
         self._initargs = (ref, opts, str(cache_root) if cache_root else None)
         # Made at the first segment: a restore that only links prepared files
         # starts no process (not even multiprocessing's resource tracker).
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: Executor | None = None
         self._n = 0
 
     @property
@@ -328,19 +336,17 @@ class FetchPool:
 
     def _submit(self, segment: FetchSegment) -> Future:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(
-                self.workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_fetch, initargs=self._initargs)
+            self._pool = _process_pool(self.workers, _init_fetch, self._initargs)
         try:
             return self._pool.submit(_fetch, segment)
-        except BrokenProcessPool:  # a worker died before this segment was handed out
+        except BrokenExecutor:  # a worker died before this segment was handed out
             raise worker_died("pull") from None
 
     def _done(self, future: Future) -> None:
         """A segment's counts, once it is fetched; a dead worker in one line."""
         try:
             self._count(future.result())
-        except BrokenProcessPool:
+        except BrokenExecutor:
             raise worker_died("pull") from None
 
     def write_file(self, chunks: list[Chunk], path: Path,

@@ -7,7 +7,7 @@ import platform
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import BrokenExecutor  # not .process: it imports multiprocessing
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,7 +183,7 @@ class _Parts:
         for f in futures:
             try:
                 r = f.result()
-            except BrokenProcessPool:
+            except BrokenExecutor:
                 raise segments.worker_died("push") from None
             if isinstance(r, segments.SegmentResult):
                 out.extend(r.chunks)
