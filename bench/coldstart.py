@@ -437,6 +437,13 @@ def criu_log(ref: str, name: str, cache: Path, out: Path, servers: list[Server])
     userdata = sh("podman", "inspect", "-f", "{{.StaticDir}}", name).stdout.strip()
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(Path(userdata) / "restore.log", out / "restore.log")
+    # CRIU's images but the pages (a few MB): what pre-restore plans the fill from,
+    # for a profile off the GPU machine (their sizes in pages-sizes.json)
+    images = Path(userdata) / "checkpoint"
+    shutil.copytree(images, out / "images", symlinks=True,
+                    ignore=lambda _, names: [n for n in names if n.startswith("pages-")])
+    (out / "images" / "pages-sizes.json").write_text(json.dumps(
+        {p.name: p.stat().st_size for p in images.glob("pages-*.img")}))
     print(json.dumps(row), flush=True)
     return row
 
