@@ -4,6 +4,7 @@
 #   /usr/local/bin/gpusnap      the CLI
 #   /opt/gpusnap/libexec/criu-action, named in /etc/criu/runc.conf (a managed block)
 #   /usr/share/containers/oci/hooks.d/gpusnap-{prestart,poststop}.json   the OCI hook
+#   /opt/gpusnap/libexec/gpusnap-hook, the hook they name (hands a restore's to gpusnap's agent)
 # GPUSNAP_OFFLINE=1 installs with no package index (the GPU machines): the
 # venv then uses GPUSNAP_PYTHON's packages for click, rich and nvidia-ml-py.
 # GPUSNAP_PYTHON picks the interpreter; GPUSNAP_PYLIB adds a folder of unpacked wheels.
@@ -41,7 +42,9 @@ else
 fi
 ln -sf $ROOT/venv/bin/gpusnap /usr/local/bin/gpusnap
 ln -sf $ROOT/venv/bin/containerd-shim-gpusnap-v1 /usr/local/bin/containerd-shim-gpusnap-v1  # containerd finds shims on PATH
-install -D -m 755 "$HERE/bin/criu-action" $ROOT/libexec/criu-action
+for script in criu-action agent-ask.sh gpusnap-hook; do  # agent-ask.sh: sourced by the other two
+  install -D -m 755 "$HERE/bin/$script" $ROOT/libexec/$script
+done
 # One file per stage: runc reports a container being restored as "stopped",
 # so the hook learns its stage from its arguments, not from the state.
 rm -f /usr/share/containers/oci/hooks.d/gpusnap.json

@@ -43,16 +43,18 @@ import threading
 import time
 
 from gpusnap import journal
-from gpusnap.action import action
+from gpusnap.action import action, prestart
 from gpusnap.action.agent_files import INVENTORY, NO_INVENTORY, folder
 from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.waits import leave
 from gpusnap.gpu import inventory as gpu_inventory, turn
 # Loaded as the agent starts, before the steps that use them are asked
+from gpusnap.gpu import bundle_plan  # noqa: F401 -- runc's prestart hook (prestart.run_for_agent)
 from gpusnap.pages import fill_plan, page_fill, remote_map  # noqa: F401
 from gpusnap.private import write_private
 
 LIFETIME_S = 3600.0
+HOOK_WAIT_S = 0.5  # for this agent's NVML read, as the hook's own Python waits for it
 
 
 def _read_inventory(criu_pid: int) -> None:
@@ -68,9 +70,26 @@ def _read_inventory(criu_pid: int) -> None:
         write_private(here / NO_INVENTORY, inventory.error)
 
 
+def _hook(state_file: str, criu_pid: int) -> int:
+    """runc's prestart hook of this restore (packaging/bin/gpusnap-hook hands it
+    here with the container's state in ``state_file``), with this agent's NVML read."""
+    try:
+        state = json.loads(open(state_file, encoding="utf-8").read())
+        return prestart.run_for_agent(state, prestart.inventory_in(folder(criu_pid), HOOK_WAIT_S))
+    except Exception as exc:  # noqa: BLE001 -- the hook's own Python judges it again
+        journal.record("hook-error", error=f"{type(exc).__name__}: {exc}", by="agent")
+        return prestart.NOT_HERE
+
+
 def _answer(request: str, criu_pid: int, driver: DriverAhead | None) -> bool:
     """Run one step; False once the agent has nothing more to do."""
     step, init_pid, reply, image_dir = (request.split(" ", 3) + ["", "", "", ""])[:4]
+    if step == "prestart" and reply:
+        printed = io.StringIO()
+        with contextlib.redirect_stderr(printed):
+            code = _hook(image_dir, criu_pid)
+        _send(reply, _answer_text(printed, code))
+        return True
     if step not in ("post-restore", "post-resume") or not reply:
         return True
     os.environ.update({"CRTOOLS_SCRIPT_ACTION": step, "CRTOOLS_INIT_PID": init_pid,
@@ -83,11 +102,15 @@ def _answer(request: str, criu_pid: int, driver: DriverAhead | None) -> bool:
         except Exception as exc:  # noqa: BLE001 -- the script's own crash would fail the step too
             print(f"gpusnap: {step}: {type(exc).__name__}: {exc}", file=sys.stderr)
             code = 1
-    # what the step printed, "|" a line, then "=CODE": the script prints the
-    # lines (CRIU logs them, Podman quotes them) and exits with the code
-    answer = "".join(f"|{line}\n" for line in printed.getvalue().splitlines()) + f"={code}\n"
-    _send(reply, answer.encode())
+    _send(reply, _answer_text(printed, code))
     return step != "post-resume"
+
+
+def _answer_text(printed: io.StringIO, code: int) -> bytes:
+    """What the step printed, "|" a line, then "=CODE": the script prints the
+    lines (CRIU logs them, Podman quotes them) and exits with the code."""
+    return ("".join(f"|{line}\n" for line in printed.getvalue().splitlines())
+            + f"={code}\n").encode()
 
 
 def _send(reply: str, answer: bytes) -> None:

@@ -268,7 +268,7 @@ INVENTORY = {"driver_version": "580.159.04", "cuda_driver_version": "13.0",
                        "mig_enabled": False}],
              "process_memory": {"77": {"GPU-aaaa": 1 << 30}}, "error": None, "unanswered": False}
 
-HOOK_READS = ("from gpusnap.hook.main import agent_inventory as f; "
+HOOK_READS = ("from gpusnap.action.prestart import agent_inventory as f; "
               "inv = f(wait_s=0.3); print(inv.to_dict() if inv else None)")
 
 
@@ -302,7 +302,7 @@ def test_the_hook_takes_the_gpus_the_agent_of_its_sibling_criu_read(state):
         criu.wait()
 
 
-HOOK_PLANS = ("import json, pathlib; from gpusnap.hook.main import plan_for_restore as f; "
+HOOK_PLANS = ("import json, pathlib; from gpusnap.action.prestart import plan_for_restore as f; "
               "problems, plan, inv = f(pathlib.Path('{manifest}'), {{}}, 0.3, "
               "pathlib.Path('{dev}')); print(json.dumps([problems, inv is not None]))")
 
@@ -453,3 +453,60 @@ def test_an_agent_gone_after_its_step_was_done_is_no_failure(tmp_path, state):
     os.close(fd)
     assert res.returncode == 0, res.stderr
     assert "stopped before it finished" not in res.stderr
+
+
+HOOK_FRONT = SCRIPT.parent / "gpusnap-hook"
+
+
+def _hook_front(tmp_path: Path) -> Path:
+    """packaging/bin/gpusnap-hook beside its library, its Python hook a probe
+    that says it was reached (exit 9)."""
+    for name in ("agent-ask.sh", "gpusnap-hook"):
+        (tmp_path / name).write_text((SCRIPT.parent / name).read_text())
+    probe = tmp_path / "python-hook"
+    probe.write_text("#!/bin/sh\necho python hook reached >&2\nexit 9\n")
+    probe.chmod(0o755)
+    front = tmp_path / "gpusnap-hook"
+    front.write_text(front.read_text().replace("/opt/gpusnap/venv/bin/gpusnap-hook", str(probe)))
+    return front
+
+
+def test_a_gpu_restores_hook_is_its_agents_and_starts_no_python(state, tmp_path):
+    """runc's prestart hook at a restore goes to the agent of runc's CRIU (this
+    test plays runc: the hook and CRIU are its children), which judges it with
+    its NVML read; where it cannot judge, the hook's own Python does."""
+    front = _hook_front(tmp_path)
+    bundle = tmp_path / "bundle"
+    (bundle / "checkpoint").mkdir(parents=True)
+    (bundle / "checkpoint" / "inventory.img").write_bytes(b"")
+    (bundle / "config.json").write_text(json.dumps(
+        {"linux": {"devices": [{"path": "/dev/nvidia0", "major": 195, "minor": 0}]}}))
+    manifest = bundle / "checkpoint" / action.MANIFEST_NAME
+    state_json = json.dumps({"id": "c1", "pid": os.getpid(), "bundle": str(bundle)})
+
+    def hook(stage: str = "prestart") -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(front), stage], input=state_json, capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "GPUSNAP_STATE_DIR": str(state)})
+
+    assert hook().returncode == 9  # no agent (a create): Python
+    criu = subprocess.Popen(["sleep", "60"])
+    try:
+        agent_files.start(criu.pid, driver=False)
+        _ready(criu.pid)
+        _manifest_on("GPU-aaaa", manifest)
+        assert hook().returncode == 9  # no NVML read of its own (NOT_HERE): Python
+        (agent_files.folder(criu.pid) / agent_files.INVENTORY).write_text(json.dumps(INVENTORY))
+        res = hook()
+        assert res.returncode == 0 and "python hook" not in res.stderr, res.stderr
+        recorded = json.loads((state / "containers" / "c1.json").read_text())
+        assert recorded["gpus"][0]["uuid"] == "GPU-aaaa" and recorded["inventory_read_by"] == "agent"
+        _manifest_on("GPU-aaaa", manifest, need=150 << 30)  # more than the GPU has free
+        res = hook()
+        assert res.returncode == 1 and "cannot restore here" in res.stderr, res.stderr
+        assert "python hook" not in res.stderr
+        assert hook("poststop").returncode == 9  # never the agent's
+        assert not list(agent_files.folder(criu.pid).glob("hook-state.*"))
+    finally:
+        criu.kill()
+        criu.wait()
+    assert _gone(agent_files.folder(criu.pid))

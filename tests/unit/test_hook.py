@@ -1,4 +1,4 @@
-"""gpusnap.hook.main, the OCI prestart/poststop hook: records GPUs, forgets them, refuses a
+"""gpusnap.hook.main and action/prestart.py, the OCI prestart/poststop hook: records GPUs, forgets them, refuses a
 restore onto GPUs that cannot take the checkpoint, and never blocks a container otherwise."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from gpusnap.gpu.gpumap import parse_gpu_map
 from gpusnap.gpu.inventory import GpuInfo, Inventory
 from gpusnap.gpu.manifest import SCHEMA
 from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION
-from gpusnap.hook import main as hook
+from gpusnap.action import prestart as hook
+from gpusnap.hook import main as hook_main
 from gpusnap.runtime import kept_checkpoint
 from tests.unit.fakes import UUID0, UUID1, gpu, inventory
 
@@ -65,7 +66,7 @@ def state(bundle_dir: Path, status: str = "created") -> dict:
 def run_main(monkeypatch, stdin: str, stage: str | None = None) -> int:
     monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     monkeypatch.setattr(sys, "argv", ["gpusnap-hook"] + ([stage] if stage else []))
-    return hook.main()
+    return hook_main.main()
 
 
 def manifest_for(*uuids: str) -> dict:

@@ -179,7 +179,7 @@ def test_hook_request_and_journal_state_files_are_private(state, monkeypatch):
     from gpusnap.gpu import inventory as inventory_module
     from gpusnap.gpu.nodes import DeviceRemap
     from gpusnap.gpu.plan import Plan
-    from gpusnap.hook import main as hook
+    from gpusnap.action import prestart as hook
     from tests.unit.fakes import UUID0, gpu, inventory
 
     monkeypatch.setattr(inventory_module, "read_inventory", lambda: inventory(gpu(0, UUID0, minor=0)))
