@@ -443,7 +443,8 @@ def criu_log(ref: str, name: str, cache: Path, out: Path, servers: list[Server])
     shutil.copytree(images, out / "images", symlinks=True,
                     ignore=lambda _, names: [n for n in names if n.startswith("pages-")])
     (out / "images" / "pages-sizes.json").write_text(json.dumps(
-        {p.name: p.stat().st_size for p in images.glob("pages-*.img")}))
+        {p.name: p.stat().st_size if p.exists() else None  # a link Podman's cleanup cut
+         for p in images.glob("pages-*.img")}))
     print(json.dumps(row), flush=True)
     return row
 
