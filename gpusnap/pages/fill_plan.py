@@ -119,21 +119,37 @@ class Plan:
 
 
 def locate(folder: Path, vpid: int, depth: int = 0, pm: pagemap.Pagemap | None = None) -> list[Run]:
-    """Where each run of the task's pages lies: its address and length, the pages
-    file and offset CRIU reads it from (through parent folders for PE_PARENT runs).
-    ``pm``: the folder's pagemap of the task, where the caller read it already."""
+    """Where the task's pages lie: address and length, the pages file and offset
+    CRIU reads them from (through parent folders for PE_PARENT runs). Present
+    runs that continue one another in memory and in the file come as one: CRIU
+    caps an entry at 1 MiB, so a GPU process's 11 GB come as ~11,000 entries
+    that make a few dozen stretches, and what follows (in the stop) handles
+    stretches. ``pm``: the folder's pagemap of the task, where the caller read it."""
     pm = pm or pagemap.parse((folder / f"pagemap-{vpid}.img").read_bytes())
     pages = os.path.realpath(folder / pm.pages_file)
     parent: list[Run] | None = None
     starts: list[int] = []
     out: list[Run] = []
     pos = 0
+    at = size = 0  # the stretch of present runs not yet in ``out`` (from file offset pos - size)
+
+    def flush() -> None:
+        if size:
+            out.append(Run(at, size, pages, pos - size))
+
     for run in pm.runs:
         length = run.pages * pagemap.PAGE
         if run.present:
-            out.append(Run(run.vaddr, length, pages, pos))
+            if size and at + size == run.vaddr:
+                size += length
+            else:
+                flush()
+                at, size = run.vaddr, length
             pos += length
-        elif run.flags & pagemap.PE_PARENT:
+            continue
+        flush()
+        at = size = 0
+        if run.flags & pagemap.PE_PARENT:
             if parent is None:
                 if depth >= MAX_PARENTS or not (folder / "parent").is_dir():
                     raise ImageError(f"{folder}: pagemap-{vpid}.img reads from a parent it lacks")
@@ -142,6 +158,7 @@ def locate(folder: Path, vpid: int, depth: int = 0, pm: pagemap.Pagemap | None =
             out += _covering(parent, starts, run.vaddr, length)
         else:
             raise ImageError(f"pagemap-{vpid}.img: a run with flags {run.flags} (lazy pages)")
+    flush()
     return out
 
 

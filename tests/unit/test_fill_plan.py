@@ -515,3 +515,21 @@ def test_a_rewrite_cut_short_that_cannot_be_put_back_refuses_the_restore(tmp_pat
     with pytest.raises(GpusnapError, match="cannot be put back"):
         action.pre_restore(str(folder), 4245)
     assert not step_state.fill(4245).exists()
+
+
+def test_entries_that_continue_one_another_are_located_as_one_stretch(tmp_path):
+    """CRIU caps a pagemap entry at 1 MiB: a GPU process's memory comes as
+    thousands of them. Located, they are the stretches they make (a new one
+    where the address jumps), each at its offset in the pages file."""
+    P = pm.PAGE
+    folder = tmp_path / "images"
+    folder.mkdir()
+    runs = [(0x100000 + i * 256 * P, 256, pm.PE_PRESENT) for i in range(40)]  # 40 MiB in a row
+    runs += [(0x4000000, 8, pm.PE_PRESENT), (0x4000000 + 8 * P, 8, pm.PE_PRESENT)]  # a jump
+    (folder / "pagemap-1.img").write_bytes(
+        pm.serialize(pm.Pagemap(3, tuple(pm.Run(v, n, f) for v, n, f in runs))))
+    (folder / "pages-3.img").write_bytes(b"")
+    path = os.path.realpath(folder / "pages-3.img")
+    assert fill_plan.locate(folder, 1) == [
+        page_fill.Run(0x100000, 40 << 20, path, 0),
+        page_fill.Run(0x4000000, 16 * P, path, 40 << 20)]
