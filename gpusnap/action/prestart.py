@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from gpusnap import MANIFEST_NAME, journal
 from gpusnap.action import agent_files
+from gpusnap.criu import images
 from gpusnap.private import write_private
 from gpusnap.runtime import kept_checkpoint
 
@@ -140,7 +141,7 @@ def run(state: dict, stage: str | None = None) -> int:
         return 0
     spec = json.loads((bundle / "config.json").read_text())
     manifest_path = bundle / "checkpoint" / MANIFEST_NAME
-    if not (bundle / "checkpoint" / "inventory.img").exists():  # a create, not a restore:
+    if not images.complete(bundle / "checkpoint"):  # a create, not a restore:
         kept_checkpoint.at_create(bundle)  # the state a failed restore kept is given up
     if not manifest_path.exists():
         return _act(state, spec, [], None, None)
@@ -159,8 +160,7 @@ def run_for_agent(state: dict, seen: "Inventory | None", dev: Path = Path("/dev"
 
     bundle = Path(state.get("bundle", "."))
     manifest_path = bundle / "checkpoint" / MANIFEST_NAME
-    if seen is None or not manifest_path.exists() \
-            or not (bundle / "checkpoint" / "inventory.img").exists():  # a create
+    if seen is None or not manifest_path.exists() or not images.complete(bundle / "checkpoint"):
         return NOT_HERE
     spec = json.loads((bundle / "config.json").read_text())
     problems, plan = plan_restore_here(manifest_path, spec, seen)
