@@ -1,5 +1,4 @@
-"""Read the mount table CRIU saved (mountpoints-*.img) without crit or protobuf;
-whether a folder holds a whole dump at all (``complete``).
+"""Read the mount table CRIU saved (mountpoints-*.img) without crit or protobuf.
 
 A CRIU image is two little-endian u32 magics, then entries of a u32 length and
 a protobuf message. Only a few scalar fields of mnt_entry (images/mnt.proto)
@@ -25,14 +24,6 @@ _FIELDS = {1: "fstype", 2: "mnt_id", 3: "root_dev", 4: "parent_mnt_id", 7: "moun
 
 class ImageError(ValueError):
     pass
-
-
-INVENTORY = "inventory.img"
-
-
-def complete(folder: Path) -> bool:
-    """Whether ``folder`` holds a whole CRIU dump: CRIU writes inventory.img last."""
-    return (folder / INVENTORY).is_file()
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from gpusnap import MANIFEST_NAME, archive, journal, requests
 from gpusnap.pages import pages_aside, remote_syscall
-from gpusnap.criu import images
+from gpusnap.criu import dumped
 from gpusnap.criu.freezer import thaw
 from gpusnap.criu.log import (ended_early, first_error as criu_error, seize_blocked,
                               unseizable_words)
@@ -191,7 +191,7 @@ def _drop_stale_dump(ctr: podman.Container, since: float) -> None:
     """A dump this run wrote (kept for the export) of a container that runs on
     (--leave-running) is stale, and as large as its memory: free the space. An
     older local checkpoint, made on purpose, is left alone."""
-    if _written_since(ctr.checkpoint_dir / images.INVENTORY, since):
+    if _written_since(ctr.checkpoint_dir / dumped.INVENTORY, since):
         discard(ctr.checkpoint_dir, ctr.userdata)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 from google.protobuf import any_pb2, message_factory
 
-from gpusnap.criu import images
+from gpusnap.criu import dumped
 from gpusnap.criu.log import first_error
 from gpusnap.private import restrict_tree
 from gpusnap.proto import load
@@ -282,7 +282,7 @@ def start_task(c: Client, container_id: str, stdout: str = "", stderr: str = "",
 
 def restore_from_dir(c: Client, container_id: str, src: Path, stdout: str = "", stderr: str = "") -> int:
     """`nerdctl start --checkpoint`: a new task of CONTAINER_ID restored from the CRIU image in SRC; its pid."""
-    if not images.complete(src):
+    if not dumped.whole(src):
         raise ContainerdError(f"{src} holds no CRIU image (no inventory.img)")
     with tempfile.TemporaryFile(dir=src.parent) as tmp:
         _tar_dir(src, tmp)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from gpusnap.criu import images
+from gpusnap.criu import dumped
 from gpusnap.errors import GpusnapError
 from gpusnap.runtime import podman
 
 
 def has_checkpoint(ctr: podman.Container) -> bool:
     """A complete local dump: CRIU writes inventory.img last."""
-    return images.complete(ctr.checkpoint_dir)
+    return dumped.whole(ctr.checkpoint_dir)
 
 
 def require_running(ctr: podman.Container, verb: str) -> None:

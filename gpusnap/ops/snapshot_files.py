@@ -23,7 +23,7 @@ import tarfile
 from pathlib import Path
 from typing import Sequence
 
-from gpusnap.criu import images as criu_images
+from gpusnap.criu import dumped
 from gpusnap.criu.images import ImageError, checked_messages, fields_of, read_mounts
 from gpusnap.pages.file_pages import regular_files
 from gpusnap.tarstream import DamagedStream, TarStream
@@ -96,7 +96,7 @@ def unrestorable(userdata: Path, export: Path, lower_dirs: Sequence[str]) -> lis
     kept ones (--keep); without them there is nothing to check against: an
     error, not a pass."""
     images = userdata / "checkpoint"
-    if not criu_images.complete(images):
+    if not dumped.whole(images):
         raise ImageError(f"no CRIU images in {images} to check the export against")
     roots = {m.mnt_id for m in read_mounts(images) if m.mountpoint == "/"}
     remapped, deleted = _remapped(images), _deleted(userdata)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from gpusnap import journal
-from gpusnap.criu import images
+from gpusnap.criu import dumped
 from gpusnap.private import write_private
 
 KEPT_NAME = "gpusnap-kept-checkpoint"
@@ -65,7 +65,7 @@ def keep_aside(image_dir: Path, why: str, init_pid: int | None = None) -> Path |
     ``image_dir`` is not a Podman container's own checkpoint. Raises OSError,
     leaving nothing half made, where a link cannot be made."""
     userdata = podman_userdata(image_dir)
-    if userdata is None or not images.complete(image_dir):
+    if userdata is None or not dumped.whole(image_dir):
         return None
     kept, work = userdata / KEPT_NAME, userdata / f".{KEPT_NAME}.tmp"
     trash = userdata / f".{KEPT_NAME}.old"
@@ -97,7 +97,7 @@ def why_kept(userdata: Path) -> dict | None:
     """{"why", "at", "init_pid", "start_time"} of a checkpoint kept aside under
     ``userdata``; None where none is."""
     kept = userdata / KEPT_NAME
-    if not images.complete(kept / CHECKPOINT_DIRS[0]):
+    if not dumped.whole(kept / CHECKPOINT_DIRS[0]):
         return None
     with contextlib.suppress(OSError, ValueError):
         said = json.loads((kept / WHY_NAME).read_text())
@@ -149,8 +149,8 @@ def shares_files(userdata: Path) -> bool:
     """Whether the kept copy links the very files of a checkpoint still in place
     (Podman kept it: --keep): a later dump rewriting those would change it."""
     try:
-        return os.path.samefile(userdata / CHECKPOINT_DIRS[0] / images.INVENTORY,
-                                userdata / KEPT_NAME / CHECKPOINT_DIRS[0] / images.INVENTORY)
+        return os.path.samefile(userdata / CHECKPOINT_DIRS[0] / dumped.INVENTORY,
+                                userdata / KEPT_NAME / CHECKPOINT_DIRS[0] / dumped.INVENTORY)
     except OSError:
         return False
 
