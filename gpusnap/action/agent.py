@@ -59,7 +59,7 @@ HOOK_WAIT_S = 0.5  # for this agent's NVML read, as the hook's own Python waits 
 
 def _read_inventory(criu_pid: int) -> None:
     """NVML's view of the GPUs for runc's prestart hook, which runs next
-    (gpusnap-hook reads it from here, hook/main.py agent_inventory):
+    (gpusnap-hook reads it from here, action/prestart.py agent_inventory):
     the hook's own first NVML read would add to the stop (docs/benchmarks.md)."""
     inventory = gpu_inventory.read_inventory()
     here = folder(criu_pid)
@@ -75,7 +75,8 @@ def _hook(state_file: str, criu_pid: int) -> int:
     here with the container's state in ``state_file``), with this agent's NVML read."""
     try:
         state = json.loads(open(state_file, encoding="utf-8").read())
-        return prestart.run_for_agent(state, prestart.inventory_in(folder(criu_pid), HOOK_WAIT_S))
+        return prestart.run_for_agent(
+            state, lambda: prestart.inventory_in(folder(criu_pid), HOOK_WAIT_S))
     except Exception as exc:  # noqa: BLE001 -- the hook's own Python judges it again
         journal.record("hook-error", error=f"{type(exc).__name__}: {exc}", by="agent")
         return prestart.NOT_HERE

@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING
 
 from gpusnap import MANIFEST_NAME, journal
 from gpusnap.action import agent_files
-from gpusnap.criu import images
+from gpusnap.criu import dumped
 from gpusnap.private import write_private
 from gpusnap.runtime import kept_checkpoint
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from gpusnap.gpu.inventory import Inventory
     from gpusnap.gpu.plan import Plan
 
@@ -141,17 +143,18 @@ def run(state: dict, stage: str | None = None) -> int:
         return 0
     spec = json.loads((bundle / "config.json").read_text())
     manifest_path = bundle / "checkpoint" / MANIFEST_NAME
-    if not images.complete(bundle / "checkpoint"):  # a create, not a restore:
+    if not dumped.whole(bundle / "checkpoint"):  # a create, not a restore:
         kept_checkpoint.at_create(bundle)  # the state a failed restore kept is given up
     if not manifest_path.exists():
         return _act(state, spec, [], None, None)
     return _act(state, spec, *plan_for_restore(manifest_path, spec))
 
 
-def run_for_agent(state: dict, seen: "Inventory | None", dev: Path = Path("/dev")) -> int:
+def run_for_agent(state: dict, read: "Callable[[], Inventory | None]",
+                  dev: Path = Path("/dev")) -> int:
     """The prestart hook of a GPU restore, run by gpusnap's agent of the CRIU that
     runc started (action/agent.py, asked by packaging/bin/gpusnap-hook) with the
-    agent's own NVML read ``seen``: no Python starts in CRIU's stop for it.
+    agent's own NVML read (``read`` waits for it): no Python starts in CRIU's stop for it.
     NOT_HERE where the agent cannot judge: no manifest, no read of its own, or a
     read from inside the container's device cgroup (runc puts CRIU, and so the
     agent, there) that cannot place the checkpoint while the host has more GPU
@@ -160,7 +163,10 @@ def run_for_agent(state: dict, seen: "Inventory | None", dev: Path = Path("/dev"
 
     bundle = Path(state.get("bundle", "."))
     manifest_path = bundle / "checkpoint" / MANIFEST_NAME
-    if seen is None or not manifest_path.exists() or not images.complete(bundle / "checkpoint"):
+    if not manifest_path.exists() or not dumped.whole(bundle / "checkpoint"):
+        return NOT_HERE  # not a GPU restore: an agent of a fill alone never reads NVML
+    seen = read()
+    if seen is None:
         return NOT_HERE
     spec = json.loads((bundle / "config.json").read_text())
     problems, plan = plan_restore_here(manifest_path, spec, seen)

@@ -493,6 +493,7 @@ def test_a_gpu_restores_hook_is_its_agents_and_starts_no_python(state, tmp_path)
     try:
         agent_files.start(criu.pid, driver=False)
         _ready(criu.pid)
+        assert hook().returncode == 9  # a CPU checkpoint's restore (an agent for a fill): Python
         _manifest_on("GPU-aaaa", manifest)
         assert hook().returncode == 9  # no NVML read of its own (NOT_HERE): Python
         (agent_files.folder(criu.pid) / agent_files.INVENTORY).write_text(json.dumps(INVENTORY))
@@ -510,3 +511,19 @@ def test_a_gpu_restores_hook_is_its_agents_and_starts_no_python(state, tmp_path)
         criu.kill()
         criu.wait()
     assert _gone(agent_files.folder(criu.pid))
+
+
+def test_the_agent_waits_for_no_nvml_read_where_the_restore_holds_no_gpu_state(tmp_path):
+    """An agent started for a fill alone never reads NVML: the hook of a CPU
+    checkpoint is left to Python at once, not after the wait for a read."""
+    from gpusnap.action import prestart
+
+    bundle = tmp_path / "bundle"
+    (bundle / "checkpoint").mkdir(parents=True)
+    (bundle / "checkpoint" / "inventory.img").write_bytes(b"")
+    (bundle / "config.json").write_text("{}")
+
+    def read():
+        raise AssertionError("NVML's read waited for")
+
+    assert prestart.run_for_agent({"bundle": str(bundle)}, read) == prestart.NOT_HERE
