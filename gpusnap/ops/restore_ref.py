@@ -256,10 +256,17 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     # NVML's first read takes a GPU host tens of milliseconds: beside the registry's
     inventory = podman.in_background(read_inventory)
     start = time.monotonic()
-    cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
-    remote = open_remote(ref_text, opts, trust, cache, pull)
-    opened = time.monotonic()
-    plan = _restore_checks(remote, name, gpu_map, facts, name_taken, inventory)
+    try:
+        cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
+        remote = open_remote(ref_text, opts, trust, cache, pull)
+        opened = time.monotonic()
+        plan = _restore_checks(remote, name, gpu_map, facts, name_taken, inventory)
+    except BaseException:
+        # refused before the plan: NVML's read (bounded) ends before this process
+        # does, never cut off mid-call by the interpreter's exit
+        with suppress(BaseException):
+            inventory()
+        raise
     if dry_run:
         return ops_restore.plan_report(str(remote.client.ref), plan)
     # what a restore spends before Podman starts, in its timeline (bench/coldstart.py);
