@@ -440,7 +440,7 @@ def criu_log(ref: str, name: str, cache: Path, out: Path, servers: list[Server])
     # CRIU's images but the pages (a few MB): what pre-restore plans the fill from,
     # for a profile off the GPU machine (their sizes in pages-sizes.json)
     images = Path(userdata) / "checkpoint"
-    shutil.copytree(images, out / "images", symlinks=True,
+    shutil.copytree(images, out / "images", symlinks=True, dirs_exist_ok=True,
                     ignore=lambda _, names: [n for n in names if n.startswith("pages-")])
     (out / "images" / "pages-sizes.json").write_text(json.dumps(
         {p.name: p.stat().st_size if p.exists() else None  # a link Podman's cleanup cut
