@@ -167,8 +167,12 @@ def restore_local(source: str, contents: archive.CheckpointContents, plan: Plan,
     hold = contents.manifest is not None and not keep
     start = time.monotonic()
     ahead = DriverAhead() if plan.moves else None
-    podman.restore(source, archive=False, name=None, keep=keep or hold,
-                   tcp_established=tcp_established, size=sum(contents.sizes.values()))
+    try:
+        podman.restore(source, archive=False, name=None, keep=keep or hold,
+                       tcp_established=tcp_established, size=sum(contents.sizes.values()))
+    except GpusnapError as exc:  # the container stays, stopped, and with it CRIU's log
+        why, hint = _with_criu_log(exc, _local_log(source), source)
+        raise GpusnapError(why, hint) from None
     seconds = time.monotonic() - start
     ctr = podman.inspect(source)
     if keep or hold:  # Podman kept its checkpoint: a copy a failed post-resume linked is not needed
@@ -237,20 +241,8 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
     except GpusnapError as exc:
         journal.record("import-failed", container=target, error=exc.message)
         log, left = _drop_half_restored(target)
-        why, hint = exc.message, exc.hint
-        if log is not None:  # Podman's "see restore.log" names a file removed with the container
-            cause = log.error or log.full
-            if cause and "log file:" in why:  # Podman said only where its log was: CRIU says why
-                why = f"podman container restore: {cause} ({log.where()})"
-            elif _criu_died(why) or log.cut:
-                said = cause or "its log ends mid-way, with no error: killed?"
-                why = (f"CRIU stopped before the restore of {target} was complete ({said}; "
-                       f"{log.where()})")
-                hint = "the checkpoint needs nothing: run the same restore again" + (
-                    ", once the disk has room" if log.full else "")
-            else:  # CRIU's "action scripts failed" says less than the words already in `why`
-                said = cause if cause and "action scripts failed" not in cause else ""
-                why += f" ({said + '; ' if said else ''}{log.where()})"
+        # Podman's "see restore.log" names a file removed with the container
+        why, hint = _with_criu_log(exc, log, target)
         if left:  # the cause above stays the message; the leftover is what to clean up
             why += f"; the half-restored container {target} is left ({left}): `podman rm -f {target}`"
         raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged", hint) from None
@@ -315,6 +307,15 @@ class CriuLog:
             f"CRIU's log could not be kept: {self.not_kept}"
 
 
+def _local_log(name: str) -> CriuLog | None:
+    """CRIU's log of a failed restore of container ``name``'s own checkpoint."""
+    try:
+        ctr = podman.find(name)
+    except GpusnapError:
+        return None
+    return _read_log(ctr) if ctr is not None else None
+
+
 def _read_log(ctr: podman.Container) -> CriuLog | None:
     log = ctr.userdata / "restore.log"
     if not log.is_file():
@@ -326,6 +327,28 @@ def _read_log(ctr: podman.Container) -> CriuLog | None:
         logs = journal.state_subdir("logs")
         kept, not_kept = None, full_at(logs) or f"{exc.strerror or exc} in {logs}"
     return CriuLog(error, not error and ended_early(log), full, kept, not_kept)
+
+
+def _with_criu_log(exc: GpusnapError, log: CriuLog | None,
+                   target: str | None) -> tuple[str, str | None]:
+    """Podman's words on a failed restore, and its hint, with what CRIU's own
+    log says: Podman often names only where that log is."""
+    why, hint = exc.message, exc.hint
+    if log is None:
+        return why, hint
+    cause = log.error or log.full
+    if cause and "log file:" in why:  # Podman said only where its log was: CRIU says why
+        why = f"podman container restore: {cause} ({log.where()})"
+    elif _criu_died(why) or log.cut:
+        said = cause or "its log ends mid-way, with no error: killed?"
+        why = (f"CRIU stopped before the restore of {target} was complete ({said}; "
+               f"{log.where()})")
+        hint = "the checkpoint needs nothing: run the same restore again" + (
+            ", once the disk has room" if log.full else "")
+    else:  # CRIU's "action scripts failed" says less than the words already in `why`
+        said = cause if cause and "action scripts failed" not in cause else ""
+        why += f" ({said + '; ' if said else ''}{log.where()})"
+    return why, hint
 
 
 def _drop_half_restored(name: str | None) -> tuple[CriuLog | None, str | None]:

@@ -136,3 +136,25 @@ def test_a_refusal_of_gpusnaps_hook_is_said_in_its_own_words(tmp_path, monkeypat
                           "GPU 1 here has 4.0 GiB free"), msg
     assert "runc" not in msg and "action scripts" not in msg, msg
     assert "CRIU's log is kept in" in msg and "ARCHIVE is unchanged" in msg
+
+
+def test_a_local_restore_podman_failed_says_what_crius_log_says(tmp_path, monkeypatch):
+    """A restore of a container's own checkpoint that Podman failed with only
+    "log file: PATH" (CI, 2026-12-01: nothing to tell why) says CRIU's first
+    error, and where a copy of its log is kept."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    ctr = _container(tmp_path)
+
+    def vague(*a, **k):
+        raise GpusnapError(f"podman container restore: log file: {ctr.userdata}/restore.log",
+                           "`gpusnap inspect` shows what the checkpoint needs")
+
+    monkeypatch.setattr(podman, "restore", vague)
+    monkeypatch.setattr(podman, "find", lambda name: ctr)
+    contents = type("C", (), {"manifest": None, "sizes": {}})()
+    with pytest.raises(GpusnapError) as err:
+        restore.restore_local("r2-1", contents, Plan([], [], False), False, False)
+    msg = err.value.message
+    assert msg.startswith("podman container restore: ") and "boom" in msg, msg
+    assert "CRIU's log is kept in" in msg and "log file:" not in msg, msg
+    assert err.value.hint == "`gpusnap inspect` shows what the checkpoint needs"
