@@ -74,7 +74,8 @@ def _hook(state_file: str, criu_pid: int) -> int:
     """runc's prestart hook of this restore (packaging/bin/gpusnap-hook hands it
     here with the container's state in ``state_file``), with this agent's NVML read."""
     try:
-        state = json.loads(open(state_file, encoding="utf-8").read())
+        with open(state_file, encoding="utf-8") as f:
+            state = json.load(f)
         return prestart.run_for_agent(
             state, lambda: prestart.inventory_in(folder(criu_pid), HOOK_WAIT_S))
     except Exception as exc:  # noqa: BLE001 -- the hook's own Python judges it again
