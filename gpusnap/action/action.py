@@ -69,16 +69,12 @@ def fill_settings() -> "Settings | None":
         return None
 
 
-_READ = object()  # pre_restore's default: it reads page-fill.json itself
-
-
-def pre_restore(image_dir: str, criu_pid: int, wanted=_READ) -> "Settings | None":
+def pre_restore(image_dir: str, criu_pid: int, wanted: "Settings | None") -> None:
     """Keep the manifest and the GPU plan for post-resume: by then CRIU has
     closed its image directory (CRTOOLS_IMAGE_DIR names a /proc fd of it).
-    ``wanted``: page-fill.json's settings where the caller read them (None: no
-    fill). Returns them, where they were read (for the agent)."""
+    ``wanted``: page-fill.json's settings (fill_settings; None: no fill)."""
     if not image_dir:
-        return None
+        return
     folder = Path(image_dir)
     from gpusnap.pages import pages_aside  # pre-restore only: not every step's start-up
     in_ram = pages_aside.in_ram(folder)
@@ -93,9 +89,8 @@ def pre_restore(image_dir: str, criu_pid: int, wanted=_READ) -> "Settings | None
     else:  # never another restore's (pid reused): it names a folder post-resume acts on
         step_state.restore(criu_pid).unlink(missing_ok=True)
     step_state.fill(criu_pid).unlink(missing_ok=True)  # never another restore's (pid reused)
-    wanted = fill_settings() if wanted is _READ else wanted
     if wanted is None:
-        return None
+        return
     reader = read_ahead_child.start(folder) if wanted.read_ahead else None
     try:
         if wanted.enabled:
@@ -103,7 +98,6 @@ def pre_restore(image_dir: str, criu_pid: int, wanted=_READ) -> "Settings | None
     finally:
         if reader is not None:
             read_ahead_child.reap(reader)
-    return wanted
 
 
 def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:

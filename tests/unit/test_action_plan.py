@@ -25,7 +25,7 @@ def _write_plan(image_dir, gpu_map: str) -> None:
 def _pairs(image_dir, monkeypatch, tmp_path):
     """What post-resume gets: pre-restore keeps the plan while CRIU's image dir is open."""
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
-    action.pre_restore(str(image_dir), criu_pid=4242)
+    action.pre_restore(str(image_dir), 4242, action.fill_settings())
     state = step_state.restore(4242)
     kept = json.loads(state.read_text()) if state.exists() else {}
     return action._pair_choices(kept.get(PLAN_NAME))
@@ -71,7 +71,7 @@ def test_post_resume_falls_back_to_fewer_pairs_when_the_driver_refuses(tmp_path,
     images.mkdir()
     _write_plan(images, "0=1")
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
-    action.pre_restore(str(images), criu_pid=4242)
+    action.pre_restore(str(images), 4242, action.fill_settings())
     driver = FakeDriver({77: ProcessState.CHECKPOINTED})
     offered = []
 

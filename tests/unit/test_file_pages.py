@@ -140,11 +140,11 @@ def test_pre_restore_reads_ahead_and_says_so_unless_turned_off(layout, tmp_path,
     folder, _, _ = layout
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setattr(fill_plan, "SETTINGS", tmp_path / "page-fill.json")
-    action.pre_restore(str(folder), 4301)
+    action.pre_restore(str(folder), 4301, action.fill_settings())
     said = [e for e in journal.read() if e["event"] == "file-pages-read-ahead"]
     assert [(e["files"], e["bytes"], e["skipped"]) for e in said] == [(2, 6 * PAGE, 3)]
     fill_plan.SETTINGS.write_text('{"read_ahead": false}')
-    action.pre_restore(str(folder), 4302)
+    action.pre_restore(str(folder), 4302, action.fill_settings())
     assert len([e for e in journal.read() if e["event"] == "file-pages-read-ahead"]) == 1
 
 

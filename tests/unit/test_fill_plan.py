@@ -426,7 +426,8 @@ def test_a_stale_plan_of_another_restore_is_never_used(tmp_path, state, child):
     action.write_private(stale, fill_plan.Plan("/gone", {1: []}).to_json())
     folder = tmp_path / "images"
     _task(folder, 1, 1, [(C, C + 4 * PAGE, PLAIN)], [(C, 4, pm.PE_PRESENT)], random.Random(10))
-    action.pre_restore(str(folder), 4244)  # nothing worth filling here: the old plan must go
+    # nothing worth filling here: the old plan must go
+    action.pre_restore(str(folder), 4244, action.fill_settings())
     assert not stale.exists()
 
 
@@ -513,7 +514,7 @@ def test_a_rewrite_cut_short_that_cannot_be_put_back_refuses_the_restore(tmp_pat
     monkeypatch.setattr(fill_plan, "rewrite", half)
     monkeypatch.setattr(fill_plan, "undo", lambda f: broken(f) if (Path(f) / fill_plan.FOLDER).exists() else False)
     with pytest.raises(GpusnapError, match="cannot be put back"):
-        action.pre_restore(str(folder), 4245)
+        action.pre_restore(str(folder), 4245, action.fill_settings())
     assert not step_state.fill(4245).exists()
 
 

@@ -130,7 +130,7 @@ def test_a_failed_post_resume_keeps_the_checkpoint_podman_drops_next(userdata, t
     fill_plan.SETTINGS.write_text('{"enabled": false, "read_ahead": false}')
     fd = os.open(userdata / "checkpoint", os.O_RDONLY)
     try:
-        action.pre_restore(f"/proc/self/fd/{fd}", CRIU)
+        action.pre_restore(f"/proc/self/fd/{fd}", CRIU, action.fill_settings())
     finally:
         os.close(fd)
     monkeypatch.setenv("GPUSNAP_WAIT_RESUME_SETTLE", "0.2")

@@ -201,7 +201,7 @@ def test_criu_action_markers_and_restore_state_are_private(state, monkeypatch, t
     image_dir = tmp_path / "images"
     image_dir.mkdir()
     (image_dir / MANIFEST_NAME).write_text("{}")
-    action.pre_restore(str(image_dir), os.getpid())
+    action.pre_restore(str(image_dir), os.getpid(), action.fill_settings())
     monkeypatch.setenv("CRTOOLS_SCRIPT_ACTION", "pre-restore")
     monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(image_dir))
     assert action.main() == 0
