@@ -112,10 +112,16 @@ def plan_for_restore(manifest_path: Path, spec: dict, wait_s: float = 0.5,
 
     seen = agent_inventory(wait_s)
     problems, plan = plan_restore_here(manifest_path, spec, seen)
-    if problems and seen is not None and len(seen.gpus) < host_gpu_nodes(dev):
+    if seen is not None and _too_narrow(problems, seen, dev):
         seen = None
         problems, plan = plan_restore_here(manifest_path, spec)
     return problems, plan, seen
+
+
+def _too_narrow(problems: list[str], seen: "Inventory", dev: Path) -> bool:
+    """Whether the agent's NVML read, from inside the container's device cgroup,
+    may have refused only for the GPUs it could not see: read again from outside."""
+    return bool(problems) and len(seen.gpus) < host_gpu_nodes(dev)
 
 
 def stash_live_remap(pid: int, plan: "Plan", spec: dict) -> Path:
@@ -170,7 +176,7 @@ def run_for_agent(state: dict, read: "Callable[[], Inventory | None]",
         return NOT_HERE
     spec = json.loads((bundle / "config.json").read_text())
     problems, plan = plan_restore_here(manifest_path, spec, seen)
-    if problems and len(seen.gpus) < host_gpu_nodes(dev):
+    if _too_narrow(problems, seen, dev):
         return NOT_HERE
     return _act(state, spec, problems, plan, seen)
 

@@ -66,9 +66,10 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
     require_gpu_restore(remote.bundle.summary.get("runtime") or facts().runtime, manifest,
                         str(remote.client.ref), "nothing was downloaded")
     return gpu_plan.plan_here(Manifest.from_dict(manifest) if manifest else None, gpu_map,
-                     inventory=inventory() if inventory else None, refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
-                                  "inspect REF` lists them), or name targets with --gpu-map; "
-                                  "nothing was downloaded")
+                              inventory=inventory() if inventory else None,
+                              refusal_hint="restore on a host with GPUs like the checkpoint's "
+                                           "(`gpusnap inspect REF` lists them), or name targets "
+                                           "with --gpu-map; nothing was downloaded")
 
 
 def _staged_pull(remote: Remote, archive: Path, work: Path, **kw) -> dict:
