@@ -237,13 +237,11 @@ def test_pre_restore_of_a_gpu_checkpoint_starts_the_agent_without_a_fill(
     assert started == [(4325, True)]
 
 
-
 def test_a_gpu_restores_agent_starts_before_the_pages_are_put_in_place(
-        tmp_path, state, monkeypatch, child):
+        tmp_path, state, monkeypatch):
     """Its Python, libcuda and NVML load while pre-restore moves and plans the
     pages: runc's hook, next in CRIU's stop, waits for its NVML read."""
     from gpusnap.pages import pages_aside
-    proc, base, size = child
     order = []
     monkeypatch.setattr(action, "_start_agent", lambda pid, driver: order.append("agent"))
     real_bring_back = pages_aside.bring_back
@@ -260,6 +258,7 @@ def test_a_gpu_restores_agent_starts_before_the_pages_are_put_in_place(
     (folder / action.MANIFEST_NAME).unlink()  # a CPU checkpoint: only where a fill was planned
     assert action._run("pre-restore", 4328) == 0
     assert order == ["pages", "fill planned"]
+
 
 INVENTORY = {"driver_version": "580.159.04", "cuda_driver_version": "13.0",
              "gpus": [{"index": 0, "uuid": "GPU-aaaa", "name": "NVIDIA H200", "minor": 0,
@@ -453,9 +452,6 @@ def test_an_agent_gone_after_its_step_was_done_is_no_failure(tmp_path, state):
     os.close(fd)
     assert res.returncode == 0, res.stderr
     assert "stopped before it finished" not in res.stderr
-
-
-HOOK_FRONT = SCRIPT.parent / "gpusnap-hook"
 
 
 def _hook_front(tmp_path: Path) -> Path:
