@@ -37,7 +37,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 from gpusnap.action import agent_files, read_ahead_child, step_state
@@ -306,7 +306,8 @@ def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]
                            f"({exc})") from None
 
 
-def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=None) -> int:
+def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=None,
+         start_agent: "Callable[[int, bool], None] | None" = None) -> int:
     criu_pid = criu_pid or os.getppid()  # the script's parent is CRIU
     if action == "post-dump":
         # An optimisation: never the reason a dump fails (the pages then stay
@@ -335,15 +336,17 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
                 # holds the restore's turn (agent.py). There it starts first: its
                 # Python, libcuda and NVML load while the pages are put in place and
                 # the fill is planned, not after (runc's hook waits for its NVML read).
+                # (An agent the CLI started runs this step itself: start_agent is its own.)
                 gpu = bool(image_dir) and (Path(image_dir) / MANIFEST_NAME).exists()
                 wanted = fill_settings()
                 agent = wanted is None or wanted.agent
+                start = start_agent or _start_agent
                 if agent and gpu:
-                    _start_agent(criu_pid, driver=True)
+                    start(criu_pid, True)
                 pre_restore(image_dir, criu_pid, wanted)
                 if agent and not gpu and wanted is not None and image_dir \
                         and step_state.fill(criu_pid).exists():
-                    _start_agent(criu_pid, driver=False)
+                    start(criu_pid, False)
             except (OSError, ValueError) as exc:
                 journal.record("failed", action=action, error=str(exc))
         except GpusnapError as exc:  # ...unless it must: CRIU stops before any task is restored
@@ -414,13 +417,15 @@ def _start_agent(criu_pid: int, driver: bool) -> None:
             held.close()  # the agent's copy holds it; where none started, this lets go
 
 
-def run_step(action: str, criu_pid: int, by: str = "script", driver=None) -> int:
+def run_step(action: str, criu_pid: int, by: str = "script", driver=None,
+             start_agent: "Callable[[int, bool], None] | None" = None) -> int:
     """Run each action once per CRIU process; its exit code.
 
     runc hands CRIU /etc/criu/runc.conf and CRIU reads it again itself, so
     an action script may be called twice in a row; the second call repeats
     the first one's answer (a failed lock must not be retried with defaults).
-    ``by``, ``driver``: the agent's (agent.py), which runs steps for CRIU.
+    ``by``, ``driver``: the agent's (agent.py), which runs steps for CRIU;
+    ``start_agent``: what pre-restore does instead of starting one (that agent's).
     """
     folder = step_state.folder()
     marker = folder / f"{criu_pid}-{action}"
@@ -432,7 +437,7 @@ def run_step(action: str, criu_pid: int, by: str = "script", driver=None) -> int
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
-    code = _run(action, criu_pid, by, driver)
+    code = _run(action, criu_pid, by, driver, start_agent)
     write_private(marker, str(code))
     return code
 

@@ -27,7 +27,13 @@ a step is in its hands, the script fails the step (CRIU then stops the restore:
 the checkpoint is unchanged), since that step may be half done. The agent
 leaves when CRIU does, after post-resume, or after an hour.
 
+`gpusnap restore` starts it earlier still, before Podman (runtime/step_agent.py:
+``--early NONCE``, in a folder of its own until CRIU's pre-restore asks it,
+then as if pre-restore had started it, the pre-restore step run here): no
+Python starts in CRIU's stop at all. Until CRIU asks, it leaves with the CLI.
+
 Usage: python -m gpusnap.action.agent CRIU_PID [--driver] [--turn KEY:FD]
+       python -m gpusnap.action.agent --early NONCE [--driver]
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import shutil
 import sys
 import threading
 import time
+from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.action import action, prestart
@@ -48,26 +55,49 @@ from gpusnap.action.agent_files import INVENTORY, NO_INVENTORY, folder
 from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.waits import leave
 from gpusnap.gpu import inventory as gpu_inventory, turn
+from gpusnap.procs import parent_of
+from gpusnap.runtime.step_agent import AGENT_FILE, early_folder, early_name
 # Loaded as the agent starts, before the steps that use them are asked
 from gpusnap.gpu import bundle_plan  # noqa: F401 -- runc's prestart hook (prestart.run_for_agent)
 from gpusnap.pages import fill_plan, page_fill, remote_map  # noqa: F401
+# pre-restore, where the CLI started this agent (runtime/step_agent.py)
+from gpusnap.pages import file_pages, pages_aside  # noqa: F401
 from gpusnap.private import write_private
 
 LIFETIME_S = 3600.0
 HOOK_WAIT_S = 0.5  # for this agent's NVML read, as the hook's own Python waits for it
 
 
-def _read_inventory(criu_pid: int) -> None:
+class _Nvml:
     """NVML's view of the GPUs for runc's prestart hook, which runs next
-    (gpusnap-hook reads it from here, action/prestart.py agent_inventory):
-    the hook's own first NVML read would add to the stop (docs/benchmarks.md)."""
-    inventory = gpu_inventory.read_inventory()
-    here = folder(criu_pid)
-    here.mkdir(mode=0o700, exist_ok=True)
-    if inventory.error is None:
-        write_private(here / INVENTORY, json.dumps(inventory.to_dict()))
-    else:  # the hook stops waiting for it and reads NVML itself
-        write_private(here / NO_INVENTORY, inventory.error)
+    (gpusnap-hook reads it from the agent's folder, action/prestart.py
+    agent_inventory): the hook's own first NVML read would add to the stop
+    (docs/benchmarks.md). Written once both the read and the folder are there:
+    an agent the CLI started learns its folder when CRIU asks for pre-restore."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._read: gpu_inventory.Inventory | None = None
+        self._here: Path | None = None
+
+    def read(self) -> None:
+        inventory = gpu_inventory.read_inventory()
+        with self._lock:
+            self._read = inventory
+            self._write()
+
+    def into(self, here: Path) -> None:
+        with self._lock:
+            self._here = here
+            self._write()
+
+    def _write(self) -> None:
+        if self._read is None or self._here is None:
+            return
+        if self._read.error is None:
+            write_private(self._here / INVENTORY, json.dumps(self._read.to_dict()))
+        else:  # the hook stops waiting for it and reads NVML itself
+            write_private(self._here / NO_INVENTORY, self._read.error)
 
 
 def _hook(state_file: str, criu_pid: int) -> int:
@@ -133,34 +163,122 @@ def _send(reply: str, answer: bytes) -> None:
         os.close(fd)
 
 
-def serve(criu_pid: int, driver: DriverAhead | None) -> None:
-    try:
-        criu = os.pidfd_open(criu_pid)
-    except OSError:
-        return  # CRIU is gone already
-    here = folder(criu_pid)
+class _Agent:
+    """What one agent holds between its steps."""
+
+    def __init__(self, criu_pid: int | None, driver: DriverAhead | None,
+                 nvml: _Nvml | None, held: tuple[int, int] | None = None) -> None:
+        self.criu_pid = criu_pid  # None: started by the CLI, until CRIU asks for pre-restore
+        self.driver, self.nvml, self.held = driver, nvml, held
+        self.wanted = False  # pre-restore found work for it (a GPU checkpoint, a fill)
+
+    def adopt(self, criu_pid: int, driver: bool) -> None:
+        """What pre-restore does where it would start an agent (action._start_agent),
+        done by this agent for itself: for a GPU checkpoint, it takes the restore's
+        turn, held until post-resume is done."""
+        self.wanted = True
+        if not driver or self.held is not None:
+            return
+        key = parent_of(criu_pid)
+        try:
+            taken = turn.try_take(key, "restore") if key else None
+        except OSError as exc:
+            journal.record("restore-turn-not-taken", error=str(exc))
+            return
+        if taken is not None:
+            self.held = (taken.init_pid, taken.fd)
+
+    def release(self) -> None:
+        if self.held is not None:  # post-resume done, or CRIU gone: the GPU state is settled
+            turn.release_fd(*self.held)
+            self.held = None
+
+
+def _fifo(here: Path) -> int:
+    """``here``'s requests FIFO, made anew and opened (never EOF, never blocks a
+    writer); ``pid`` written once it reads requests."""
     here.mkdir(mode=0o700, exist_ok=True)
     requests = here / "requests"
     with contextlib.suppress(FileNotFoundError):
         requests.unlink()
     os.mkfifo(requests, 0o600)
-    fd = os.open(requests, os.O_RDWR)  # never EOF, never blocks a writer
+    fd = os.open(requests, os.O_RDWR)
     write_private(here / "pid", str(os.getpid()))
+    return fd
+
+
+def _take(request: str, early: Path, agent: _Agent) -> tuple[Path, int]:
+    """CRIU's pre-restore, asked of an agent the CLI started (packaging/bin/criu-action,
+    which found its folder named in the images): from here on it is that CRIU's
+    agent, in that CRIU's folder (the FIFO moves with it), watching that CRIU;
+    the step runs here, answered as any other. (The new folder, CRIU's pidfd.)
+    Raises where it cannot: the script then runs pre-restore itself."""
+    _, criu, reply, image_dir = (request.split(" ", 3) + ["", "", "", ""])[:4]
+    criu_pid = int(criu)
+    watched = os.pidfd_open(criu_pid)
+    here = folder(criu_pid)
+    try:
+        here.mkdir(mode=0o700)  # never another agent's: this CRIU has none yet
+        write_private(here / "started", str(os.getpid()))
+        os.rename(early / "requests", here / "requests")
+        write_private(here / "pid", str(os.getpid()))
+    except BaseException:
+        os.close(watched)
+        with contextlib.suppress(OSError):
+            os.rename(here / "requests", early / "requests")
+        raise
+    agent.criu_pid = criu_pid
+    journal.record("agent-taken", criu_pid=criu_pid, by="agent")
+    if agent.nvml is not None:
+        agent.nvml.into(here)
+    with contextlib.suppress(OSError):  # a later checkpoint of the container must not carry it
+        (Path(image_dir) / AGENT_FILE).unlink()
+    os.environ.update({"CRTOOLS_SCRIPT_ACTION": "pre-restore", "CRTOOLS_IMAGE_DIR": image_dir})
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        try:
+            code = action.run_step("pre-restore", criu_pid, by="agent", start_agent=agent.adopt)
+        except Exception as exc:  # noqa: BLE001 -- the script's own crash would fail the step too
+            print(f"gpusnap: pre-restore: {type(exc).__name__}: {exc}", file=sys.stderr)
+            code = 1
+    _send(reply, _answer_text(printed, code))
+    return here, watched
+
+
+def serve(here: Path, watched: int, agent: _Agent) -> None:
+    """Each request of ``here``'s FIFO answered in turn, until the last step,
+    ``watched`` (a pidfd: CRIU, or the CLI that started an agent CRIU has not
+    asked yet) is gone, or LIFETIME_S."""
+    fd = _fifo(here)
     deadline, pending = time.monotonic() + LIFETIME_S, b""
     try:
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd, criu], [], [], 5.0)
-            if criu in ready:
-                return  # CRIU is gone: no step is coming
+            ready, _, _ = select.select([fd, watched], [], [], 5.0)
+            if watched in ready:
+                return  # CRIU is gone (no step is coming), or the CLI (none ever will)
             if fd not in ready:
                 continue
             pending += os.read(fd, 65536)
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                if not _answer(line.decode(errors="replace").strip(), criu_pid, driver):
-                    return
+                request = line.decode(errors="replace").strip()
+                if agent.criu_pid is not None:
+                    if not _answer(request, agent.criu_pid, agent.driver):
+                        return
+                    continue
+                if not request.startswith("pre-restore "):
+                    if request.startswith("leave "):
+                        return  # the CLI's restore ended before CRIU's
+                    continue
+                early = here
+                here, taken = _take(request, early, agent)
+                os.close(watched)
+                watched = taken
+                shutil.rmtree(early, ignore_errors=True)
+                if not agent.wanted:
+                    return  # pre-restore would have started no agent: later steps are Python's
     finally:
-        os.close(criu)
+        os.close(watched)
         os.close(fd)
         shutil.rmtree(here, ignore_errors=True)
 
@@ -181,24 +299,38 @@ def _held_turn(args: list[str]) -> tuple[int, int] | None:
     return key, fd
 
 
+def _option(args: list[str], name: str) -> str | None:
+    at = args.index(name) + 1 if name in args else len(args)
+    return args[at] if at < len(args) else None
+
+
 def main() -> int:
+    args = sys.argv[1:]
+    nonce = _option(args, "--early")
     try:
-        criu_pid = int(sys.argv[1])
+        criu_pid = None if nonce else int(args[0])
     except (IndexError, ValueError):
         return 2
-    held = _held_turn(sys.argv[2:])
-    driver = None
-    if "--driver" in sys.argv[2:]:
-        threading.Thread(target=_read_inventory, args=(criu_pid,), name="gpusnap-agent-nvml",
-                         daemon=True).start()
-        driver = DriverAhead()
+    nvml = _Nvml() if "--driver" in args else None
+    agent = _Agent(criu_pid, None, nvml, _held_turn(args))
     try:
-        serve(criu_pid, driver)
-    except OSError as exc:
-        journal.record("agent-failed", criu_pid=criu_pid, error=str(exc))
+        # CRIU's agent watches CRIU; the CLI's, the CLI until CRIU asks for it
+        watched = os.pidfd_open(criu_pid or os.getppid())
+    except OSError:
+        agent.release()
+        return 0  # gone already: no step is coming
+    if nvml is not None:
+        threading.Thread(target=nvml.read, name="gpusnap-agent-nvml", daemon=True).start()
+        agent.driver = DriverAhead()
+    here = folder(criu_pid) if criu_pid else early_folder(early_name(os.getpid(), nonce))
+    if nvml is not None and criu_pid:
+        nvml.into(here)
+    try:
+        serve(here, watched, agent)
+    except (OSError, ValueError) as exc:
+        journal.record("agent-failed", criu_pid=agent.criu_pid, error=str(exc))
     finally:
-        if held is not None:  # post-resume done, or CRIU gone: the GPU state is settled
-            turn.release_fd(*held)
+        agent.release()
     return 0
 
 

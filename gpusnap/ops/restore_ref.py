@@ -38,7 +38,7 @@ from gpusnap.ops.pull import (PULL_MISSING, OnTrusted, Remote, fetch_small, open
                               write_archive, write_files)
 from gpusnap.pages import fill_plan, prepared_pages
 from gpusnap.pages.memory import pages_dir
-from gpusnap.runtime import podman, retarget
+from gpusnap.runtime import podman, retarget, step_agent
 from gpusnap.runtime import stream as stream_module
 from gpusnap.runtime.storage import PULL_PREFIX, discard, fifo_dir, staging_dir
 from gpusnap.trust.options import TrustOptions
@@ -116,7 +116,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     # CRIU's memory pages go to a folder of their own, not through Podman's
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
     # the pre-restore action renames them into place or links them (pages/pages_aside.py).
-    aside = pages_aside.enabled() and runs_action_script(_restoring_runtime(files, facts.runtime))
+    runtime = _restoring_runtime(files, facts.runtime)
+    aside = pages_aside.enabled() and runs_action_script(runtime)
     where = prepared_pages.roots(facts.graph_root) if aside else []
     prepared = prepared_pages.best(remote.bundle, where) if aside else None
     if prepared is not None and not prepared_pages.claim(prepared):
@@ -129,6 +130,9 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
                                                 cache))
     pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
         if aside else None
+    agent = _early_agent(remote, runtime)
+    if agent is not None:  # the images name it: CRIU's pre-restore asks it
+        kw["edits"] = {**kw.get("edits", {}), **agent.member()}
     kept, restored = None, False
     try:
         # Leaving this stops the pump: a download blocked on the full pipe fails then.
@@ -152,6 +156,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
             raise cause from None  # the download's failure is why Podman failed
         raise exc
     finally:
+        if agent is not None:
+            agent.done()
         pool.shutdown(wait=True)
         # why nothing prepared was taken: asked before this restore's own pages lie beside
         why = _unprepared(remote, where, prepared, aside) if restored else None
@@ -164,6 +170,22 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}", where)
     return result, {**job.result(), "streamed": True, "pages_prepared_skipped": why,
                     "pages_kept": kept}
+
+
+def _early_agent(remote: Remote, runtime: str) -> step_agent.EarlyAgent | None:
+    """CRIU's step agent, started now where pre-restore would start one (a GPU
+    checkpoint, or memory big enough for a fill): its Python, libcuda and NVML
+    load while Podman imports, not in CRIU's stop (runtime/step_agent.py)."""
+    gpu = bool(remote.bundle.gpu_manifest)
+    if not (gpu or remote.bundle.total_bytes >= fill_plan.MIN_TOTAL) \
+            or not runs_action_script(runtime):
+        return None
+    try:
+        if not fill_plan.settings().agent:
+            return None  # page-fill.json: each step in a Python of its own
+    except ValueError:
+        return None  # CRIU's steps say what is wrong with it
+    return step_agent.start(driver=gpu)
 
 
 def _unprepared(remote: Remote, where: list[Path], prepared: prepared_pages.Match | None,
