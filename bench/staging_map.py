@@ -1,7 +1,8 @@
 """The driver's restore from a copy of its staging memory filled in, or mapped from a file.
 
     python bench/staging_map.py [--gib 8] [--rounds 2] [--threads 16]
-                                [--hows fill,map,map-4k,map-4k-read,map-4k-again] [--out staging_map.json]
+                                [--hows fill,map,map-4k,map-4k-read,map-4k-again,fill-after-other]
+                                [--out staging_map.json]
 
 After cuCheckpointProcessCheckpoint a CUDA process holds its GPU memory in new
 private anonymous memory (the staging); cuCheckpointProcessRestore reads it
@@ -26,6 +27,12 @@ ranges to a file on the huge-page tmpfs, then either
   ``map-4k-again`` with the file the driver restored from in this how's round
   before, written over in place (as a replica's pages file, linked from the
   replica before it),
+
+or ``fill-after-other``: as ``fill``, but the GPU memory the checkpoint freed is
+first taken by another CUDA process (GIB GiB allocated and written) and let go
+just before the driver's restore: whether a GPU whose memory was held ready
+(a replica's GPU kept reserved until it starts) restores faster than one
+whose memory lay free,
 
 each after the ranges were dropped (MADV_DONTNEED: empty, as in a restored
 process before its pages come), and unlocks it; the process then sums its GPU
@@ -93,6 +100,27 @@ for line in sys.stdin:
 """
 
 
+# The other CUDA process of fill-after-other: takes GPU memory and lets it go.
+HOLDER = r"""
+import sys, torch
+held = None
+torch.zeros(1, device="cuda")
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "hold":
+        held = torch.empty(int(float(args[0]) * (1 << 30)), dtype=torch.uint8, device="cuda")
+        held.fill_(1)
+        torch.cuda.synchronize()
+        print("held", flush=True)
+    elif cmd == "free":
+        held = None
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        print("freed", flush=True)
+"""
+
+
 def _ask(app: subprocess.Popen, line: str, answer: str) -> list[str]:
     app.stdin.write(line + "\n")
     app.stdin.flush()
@@ -135,12 +163,15 @@ def _still_mapped(pid: int, path: Path) -> int:
 
 
 def one_round(driver: CudaDriver, app: subprocess.Popen, how: str, folder: Path,
-              threads: int, before: list[tuple[int, int]], first: list[str]) -> dict:
+              threads: int, before: list[tuple[int, int]], first: list[str],
+              holder: subprocess.Popen | None = None, gib: float = 0) -> dict:
     pid = app.pid
     t = time.monotonic()
     driver.lock(pid, 10_000)
     driver.checkpoint(pid)
     checkpoint_s = time.monotonic() - t
+    if how == "fill-after-other":  # the memory the checkpoint freed, taken by another
+        _ask(holder, f"hold {gib}", "held")
     runs = dump_ahead.staging(pid, before)
     path = folder / f"staging-{how}.bin"
     again = path.exists()
@@ -161,6 +192,11 @@ def one_round(driver: CudaDriver, app: subprocess.Popen, how: str, folder: Path,
     else:
         page_fill.fill(pid, [page_fill.Run(a, n, str(path), o) for a, n, o in placed], threads)
     prepare_s = time.monotonic() - t
+    freed_s = None
+    if how == "fill-after-other":  # let go just before the driver's restore
+        t = time.monotonic()
+        _ask(holder, "free", "freed")
+        freed_s = round(time.monotonic() - t, 3)
     t = time.monotonic()
     driver.restore(pid)
     restore_s = time.monotonic() - t
@@ -172,7 +208,7 @@ def one_round(driver: CudaDriver, app: subprocess.Popen, how: str, folder: Path,
     row = {"how": how, "file_restored_from_before": how.endswith("-again") and again,
            "staging_bytes": sum(n for _, n, _ in placed), "ranges": len(placed),
            "checkpoint_s": round(checkpoint_s, 3), "fill_or_map_s": round(prepare_s, 3),
-           "driver_restore_s": round(restore_s, 3),
+           "driver_restore_s": round(restore_s, 3), "other_let_go_s": freed_s,
            "beyond_plus_driver_s": round(prepare_s + restore_s, 3),
            "file_mapped_after_restore": mapped_after, "sums_equal": equal}
     print(json.dumps(row), flush=True)
@@ -186,15 +222,20 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=page_fill.default_threads())
     ap.add_argument("--hows", default="fill,map,map-4k,map-4k-read",
                     help="fill, map (2 MiB-aligned), map-4k (4 KiB past it), map-4k-read, "
-                         "map-4k-again")
+                         "map-4k-again, fill-after-other")
     ap.add_argument("--out")
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="staging-", dir=memory.HUGE_ROOT)) \
         if memory.mount_huge(memory.HUGE_ROOT) else Path(tempfile.mkdtemp(dir="/dev/shm"))
     app = subprocess.Popen([TORCH_PY, "-c", APP, str(args.gib)], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([TORCH_PY, "-c", HOLDER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) \
+        if "fill-after-other" in args.hows else None
     rows = []
     try:
+        if holder is not None and holder.stdout.readline().split() != ["ready"]:
+            raise SystemExit("the other CUDA process did not start")
         first = app.stdout.readline().split()
         if not first or first[0] != "ready":
             raise SystemExit(f"the CUDA process did not start: {first}")
@@ -202,10 +243,13 @@ def main() -> int:
         driver = CudaDriver()
         for _ in range(args.rounds):
             for how in args.hows.split(","):
-                rows.append(one_round(driver, app, how, folder, args.threads, before, first[1:]))
+                rows.append(one_round(driver, app, how, folder, args.threads, before, first[1:],
+                                      holder, args.gib))
     finally:
-        app.kill()
-        app.wait()
+        for proc in (app, holder):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
         for f in folder.iterdir():
             f.unlink()
         folder.rmdir()
