@@ -45,7 +45,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu import staging, turn
 from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, ns_pid, parent_of, process_tree, start_time
-from gpusnap.runtime import kept_checkpoint
+from gpusnap.runtime import kept_checkpoint, step_agent
 from gpusnap.waits import leave
 
 if TYPE_CHECKING:
@@ -76,6 +76,8 @@ def pre_restore(image_dir: str, criu_pid: int, wanted: "Settings | None") -> Non
     if not image_dir:
         return
     folder = Path(image_dir)
+    # the agent `gpusnap restore` named (runtime/step_agent.py): no later checkpoint carries it
+    (folder / step_agent.AGENT_FILE).unlink(missing_ok=True)
     from gpusnap.pages import pages_aside  # pre-restore only: not every step's start-up
     in_ram = pages_aside.in_ram(folder)
     moved = pages_aside.bring_back(folder)  # restored tasks cannot follow the links

@@ -56,7 +56,7 @@ from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.waits import leave
 from gpusnap.gpu import inventory as gpu_inventory, turn
 from gpusnap.procs import parent_of
-from gpusnap.runtime.step_agent import AGENT_FILE, early_folder, early_name
+from gpusnap.runtime.step_agent import early_folder, early_name
 # Loaded as the agent starts, before the steps that use them are asked
 from gpusnap.gpu import bundle_plan  # noqa: F401 -- runc's prestart hook (prestart.run_for_agent)
 from gpusnap.pages import fill_plan, page_fill, remote_map  # noqa: F401
@@ -94,6 +94,7 @@ class _Nvml:
     def _write(self) -> None:
         if self._read is None or self._here is None:
             return
+        self._here.mkdir(mode=0o700, exist_ok=True)
         if self._read.error is None:
             write_private(self._here / INVENTORY, json.dumps(self._read.to_dict()))
         else:  # the hook stops waiting for it and reads NVML itself
@@ -227,21 +228,25 @@ def _take(request: str, early: Path, agent: _Agent) -> tuple[Path, int]:
         with contextlib.suppress(OSError):
             os.rename(here / "requests", early / "requests")
         raise
-    agent.criu_pid = criu_pid
-    journal.record("agent-taken", criu_pid=criu_pid, by="agent")
-    if agent.nvml is not None:
-        agent.nvml.into(here)
-    with contextlib.suppress(OSError):  # a later checkpoint of the container must not carry it
-        (Path(image_dir) / AGENT_FILE).unlink()
-    os.environ.update({"CRTOOLS_SCRIPT_ACTION": "pre-restore", "CRTOOLS_IMAGE_DIR": image_dir})
-    printed = io.StringIO()
-    with contextlib.redirect_stderr(printed):
-        try:
-            code = action.run_step("pre-restore", criu_pid, by="agent", start_agent=agent.adopt)
-        except Exception as exc:  # noqa: BLE001 -- the script's own crash would fail the step too
-            print(f"gpusnap: pre-restore: {type(exc).__name__}: {exc}", file=sys.stderr)
-            code = 1
-    _send(reply, _answer_text(printed, code))
+    try:
+        agent.criu_pid = criu_pid
+        journal.record("agent-taken", criu_pid=criu_pid, by="agent")
+        if agent.nvml is not None:
+            agent.nvml.into(here)
+        os.environ.update({"CRTOOLS_SCRIPT_ACTION": "pre-restore", "CRTOOLS_IMAGE_DIR": image_dir})
+        printed = io.StringIO()
+        with contextlib.redirect_stderr(printed):
+            try:
+                code = action.run_step("pre-restore", criu_pid, by="agent",
+                                       start_agent=agent.adopt)
+            except Exception as exc:  # noqa: BLE001 -- the script's own crash would fail it too
+                print(f"gpusnap: pre-restore: {type(exc).__name__}: {exc}", file=sys.stderr)
+                code = 1
+        _send(reply, _answer_text(printed, code))
+    except BaseException:  # unanswered: the script runs the step, and starts its own agent
+        shutil.rmtree(here, ignore_errors=True)
+        os.close(watched)
+        raise
     return here, watched
 
 

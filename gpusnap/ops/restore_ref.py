@@ -116,8 +116,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     # CRIU's memory pages go to a folder of their own, not through Podman's
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
     # the pre-restore action renames them into place or links them (pages/pages_aside.py).
-    runtime = _restoring_runtime(files, facts.runtime)
-    aside = pages_aside.enabled() and runs_action_script(runtime)
+    scripted = runs_action_script(_restoring_runtime(files, facts.runtime))
+    aside = pages_aside.enabled() and scripted
     where = prepared_pages.roots(facts.graph_root) if aside else []
     prepared = prepared_pages.best(remote.bundle, where) if aside else None
     if prepared is not None and not prepared_pages.claim(prepared):
@@ -130,7 +130,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
                                                 cache))
     pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
         if aside else None
-    agent = _early_agent(remote, runtime)
+    agent = _early_agent(remote) if scripted else None
     if agent is not None:  # the images name it: CRIU's pre-restore asks it
         kw["edits"] = {**kw.get("edits", {}), **agent.member()}
     kept, restored = None, False
@@ -172,13 +172,13 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
                     "pages_kept": kept}
 
 
-def _early_agent(remote: Remote, runtime: str) -> step_agent.EarlyAgent | None:
-    """CRIU's step agent, started now where pre-restore would start one (a GPU
-    checkpoint, or memory big enough for a fill): its Python, libcuda and NVML
-    load while Podman imports, not in CRIU's stop (runtime/step_agent.py)."""
+def _early_agent(remote: Remote) -> step_agent.EarlyAgent | None:
+    """CRIU's step agent (the runtime runs gpusnap's action script), started now
+    where pre-restore would start one (a GPU checkpoint, or memory big enough for
+    a fill): its Python, libcuda and NVML load while Podman imports, not in
+    CRIU's stop (runtime/step_agent.py)."""
     gpu = bool(remote.bundle.gpu_manifest)
-    if not (gpu or remote.bundle.total_bytes >= fill_plan.MIN_TOTAL) \
-            or not runs_action_script(runtime):
+    if not (gpu or remote.bundle.total_bytes >= fill_plan.MIN_TOTAL):
         return None
     try:
         if not fill_plan.settings().agent:

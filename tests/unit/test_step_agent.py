@@ -122,10 +122,9 @@ def test_a_restore_ref_starts_it_where_pre_restore_would_start_one(monkeypatch, 
     def remote(manifest, size):
         return SimpleNamespace(bundle=SimpleNamespace(gpu_manifest=manifest, total_bytes=size))
 
-    assert restore_ref._early_agent(remote({"schema": 1}, 1 << 20), "runc") == "agent"
-    assert restore_ref._early_agent(remote(None, 1 << 30), "runc") == "agent"
-    assert restore_ref._early_agent(remote(None, 1 << 20), "runc") is None  # no fill: no agent
-    assert restore_ref._early_agent(remote({"schema": 1}, 1 << 20), "kata") is None
+    assert restore_ref._early_agent(remote({"schema": 1}, 1 << 20)) == "agent"
+    assert restore_ref._early_agent(remote(None, 1 << 30)) == "agent"
+    assert restore_ref._early_agent(remote(None, 1 << 20)) is None  # no fill: no agent
     fill_plan.SETTINGS.write_text('{"agent": false}')
-    assert restore_ref._early_agent(remote({"schema": 1}, 1 << 20), "runc") is None
+    assert restore_ref._early_agent(remote({"schema": 1}, 1 << 20)) is None
     assert started == [True, False]
