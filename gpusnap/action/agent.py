@@ -30,10 +30,11 @@ leaves when CRIU does, after post-resume, or after an hour.
 `gpusnap restore` starts it earlier still, before Podman (runtime/step_agent.py:
 ``--early NONCE``, in a folder of its own until CRIU's pre-restore asks it,
 then as if pre-restore had started it, the pre-restore step run here): no
-Python starts in CRIU's stop at all. Until CRIU asks, it leaves with the CLI.
+Python starts in CRIU's stop at all. Until CRIU asks, it leaves with the CLI;
+its hour counts from then.
 
 Usage: python -m gpusnap.action.agent CRIU_PID [--driver] [--turn KEY:FD]
-       python -m gpusnap.action.agent --early NONCE [--driver]
+       python -m gpusnap.action.agent --early NONCE --parent CLI_PID [--driver]
 """
 
 from __future__ import annotations
@@ -213,22 +214,19 @@ def _take(request: str, early: Path, agent: _Agent) -> tuple[Path, int]:
     which found its folder named in the images): from here on it is that CRIU's
     agent, in that CRIU's folder (the FIFO moves with it), watching that CRIU;
     the step runs here, answered as any other. (The new folder, CRIU's pidfd.)
-    Raises where it cannot: the script then runs pre-restore itself."""
+    Raises where it cannot, leaving no folder of that CRIU: the script then runs
+    pre-restore itself, and starts its own agent."""
     _, criu, reply, image_dir = (request.split(" ", 3) + ["", "", "", ""])[:4]
     criu_pid = int(criu)
+    here, made, moved = folder(criu_pid), False, False
     watched = os.pidfd_open(criu_pid)
-    here = folder(criu_pid)
     try:
         here.mkdir(mode=0o700)  # never another agent's: this CRIU has none yet
+        made = True
         write_private(here / "started", str(os.getpid()))
         os.rename(early / "requests", here / "requests")
+        moved = True
         write_private(here / "pid", str(os.getpid()))
-    except BaseException:
-        os.close(watched)
-        with contextlib.suppress(OSError):
-            os.rename(here / "requests", early / "requests")
-        raise
-    try:
         agent.criu_pid = criu_pid
         journal.record("agent-taken", criu_pid=criu_pid, by="agent")
         if agent.nvml is not None:
@@ -242,10 +240,16 @@ def _take(request: str, early: Path, agent: _Agent) -> tuple[Path, int]:
             except Exception as exc:  # noqa: BLE001 -- the script's own crash would fail it too
                 print(f"gpusnap: pre-restore: {type(exc).__name__}: {exc}", file=sys.stderr)
                 code = 1
+        if not agent.wanted:  # no later step is the agent's: never a folder runc's hook would ask
+            shutil.rmtree(here, ignore_errors=True)
         _send(reply, _answer_text(printed, code))
-    except BaseException:  # unanswered: the script runs the step, and starts its own agent
-        shutil.rmtree(here, ignore_errors=True)
+    except BaseException:
         os.close(watched)
+        if moved:  # the early folder's FIFO back, for serve to close and remove
+            with contextlib.suppress(OSError):
+                os.rename(here / "requests", early / "requests")
+        if made:
+            shutil.rmtree(here, ignore_errors=True)
         raise
     return here, watched
 
@@ -253,7 +257,7 @@ def _take(request: str, early: Path, agent: _Agent) -> tuple[Path, int]:
 def serve(here: Path, watched: int, agent: _Agent) -> None:
     """Each request of ``here``'s FIFO answered in turn, until the last step,
     ``watched`` (a pidfd: CRIU, or the CLI that started an agent CRIU has not
-    asked yet) is gone, or LIFETIME_S."""
+    asked yet) is gone, or LIFETIME_S from the start (an early agent: from its take)."""
     fd = _fifo(here)
     deadline, pending = time.monotonic() + LIFETIME_S, b""
     try:
@@ -282,6 +286,7 @@ def serve(here: Path, watched: int, agent: _Agent) -> None:
                 shutil.rmtree(early, ignore_errors=True)
                 if not agent.wanted:
                     return  # pre-restore would have started no agent: later steps are Python's
+                deadline = time.monotonic() + LIFETIME_S
     finally:
         os.close(watched)
         os.close(fd)
@@ -320,10 +325,13 @@ def main() -> int:
     agent = _Agent(criu_pid, None, nvml, _held_turn(args))
     try:
         # CRIU's agent watches CRIU; the CLI's, the CLI until CRIU asks for it
-        watched = os.pidfd_open(criu_pid or os.getppid())
-    except OSError:
+        watched = os.pidfd_open(criu_pid or int(_option(args, "--parent") or 0))
+    except (OSError, ValueError):
         agent.release()
         return 0  # gone already: no step is coming
+    if not criu_pid and os.getppid() != int(_option(args, "--parent") or 0):
+        os.close(watched)  # the CLI went before this could watch it (its pid reused since)
+        return 0
     if nvml is not None:
         threading.Thread(target=nvml.read, name="gpusnap-agent-nvml", daemon=True).start()
         agent.driver = DriverAhead()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from gpusnap.private import write_private
 
 AGENT_FILE = "gpusnap-agent"  # in the images (checkpoint/): the agent folder's name
 EARLY = "-early-"
+STOP_WAIT_S = 1.0  # an agent stopped before it read requests: still importing
 
 
 def early_name(agent_pid: int, nonce: str) -> str:
@@ -52,17 +54,29 @@ class EarlyAgent:
 
     def done(self) -> None:
         """The restore is over (restored or failed): an agent CRIU never asked for
-        pre-restore leaves now; one it asked is CRIU's and leaves with CRIU.
-        Never waited for: it reaps itself."""
+        pre-restore leaves now (asked to where it reads requests, else stopped);
+        one it asked is CRIU's and leaves with CRIU."""
         here = early_folder(self.name)
         if not here.exists():
             return  # taken by CRIU's pre-restore (or gone)
-        with contextlib.suppress(OSError):
+        if not (here / "pid").exists():  # not reading requests yet: nothing can be half done
+            with contextlib.suppress(OSError):
+                self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=STOP_WAIT_S)
+            if self.proc.poll() is not None:
+                shutil.rmtree(here, ignore_errors=True)
+            return
+        try:
             fd = os.open(here / "requests", os.O_WRONLY | os.O_NONBLOCK)
-            try:
-                os.write(fd, b"leave 0 - -\n")
-            finally:
-                os.close(fd)
+        except OSError:
+            return  # its FIFO moved: CRIU's pre-restore is taking it
+        try:
+            os.write(fd, b"leave 0 - -\n")
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def start(driver: bool) -> EarlyAgent | None:
@@ -71,22 +85,34 @@ def start(driver: bool) -> EarlyAgent | None:
     nonce = secrets.token_hex(8)
     try:
         proc = subprocess.Popen([sys.executable, "-m", "gpusnap.action.agent", "--early", nonce,
-                                 *(["--driver"] if driver else [])],
+                                 "--parent", str(os.getpid()), *(["--driver"] if driver else [])],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True,
-                                close_fds=True, env=_env())
+                                close_fds=True, cwd="/", env=_env())
     except OSError as exc:
         journal.record("agent-not-started", error=str(exc), early=True)
         return None
     name = early_name(proc.pid, nonce)
     here = early_folder(name)
-    here.mkdir(mode=0o700, exist_ok=True)
-    # a step that comes before the agent reads requests waits for it while it lives
-    write_private(here / "started", str(proc.pid))
+    try:
+        here.mkdir(mode=0o700, exist_ok=True)
+        # a step that comes before the agent reads requests waits for it while it lives
+        write_private(here / "started", str(proc.pid))
+    except OSError as exc:  # only ever a head start: the restore goes on without it
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(here, ignore_errors=True)
+        journal.record("agent-not-started", error=str(exc), early=True)
+        return None
     return EarlyAgent(proc, name)
 
 
+# What of the CLI's environment the agent keeps: where gpusnap and Python come
+# from, the state folder and the locale. The rest (a wrapped Podman's
+# LD_LIBRARY_PATH, CUDA_VISIBLE_DEVICES, GPUSNAP_WAIT_*...) stays the CLI's, as
+# runc's environment is all the agent pre-restore starts gets.
+KEPT_ENV = ("PATH", "PYTHONPATH", "GPUSNAP_STATE_DIR", "LANG", "LC_ALL")
+
+
 def _env() -> dict[str, str]:
-    """The CLI's environment but a private LD_LIBRARY_PATH (a wrapped Podman's),
-    as packaging/bin/criu-action keeps it from the agent it would start."""
-    return {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    return {k: os.environ[k] for k in KEPT_ENV if k in os.environ}

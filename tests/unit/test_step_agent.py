@@ -128,3 +128,67 @@ def test_a_restore_ref_starts_it_where_pre_restore_would_start_one(monkeypatch, 
     fill_plan.SETTINGS.write_text('{"agent": false}')
     assert restore_ref._early_agent(remote({"schema": 1}, 1 << 20)) is None
     assert started == [True, False]
+
+
+def test_an_agent_the_restore_ended_before_it_read_requests_is_stopped(state):
+    early = step_agent.start(driver=False)
+    early.done()  # at once: still importing (stopped), or reading (told to leave)
+    early.proc.wait(timeout=15)
+    deadline = time.monotonic() + 5
+    while step_agent.early_folder(early.name).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not step_agent.early_folder(early.name).exists()
+
+
+def test_a_pre_restore_with_no_later_step_for_it_leaves_no_folder_behind(tmp_path, state):
+    """A CPU checkpoint without a fill: pre-restore would start no agent, so the
+    one the CLI started answers and leaves; runc's hook never finds its folder."""
+    early = step_agent.start(driver=False)
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / step_agent.AGENT_FILE).write_text(early.name)
+    criu, code, said = _criu(images, state)
+    try:
+        assert code == 0, said
+        assert not agent_files.folder(criu.pid).exists()
+        assert [e["criu_pid"] for e in _events(state) if e["event"] == "agent-taken"] == [criu.pid]
+        early.proc.wait(timeout=15)
+    finally:
+        criu.stdin.close()
+        criu.wait(timeout=30)
+
+
+@pytest.mark.skipif(not Path("/opt/gpusnap/venv/bin/gpusnap-criu-action").exists(),
+                    reason="the script's Python is gpusnap's install (make install)")
+def test_an_agent_gone_mid_take_leaves_the_step_and_its_folder_to_python(tmp_path, state):
+    """Killed after it moved into CRIU's folder, before it answered: the script
+    removes that folder (else Python's pre-restore would take it for a live
+    agent's and start none) and runs the step itself."""
+    import threading
+
+    stand_in = subprocess.Popen(["sleep", "60"])  # the agent, while it lives
+    name = step_agent.early_name(stand_in.pid, "ab12")
+    here = step_agent.early_folder(name)
+    here.mkdir(parents=True)
+    os.mkfifo(here / "requests", 0o600)
+    fd = os.open(here / "requests", os.O_RDWR)
+    (here / "pid").write_text(str(stand_in.pid))
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / step_agent.AGENT_FILE).write_text(name)
+
+    def take_then_die() -> None:
+        criu_pid = int(os.read(fd, 4096).split()[1])
+        agent_files.folder(criu_pid).mkdir()
+        (agent_files.folder(criu_pid) / "started").write_text(str(stand_in.pid))
+        stand_in.kill()
+        stand_in.wait()
+
+    threading.Thread(target=take_then_die, daemon=True).start()
+    criu, code, said = _criu(images, state)
+    criu.stdin.close()
+    criu.wait(timeout=30)
+    os.close(fd)
+    assert code == 0, said
+    assert not agent_files.folder(criu.pid).exists()
+    assert (state / "actions" / f"{criu.pid}-pre-restore").read_text() == "0"  # Python's marker
