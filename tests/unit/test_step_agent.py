@@ -192,3 +192,26 @@ def test_an_agent_gone_mid_take_leaves_the_step_and_its_folder_to_python(tmp_pat
     assert code == 0, said
     assert not agent_files.folder(criu.pid).exists()
     assert (state / "actions" / f"{criu.pid}-pre-restore").read_text() == "0"  # Python's marker
+
+
+def test_the_nvml_read_of_an_agent_the_cli_started_lands_in_crius_folder(tmp_path, state):
+    """Read as the agent starts, before it has CRIU's folder: written there at the
+    take, for runc's hook (here, without a GPU, the read's failure: the hook then
+    reads NVML itself)."""
+    early = step_agent.start(driver=True)
+    images = _images(tmp_path, early)
+    criu, code, said = _criu(images, state)
+    try:
+        assert code == 0, said
+        here = agent_files.folder(criu.pid)
+        deadline = time.monotonic() + 30
+        while not any((here / f).exists() for f in (agent_files.INVENTORY,
+                                                     agent_files.NO_INVENTORY)):
+            assert time.monotonic() < deadline, sorted(p.name for p in here.iterdir())
+            time.sleep(0.02)
+        assert not list(step_agent.early_folder(early.name).parent.glob("*-early-*"))
+    finally:
+        criu.stdin.close()
+        criu.wait(timeout=30)
+    assert _gone(agent_files.folder(criu.pid))
+    early.proc.wait(timeout=15)
