@@ -249,7 +249,7 @@ def main() -> int:
         for proc in (app, holder):
             if proc is not None:
                 proc.kill()
-                proc.wait()
+                proc.wait(timeout=60)  # a CUDA process's exit: the driver frees its memory
         for f in folder.iterdir():
             f.unlink()
         folder.rmdir()

@@ -403,13 +403,7 @@ def _start_agent(criu_pid: int, driver: bool) -> None:
     restored tree's parent: runc restores it as CRIU's sibling), held until its
     post-resume is done: the restored processes wait CHECKPOINTED meanwhile, and
     `gpusnap doctor --fix` must leave them to the resume onto the plan's GPUs."""
-    held = None
-    if driver:
-        key = parent_of(criu_pid)
-        try:
-            held = turn.try_take(key, "restore") if key else None
-        except OSError as exc:
-            journal.record("restore-turn-not-taken", error=str(exc))
+    held = restore_turn(criu_pid) if driver else None
     try:
         agent_files.start(criu_pid, driver, held)
     except OSError as exc:
@@ -417,6 +411,18 @@ def _start_agent(criu_pid: int, driver: bool) -> None:
     finally:
         if held is not None:
             held.close()  # the agent's copy holds it; where none started, this lets go
+
+
+def restore_turn(criu_pid: int) -> "turn.Turn | None":
+    """The restore's turn for a GPU checkpoint's agent (_start_agent hands it over,
+    an agent the CLI started takes it itself), keyed by the runtime that started
+    CRIU; None where another holds it or it cannot be taken (journaled)."""
+    key = parent_of(criu_pid)
+    try:
+        return turn.try_take(key, "restore") if key else None
+    except OSError as exc:
+        journal.record("restore-turn-not-taken", error=str(exc))
+        return None
 
 
 def run_step(action: str, criu_pid: int, by: str = "script", driver=None,

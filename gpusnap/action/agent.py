@@ -56,7 +56,6 @@ from gpusnap.action.agent_files import INVENTORY, NO_INVENTORY, folder
 from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.waits import leave
 from gpusnap.gpu import inventory as gpu_inventory, turn
-from gpusnap.procs import parent_of
 from gpusnap.runtime.step_agent import early_folder, early_name
 # Loaded as the agent starts, before the steps that use them are asked
 from gpusnap.gpu import bundle_plan  # noqa: F401 -- runc's prestart hook (prestart.run_for_agent)
@@ -181,12 +180,7 @@ class _Agent:
         self.wanted = True
         if not driver or self.held is not None:
             return
-        key = parent_of(criu_pid)
-        try:
-            taken = turn.try_take(key, "restore") if key else None
-        except OSError as exc:
-            journal.record("restore-turn-not-taken", error=str(exc))
-            return
+        taken = action.restore_turn(criu_pid)
         if taken is not None:
             self.held = (taken.init_pid, taken.fd)
 
@@ -325,11 +319,12 @@ def main() -> int:
     agent = _Agent(criu_pid, None, nvml, _held_turn(args))
     try:
         # CRIU's agent watches CRIU; the CLI's, the CLI until CRIU asks for it
-        watched = os.pidfd_open(criu_pid or int(_option(args, "--parent") or 0))
+        parent = None if criu_pid else int(_option(args, "--parent") or 0)
+        watched = os.pidfd_open(criu_pid or parent)
     except (OSError, ValueError):
         agent.release()
         return 0  # gone already: no step is coming
-    if not criu_pid and os.getppid() != int(_option(args, "--parent") or 0):
+    if parent is not None and os.getppid() != parent:
         os.close(watched)  # the CLI went before this could watch it (its pid reused since)
         return 0
     if nvml is not None:

@@ -29,7 +29,7 @@ from gpusnap.private import write_private
 
 AGENT_FILE = "gpusnap-agent"  # in the images (checkpoint/): the agent folder's name
 EARLY = "-early-"
-STOP_WAIT_S = 1.0  # an agent stopped before it read requests: still importing
+STOP_WAIT_S = 1.0  # an agent stopped (killed) before it read requests: still importing
 
 
 def early_name(agent_pid: int, nonce: str) -> str:
@@ -100,7 +100,8 @@ def start(driver: bool) -> EarlyAgent | None:
         write_private(here / "started", str(proc.pid))
     except OSError as exc:  # only ever a head start: the restore goes on without it
         proc.kill()
-        proc.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # still in an uninterruptible call
+            proc.wait(timeout=STOP_WAIT_S)
         shutil.rmtree(here, ignore_errors=True)
         journal.record("agent-not-started", error=str(exc), early=True)
         return None
