@@ -1,6 +1,8 @@
 """Where one CRIU step leaves what a later step of the same CRIU reads: files
 in the state folder's actions/, keyed by CRIU's pid (the action script starts
-afresh at every step).
+afresh at every step). A pid names one CRIU only: packaging/bin/criu-action
+clears what a dead CRIU of the same pid left at a new one's first step
+(``<pid>-born``: its start time).
 """
 
 from __future__ import annotations

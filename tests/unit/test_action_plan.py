@@ -111,7 +111,7 @@ def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tm
 
     def reached() -> set[str]:
         return {s for s in steps
-                if subprocess.run(["sh", str(script)], env={**env, "CRTOOLS_SCRIPT_ACTION": s},
+                if subprocess.run(["bash", str(script)], env={**env, "CRTOOLS_SCRIPT_ACTION": s},
                                   capture_output=True, text=True).stdout.strip() == "reached"}
     # post-dump starts Python only for a push that asked for it (pages set aside),
     # post-restore only where pre-restore left pages to write (for this CRIU: its pid)
@@ -119,8 +119,54 @@ def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tm
     (state / "requests").mkdir(parents=True)
     (state / "requests" / "4242.pages.json").write_text("{}")
     assert reached() == set(action.ACTIONS) - {"post-restore"}
-    (state / "actions").mkdir()
+    (state / "actions").mkdir(exist_ok=True)  # the script made it (its own <pid>-born)
     (state / "actions" / f"{os.getpid() + 1}-fill.json").write_text("{}")  # another CRIU's
     assert reached() == set(action.ACTIONS) - {"post-restore"}
     (state / "actions" / f"{os.getpid()}-fill.json").write_text("{}")
     assert reached() == set(action.ACTIONS)
+
+
+def test_the_criu_action_wrapper_never_takes_a_dead_crius_files_for_its_own(tmp_path):
+    """Names in actions/ start with CRIU's pid, which the host reuses: a step's
+    answer or a fill plan that a CRIU left when it died must not pass for a
+    later CRIU's. This test's pid plays both: the dead CRIU's files are those
+    of another start time."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from gpusnap.procs import start_time
+
+    wrapper = (Path(__file__).parents[2] / "packaging/bin/criu-action").read_text()
+    probe = tmp_path / "probe"
+    probe.write_text("#!/bin/sh\necho reached\n")
+    probe.chmod(0o755)
+    script = tmp_path / "criu-action"
+    script.write_text(wrapper.replace("/opt/gpusnap/venv/bin/gpusnap-criu-action", str(probe)))
+    actions = tmp_path / "state" / "actions"
+    actions.mkdir(parents=True)
+    images = tmp_path / "images"
+    images.mkdir()
+    env = {"GPUSNAP_STATE_DIR": str(tmp_path / "state"), "CRTOOLS_INIT_PID": "4242",
+           "CRTOOLS_IMAGE_DIR": str(images), "PATH": os.environ["PATH"]}
+    me = os.getpid()
+
+    def step(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script)], env={**env, "CRTOOLS_SCRIPT_ACTION": name},
+                              capture_output=True, text=True, timeout=60)
+
+    (actions / f"{me}-born").write_text("1")  # a CRIU of this pid that started at tick 1
+    (actions / f"{me}-pre-restore").write_text("7")  # its answer
+    (actions / f"{me}-fill.json").write_text("{}")  # its plan
+    (actions / f"{me}-agent").mkdir()  # its agent's folder
+    (actions / f"{me + 1}-fill.json").write_text("{}")  # another CRIU's: not this one's to clear
+    done = step("pre-restore")
+    assert (done.returncode, done.stdout.strip()) == (0, "reached"), done.stderr
+    assert sorted(p.name for p in actions.iterdir()) == [f"{me}-born", f"{me + 1}-fill.json"]
+    assert (actions / f"{me}-born").read_text().strip() == str(start_time(me))
+    # within one CRIU its first answer stands (runc.conf has CRIU run a step twice)
+    (actions / f"{me}-pre-restore").write_text("7")
+    assert step("pre-restore").returncode == 7
+    (actions / f"{me}-fill.json").write_text("{}")
+    assert step("post-restore").stdout.strip() == "reached"
+    assert (actions / f"{me}-fill.json").exists()

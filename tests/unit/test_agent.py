@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from gpusnap.action import action, agent, agent_files, step_state
-
 from gpusnap.pages import fill_plan
+from gpusnap.private import private_dir
+from gpusnap.procs import start_time
 from tests.unit.test_fill_plan import _memory_of, _planned, child  # noqa: F401 -- a fixture
 
 SCRIPT = Path(__file__).resolve().parents[2] / "packaging" / "bin" / "criu-action"
@@ -26,6 +27,10 @@ def state(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setattr(fill_plan, "SETTINGS", tmp_path / "page-fill.json")
     monkeypatch.setattr(fill_plan, "MIN_TOTAL", 8 * 4096)  # the child's 3 MiB is worth filling
+    # this test plays a CRIU whose first step ran the script (which wrote its start
+    # time): the names it gives its later steps are its own, not a dead CRIU's
+    actions = private_dir(tmp_path / "state" / "actions")
+    (actions / f"{os.getpid()}-born").write_text(str(start_time(os.getpid())))
     return tmp_path / "state"
 
 
