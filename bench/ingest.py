@@ -14,9 +14,12 @@ uniform noise. Then, each timed on its own:
              (gpusnap's RegistryClient: POST + PUT per blob), N = 1, 4, 8, 16:
              the registry's ingest ceiling, and its CPU seconds
   push       `gpusnap push DIR REF` of the whole directory (all stages at once)
+  pull       `gpusnap pull --prefetch REF` of it into an empty chunk cache, with
+             gpusnap's CPU seconds beside the registry's
   oras       `oras push` of the pages file as one blob
 
-into a docker-registry on loopback whose storage is under --workdir. Each line
+into a docker-registry on loopback whose storage is under --workdir (the first
+`docker-registry` on PATH: put another build's folder first to compare). Each line
 prints MB/s of raw (uncompressed) bytes; registry CPU is read from /proc.
 """
 
@@ -26,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -88,6 +92,27 @@ def make_checkpoint(root: Path, size: int) -> Path:
 
 def rate(n: int, seconds: float) -> str:
     return f"{n / seconds / 1e6:8.1f} MB/s ({seconds:.2f} s)"
+
+
+def pull(reg, env: dict, size: int, results: dict) -> None:
+    """`gpusnap pull --prefetch` of what the push stored, into an empty chunk cache:
+    the download, digest checks and decompression of a restore from a registry,
+    and what they and the registry cost in CPU."""
+    cpu0, kids0 = reg.cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.monotonic()
+    res = subprocess.run(["/usr/local/bin/gpusnap", "pull", "--prefetch", reg.ref("bench/push:v1"),
+                          "--plain-http", "--json"], capture_output=True, text=True, env=env)
+    s = time.monotonic() - t
+    if res.returncode:
+        print(f"pull failed: {res.stdout[-500:]}{res.stderr[-1500:]}")
+        return
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = kids.ru_utime + kids.ru_stime - kids0.ru_utime - kids0.ru_stime
+    results["pull"] = size / s
+    results["pull-registry-cpu-s"] = reg.cpu_seconds() - cpu0
+    results["pull-gpusnap-cpu-s"] = own
+    print(f"gpusnap pull: {rate(size, s)}, registry CPU {reg.cpu_seconds() - cpu0:.1f} s, "
+          f"gpusnap CPU {own:.1f} s", flush=True)
 
 
 def main() -> int:
@@ -168,6 +193,8 @@ def main() -> int:
             results["push-registry-cpu-s"] = reg.cpu_seconds() - cpu0
             print(f"gpusnap push: {rate(size, s)}, registry CPU {reg.cpu_seconds() - cpu0:.1f} s",
                   flush=True)
+            shutil.rmtree(work / "cache", ignore_errors=True)
+            pull(reg, env, size, results)
         shutil.rmtree(work / "cache", ignore_errors=True)
 
         if shutil.which("oras"):

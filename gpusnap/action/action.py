@@ -121,7 +121,7 @@ def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:
     if planned is not None:
         journal.record("pages-fill-planned", bytes=planned.bytes, tasks=len(planned.tasks),
                        huge_bytes=planned.huge_bytes, mapped_bytes=planned.mapped_bytes,
-                       seconds=round(time.monotonic() - started, 3))
+                       seconds=round(time.monotonic() - started, 3), phases=planned.phases)
 
 
 def undo_leftover_fill(image_dir: str) -> None:

@@ -51,6 +51,7 @@ import bisect
 import json
 import os
 import shutil
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,6 +84,8 @@ class Plan:
     mapped: dict[int, list[Run]] = field(default_factory=dict)
     # the pagemaps plan() read, for rewrite(): not in the JSON, each read once
     pagemaps: dict[int, pagemap.Pagemap] = field(default_factory=dict, compare=False, repr=False)
+    # seconds each part of prepare() took, for the journal: CRIU waits on all of them
+    phases: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def bytes(self) -> int:
@@ -415,16 +418,21 @@ def prepare(folder: Path, keep: Callable[[Plan], None], huge_pages: bool = False
     ``keep`` stores the plan for post-restore before the folder changes (a rewrite
     whose plan is lost would restore zeros); any failure puts the folder back
     and leaves the restore to CRIU alone."""
+    started = time.monotonic()
     undo(folder)
     p = plan(folder, huge_pages, map_staging)
     if p is None:
         return None
+    planned = time.monotonic()
     keep(p)
+    kept = time.monotonic()
     try:
         rewrite(p)
     except BaseException:
         undo(folder)
         raise
+    p.phases = {"plan": round(planned - started, 3), "keep": round(kept - planned, 3),
+                "rewrite": round(time.monotonic() - kept, 3)}
     return p
 
 
