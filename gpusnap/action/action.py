@@ -69,10 +69,13 @@ def fill_settings() -> "Settings | None":
         return None
 
 
-def pre_restore(image_dir: str, criu_pid: int, wanted: "Settings | None") -> None:
+def pre_restore(image_dir: str, criu_pid: int, wanted: "Settings | None",
+                later: "read_ahead_child.Later | None" = None) -> None:
     """Keep the manifest and the GPU plan for post-resume: by then CRIU has
     closed its image directory (CRTOOLS_IMAGE_DIR names a /proc fd of it).
-    ``wanted``: page-fill.json's settings (fill_settings; None: no fill)."""
+    ``wanted``: page-fill.json's settings (fill_settings; None: no fill);
+    ``later``: who reaps the read-ahead child (the agent: it is not CRIU's
+    child), else it is reaped before the step ends."""
     if not image_dir:
         return
     folder = Path(image_dir)
@@ -98,7 +101,9 @@ def pre_restore(image_dir: str, criu_pid: int, wanted: "Settings | None") -> Non
         if wanted.enabled:
             _plan_fill(folder, criu_pid, wanted)
     finally:
-        if reader is not None:
+        if reader is not None and later is not None:
+            later.add(reader)
+        elif reader is not None:
             read_ahead_child.reap(reader)
 
 
@@ -106,13 +111,14 @@ def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:
     """Leave the big runs of pages to post-restore's threads (fill_plan.py).
     CRIU then restores every page itself where this fails, unless a rewrite
     cannot be put back (undo_leftover_fill's GpusnapError: the restore stops)."""
-    from gpusnap.pages import fill_plan  # pre-restore only: not every step's start-up
+    from gpusnap.pages import fill_plan, fill_plan_cache  # pre-restore only: not every step's start-up
     state = step_state.fill(criu_pid)
     started = time.monotonic()
     try:
         planned = fill_plan.prepare(folder, lambda p: write_private(state, p.to_json()),
                                     huge_pages=wanted.huge_pages and fill_plan.thp_available(),
-                                    map_staging=wanted.map_staging)
+                                    map_staging=wanted.map_staging,
+                                    cache=journal.state_subdir(fill_plan_cache.FOLDER))
     except (OSError, ValueError) as exc:
         state.unlink(missing_ok=True)
         undo_leftover_fill(str(folder))  # where prepare could not put it back itself
@@ -121,7 +127,8 @@ def _plan_fill(folder: Path, criu_pid: int, wanted) -> None:
     if planned is not None:
         journal.record("pages-fill-planned", bytes=planned.bytes, tasks=len(planned.tasks),
                        huge_bytes=planned.huge_bytes, mapped_bytes=planned.mapped_bytes,
-                       seconds=round(time.monotonic() - started, 3), phases=planned.phases)
+                       seconds=round(time.monotonic() - started, 3), phases=planned.phases,
+                       kept_plan=planned.kept)
 
 
 def undo_leftover_fill(image_dir: str) -> None:
@@ -309,7 +316,8 @@ def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]
 
 
 def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=None,
-         start_agent: "Callable[[int, bool], None] | None" = None) -> int:
+         start_agent: "Callable[[int, bool], None] | None" = None,
+         later: "read_ahead_child.Later | None" = None) -> int:
     criu_pid = criu_pid or os.getppid()  # the script's parent is CRIU
     if action == "post-dump":
         # An optimisation: never the reason a dump fails (the pages then stay
@@ -345,7 +353,7 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
                 start = start_agent or _start_agent
                 if agent and gpu:
                     start(criu_pid, True)
-                pre_restore(image_dir, criu_pid, wanted)
+                pre_restore(image_dir, criu_pid, wanted, later)
                 if agent and not gpu and wanted is not None and image_dir \
                         and step_state.fill(criu_pid).exists():
                     start(criu_pid, False)
@@ -426,14 +434,16 @@ def restore_turn(criu_pid: int) -> "turn.Turn | None":
 
 
 def run_step(action: str, criu_pid: int, by: str = "script", driver=None,
-             start_agent: "Callable[[int, bool], None] | None" = None) -> int:
+             start_agent: "Callable[[int, bool], None] | None" = None,
+             later: "read_ahead_child.Later | None" = None) -> int:
     """Run each action once per CRIU process; its exit code.
 
     runc hands CRIU /etc/criu/runc.conf and CRIU reads it again itself, so
     an action script may be called twice in a row; the second call repeats
     the first one's answer (a failed lock must not be retried with defaults).
     ``by``, ``driver``: the agent's (agent.py), which runs steps for CRIU;
-    ``start_agent``: what pre-restore does instead of starting one (that agent's).
+    ``start_agent``: what pre-restore does instead of starting one (that agent's),
+    ``later``: that agent's reaper of pre-restore's read-ahead child.
     """
     folder = step_state.folder()
     marker = folder / f"{criu_pid}-{action}"
@@ -445,7 +455,7 @@ def run_step(action: str, criu_pid: int, by: str = "script", driver=None,
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
-    code = _run(action, criu_pid, by, driver, start_agent)
+    code = _run(action, criu_pid, by, driver, start_agent, later)
     write_private(marker, str(code))
     return code
 

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 from gpusnap import journal
-from gpusnap.action import action, prestart
+from gpusnap.action import action, prestart, read_ahead_child
 from gpusnap.action.agent_files import INVENTORY, NO_INVENTORY, folder
 from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.waits import leave
@@ -172,6 +172,7 @@ class _Agent:
         self.criu_pid = criu_pid  # None: started by the CLI, until CRIU asks for pre-restore
         self.driver, self.nvml, self.held = driver, nvml, held
         self.wanted = False  # pre-restore found work for it (a GPU checkpoint, a fill)
+        self.children = read_ahead_child.Later()  # pre-restore's read-ahead, reaped here
 
     def adopt(self, criu_pid: int, driver: bool) -> None:
         """What pre-restore does where it would start an agent (action._start_agent),
@@ -230,7 +231,7 @@ def _take(request: str, early: Path, agent: _Agent) -> tuple[Path, int]:
         with contextlib.redirect_stderr(printed):
             try:
                 code = action.run_step("pre-restore", criu_pid, by="agent",
-                                       start_agent=agent.adopt)
+                                       start_agent=agent.adopt, later=agent.children)
             except Exception as exc:  # noqa: BLE001 -- the script's own crash would fail it too
                 print(f"gpusnap: pre-restore: {type(exc).__name__}: {exc}", file=sys.stderr)
                 code = 1
@@ -256,7 +257,9 @@ def serve(here: Path, watched: int, agent: _Agent) -> None:
     deadline, pending = time.monotonic() + LIFETIME_S, b""
     try:
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd, watched], [], [], 5.0)
+            ready, _, _ = select.select([fd, watched], [], [],
+                                        0.05 if agent.children.pending() else 5.0)
+            agent.children.reap_ended()
             if watched in ready:
                 return  # CRIU is gone (no step is coming), or the CLI (none ever will)
             if fd not in ready:
@@ -282,6 +285,7 @@ def serve(here: Path, watched: int, agent: _Agent) -> None:
                     return  # pre-restore would have started no agent: later steps are Python's
                 deadline = time.monotonic() + LIFETIME_S
     finally:
+        agent.children.reap_all()
         os.close(watched)
         os.close(fd)
         shutil.rmtree(here, ignore_errors=True)

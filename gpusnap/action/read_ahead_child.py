@@ -37,17 +37,52 @@ def start(folder: Path) -> int | None:
     return pid
 
 
-def reap(pid: int) -> None:
+def reap(pid: int, wait: float | None = None) -> None:
     """Wait for the read-ahead child; one that hangs (a mount that does not answer)
-    is killed after READ_AHEAD_WAIT_S: it only ever gave hints. One that not even
-    SIGKILL ends at once (uninterruptible I/O) is left after a second more."""
+    is killed after ``wait`` seconds (READ_AHEAD_WAIT_S): it only ever gave hints.
+    One that not even SIGKILL ends at once (uninterruptible I/O) is left after a
+    second more."""
     with contextlib.suppress(ChildProcessError):
-        if _waited(pid, READ_AHEAD_WAIT_S):
+        if _waited(pid, READ_AHEAD_WAIT_S if wait is None else wait):
             return
         os.kill(pid, signal.SIGKILL)
         ended = _waited(pid, 1.0)
         journal.record("file-pages-not-read-ahead", error=f"stopped after {READ_AHEAD_WAIT_S:g} s"
                        + ("" if ended else f" (pid {pid} left in uninterruptible I/O)"))
+
+
+class Later:
+    """Read-ahead children reaped after the step that started them, by a process
+    that is not CRIU's child (the agent: action/agent.py), so that CRIU's stop
+    ends without waiting for a hint. Each is reaped once it ends, or killed
+    READ_AHEAD_WAIT_S after it started."""
+
+    def __init__(self) -> None:
+        self._started: dict[int, float] = {}
+
+    def add(self, pid: int) -> None:
+        self._started[pid] = time.monotonic()
+
+    def pending(self) -> bool:
+        return bool(self._started)
+
+    def reap_ended(self) -> None:
+        """Reap those that ended; kill those past their time."""
+        for pid, since in list(self._started.items()):
+            left = READ_AHEAD_WAIT_S - (time.monotonic() - since)
+            try:
+                ended = os.waitpid(pid, os.WNOHANG) != (0, 0)
+            except ChildProcessError:
+                ended = True
+            if ended or left <= 0:
+                if not ended:
+                    reap(pid, 0.0)
+                del self._started[pid]
+
+    def reap_all(self) -> None:
+        for pid, since in list(self._started.items()):
+            reap(pid, max(0.0, READ_AHEAD_WAIT_S - (time.monotonic() - since)))
+        self._started.clear()
 
 
 def _waited(pid: int, seconds: float) -> bool:

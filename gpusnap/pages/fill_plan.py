@@ -60,6 +60,7 @@ from pathlib import Path
 from gpusnap.criu import mm, pagemap
 from gpusnap.criu.images import ImageError
 from gpusnap.gpu import staging
+from gpusnap.pages import fill_plan_cache
 from gpusnap.pages.page_fill import Run, merged
 from gpusnap.pages.pages_aside import relative_link
 
@@ -84,8 +85,10 @@ class Plan:
     mapped: dict[int, list[Run]] = field(default_factory=dict)
     # the pagemaps plan() read, for rewrite(): not in the JSON, each read once
     pagemaps: dict[int, pagemap.Pagemap] = field(default_factory=dict, compare=False, repr=False)
-    # seconds each part of prepare() took, for the journal: CRIU waits on all of them
-    phases: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+    # the new images rewrite() wrote or is to write (a kept plan's), by file name
+    images: dict[str, bytes] = field(default_factory=dict, compare=False, repr=False)
+    phases: dict[str, float] = field(default_factory=dict, compare=False, repr=False)  # journal
+    kept: bool = field(default=False, compare=False, repr=False)  # fill_plan_cache's
 
     @property
     def bytes(self) -> int:
@@ -343,18 +346,23 @@ def rewrite(p: Plan) -> None:
     (folder / f"pages-{new_id}.img").touch()
     for vpid in vpids:
         path = folder / f"pagemap-{vpid}.img"
-        old = p.pagemaps.get(vpid) or pagemap.parse(path.read_bytes())
         if str(vpid) in links:
             os.symlink(relative_link(path, aside), aside / path.name)
         else:
             os.link(path, aside / path.name)
-        holes = p.holes(vpid)
+        new = p.images.get(path.name)
+        if new is None:
+            old = p.pagemaps.get(vpid) or pagemap.parse(path.read_bytes())
+            new = p.images[path.name] = pagemap.serialize(
+                pagemap.Pagemap(new_id, _without(old.runs, p.holes(vpid))))
         tmp = path.with_name(path.name + ".gpusnap-tmp")
-        tmp.write_bytes(pagemap.serialize(pagemap.Pagemap(new_id, _without(old.runs, holes))))
+        tmp.write_bytes(new)
         os.replace(tmp, path)
     for vpid, areas in sorted(p.huge.items()):
         path = folder / f"mm-{vpid}.img"
-        new = mm.with_advice(path.read_bytes(), areas, mm.MADV_HUGEPAGE)
+        new = p.images.get(path.name)
+        if new is None:
+            new = p.images[path.name] = mm.with_advice(path.read_bytes(), areas, mm.MADV_HUGEPAGE)
         os.link(path, aside / path.name)
         tmp = path.with_name(path.name + ".gpusnap-tmp")
         tmp.write_bytes(new)
@@ -413,14 +421,20 @@ def undo(folder: Path) -> bool:
 
 
 def prepare(folder: Path, keep: Callable[[Plan], None], huge_pages: bool = False,
-            map_staging: bool = False) -> Plan | None:
+            map_staging: bool = False, cache: Path | None = None) -> Plan | None:
     """Undo a leftover rewrite, plan, and rewrite where there is something to fill.
     ``keep`` stores the plan for post-restore before the folder changes (a rewrite
     whose plan is lost would restore zeros); any failure puts the folder back
-    and leaves the restore to CRIU alone."""
+    and leaves the restore to CRIU alone. ``cache``: where plans are kept for
+    the next restore of the same images (fill_plan_cache.py), else None."""
     started = time.monotonic()
     undo(folder)
-    p = plan(folder, huge_pages, map_staging)
+    real = Path(os.path.realpath(folder))
+    settings = (huge_pages, map_staging, MIN_RUN, MIN_TOTAL, HUGE_SHARE, HUGE_MIN)
+    name = fill_plan_cache.key(real, settings) if cache is not None else None
+    kept_plan = fill_plan_cache.load(cache, name, real) if name else None
+    p = Plan(str(real), **kept_plan[0], images=kept_plan[1], kept=True) if kept_plan \
+        else plan(folder, huge_pages, map_staging)
     if p is None:
         return None
     planned = time.monotonic()
@@ -433,6 +447,9 @@ def prepare(folder: Path, keep: Callable[[Plan], None], huge_pages: bool = False
         raise
     p.phases = {"plan": round(planned - started, 3), "keep": round(kept - planned, 3),
                 "rewrite": round(time.monotonic() - kept, 3)}
+    if name and not p.kept:  # after CRIU's stop would be better, but no later step reads images
+        fill_plan_cache.store(cache, name, p.tasks, p.huge, p.mapped,
+                              {v: p.pagemaps[v].pages_file for v in p.tasks}, p.images)
     return p
 
 

@@ -164,6 +164,35 @@ def test_a_read_ahead_that_hangs_is_stopped_and_the_restore_goes_on(tmp_path, mo
         == ["stopped after 0.3 s"]
 
 
+def test_the_agents_pre_restore_answers_before_its_read_ahead_ends(tmp_path, monkeypatch):
+    """The agent is not CRIU's child: its read-ahead is reaped after the step
+    (read_ahead_child.Later), never in CRIU's stop; one that hangs is killed."""
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(read_ahead_child, "READ_AHEAD_WAIT_S", 1.0)
+    monkeypatch.setattr(read_ahead_child, "read_ahead", lambda folder: time.sleep(0.4))
+    images = tmp_path / "images"
+    images.mkdir()
+    later = read_ahead_child.Later()
+    started = time.monotonic()
+    action.pre_restore(str(images), os.getpid(), fill_plan.Settings(enabled=False), later)
+    assert time.monotonic() - started < 0.3 and later.pending()
+    later.reap_ended()
+    assert later.pending()  # still reading: left running
+    time.sleep(0.6)
+    later.reap_ended()
+    assert not later.pending()
+    monkeypatch.setattr(read_ahead_child, "read_ahead", lambda folder: time.sleep(60))
+    hung = read_ahead_child.start(images)
+    later.add(hung)
+    time.sleep(1.1)
+    later.reap_ended()  # past its time: killed and reaped
+    assert not later.pending()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(hung, os.WNOHANG)
+    assert [e["error"] for e in journal.read() if e["event"] == "file-pages-not-read-ahead"] \
+        == ["stopped after 1 s"]
+
+
 def test_no_host_file_outside_the_mount_and_no_fifo_or_device_is_opened(layout):
     """Names come from the images, links from the container's files: a link out of
     the root, a FIFO (whose open would wait) or a device (whose open may act) is

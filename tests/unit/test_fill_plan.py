@@ -12,6 +12,7 @@ import random
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from gpusnap.criu import mm
 
 from gpusnap.action import action, step_state
 
-from gpusnap.pages import fill_plan, page_fill
+from gpusnap.pages import fill_plan, fill_plan_cache, page_fill
 from gpusnap.criu import pagemap as pm
 from gpusnap.criu.images import IMG_COMMON_MAGIC
 from gpusnap.errors import GpusnapError
@@ -534,3 +535,81 @@ def test_entries_that_continue_one_another_are_located_as_one_stretch(tmp_path):
     assert fill_plan.locate(folder, 1) == [
         page_fill.Run(0x100000, 40 << 20, path, 0),
         page_fill.Run(0x4000000, 16 * P, path, 40 << 20)]
+
+
+def test_a_plan_kept_for_the_same_images_serves_the_next_folder(tmp_path):
+    """Replicas of one checkpoint hand CRIU the same images: the second folder's
+    plan and new images come from the first's (fill_plan_cache.py), each run in
+    its own folder's pages file, and restore what a fresh plan restores."""
+    cache = tmp_path / "plans"
+    first, second, fresh = tmp_path / "r1", tmp_path / "r2", tmp_path / "r3"
+    memory = _dense_task(first, random.Random(15))
+    for other in (second, fresh):
+        assert _dense_task(other, random.Random(15)) == memory
+    p1 = fill_plan.prepare(first, lambda p: None, huge_pages=True, cache=cache)
+    assert p1 is not None and not p1.kept
+    before = _snapshot(second)
+    p2 = fill_plan.prepare(second, lambda p: None, huge_pages=True, cache=cache)
+    p3 = fill_plan.prepare(fresh, lambda p: None, huge_pages=True)  # no cache: planned afresh
+    assert p2 is not None and p2.kept and not p3.kept
+    assert {r.path for rs in p2.tasks.values() for r in rs} == {str(second / "pages-1.img")}
+    assert [(r.address, r.length, r.offset) for r in p2.tasks[1]] == \
+        [(r.address, r.length, r.offset) for r in p3.tasks[1]] and p2.huge == p3.huge
+    assert _snapshot(second) == _snapshot(fresh)  # the same new images, byte for byte
+    assert _restored(second, 1, p2) == memory
+    fill_plan.undo(second)
+    assert _snapshot(second) == before
+
+
+def test_images_that_differ_in_one_byte_are_planned_afresh(tmp_path):
+    cache = tmp_path / "plans"
+    first, second = tmp_path / "r1", tmp_path / "r2"
+    _dense_task(first, random.Random(15))
+    memory = _dense_task(second, random.Random(15))
+    assert not fill_plan.prepare(first, lambda p: None, cache=cache).kept
+    image = second / "mm-1.img"
+    data = bytearray(image.read_bytes())
+    data[-1] ^= 1  # the last area's madvise bits: a plan of other images
+    image.write_bytes(bytes(data))
+    p = fill_plan.prepare(second, lambda p: None, cache=cache)
+    assert p is not None and not p.kept and _restored(second, 1, p) == memory
+    assert len(list(cache.iterdir())) == 2  # each kept under its own images
+
+
+def test_a_kept_plan_that_cannot_be_read_is_planned_afresh(tmp_path):
+    cache = tmp_path / "plans"
+    first, second = tmp_path / "r1", tmp_path / "r2"
+    _dense_task(first, random.Random(15))
+    memory = _dense_task(second, random.Random(15))
+    fill_plan.prepare(first, lambda p: None, cache=cache)
+    for kept in cache.iterdir():
+        (kept / fill_plan_cache.PLAN).write_text("{")
+    p = fill_plan.prepare(second, lambda p: None, cache=cache)
+    assert p is not None and not p.kept and _restored(second, 1, p) == memory
+
+
+def test_a_folder_with_a_parent_is_never_kept(tmp_path):
+    cache = tmp_path / "plans"
+    rnd = random.Random(2)
+    vmas = [(C, C + 64 * PAGE, PLAIN)]
+    _task(tmp_path / "prepared", 1, 1, vmas, [(C, 64, pm.PE_PRESENT)], rnd)
+    folder = tmp_path / "images"
+    _task(folder, 1, 3, vmas, [(C, 60, pm.PE_PARENT), (C + 60 * PAGE, 4, pm.PE_PRESENT)], rnd)
+    os.symlink("../prepared", folder / "parent")
+    assert fill_plan.prepare(folder, lambda p: None, cache=cache) is not None
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_only_the_newest_plans_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(fill_plan_cache, "KEEP", 2)
+    cache = tmp_path / "plans"
+    for seed in range(4):
+        folder = tmp_path / f"r{seed}"
+        _dense_task(folder, random.Random(seed))
+        image = folder / "mm-1.img"
+        data = bytearray(image.read_bytes())
+        data[-1] ^= seed  # the last area's madvise bits: other images each time
+        image.write_bytes(bytes(data))
+        assert not fill_plan.prepare(folder, lambda p: None, cache=cache).kept
+        time.sleep(0.01)  # mtimes that order them
+    assert len(list(cache.iterdir())) == 2
