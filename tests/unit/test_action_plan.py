@@ -90,11 +90,8 @@ def test_post_resume_falls_back_to_fewer_pairs_when_the_driver_refuses(tmp_path,
     assert driver.states[77] == ProcessState.RUNNING
 
 
-def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tmp_path):
-    """packaging/bin/criu-action runs for every CRIU step; run with a stand-in
-    for the Python entry point, it must reach it for exactly ACTIONS."""
-    import os
-    import subprocess
+def _wrapper_with_probe(tmp_path):
+    """packaging/bin/criu-action with a stand-in for its Python that prints "reached"."""
     from pathlib import Path
 
     wrapper = (Path(__file__).parents[2] / "packaging/bin/criu-action").read_text()
@@ -103,6 +100,16 @@ def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tm
     probe.chmod(0o755)
     script = tmp_path / "criu-action"
     script.write_text(wrapper.replace("/opt/gpusnap/venv/bin/gpusnap-criu-action", str(probe)))
+    return script
+
+
+def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tmp_path):
+    """packaging/bin/criu-action runs for every CRIU step; run with a stand-in
+    for the Python entry point, it must reach it for exactly ACTIONS."""
+    import os
+    import subprocess
+
+    script = _wrapper_with_probe(tmp_path)
     steps = ("pre-dump", "post-dump", "network-lock", "network-unlock", "pre-restore",
              "setup-namespaces", "post-setup-namespaces", "post-restore", "pre-resume",
              "post-resume", "orphan-pts-master", "")
@@ -133,16 +140,10 @@ def test_the_criu_action_wrapper_never_takes_a_dead_crius_files_for_its_own(tmp_
     of another start time."""
     import os
     import subprocess
-    from pathlib import Path
 
     from gpusnap.procs import start_time
 
-    wrapper = (Path(__file__).parents[2] / "packaging/bin/criu-action").read_text()
-    probe = tmp_path / "probe"
-    probe.write_text("#!/bin/sh\necho reached\n")
-    probe.chmod(0o755)
-    script = tmp_path / "criu-action"
-    script.write_text(wrapper.replace("/opt/gpusnap/venv/bin/gpusnap-criu-action", str(probe)))
+    script = _wrapper_with_probe(tmp_path)
     actions = tmp_path / "state" / "actions"
     actions.mkdir(parents=True)
     images = tmp_path / "images"
