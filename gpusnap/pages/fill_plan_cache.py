@@ -31,6 +31,7 @@ from pathlib import Path
 from gpusnap import __version__
 from gpusnap.gpu.staging import NAME as STAGING
 from gpusnap.pages.page_fill import Run
+from gpusnap.private import write_private
 
 FOLDER = "fill-plans"  # in the state folder
 PLAN = "plan.json"
@@ -95,8 +96,8 @@ def store(root: Path, name: str, tasks: dict, huge: dict, mapped: dict,
         tmp = Path(tempfile.mkdtemp(prefix=".new-", dir=root))
         try:
             for n, data in images.items():
-                (tmp / n).write_bytes(data)
-            (tmp / PLAN).write_text(json.dumps({
+                write_private(tmp / n, data)
+            write_private(tmp / PLAN, json.dumps({
                 "tasks": table(tasks), "mapped": table(mapped),
                 "huge": {str(v): areas for v, areas in huge.items()},
                 "pages": {str(v): p for v, p in pages.items()}, "images": sorted(images)}))
