@@ -54,6 +54,17 @@ if [ ! -f "$DIR/bench/tools.tar.zst" ]; then
   tar -C "$tmp" -cf - docker-registry oras | zstd -q -19 --long=27 -T0 -o "$DIR/bench/tools.tar.zst"
   rm -rf "$tmp"
 fi
+# Debian 13's docker-registry (2.8.3, built with Go 1.24, whose sha256 uses the
+# CPU's SHA extensions: half the registry's CPU per byte stored), for benches
+# that compare it with Debian 12's: prepare.sh puts it in
+# /opt/gpusnap/registry-trixie, a folder to put first on PATH.
+if [ ! -f "$DIR/bench/registry-trixie.tar.zst" ]; then
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download -q docker-registry/trixie >/dev/null 2>&1 \
+     && dpkg -x docker-registry_*.deb root)
+  tar -C "$tmp/root/usr/bin" -cf - docker-registry | zstd -q -19 -T0 -o "$DIR/bench/registry-trixie.tar.zst"
+  rm -rf "$tmp"
+fi
 VENV_PIP=${GPUSNAP_VENV:-/opt/gpusnap/venv}/bin/pip
 versions=$("$VENV_PIP" list --format=freeze 2>/dev/null | grep -iE '^(grpcio|grpcio-tools|protobuf)==')
 pip download -q --only-binary=:all: --no-deps --python-version 3.12 \

@@ -111,6 +111,10 @@ fi
 for tools in "$BUNDLE/bin/tools.tar.zst" "$BUNDLE/bench/tools.tar.zst"; do
   [ -f "$tools" ] && zstd -dcq --long=27 "$tools" | tar -C /usr/local/bin -xf -
 done
+if [ -f "$BUNDLE/bench/registry-trixie.tar.zst" ]; then  # make-bundle.sh says why
+  mkdir -p /opt/gpusnap/registry-trixie
+  zstd -dcq "$BUNDLE/bench/registry-trixie.tar.zst" | tar -C /opt/gpusnap/registry-trixie -xf -
+fi
 mkdir -p /opt/gpusnap/pylib
 for whl in "$BUNDLE"/wheels/*.whl "$BUNDLE"/bench/wheels/*.whl "$BUNDLE"/pytest/*.whl; do
   [ -f "$whl" ] && "$TORCH_PY" -m zipfile -e "$whl" /opt/gpusnap/pylib
