@@ -285,10 +285,10 @@ def serve(here: Path, watched: int, agent: _Agent) -> None:
                     return  # pre-restore would have started no agent: later steps are Python's
                 deadline = time.monotonic() + LIFETIME_S
     finally:
-        agent.children.reap_all()
         os.close(watched)
         os.close(fd)
         shutil.rmtree(here, ignore_errors=True)
+        agent.children.kill_all()  # by now long done (a read-ahead takes ~0.1 s), or hung
 
 
 def _held_turn(args: list[str]) -> tuple[int, int] | None:

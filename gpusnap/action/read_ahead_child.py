@@ -28,6 +28,10 @@ def start(folder: Path) -> int | None:
     if pid == 0:  # the child: never back into the caller's code
         code = 1
         try:
+            # none of the caller's files (an agent's restore turn is an flock
+            # this copy would hold), and an end of its own should nobody reap it
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+            signal.alarm(int(READ_AHEAD_WAIT_S) + 1)
             read_ahead(folder)
             code = 0
         except BaseException:  # noqa: BLE001 -- a hint that failed: the step goes on
@@ -37,13 +41,12 @@ def start(folder: Path) -> int | None:
     return pid
 
 
-def reap(pid: int, wait: float | None = None) -> None:
+def reap(pid: int) -> None:
     """Wait for the read-ahead child; one that hangs (a mount that does not answer)
-    is killed after ``wait`` seconds (READ_AHEAD_WAIT_S): it only ever gave hints.
-    One that not even SIGKILL ends at once (uninterruptible I/O) is left after a
-    second more."""
+    is killed after READ_AHEAD_WAIT_S: it only ever gave hints. One that not even
+    SIGKILL ends at once (uninterruptible I/O) is left after a second more."""
     with contextlib.suppress(ChildProcessError):
-        if _waited(pid, READ_AHEAD_WAIT_S if wait is None else wait):
+        if _waited(pid, READ_AHEAD_WAIT_S):
             return
         os.kill(pid, signal.SIGKILL)
         ended = _waited(pid, 1.0)
@@ -52,13 +55,15 @@ def reap(pid: int, wait: float | None = None) -> None:
 
 
 class Later:
-    """Read-ahead children reaped after the step that started them, by a process
-    that is not CRIU's child (the agent: action/agent.py), so that CRIU's stop
-    ends without waiting for a hint. Each is reaped once it ends, or killed
-    READ_AHEAD_WAIT_S after it started."""
+    """Read-ahead children reaped after the step that handed them over, by a
+    process that is not CRIU's child (the agent: action/agent.py), so that
+    CRIU's stop ends without waiting for a hint. Never a blocking wait (the
+    agent's next step may be waiting): each is reaped once it ends, killed
+    READ_AHEAD_WAIT_S after it was handed over, and killed as the agent leaves."""
 
     def __init__(self) -> None:
         self._started: dict[int, float] = {}
+        self._killed: set[int] = set()
 
     def add(self, pid: int) -> None:
         self._started[pid] = time.monotonic()
@@ -67,21 +72,30 @@ class Later:
         return bool(self._started)
 
     def reap_ended(self) -> None:
-        """Reap those that ended; kill those past their time."""
+        """Reap those that ended; kill those past their time (reaped once they end)."""
         for pid, since in list(self._started.items()):
-            left = READ_AHEAD_WAIT_S - (time.monotonic() - since)
             try:
                 ended = os.waitpid(pid, os.WNOHANG) != (0, 0)
             except ChildProcessError:
                 ended = True
-            if ended or left <= 0:
-                if not ended:
-                    reap(pid, 0.0)
+            if ended:
                 del self._started[pid]
+                self._killed.discard(pid)
+            elif pid not in self._killed and time.monotonic() - since >= READ_AHEAD_WAIT_S:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                self._killed.add(pid)
+                journal.record("file-pages-not-read-ahead",
+                               error=f"stopped after {READ_AHEAD_WAIT_S:g} s")
 
-    def reap_all(self) -> None:
-        for pid, since in list(self._started.items()):
-            reap(pid, max(0.0, READ_AHEAD_WAIT_S - (time.monotonic() - since)))
+    def kill_all(self) -> None:
+        """Those still reading, killed: the agent leaves (its children then
+        are init's to reap)."""
+        for pid in self._started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
         self._started.clear()
 
 

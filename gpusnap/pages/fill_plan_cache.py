@@ -5,13 +5,15 @@ fill_plan's parse, plan and new images of a GPU process (~12,000 pagemap
 entries, thousands of memory areas) take most of pre-restore's time in CRIU's
 stop. So the plan and the images rewrite() wrote are kept under a key that
 hashes everything plan() and rewrite() read of the folder (each mm and pagemap
-image whole, the driver's staging record, the pages files' names) with the
-settings: a folder with the same key gets the same plan, its page files
-resolved in that folder. A folder with a ``parent`` is never kept (its runs
-lie in other folders), nor is a folder nothing was planned for.
+image whole, the driver's staging record, the pages files' names), the
+settings and the source of the modules that plan (a gpusnap upgraded without
+a reboot plans afresh): a folder with the same key gets the same plan, its
+page files resolved in that folder. A folder with a ``parent`` is never kept
+(its runs lie in other folders), nor is a folder nothing was planned for.
 
     <state>/fill-plans/<key>/
-      plan.json           the plan, each task's pages file by name
+      plan.json           the plan, each task's pages file by name, each
+                          image's sha256 (one cut short is never used)
       pagemap-<vpid>.img  the new images rewrite() wrote
       mm-<vpid>.img
 
@@ -21,6 +23,7 @@ Only ever a speed-up: what cannot be read or written here is planned afresh.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -28,7 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpusnap import __version__
 from gpusnap.gpu.staging import NAME as STAGING
 from gpusnap.pages.page_fill import Run
 from gpusnap.private import write_private
@@ -36,7 +38,10 @@ from gpusnap.private import write_private
 FOLDER = "fill-plans"  # in the state folder
 PLAN = "plan.json"
 KEEP = 8  # checkpoints whose replicas start here; older plans go
-FORMAT = 1  # raise when plan() or rewrite() changes what they make of the same images
+# what makes a plan of the images: a change to any of them is another key
+PLANNING = ("gpusnap.pages.fill_plan", "gpusnap.pages.fill_plan_cache", "gpusnap.pages.page_fill",
+            "gpusnap.criu.mm", "gpusnap.criu.pagemap", "gpusnap.criu.images",
+            "gpusnap.proto.wire", "gpusnap.gpu.staging")
 
 
 def key(folder: Path, settings: tuple) -> str | None:
@@ -50,7 +55,9 @@ def key(folder: Path, settings: tuple) -> str | None:
 
 
 def _hashed(folder: Path, settings: tuple) -> str:
-    h = hashlib.sha256(repr((FORMAT, __version__, settings)).encode())
+    h = hashlib.sha256(repr(settings).encode())
+    for module in PLANNING:
+        h.update(Path(importlib.import_module(module).__file__ or "").read_bytes())
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".img") and name != STAGING:
             continue
@@ -79,6 +86,8 @@ def load(root: Path, name: str, folder: Path) -> tuple[dict, dict[str, bytes]] |
         plan = {"tasks": runs(data["tasks"]), "mapped": runs(data["mapped"]),
                 "huge": {int(v): [(a, b) for a, b in areas] for v, areas in data["huge"].items()}}
         images = {n: (here / n).read_bytes() for n in data["images"]}
+        if any(hashlib.sha256(b).hexdigest() != data["images"][n] for n, b in images.items()):
+            return None  # cut short (a crash before it reached the disk): planned afresh
         os.utime(here)  # kept longest: the checkpoints replicas start from now
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -100,7 +109,8 @@ def store(root: Path, name: str, tasks: dict, huge: dict, mapped: dict,
             write_private(tmp / PLAN, json.dumps({
                 "tasks": table(tasks), "mapped": table(mapped),
                 "huge": {str(v): areas for v, areas in huge.items()},
-                "pages": {str(v): p for v, p in pages.items()}, "images": sorted(images)}))
+                "pages": {str(v): p for v, p in pages.items()},
+                "images": {n: hashlib.sha256(b).hexdigest() for n, b in images.items()}}))
             os.rename(tmp, root / name)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)  # kept already (another restore), or no room

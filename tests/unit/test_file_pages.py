@@ -185,10 +185,21 @@ def test_the_agents_pre_restore_answers_before_its_read_ahead_ends(tmp_path, mon
     hung = read_ahead_child.start(images)
     later.add(hung)
     time.sleep(1.1)
-    later.reap_ended()  # past its time: killed and reaped
+    started = time.monotonic()
+    later.reap_ended()  # past its time: killed, never waited for
+    assert time.monotonic() - started < 0.1
+    deadline = time.monotonic() + 10
+    while later.pending() and time.monotonic() < deadline:
+        time.sleep(0.02)
+        later.reap_ended()  # reaped once it has ended
     assert not later.pending()
     with pytest.raises(ChildProcessError):
         os.waitpid(hung, os.WNOHANG)
+    left = read_ahead_child.start(images)
+    later.add(left)
+    later.kill_all()  # the agent leaves: killed at once, not waited for
+    assert not later.pending()
+    os.waitpid(left, 0)
     assert [e["error"] for e in journal.read() if e["event"] == "file-pages-not-read-ahead"] \
         == ["stopped after 1 s"]
 

@@ -581,11 +581,17 @@ def test_a_kept_plan_that_cannot_be_read_is_planned_afresh(tmp_path):
     first, second = tmp_path / "r1", tmp_path / "r2"
     _dense_task(first, random.Random(15))
     memory = _dense_task(second, random.Random(15))
+    third = tmp_path / "r3"
+    _dense_task(third, random.Random(15))
     fill_plan.prepare(first, lambda p: None, cache=cache)
-    for kept in cache.iterdir():
-        (kept / fill_plan_cache.PLAN).write_text("{")
+    (kept,) = cache.iterdir()
+    image = kept / "pagemap-1.img"
+    image.write_bytes(image.read_bytes()[:-8])  # cut short, and still a pagemap that parses
     p = fill_plan.prepare(second, lambda p: None, cache=cache)
     assert p is not None and not p.kept and _restored(second, 1, p) == memory
+    (kept / fill_plan_cache.PLAN).write_text("{")
+    p = fill_plan.prepare(third, lambda p: None, cache=cache)
+    assert p is not None and not p.kept and _restored(third, 1, p) == memory
 
 
 def test_a_folder_with_a_parent_is_never_kept(tmp_path):
