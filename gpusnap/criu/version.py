@@ -57,12 +57,13 @@ def inet_sockets_problem(version: str | None, kernel: str | None = None) -> str 
             "(6.16 refuses it SO_PASSCRED on them; CRIU 4.2 asks only where it applies)")
 
 
-def require_supported(verb: str) -> str:
-    """The version of the criu runc will run (the first on PATH), or a one-line refusal.
+def require_supported(verb: str, version: str | None = None) -> str:
+    """The version of the criu runc will run (the first on PATH), or a one-line refusal;
+    ``version``: what criu_version() answered already (else asked here).
 
     Called before anything is touched: CRIU 3.x fails mid-dump on recent kernels.
     """
-    version = criu_version()
+    version = version or criu_version()
     if is_supported(version):
         return version
     path = shutil.which("criu")

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Collection
 
-from gpusnap.gpu.checks import read_host_facts, skip_from_env
+from gpusnap.gpu.checks import HostFacts, read_host_facts, skip_from_env
 from gpusnap.gpu.drm import DrmNodes, read_drm_nodes, sysfs_bdf
 from gpusnap.gpu.gpumap import GpuMap
 from gpusnap.gpu import inventory as gpu_inventory
@@ -42,18 +42,20 @@ def plan_on_host(manifest: Manifest | None, inventory: Inventory | None = None, 
                  gpu_map: GpuMap | None = None, remap: bool = True,
                  only_minors: Collection[int] | None = None,
                  skip: frozenset[str] | None = None, host_checks: bool = True,
+                 host: HostFacts | None = None,
                  sysfs: Path = Path("/sys")) -> Plan | list[Problem]:
     """The plan for restoring ``manifest`` here, or every problem that stops it.
 
     ``inventory``: the GPUs as already read (NVML, read here when None);
     ``skip``: GPUSNAP_SKIP_CHECKS when None; ``host_checks``: the CPU, kernel
-    and CRIU checks, which the hook leaves out since CRIU is restoring by then.
+    and CRIU checks, which the hook leaves out since CRIU is restoring by then;
+    ``host``: those facts as already read (read here when None).
     """
     inventory = inventory or gpu_inventory.read_inventory()
     topology = Topology(numa=read_numa([(g.uuid, g.pci_bus_id) for g in inventory.gpus
                                         if g.pci_bus_id], sysfs))
     return plan_restore(manifest, inventory, gpu_map=gpu_map,
-                        host=read_host_facts() if host_checks else None,
+                        host=(host or read_host_facts()) if host_checks else None,
                         topology=topology, drm=drm_nodes(inventory, sysfs),
                         skip=skip_from_env(os.environ) if skip is None else skip,
                         remap=remap, only_minors=only_minors)

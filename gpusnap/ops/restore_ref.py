@@ -24,6 +24,7 @@ from gpusnap.pages import pages_aside
 from gpusnap.criu.runtimes import require_gpu_restore, runs_action_script
 from gpusnap.criu.version import require_supported
 from gpusnap.errors import GpusnapError
+from gpusnap.gpu.checks import HostFacts, read_host_facts
 from gpusnap.gpu.inventory import Inventory, read_inventory
 from gpusnap.gpu.manifest import Manifest
 from gpusnap.oci import bundle as fmt
@@ -47,10 +48,12 @@ from gpusnap.trust.options import TrustOptions
 def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
                     facts: Callable[[], podman.HostFacts],
                     name_taken: Callable[[], bool] | None = None,
-                    inventory: Callable[[], Inventory] | None = None):
+                    inventory: Callable[[], Inventory] | None = None,
+                    host: Callable[[], HostFacts] | None = None):
     """What restore would refuse, refused before gigabytes are downloaded; the GPU
     plan. ``name_taken`` answers whether --name's container exists, ``inventory``
-    NVML's GPUs (both asked while the registry was)."""
+    NVML's GPUs, ``host`` the CRIU and kernel checks' facts (each asked while
+    the registry was)."""
     if remote.bundle.summary.get("engine", "podman") != "podman":  # containerd's: --to containerd://
         refuse_engine(remote.bundle.summary, str(remote.client.ref), "podman")
     if fmt.is_pre_checkpoint(remote.manifest) and not name:
@@ -67,6 +70,7 @@ def _restore_checks(remote: Remote, name: str | None, gpu_map: str | None,
                         str(remote.client.ref), "nothing was downloaded")
     return gpu_plan.plan_here(Manifest.from_dict(manifest) if manifest else None, gpu_map,
                               inventory=inventory() if inventory else None,
+                              host=host() if host else None,
                               refusal_hint="restore on a host with GPUs like the checkpoint's "
                                            "(`gpusnap inspect REF` lists them), or name targets "
                                            "with --gpu-map; nothing was downloaded")
@@ -106,7 +110,6 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     """Podman imports through a FIFO fed by the download as it arrives: the
     restore overlaps the download, and nothing is staged on disk. Podman's
     first ``opens`` opens get a tar of ``files`` (config.dump, spec.dump)."""
-    require_supported("restore")
     contents = archive_files.CheckpointContents(source=str(remote.client.ref), files=dict(files))
     target = name or (remote.bundle.summary.get("container") or {}).get("name")
     label = str(remote.client.ref)
@@ -245,7 +248,6 @@ def _restore_staged(remote: Remote, plan, name: str | None, keep: bool, tcp_esta
                     **kw) -> tuple[dict, dict]:
     """Pull into a staged plain tar, then import it under ``plan`` (made before
     the download, not again) as `gpusnap restore FILE` does."""
-    require_supported("restore")
     work = Path(tempfile.mkdtemp(prefix=PULL_PREFIX,
                                  dir=staging_dir(remote.bundle.total_bytes + (64 << 20))))
     archive = work / "checkpoint.tar"
@@ -276,22 +278,26 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     facts = facts or podman.ask_host_facts()
     if name_taken is None and name:
         name_taken = podman.in_background(podman.exists, name)
-    # NVML's first read takes a GPU host tens of milliseconds: beside the registry's
+    # NVML's first read takes a GPU host tens of milliseconds, `criu --version`
+    # (CRIU's own glibc, from a cold page cache) as long: both beside the registry's
     inventory = podman.in_background(read_inventory)
+    host = podman.in_background(read_host_facts)
     start = time.monotonic()
     try:
         cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
         remote = open_remote(ref_text, opts, trust, cache, pull)
         opened = time.monotonic()
-        plan = _restore_checks(remote, name, gpu_map, facts, name_taken, inventory)
+        plan = _restore_checks(remote, name, gpu_map, facts, name_taken, inventory, host)
     except BaseException:
-        # refused before the plan: NVML's read (bounded) ends before this process
-        # does, never cut off mid-call by the interpreter's exit
-        with suppress(BaseException):
-            inventory()
+        # refused before the plan: NVML's read and `criu --version` (each bounded)
+        # end before this process does, never cut off mid-call by its exit
+        for asked in (inventory, host):
+            with suppress(BaseException):
+                asked()
         raise
     if dry_run:
         return ops_restore.plan_report(str(remote.client.ref), plan)
+    require_supported("restore", host().criu_version)
     # what a restore spends before Podman starts, in its timeline (bench/coldstart.py);
     # ``before``: this process's start-up and options until the registry was asked
     age = procs.age_s(os.getpid())

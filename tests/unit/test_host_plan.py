@@ -64,3 +64,20 @@ def test_the_hooks_plan_for_a_plain_podman_restore_moves_the_drm_nodes(tmp_path,
     assert [mv.target.index for mv in plan.moves] == [1]
     assert NodeChange("/dev/dri/card1", "/dev/dri/card2", (226, 1), (226, 2)) in plan.remap.nodes
     assert plan.remap.unknown_drm == ()
+
+
+def test_host_facts_read_already_are_not_read_again(tmp_path, monkeypatch):
+    """`gpusnap restore REF` reads them (`criu --version`) beside the registry's
+    round trip: the plan and the CRIU check take that answer."""
+    from gpusnap.criu import version
+    from gpusnap.gpu import checks, host_plan
+
+    def again():
+        raise AssertionError("read again")
+    monkeypatch.setattr(host_plan, "read_host_facts", again)
+    monkeypatch.setattr(version, "criu_version", again)
+    facts = checks.HostFacts(arch="x86_64", kernel="6.18.44", criu_version="4.2.1")
+    plan = plan_on_host(_source(), inventory(gpu(1, UUID1)), skip=frozenset(), host=facts,
+                        sysfs=_sysfs(tmp_path))
+    assert isinstance(plan, Plan), [p.line for p in plan]
+    assert version.require_supported("restore", facts.criu_version) == "4.2.1"
