@@ -12,6 +12,7 @@ from gpusnap import archive, journal
 from gpusnap.criu.log import ended_early, first_error as criu_error
 from gpusnap.criu.runtimes import require_gpu_restore
 from gpusnap.criu.version import require_supported
+from gpusnap.gpu.checks import read_host_facts
 from gpusnap.criu import yard
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import DriverAhead
@@ -32,11 +33,12 @@ _NOT_HERE = ("restore on a host with GPUs like the checkpoint's (`gpusnap inspec
 
 
 def _plan(contents: archive.CheckpointContents, gpu_map: str | None, remap: bool) -> Plan:
-    require_supported("restore")
+    host = read_host_facts()  # `criu --version` once, for the CRIU check and the plan's
+    require_supported("restore", host.criu_version)
     manifest = contents.manifest
     runtime = (contents.json_file("config.dump") or {}).get("runtime") or podman.default_runtime()
     require_gpu_restore(runtime, manifest, contents.source, "nothing was changed")
-    return plan_here(manifest, gpu_map, remap=remap, refusal_hint=_NOT_HERE)
+    return plan_here(manifest, gpu_map, remap=remap, refusal_hint=_NOT_HERE, host=host)
 
 
 def _retarget(contents: archive.CheckpointContents,
