@@ -14,7 +14,6 @@ lowest RSS, but its page faults cost much more CPU (docs/benchmarks.md).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 _M_ARENA_MAX = -8  # malloc.h
 ARENAS = 1
@@ -28,7 +27,7 @@ def one_heap_for_all_threads() -> bool:
     if _done:
         return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)
         _done = bool(libc.mallopt(_M_ARENA_MAX, ARENAS))
     except (OSError, AttributeError):
         return False

@@ -20,7 +20,6 @@ byte arrived.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +50,8 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 def libc() -> ctypes.CDLL:
     """libc with process_vm_writev/readv (this module's fill, dump_ahead's read),
     mmap/munmap and memcmp declared for ctypes."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    # The libc this process has loaded: find_library("c") would run ldconfig -p.
+    libc = ctypes.CDLL(None, use_errno=True)
     for call in (libc.process_vm_writev, libc.process_vm_readv):
         call.restype = ctypes.c_ssize_t
         call.argtypes = [ctypes.c_int, ctypes.POINTER(IoVec), ctypes.c_ulong,
