@@ -11,7 +11,11 @@ touches none of it (as CRIU's premapped area is before the pages come).
 
 - ``self``: the target reads the file into its own memory with preadv, one
   thread (CRIU's way, without the rest of CRIU).
-- ``fill-T``: page_fill.fill with T threads from outside the process.
+- ``fill-T``: page_fill.fill with T threads from outside the process
+  (``fill-T-P``: in pieces of P MiB, else page_fill.PIECE).
+
+Every fill row also has the filling process's peak RSS over the fill
+(``peak_rss_mib``, VmHWM reset first): the pages file's pages it mapped.
 
 Every row checks 64 random pages of the target against the file. Root (to
 write another process's memory), and the memory for the file and the target.
@@ -75,6 +79,23 @@ def check(pid: int, path: Path, gib: int, base: int) -> None:
                 raise SystemExit(f"page_fill: page at offset {off:#x} differs")
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_rss() -> int:
+    """VmHWM set back to the RSS now (clear_refs 5); that RSS in KiB."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS")
+
+
+def _peak_rss_kib() -> int:
+    return _status_kib("VmHWM")
+
+
 def one(path: Path, gib: int, how: str, thp: int) -> dict:
     target = subprocess.Popen([sys.executable, "-c", TARGET, str(gib), str(thp)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -86,13 +107,19 @@ def one(path: Path, gib: int, how: str, thp: int) -> dict:
             target.stdin.write(f"read {path}\n")
             target.stdin.flush()
             seconds = float(target.stdout.readline())
+            peak = None
         else:
-            threads = int(how.split("-")[1])
-            page_fill.fill(target.pid, [page_fill.Run(base, gib << 30, str(path), 0)], threads)
+            parts = how.split("-")
+            piece = int(parts[2]) << 20 if len(parts) > 2 else page_fill.PIECE
+            rss0 = _reset_peak_rss()
+            t0 = time.monotonic()
+            page_fill.fill(target.pid, [page_fill.Run(base, gib << 30, str(path), 0)],
+                           int(parts[1]), piece)
             seconds = round(time.monotonic() - t0, 3)
+            peak = _peak_rss_kib() - rss0 >> 10
         check(target.pid, path, gib, base)
         return {"how": how, "gib": gib, "thp": thp, "seconds": seconds,
-                "gbps": round((gib << 30) / 1e9 / seconds, 2)}
+                "gbps": round((gib << 30) / 1e9 / seconds, 2), "peak_rss_mib": peak}
     finally:
         os.killpg(target.pid, signal.SIGKILL)
         target.wait()
@@ -101,7 +128,8 @@ def one(path: Path, gib: int, how: str, thp: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=int, default=16)
-    ap.add_argument("--threads", default="1,4,8,16")
+    ap.add_argument("--threads", default="1,4,8,16",
+                    help="T or T-P (P: MiB a call) for each fill row")
     ap.add_argument("--place", default="huge")
     ap.add_argument("--thp", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2)

@@ -44,6 +44,8 @@ class IoVec(ctypes.Structure):
 
 
 PROT_READ, PROT_WRITE, MAP_SHARED = 0x1, 0x2, 0x01
+MADV_DONTNEED = 4
+PAGE = os.sysconf("SC_PAGE_SIZE")
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -60,6 +62,7 @@ def libc() -> ctypes.CDLL:
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.memcmp.restype = ctypes.c_int
     libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     return libc
@@ -165,6 +168,17 @@ class _Files:
     def address(self, run: Run) -> int:
         return self.maps[run.path][0] + run.offset
 
+    def let_go(self, group: list[Run]) -> None:
+        """The group's pages out of this process's page tables once written (the
+        file keeps them): process_vm_writev maps every source page it copies, so
+        without this the filling process would end with the whole pages file
+        counted in its RSS, the first pick of the OOM killer in the middle of
+        a restore. At most a group per thread stays mapped."""
+        for run in group:
+            start = self.address(run)
+            aligned = start - start % PAGE
+            self.libc.madvise(aligned, start + run.length - aligned, MADV_DONTNEED)
+
     def close(self) -> None:
         for base, size in self.maps.values():
             if size:
@@ -209,6 +223,13 @@ def _write_group(libc: ctypes.CDLL, pid: int, files: _Files, group: list[Run]) -
     return total
 
 
+def _written(libc: ctypes.CDLL, pid: int, files: _Files, group: list[Run]) -> int:
+    try:
+        return _write_group(libc, pid, files, group)
+    finally:
+        files.let_go(group)
+
+
 def fill(pid: int, runs: Sequence[Run], threads: int, piece: int = PIECE) -> int:
     """Write every run into process ``pid``; the bytes written. Raises OSError
     (the first failure) when any byte could not be written: the process must
@@ -217,7 +238,7 @@ def fill(pid: int, runs: Sequence[Run], threads: int, piece: int = PIECE) -> int
     files = _Files(calls, runs)
     try:
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="page-fill") as pool:
-            return sum(pool.map(lambda g: _write_group(calls, pid, files, g), batches(runs, piece)))
+            return sum(pool.map(lambda g: _written(calls, pid, files, g), batches(runs, piece)))
     finally:
         files.close()
 

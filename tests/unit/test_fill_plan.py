@@ -323,6 +323,35 @@ def test_fill_writes_every_piece_at_its_address(tmp_path, child):
     assert _memory_of(proc.pid, base, size) == data
 
 
+def _status_kib(field: str) -> int:
+    line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def test_the_filling_process_maps_at_most_a_piece_per_thread_of_the_pages_file(tmp_path):
+    """process_vm_writev maps each source page it copies into the filling
+    process: kept, a whole pages file would count in its RSS (the OOM killer's
+    first pick, in the middle of a restore)."""
+    size = 32 << 20
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(size)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        base = int(proc.stdout.readline())
+        data = random.Random(9).randbytes(size)
+        src = tmp_path / "pages.img"
+        src.write_bytes(data)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM back to the RSS now
+        before = _status_kib("VmRSS")
+        assert page_fill.fill(proc.pid, [page_fill.Run(base, size, str(src), 0)], threads=1,
+                              piece=1 << 20) == size
+        assert _status_kib("VmHWM") - before < 8 << 10  # KiB: a 1 MiB piece and Python's own
+        assert _memory_of(proc.pid, base, size) == data
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_fill_into_memory_the_process_lacks_is_an_error(tmp_path, child):
     proc, base, size = child
     src = tmp_path / "pages.img"
