@@ -50,7 +50,7 @@ from pathlib import Path
 
 from gpusnap.criu import pagemap, pagescan
 from gpusnap.pages import kept_pages, same_pages
-from gpusnap.pages.page_fill import (PIECE, PROT_READ, PROT_WRITE, Run, default_threads, fill,
+from gpusnap.pages.page_fill import (PROT_READ, PROT_WRITE, Run, default_threads, fill,
                                     libc, map_shared, pieces, vm_reader)
 
 MIN_RUN = 1 << 20  # smaller new mappings stay with CRIU (the driver's own bookkeeping)
@@ -58,6 +58,7 @@ MIN_TOTAL = 256 << 20  # below this CRIU is about as quick as starting the threa
 PAGE = 4096
 PREFIX = ".ahead-"  # the runs' file in the push's folder, until it becomes a pages file
 READ_PIECE = 8 << 20  # mapped by one thread at a time: 16 threads hold at most 128 MiB
+COMPOSE_PIECE = 64 << 20  # one copy_file_range job of the compose: nothing mapped
 # Threads of the process that free its copy at once: one frees 36 GB of 4 KiB
 # pages in ~1.9 s (docs/benchmarks.md), all of it in the stop.
 DROP_THREADS = 8
@@ -464,8 +465,8 @@ def _assemble(moves, criu_pages: str, runs_path: str, target: str, size: int, in
                 done += got
             return None
 
-        split = [(fd, src + k, at + k, min(PIECE, n - k)) for fd, src, at, n in jobs
-                 for k in range(0, n, PIECE)]
+        split = [(fd, src + k, at + k, min(COMPOSE_PIECE, n - k)) for fd, src, at, n in jobs
+                 for k in range(0, n, COMPOSE_PIECE)]
         with ThreadPoolExecutor(max_workers=default_threads(), thread_name_prefix="compose") as pool:
             return [r for r in pool.map(copy, split) if r is not None]
     finally:
