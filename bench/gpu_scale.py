@@ -60,7 +60,9 @@ pages/prepared_pages.py, beside the source's pages and the job); scratch archive
 plain and local cases' archives) on --workdir: the disk, or with --stage-gib a
 tmpfs mounted there; each is deleted as soon as the next phase has it. The
 chunk caches: --cache-dir (put it on the disk where CRIU's pages should go to
-RAM: a cache on a tmpfs takes the memory memory.ram_dir looks for).
+RAM: a cache on a tmpfs takes the memory memory.ram_dir looks for). The
+registry: --registry (default Debian 13's build where prepare.sh put it), its
+version in every case's row.
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ from tests.integration.oci_registry import permissive_policy  # noqa: E402
 
 RAM = Path("/mnt/gpusnap-ram")
 DISK_REGISTRIES = Path("/var/lib/gpusnap-bench-registries")  # --ram-gib 0
+# Debian 13's docker-registry (2.8.3, Go 1.24), which tests/gpu/prepare.sh unpacks:
+# the registry a user runs today, not Debian 12's Go 1.19 build, which spends about
+# twice the CPU per byte stored and serves a pull at half the rate (docs/benchmarks.md).
+TRIXIE = "/opt/gpusnap/registry-trixie"
 SHM = {memory.HUGE_ENV: "0"}  # pages in RAM on /dev/shm, not gpusnap's huge-page tmpfs
 NO_AHEAD = {"GPUSNAP_DUMP_AHEAD": "0"}  # CRIU dumps the driver's copy itself (pages/dump_ahead.py)
 JOBS = Path(__file__).resolve().parent.parent / "tests" / "gpu" / "jobs.py"
@@ -386,6 +392,10 @@ def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpusnap-scale-", dir=args.workdir))
     cache = Path(args.cache_dir) / work.name if args.cache_dir else work / "cache"
     os.environ["GPUSNAP_POLICY"] = str(permissive_policy(work))
+    if args.registry:  # its docker-registry before the system's
+        os.environ["PATH"] = f"{args.registry}:{os.environ['PATH']}"
+    registry = _registry_version()
+    print(f"registry: {registry}", flush=True)
     registries = RAM if args.ram_gib else DISK_REGISTRIES
     registries.mkdir(parents=True, exist_ok=True)
     if args.ram_gib and not os.path.ismount(RAM):
@@ -408,11 +418,21 @@ def run(args) -> int:
                     except (SystemExit, Exception) as exc:  # the next case still runs
                         row = {"case": name, "failed": str(exc)[-3000:]}
                         print(f"{name}: FAILED {str(exc)[-1500:]}", flush=True)
+                    row["registry"] = registry
                     out.write_text(json.dumps(row, indent=2))
                     print(json.dumps(row), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _registry_version() -> str:
+    """The first docker-registry on PATH, as it names itself."""
+    path = shutil.which("docker-registry")
+    if path is None:
+        return "none"
+    out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.strip()
+    return f"{path}: {out}"
 
 
 def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path,
@@ -506,7 +526,7 @@ def start(args) -> int:
     cmd = [sys.executable, __file__, "run", "--results", args.results, "--sizes", args.sizes,
            "--jobs", args.jobs, "--pipelines", args.pipelines, "--workdir", args.workdir,
            "--ram-gib", str(args.ram_gib), "--stage-gib", str(args.stage_gib),
-           "--cache-dir", args.cache_dir] + (["--plain-train"] if args.plain_train else [])
+           "--cache-dir", args.cache_dir, "--registry", args.registry] + (["--plain-train"] if args.plain_train else [])
     log = open(results / "log.txt", "a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -644,6 +664,9 @@ def main() -> int:
                          "tmpfs would take the memory the pages in RAM need (pages/memory.py)")
     ap.add_argument("--stage-gib", type=int, default=0,
                     help="a tmpfs of this size on --workdir for the scratch archives (0: the disk)")
+    ap.add_argument("--registry", default=TRIXIE if os.path.isdir(TRIXIE) else "",
+                    help="a folder whose docker-registry the cases use (default: Debian 13's "
+                         "build where tests/gpu/prepare.sh put it; '' for the system's)")
     ap.add_argument("--seconds", type=float, default=540)
     ap.add_argument("--png")
     ap.add_argument("--timelines", action="store_true", help="report: what the machine did, per case")
