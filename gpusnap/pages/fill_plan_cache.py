@@ -87,9 +87,14 @@ def load(root: Path, name: str, folder: Path) -> tuple[dict, dict[str, bytes]] |
                 "huge": {int(v): [(a, b) for a, b in areas] for v, areas in data["huge"].items()}}
         images = {n: (here / n).read_bytes() for n in data["images"]}
         if any(hashlib.sha256(b).hexdigest() != data["images"][n] for n, b in images.items()):
-            return None  # cut short (a crash before it reached the disk): planned afresh
+            raise ValueError("a kept image differs from its hash")
         os.utime(here)  # kept longest: the checkpoints replicas start from now
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError, KeyError, TypeError):
+        # Cut short (a crash before it reached the disk) or damaged: planned afresh,
+        # and dropped, so that this plan's store can take its place.
+        shutil.rmtree(here, ignore_errors=True)
         return None
     return plan, images
 

@@ -10,9 +10,9 @@ stop (docs/benchmarks.md).
 Here the big runs are written by a pool of threads with process_vm_writev(2)
 while the restored tasks wait in CRIU's restorer (its post-restore step): the
 pages files are mapped read-only into this process and each thread hands the
-kernel a batch of runs (up to 64 MiB, one call), which it copies from the page
-cache to their addresses in the process (one copy, no buffers: the script's
-memory stays small). Which runs, and how CRIU is told to leave them alone, is
+kernel a batch of runs (up to 8 MiB, one call), which it copies from the page
+cache to their addresses in the process (one copy, no buffers), then drops
+those source pages from its own page tables (the RSS stays small). Which runs, and how CRIU is told to leave them alone, is
 fill_plan.py's part; this module only moves bytes, and checks that every
 byte arrived.
 """

@@ -621,6 +621,11 @@ def test_a_kept_plan_that_cannot_be_read_is_planned_afresh(tmp_path):
     (kept / fill_plan_cache.PLAN).write_text("{")
     p = fill_plan.prepare(third, lambda p: None, cache=cache)
     assert p is not None and not p.kept and _restored(third, 1, p) == memory
+    # each damaged entry was dropped and the fresh plan kept in its place
+    fourth = tmp_path / "r4"
+    _dense_task(fourth, random.Random(15))
+    p = fill_plan.prepare(fourth, lambda p: None, cache=cache)
+    assert p is not None and p.kept and _restored(fourth, 1, p) == memory
 
 
 def test_a_folder_with_a_parent_is_never_kept(tmp_path):
