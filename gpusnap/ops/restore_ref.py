@@ -126,18 +126,18 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     if prepared is not None and not prepared_pages.claim(prepared):
         prepared = None  # another restore took it: written anew
         journal.record("prepared-lost", ref=str(remote.client.ref))
-    if prepared is not None and not prepared.exact:
-        cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
-        prepared_pages.parent_plans(prepared, remote.bundle,
-                                    fetch_small(remote, prepared_pages.pagemaps(remote.bundle),
-                                                cache))
-    pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
-        if aside else None
-    agent = _early_agent(remote) if scripted else None
-    if agent is not None:  # the images name it: CRIU's pre-restore asks it
-        kw["edits"] = {**kw.get("edits", {}), **agent.member()}
-    kept, restored = None, False
-    try:
+    pages, agent, kept, restored = None, None, None, False
+    try:  # from the claim on, every way out releases it (finally)
+        if prepared is not None and not prepared.exact:
+            cache = ChunkCache.open(kw.get("cache_root")) if kw.get("use_cache", True) else None
+            prepared_pages.parent_plans(prepared, remote.bundle,
+                                        fetch_small(remote, prepared_pages.pagemaps(remote.bundle),
+                                                    cache))
+        pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
+            if aside else None
+        agent = _early_agent(remote) if scripted else None
+        if agent is not None:  # the images name it: CRIU's pre-restore asks it
+            kw["edits"] = {**kw.get("edits", {}), **agent.member()}
         # Leaving this stops the pump: a download blocked on the full pipe fails then.
         # The FIFO's folder is where doctor looks for what a killed CLI left.
         with tempfile.TemporaryDirectory(prefix=PULL_PREFIX, dir=fifo_dir()) as near, \

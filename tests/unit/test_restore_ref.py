@@ -32,3 +32,32 @@ def test_a_restore_refused_before_its_plan_lets_nvmls_read_end_first(monkeypatch
         restore_ref.restore("127.0.0.1:1/a/b:v1", None, False, False, RegistryOptions(),
                             facts=lambda: None, use_cache=False)
     assert ended == [True]
+
+
+def test_a_claimed_prepared_folder_is_let_go_where_the_restore_fails_before_podman(
+        tmp_path, monkeypatch):
+    """A patch's prepared folder is claimed (renamed to this restore's) before
+    the parent pagemaps are fetched: a registry gone at that moment must not
+    leave the claimed folder (GBs of RAM) where no eviction finds it."""
+    import types
+
+    from tests.unit.test_prepared_pages import SIZE, bundle, chunk, make_folder, pages, quarters
+
+    old = pages(quarters("a", "b", "c", "d"))
+    new = pages([*quarters("a", "b", "c"), chunk("e", SIZE // 4 + (1 << 20))])
+    make_folder(tmp_path, "pre", old)
+
+    def gone(*_a, **_k):
+        raise GpusnapError("cannot reach 127.0.0.1:1", "check the address")
+
+    monkeypatch.setattr(restore_ref, "runs_action_script", lambda runtime: True)
+    monkeypatch.setattr(restore_ref, "_restoring_runtime", lambda files, default: "runc")
+    monkeypatch.setattr(restore_ref.pages_aside, "enabled", lambda: True)
+    monkeypatch.setattr(restore_ref.prepared_pages, "roots", lambda graph_root=None: [tmp_path])
+    monkeypatch.setattr(restore_ref, "fetch_small", gone)
+    remote = types.SimpleNamespace(bundle=bundle(new), client=types.SimpleNamespace(ref="r/a:b"))
+    facts = types.SimpleNamespace(runtime="runc", graph_root=tmp_path)
+    with pytest.raises(GpusnapError, match="cannot reach"):
+        restore_ref._restore_streaming(remote, {}, 0, None, None, False, False, facts,
+                                       use_cache=False)
+    assert not list(tmp_path.glob("*claimed*"))
