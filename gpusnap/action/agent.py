@@ -66,6 +66,10 @@ from gpusnap.private import write_private
 
 LIFETIME_S = 3600.0
 HOOK_WAIT_S = 0.5  # for this agent's NVML read, as the hook's own Python waits for it
+# An NVML read older than this at CRIU's take is made again: the GPUs' memory may
+# have been taken while the restore downloaded. A replica's take comes within
+# a second of the CLI's start: it keeps the read it has.
+NVML_FRESH_S = 5.0
 
 
 class _Nvml:
@@ -73,18 +77,39 @@ class _Nvml:
     (gpusnap-hook reads it from the agent's folder, action/prestart.py
     agent_inventory): the hook's own first NVML read would add to the stop
     (docs/benchmarks.md). Written once both the read and the folder are there:
-    an agent the CLI started learns its folder when CRIU asks for pre-restore."""
+    an agent the CLI started learns its folder when CRIU asks for pre-restore.
+    The hook re-checks the restore's GPU plan against it, so a read made
+    before a long download is made again at the take (``fresh``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._read: gpu_inventory.Inventory | None = None
         self._here: Path | None = None
+        self._started = 0.0  # when the read that counts began
 
-    def read(self) -> None:
+    def read(self, started: float | None = None) -> None:
+        """A read (asked for at ``started``, else now); the one to write, unless a
+        later one is asked for meanwhile."""
+        with self._lock:
+            if started is None:
+                self._started = started = time.monotonic()
         inventory = gpu_inventory.read_inventory()
         with self._lock:
+            if started != self._started:
+                return  # a later read was asked for meanwhile: it is the one to write
             self._read = inventory
             self._write()
+
+    def fresh(self, within_s: float) -> None:
+        """Read again where the read that counts began over ``within_s`` ago
+        (in the background; the folder gets the new one when it ends)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._started <= within_s:
+                return
+            self._read, self._started = None, now
+        threading.Thread(target=self.read, args=(now,), name="gpusnap-agent-nvml",
+                         daemon=True).start()
 
     def into(self, here: Path) -> None:
         with self._lock:
@@ -225,6 +250,7 @@ def _take(request: str, early: Path, agent: _Agent) -> tuple[Path, int]:
         agent.criu_pid = criu_pid
         journal.record("agent-taken", criu_pid=criu_pid, by="agent")
         if agent.nvml is not None:
+            agent.nvml.fresh(NVML_FRESH_S)
             agent.nvml.into(here)
         os.environ.update({"CRTOOLS_SCRIPT_ACTION": "pre-restore", "CRTOOLS_IMAGE_DIR": image_dir})
         printed = io.StringIO()

@@ -528,3 +528,58 @@ def test_the_agent_waits_for_no_nvml_read_where_the_restore_holds_no_gpu_state(t
         raise AssertionError("NVML's read waited for")
 
     assert prestart.run_for_agent({"bundle": str(bundle)}, read) == prestart.NOT_HERE
+
+
+def test_an_nvml_read_made_before_a_long_download_is_made_again_at_the_take(
+        tmp_path, monkeypatch):
+    """runc's hook re-checks the restore's GPU plan against the agent's read: one
+    made as the CLI started, minutes of download before CRIU's take, would miss
+    the memory another job took meanwhile. A replica's take, within a second,
+    keeps its read; a slow earlier read never overwrites the later one."""
+    import threading
+
+    from gpusnap.gpu import inventory as gpu_inventory
+
+    reads, first_may_end = [], threading.Event()
+
+    def read_inventory():
+        n = len(reads) + 1
+        reads.append(n)
+        if n == 1:
+            first_may_end.wait(10)
+        return gpu_inventory.Inventory(error=f"read {n}")
+
+    monkeypatch.setattr(gpu_inventory, "read_inventory", read_inventory)
+    nvml = agent._Nvml()
+    slow = threading.Thread(target=nvml.read)
+    slow.start()
+    deadline = time.monotonic() + 10
+    while not reads:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    nvml.fresh(3600)  # a replica: the read under way counts
+    assert reads == [1]
+    nvml._started -= 3600  # as if it began an hour ago
+    here = tmp_path / "criu-folder"
+    nvml.fresh(5)
+    nvml.into(here)
+    no_read = here / agent_files.NO_INVENTORY
+    while not no_read.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert no_read.read_text() == "read 2"
+    first_may_end.set()
+    slow.join(10)
+    assert no_read.read_text() == "read 2"  # the older read, ending last, is dropped
+
+
+def test_a_replicas_take_writes_the_read_it_has(tmp_path, monkeypatch):
+    from gpusnap.gpu import inventory as gpu_inventory
+
+    monkeypatch.setattr(gpu_inventory, "read_inventory",
+                        lambda: gpu_inventory.Inventory(error="the only read"))
+    nvml = agent._Nvml()
+    nvml.read()
+    nvml.fresh(agent.NVML_FRESH_S)
+    nvml.into(tmp_path)
+    assert (tmp_path / agent_files.NO_INVENTORY).read_text() == "the only read"
