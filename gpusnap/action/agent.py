@@ -116,6 +116,12 @@ class _Nvml:
             self._here = here
             self._write()
 
+    def forget(self) -> None:
+        """The folder is about to go: a read ending later writes nowhere (it
+        would make the folder again, with only the read in it)."""
+        with self._lock:
+            self._here = None
+
     def _write(self) -> None:
         if self._read is None or self._here is None:
             return
@@ -262,7 +268,7 @@ def _take(request: str, early: Path, agent: _Agent) -> tuple[Path, int]:
                 print(f"gpusnap: pre-restore: {type(exc).__name__}: {exc}", file=sys.stderr)
                 code = 1
         if not agent.wanted:  # no later step is the agent's: never a folder runc's hook would ask
-            shutil.rmtree(here, ignore_errors=True)
+            _remove(here, agent)
         _send(reply, _answer_text(printed, code))
     except BaseException:
         os.close(watched)
@@ -270,9 +276,15 @@ def _take(request: str, early: Path, agent: _Agent) -> tuple[Path, int]:
             with contextlib.suppress(OSError):
                 os.rename(here / "requests", early / "requests")
         if made:
-            shutil.rmtree(here, ignore_errors=True)
+            _remove(here, agent)
         raise
     return here, watched
+
+
+def _remove(here: Path, agent: _Agent) -> None:
+    if agent.nvml is not None:
+        agent.nvml.forget()
+    shutil.rmtree(here, ignore_errors=True)
 
 
 def serve(here: Path, watched: int, agent: _Agent) -> None:
@@ -313,7 +325,7 @@ def serve(here: Path, watched: int, agent: _Agent) -> None:
     finally:
         os.close(watched)
         os.close(fd)
-        shutil.rmtree(here, ignore_errors=True)
+        _remove(here, agent)
         agent.children.kill_all()  # by now long done (a read-ahead takes ~0.1 s), or hung
 
 

@@ -76,6 +76,8 @@ def load(root: Path, name: str, folder: Path) -> tuple[dict, dict[str, bytes]] |
     fill_plan.Plan takes them, with runs in ``folder``'s pages files) and the
     new images by file name; None where none is kept or it cannot be read."""
     here = root / name
+    if not here.is_dir():
+        return None
     try:
         data = json.loads((here / PLAN).read_text())
         pages = {int(v): os.path.realpath(folder / p) for v, p in data["pages"].items()}
@@ -89,10 +91,8 @@ def load(root: Path, name: str, folder: Path) -> tuple[dict, dict[str, bytes]] |
         if any(hashlib.sha256(b).hexdigest() != data["images"][n] for n, b in images.items()):
             raise ValueError("a kept image differs from its hash")
         os.utime(here)  # kept longest: the checkpoints replicas start from now
-    except FileNotFoundError:
-        return None
     except (OSError, ValueError, KeyError, TypeError):
-        # Cut short (a crash before it reached the disk) or damaged: planned afresh,
+        # Cut short (a crash before it reached the disk), damaged or a file gone: planned afresh,
         # and dropped, so that this plan's store can take its place.
         shutil.rmtree(here, ignore_errors=True)
         return None

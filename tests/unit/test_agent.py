@@ -583,3 +583,22 @@ def test_a_replicas_take_writes_the_read_it_has(tmp_path, monkeypatch):
     nvml.fresh(agent.NVML_FRESH_S)
     nvml.into(tmp_path)
     assert (tmp_path / agent_files.NO_INVENTORY).read_text() == "the only read"
+
+
+def test_a_read_ending_after_the_folder_went_makes_no_folder(tmp_path, monkeypatch):
+    import threading
+
+    from gpusnap.gpu import inventory as gpu_inventory
+
+    may_end = threading.Event()
+    monkeypatch.setattr(gpu_inventory, "read_inventory",
+                        lambda: (may_end.wait(10), gpu_inventory.Inventory(error="late"))[1])
+    nvml = agent._Nvml()
+    reading = threading.Thread(target=nvml.read)
+    reading.start()
+    here = tmp_path / "criu-agent"
+    nvml.into(here)
+    nvml.forget()  # the agent removes its folder (no later step is its own, or it leaves)
+    may_end.set()
+    reading.join(10)
+    assert not here.exists()

@@ -626,6 +626,12 @@ def test_a_kept_plan_that_cannot_be_read_is_planned_afresh(tmp_path):
     _dense_task(fourth, random.Random(15))
     p = fill_plan.prepare(fourth, lambda p: None, cache=cache)
     assert p is not None and p.kept and _restored(fourth, 1, p) == memory
+    (kept / "pagemap-1.img").unlink()  # a kept image gone: the same
+    for n in (5, 6):
+        again = tmp_path / f"r{n}"
+        _dense_task(again, random.Random(15))
+        p = fill_plan.prepare(again, lambda p: None, cache=cache)
+        assert p is not None and p.kept is (n == 6) and _restored(again, 1, p) == memory
 
 
 def test_a_folder_with_a_parent_is_never_kept(tmp_path):
