@@ -99,8 +99,8 @@ from tests.integration.oci_registry import permissive_policy  # noqa: E402
 RAM = Path("/mnt/gpusnap-ram")
 DISK_REGISTRIES = Path("/var/lib/gpusnap-bench-registries")  # --ram-gib 0
 # Debian 13's docker-registry (2.8.3, Go 1.24), which tests/gpu/prepare.sh unpacks:
-# the registry a user runs today, not Debian 12's Go 1.19 build, which spends about
-# twice the CPU per byte stored and serves a pull at half the rate (docs/benchmarks.md).
+# a registry as users run it today; Debian 12's Go 1.19 build spends about twice the
+# CPU per byte stored (bench/ingest.py), on the cores the push shares with it here.
 TRIXIE = "/opt/gpusnap/registry-trixie"
 SHM = {memory.HUGE_ENV: "0"}  # pages in RAM on /dev/shm, not gpusnap's huge-page tmpfs
 NO_AHEAD = {"GPUSNAP_DUMP_AHEAD": "0"}  # CRIU dumps the driver's copy itself (pages/dump_ahead.py)
@@ -435,8 +435,24 @@ def _registry_version() -> str:
     return f"{path}: {out}"
 
 
+def _forget_pages() -> int:
+    """Pages an earlier case left on this host, removed: a restore keeps what it
+    wrote for the next replica, and a target that holds the job's pages from
+    the case before patches its download from them (454 MB fetched of 13.5 GB
+    at 16 GiB), which a migration to another host never does."""
+    from gpusnap.pages import kept_pages, prepared_pages
+
+    gone = [*prepared_pages.folders(), *kept_pages.folders()]
+    for folder in gone:
+        shutil.rmtree(folder, ignore_errors=True)
+    return len(gone)
+
+
 def one_case(size: float, kind: str, pipeline: str, work: Path, results: Path,
              cache: Path, registries: Path = RAM) -> dict:
+    forgot = _forget_pages()
+    if forgot:
+        print(f"  {forgot} folder(s) of pages an earlier case left removed", flush=True)
     reg = make_registry(registries / f"registry-{pipeline}") if pipeline != "local" else None
     job = Job(kind, size)
     print(f"  {job.name}: NVML shows {job.gpu_bytes / 2**30:.2f} GiB in use on GPU 0", flush=True)
