@@ -602,3 +602,35 @@ def test_a_read_ending_after_the_folder_went_makes_no_folder(tmp_path, monkeypat
     may_end.set()
     reading.join(10)
     assert not here.exists()
+
+
+def test_the_take_asks_for_a_fresh_read_where_the_agents_is_old(tmp_path, monkeypatch):
+    """The wiring of the two tests above: CRIU's take (pre-restore asked of the
+    agent the CLI started) renews a read older than NVML_FRESH_S before it
+    writes one into CRIU's folder."""
+    from gpusnap.gpu import inventory as gpu_inventory
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    for name in ("CRTOOLS_SCRIPT_ACTION", "CRTOOLS_IMAGE_DIR"):  # the take sets them
+        monkeypatch.delenv(name, raising=False)
+    reads = []
+    monkeypatch.setattr(gpu_inventory, "read_inventory",
+                        lambda: (reads.append(1),
+                                 gpu_inventory.Inventory(error=f"read {len(reads)}"))[1])
+    monkeypatch.setattr(agent.action, "run_step", lambda *a, **k: 0)
+    nvml = agent._Nvml()
+    nvml.read()
+    nvml._started -= 2 * agent.NVML_FRESH_S  # made as the CLI started, a download ago
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "requests").write_text("")
+    holder = agent._Agent(None, None, nvml)
+    holder.wanted = True
+    here, watched = agent._take(f"pre-restore {os.getpid()} {tmp_path / 'no-reply'} ", early,
+                                holder)
+    os.close(watched)
+    deadline = time.monotonic() + 10
+    while not (here / agent_files.NO_INVENTORY).exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert (here / agent_files.NO_INVENTORY).read_text() == "read 2"
