@@ -542,7 +542,8 @@ def start(args) -> int:
     cmd = [sys.executable, __file__, "run", "--results", args.results, "--sizes", args.sizes,
            "--jobs", args.jobs, "--pipelines", args.pipelines, "--workdir", args.workdir,
            "--ram-gib", str(args.ram_gib), "--stage-gib", str(args.stage_gib),
-           "--cache-dir", args.cache_dir, "--registry", args.registry] + (["--plain-train"] if args.plain_train else [])
+           "--cache-dir", args.cache_dir, "--registry", args.registry] \
+        + (["--plain-train"] if args.plain_train else [])
     log = open(results / "log.txt", "a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -12,9 +12,9 @@ while the restored tasks wait in CRIU's restorer (its post-restore step): the
 pages files are mapped read-only into this process and each thread hands the
 kernel a batch of runs (up to 8 MiB, one call), which it copies from the page
 cache to their addresses in the process (one copy, no buffers), then drops
-those source pages from its own page tables (the RSS stays small). Which runs, and how CRIU is told to leave them alone, is
-fill_plan.py's part; this module only moves bytes, and checks that every
-byte arrived.
+those source pages from its own page tables (the RSS stays small). Which
+runs, and how CRIU is told to leave them alone, is fill_plan.py's part; this
+module only moves bytes, and checks that every byte arrived.
 """
 
 from __future__ import annotations
