@@ -193,9 +193,10 @@ def check_without_hook(image_dir: str, criu_pid: int) -> None:
     hook makes under runc, made here before CRIU restores a task: GPUs that
     cannot take the checkpoint are refused, and so is a move onto other GPUs,
     which only the hook's live remap or `gpusnap restore` (a plan beside the
-    manifest) can make. GpusnapError says why."""
+    manifest, re-checked here as the hook re-checks it) can make. GpusnapError
+    says why."""
     folder = Path(image_dir) if image_dir else None
-    if folder is None or not (folder / MANIFEST_NAME).exists() or (folder / PLAN_NAME).exists():
+    if folder is None or not (folder / MANIFEST_NAME).exists():
         return
     if _runtime_of(criu_pid) != "crun":
         return

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpusnap import journal, requests
+from gpusnap import MANIFEST_NAME, PLAN_NAME, journal, requests
 from gpusnap.action import step_state
 from gpusnap.criu.version import criu_version, cuda_plugin_path
 from gpusnap.errors import GpusnapError
@@ -61,8 +61,10 @@ def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int) -> None:
         from gpusnap.pages import pages_aside  # pre-dump only: not every step's start-up
         pages_aside.drop_stale_parent(Path(image_dir))
     step_state.ahead(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
-    if image_dir:  # a folder Podman kept from an earlier dump: never its staging record
+    if image_dir:  # a folder Podman kept from an earlier dump: never its staging record,
         staging.forget(image_dir)
+        for name in (MANIFEST_NAME, PLAN_NAME):  # its GPU manifest or a restore's plan
+            (Path(image_dir) / name).unlink(missing_ok=True)  # (this dump writes its own)
     if _quiesced_before_the_pause(init_pid, image_dir):  # its client holds the turn
         return
     # The shim holds the task for its client, and an earlier try's guardian

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from gpusnap import MANIFEST_NAME, journal
 from gpusnap.action import agent_files
 from gpusnap.criu import dumped
+from gpusnap.errors import GpusnapError
 from gpusnap.private import write_private
 from gpusnap.runtime import kept_checkpoint
 
@@ -153,7 +154,11 @@ def run(state: dict, stage: str | None = None) -> int:
         kept_checkpoint.at_create(bundle)  # the state a failed restore kept is given up
     if not manifest_path.exists():
         return _act(state, spec, [], None, None)
-    return _act(state, spec, *plan_for_restore(manifest_path, spec))
+    try:
+        planned = plan_for_restore(manifest_path, spec)
+    except GpusnapError as exc:  # a manifest, plan or io.gpusnap.gpu-map it cannot read:
+        planned = ([exc.message], None, None)  # refused, never let by unchecked
+    return _act(state, spec, *planned)
 
 
 def run_for_agent(state: dict, read: "Callable[[], Inventory | None]",

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from gpusnap import PLAN_NAME
+from gpusnap.errors import GpusnapError
 from gpusnap.gpu import inventory as gpu_inventory
 from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION, parse_gpu_map
 from gpusnap.gpu.inventory import Inventory
@@ -32,7 +33,12 @@ def plan_restore_here(manifest_path: Path, spec: dict, inventory: Inventory | No
     inventory = inventory or gpu_inventory.read_inventory()
     plan_path = manifest_path.with_name(PLAN_NAME)
     if plan_path.exists():  # the plan `gpusnap restore` made: checked, not made again
-        pinned = Plan.from_dict(json.loads(plan_path.read_text()))
+        try:
+            pinned = Plan.from_dict(json.loads(plan_path.read_text()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise GpusnapError(f"the checkpoint's {PLAN_NAME} is not a GPU plan gpusnap can "
+                               f"read ({type(exc).__name__}: {exc})",
+                               "restore it with `gpusnap restore`, which plans it again") from None
         return [p.line for p in recheck(pinned, manifest, inventory)], None
     annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
     # as `gpusnap restore` plans (DRM and NUMA nodes), less the CPU, kernel and CRIU

@@ -5,7 +5,9 @@ setup-namespaces step), with the container state on stdin, and the stage as
 argument (`gpusnap-hook prestart|poststop`); the work is gpusnap/action/prestart.py's.
 The hook must never stop a container that gpusnap has nothing to say about:
 any unexpected failure exits 0 after a note in the journal; only a restore
-onto GPUs that cannot take the checkpoint fails.
+onto GPUs that cannot take the checkpoint fails, and so does one whose GPU
+manifest, plan or io.gpusnap.gpu-map annotation cannot be read (its GPUs
+cannot be checked, and its post-resume would fail on them after CRIU's work).
 """
 
 from __future__ import annotations

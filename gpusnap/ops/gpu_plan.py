@@ -39,3 +39,12 @@ def plan_here(manifest: Manifest | None, gpu_map: str | GpuMap | None = None, *,
                            "nothing was changed")
     return result
 
+
+
+def carried(plan: Plan) -> bool:
+    """Whether ``plan`` goes with the checkpoint (checkpoint/gpusnap-plan.json) to
+    the OCI hook and CRIU's action script: every GPU checkpoint's, moved or not.
+    Where none is carried they plan again, as for a plain `podman container
+    restore`: with other checks (not the ones this restore was told to skip)
+    and free to move the GPUs this plan kept."""
+    return bool(plan.moves)

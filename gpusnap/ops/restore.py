@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager
 
-from gpusnap import archive, journal
+from gpusnap import PLAN_NAME, archive, journal
 from gpusnap.criu.log import ended_early, first_error as criu_error
 from gpusnap.criu.runtimes import require_gpu_restore
 from gpusnap.criu.version import require_supported
@@ -18,10 +19,11 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.gpu.plan import Plan
 from gpusnap.ops.engines import refuse_engine
-from gpusnap.ops.gpu_plan import plan_here
+from gpusnap.ops.gpu_plan import carried, plan_here
 from gpusnap.ops.restore_check import OffTheGpu, gpu_report
 from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.partial import full_at
+from gpusnap.private import write_private
 from gpusnap.runtime import identity, kept_checkpoint, podman
 from gpusnap.runtime.retarget import edit_members
 from gpusnap.runtime.stream import (CONFIG_FILES, ImportStream, config_only_opens, config_tar,
@@ -44,15 +46,18 @@ def _plan(contents: archive.CheckpointContents, gpu_map: str | None, remap: bool
 def _retarget(contents: archive.CheckpointContents,
               plan: Plan) -> tuple[dict | None, dict[str, bytes]]:
     """What the import stream needs to move the devices: (the pump's retarget
-    spec, None where nothing moves; the archive's small files with config.dump
-    and spec.dump as the stream will carry them). Checked on the spec before
-    Podman is called, so a spec that cannot be moved is refused up front."""
-    if not plan.needs_remap:
+    spec, None for a checkpoint without GPUs; the archive's small files with
+    config.dump and spec.dump as the stream will carry them). Checked on the
+    spec before Podman is called, so a spec that cannot be moved is refused up
+    front. A plan that moves nothing is carried too: the OCI hook re-checks it
+    (with the checks this restore was told to skip) rather than planning anew."""
+    if not carried(plan):
         return None, contents.files
     for name in CONFIG_FILES:
-        if name not in contents.files:
+        if plan.needs_remap and name not in contents.files:
             raise GpusnapError(f"{contents.source} has no {name}; its devices cannot be moved")
-    moved = edit_members({name: contents.files[name] for name in CONFIG_FILES}, plan.remap, None)
+    moved = edit_members({name: contents.files[name] for name in CONFIG_FILES
+                          if name in contents.files}, plan.remap, None)
     return {"remap": plan.remap.to_dict(), "plan": plan.to_dict()}, {**contents.files, **moved}
 
 
@@ -130,7 +135,7 @@ def run(source: str, name: str | None, keep: bool, tcp_established: bool,
         _put_back(ctr, kept)
     elif kept:  # never newer than the one in place
         kept_checkpoint.drop(ctr.userdata, "a checkpoint in place")
-    return restore_local(source, contents, plan, keep, tcp_established)
+    return restore_local(source, contents, plan, keep, tcp_established, ctr.userdata)
 
 
 def _off_the_gpu_hint(ctr: podman.Container) -> str:
@@ -162,19 +167,23 @@ def _put_back(ctr: podman.Container, kept: dict) -> None:
 
 
 def restore_local(source: str, contents: archive.CheckpointContents, plan: Plan, keep: bool,
-                  tcp_established: bool) -> dict:
+                  tcp_established: bool, userdata: Path | None = None) -> dict:
     """Podman's restore of a container's own checkpoint, checked. Podman drops
     that checkpoint as soon as CRIU is done, before the driver may refuse the GPU
     state for good: a GPU checkpoint is kept until the check found it back."""
     hold = contents.manifest is not None and not keep
     start = time.monotonic()
     ahead = DriverAhead() if plan.moves else None
+    pinned = _pin_plan(userdata, plan)
     try:
         podman.restore(source, archive=False, name=None, keep=keep or hold,
                        tcp_established=tcp_established, size=sum(contents.sizes.values()))
     except GpusnapError as exc:  # the container stays, stopped, and with it CRIU's log
         why, hint = _with_criu_log(exc, _local_log(source), source)
         raise GpusnapError(why, hint) from None
+    finally:
+        if pinned is not None:  # never carried into a later checkpoint of this folder
+            pinned.unlink(missing_ok=True)
     seconds = time.monotonic() - start
     ctr = podman.inspect(source)
     if keep or hold:  # Podman kept its checkpoint: a copy a failed post-resume linked is not needed
@@ -194,6 +203,19 @@ def restore_local(source: str, contents: archive.CheckpointContents, plan: Plan,
     if hold:
         podman.drop_checkpoint(ctr)
     return result
+
+
+def _pin_plan(userdata: Path | None, plan: Plan) -> Path | None:
+    """The plan beside the manifest in Podman's own checkpoint folder, where the
+    OCI hook and CRIU's action script re-check it (gpu_plan.carried)."""
+    if userdata is None or not carried(plan):
+        return None
+    folder = userdata / "checkpoint"
+    try:
+        return write_private(folder / PLAN_NAME, json.dumps(plan.to_dict()))
+    except OSError as exc:
+        raise GpusnapError(f"cannot write the GPU plan into {folder} ({exc}); nothing was "
+                           "restored", "check that disk's free space") from None
 
 
 def import_file(path: Path, contents: archive.CheckpointContents, plan: Plan,

@@ -312,9 +312,10 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     head = _head_files(remote, plan, **kw) if opens else None
     if head is not None:  # Podman imports while the chunks arrive
         # Moved GPUs: the files that name devices, edited once here (a spec that
-        # cannot move is refused before Podman starts) and written in the stream.
+        # cannot move is refused before Podman starts) and written in the stream;
+        # with any GPU, the plan beside them (gpu_plan.carried says why).
         edits = retarget.edit_members(head, plan.remap, plan.to_dict()) \
-            if plan.needs_remap else {}
+            if gpu_plan.carried(plan) else {}
         files = {n: edits.get(n, head[n]) for n in stream_module.CONFIG_FILES}
         result, pulled = _restore_streaming(remote, files, opens, plan, name, keep,
                                             tcp_established, facts(), edits=edits, **kw)

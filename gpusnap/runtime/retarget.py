@@ -49,6 +49,8 @@ class _Editor:
         self.mounts_read = False  # CRIU's mount table seen: dev_image is known (or there is none)
 
     def wants(self, name: str) -> bool:
+        if self.remap.empty:  # a plan that moves nothing: carried, nothing edited
+            return False
         if self.mounts_read and name.startswith(_IMAGES + "tmpfs-"):
             return name == self.dev_image  # the mount table named /dev's: only that one
         return names_devices(name)
@@ -264,6 +266,9 @@ def _rewrite(src_path: Path, out: int, remap: DeviceRemap, plan: dict | None) ->
                 break
             raw, info = item
             name = _norm(info.name)
+            if plan is not None and name == _IMAGES + PLAN_NAME and info.isreg():
+                src.exact(_padded(info.size))  # an older restore's plan: this one replaces it
+                continue
             if plan_data is not None and name.startswith(_IMAGES):
                 like = tarfile.TarInfo()
                 like.mode, like.mtime = 0o600, info.mtime

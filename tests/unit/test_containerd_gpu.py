@@ -226,6 +226,24 @@ def test_pre_dump_writes_the_manifest_the_client_built_and_quiesces_nothing(tmp_
     assert requests.bound(INIT, requests.QUIESCED) == {}  # taken: the client knows it was seen
 
 
+def test_a_dump_into_a_kept_folder_carries_neither_its_old_manifest_nor_a_restores_plan(
+        tmp_path, monkeypatch):
+    # Podman dumps again into a checkpoint folder it kept (restore --keep): a
+    # container without GPU processes now must not export the old GPU manifest,
+    # nor any dump the plan an earlier `gpusnap restore` left beside it.
+    from gpusnap import PLAN_NAME
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(requests, "start_time", lambda pid: 1000)
+    monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [])
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / MANIFEST_NAME).write_text(json.dumps(_manifest()))
+    (images / PLAN_NAME).write_text('{"moves": []}')
+    action_dump.pre_dump(INIT, str(images), 9999)
+    assert not (images / MANIFEST_NAME).exists() and not (images / PLAN_NAME).exists()
+
+
 def test_pre_dump_refuses_a_process_that_took_the_gpu_after_the_client_quiesced(tmp_path,
                                                                                monkeypatch):
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))

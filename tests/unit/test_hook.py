@@ -235,10 +235,15 @@ def test_failing_gpu_inventory_lets_the_container_start(tmp_path, state_dir, mon
     assert "NVML exploded" in events("hook-error")[0]["error"]
 
 
-def test_malformed_manifest_does_not_block_the_restore(tmp_path, state_dir, host, monkeypatch):
+def test_a_malformed_manifest_refuses_the_restore_in_words(tmp_path, state_dir, host, monkeypatch,
+                                                           capsys):
+    # A GPU checkpoint whose GPUs cannot be checked is refused before CRIU
+    # restores anything; let by, its post-resume would fail on the same manifest
+    # with the processes left off the GPU.
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], {"schema": SCHEMA, "gpus": "all"})
-    assert run_main(monkeypatch, json.dumps(state(b))) == 0
-    assert "GPU manifest" in events("hook-error")[0]["error"]
+    assert run_main(monkeypatch, json.dumps(state(b))) == 1
+    assert "cannot restore here: GPU manifest: missing field(s)" in capsys.readouterr().err
+    assert "GPU manifest" in events("hook-refused-restore")[0]["problems"][0]
 
 
 def test_unwritable_state_dir_does_not_block(tmp_path, monkeypatch, host):
@@ -307,6 +312,44 @@ def test_restore_with_a_plan_checks_the_plans_targets(tmp_path, state_dir, monke
     stash = json.loads((state_dir / "restores" / "4242.json").read_text())
     assert stash["plan"]["moves"][0]["target"]["uuid"] == UUID1
     assert stash["spec"]["linux"]["devices"][0]["path"] == "/dev/nvidia1"
+
+
+def test_a_plan_that_moves_nothing_is_held_to_not_made_again(tmp_path, state_dir, monkeypatch,
+                                                             capsys):
+    # `gpusnap restore` planned GPU 0 to stay; GPU 0 filled up during its download.
+    # The hook re-checks that plan and refuses (the checkpoint is untouched, and
+    # the next `gpusnap restore` plans again): it does not move the container to
+    # GPU 1 behind the back of a restore that reported GPU 0.
+    from gpusnap.gpu.plan import plan_restore
+    from tests.unit.test_plan import manifest as plan_manifest
+
+    g0, g1 = gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1)
+    stay = plan_restore(plan_manifest(g0), inventory(g0, g1))
+    assert not isinstance(stay, list) and not stay.needs_remap and stay.moves
+    monkeypatch.setattr(inventory_module, "read_inventory",
+                        lambda: inventory(gpu(0, UUID0, minor=0, memory_used=80 << 30), g1))
+    man = manifest_for(UUID0)
+    man["gpus"][0].update(minor=0, memory_total=80 << 30, compute_capability="9.0",
+                          pci_bus_id=g0.pci_bus_id)
+    man["processes"] = [{"pid": 7, "comm": "train", "gpus": [UUID0], "gpu_memory": {UUID0: 8 << 30}}]
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], man)
+    (b / "checkpoint" / PLAN_NAME).write_text(json.dumps(stay.to_dict()))
+    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+    assert UUID0 in capsys.readouterr().err
+    assert not (state_dir / "restores" / "4242.json").exists()  # no move stashed
+
+
+def test_an_unreadable_gpu_map_annotation_refuses_the_restore(tmp_path, state_dir, monkeypatch,
+                                                              capsys):
+    g0, g1 = gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1)
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inventory(g0, g1))
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0))
+    spec = json.loads((b / "config.json").read_text())
+    spec["annotations"] = {GPU_MAP_ANNOTATION: "garbage"}
+    (b / "config.json").write_text(json.dumps(spec))
+    # let by, the restore would go ahead with none of its GPU checks made
+    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+    assert "cannot restore here:" in capsys.readouterr().err
 
 
 def test_the_gpu_map_annotation_pins_a_plain_restore(tmp_path, state_dir, monkeypatch, capsys):

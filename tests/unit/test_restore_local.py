@@ -99,3 +99,52 @@ def test_drop_checkpoint_removes_what_podman_would_and_nothing_else(tmp_path):
     podman.drop_checkpoint(_container(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
     podman.drop_checkpoint(_container(tmp_path))  # nothing left to drop: no error
+
+
+def test_the_plan_is_beside_the_manifest_while_podman_restores_and_gone_after(
+        stood_in, monkeypatch, tmp_path):
+    # The OCI hook and CRIU's action re-check the plan this restore made (with the
+    # checks it was told to skip) instead of planning anew; no later checkpoint
+    # of the folder carries it.
+    import json
+
+    from gpusnap import PLAN_NAME
+    from gpusnap.gpu.plan import plan_restore
+    from tests.unit.test_hook import UUID0, gpu, inventory
+    from tests.unit.test_plan import manifest as plan_manifest
+
+    g0 = gpu(0, UUID0, minor=0)
+    stay = plan_restore(plan_manifest(g0), inventory(g0))
+    assert not isinstance(stay, list) and stay.moves and not stay.needs_remap
+    (tmp_path / "checkpoint").mkdir()
+    seen = {}
+
+    def restore(source, **kw):
+        seen["plan"] = json.loads((tmp_path / "checkpoint" / PLAN_NAME).read_text())
+        if kw.get("fail"):
+            raise GpusnapError("CRIU failed")
+    monkeypatch.setattr(podman, "restore", restore)
+    ops_restore.restore_local("job", _contents(gpu=True), stay, keep=False,
+                              tcp_established=False, userdata=tmp_path)
+    assert seen["plan"] == stay.to_dict()
+    assert not (tmp_path / "checkpoint" / PLAN_NAME).exists()
+    monkeypatch.setattr(podman, "restore", lambda source, **kw: restore(source, fail=True))
+    monkeypatch.setattr(ops_restore, "_local_log", lambda source: None)
+    with pytest.raises(GpusnapError):
+        ops_restore.restore_local("job", _contents(gpu=True), stay, keep=False,
+                                  tcp_established=False, userdata=tmp_path)
+    assert not (tmp_path / "checkpoint" / PLAN_NAME).exists()
+
+
+def test_an_archive_restore_carries_a_plan_that_moves_nothing(tmp_path):
+    from gpusnap.gpu.plan import plan_restore
+    from tests.unit.test_hook import UUID0, gpu, inventory
+    from tests.unit.test_plan import manifest as plan_manifest
+
+    g0 = gpu(0, UUID0, minor=0)
+    stay = plan_restore(plan_manifest(g0), inventory(g0))
+    contents = SimpleNamespace(source="job.tar", files={"spec.dump": b"{}", "config.dump": b"{}"})
+    retarget, files = ops_restore._retarget(contents, stay)
+    assert retarget == {"remap": stay.remap.to_dict(), "plan": stay.to_dict()}
+    assert files == contents.files  # nothing edited
+    assert ops_restore._retarget(contents, Plan((), (), False)) == (None, contents.files)

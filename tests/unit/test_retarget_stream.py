@@ -62,3 +62,35 @@ def test_a_pax_path_record_names_the_member(tmp_path):
     with tarfile.open(fileobj=io.BytesIO(buf.read_bytes())) as tar:
         assert tar.getnames() == [long_name]
         assert tar.extractfile(long_name).read() == data
+
+
+def _member(name: str, data: bytes) -> bytes:
+    return _header(name, len(data)) + data + b"\0" * (-len(data) % BLOCK)
+
+
+def test_a_plan_that_moves_nothing_is_carried_with_every_member_as_it_was(tmp_path):
+    # spec.dump written as no JSON encoder would: any edit would show
+    spec = b'{"ociVersion":  "1.0.2", "linux": {"devices": [{"path": "/dev/nvidia0"}]}}'
+    src = tmp_path / "in.tar"
+    src.write_bytes(_member("spec.dump", spec) + _member("config.dump", b'{ "id": "x" }')
+                    + _member("checkpoint/gpusnap-plan.json", b'{"moves": ["an older one"]}')
+                    + _member("checkpoint/pages-1.img", b"p" * 600) + b"\0" * (2 * BLOCK))
+    out = tmp_path / "out.tar"
+    with open(out, "wb") as f:
+        rewrite_archive(src, f.fileno(), DeviceRemap(), {"moves": ["this restore's"]})
+    with tarfile.open(out) as tar:
+        assert tar.extractfile("spec.dump").read() == spec
+        assert tar.extractfile("config.dump").read() == b'{ "id": "x" }'
+        # one plan, this restore's: an older restore's never overwrites it on extraction
+        assert tar.getnames().count("checkpoint/gpusnap-plan.json") == 1
+        assert tar.extractfile("checkpoint/gpusnap-plan.json").read() == \
+            b'{"moves": ["this restore\'s"]}'
+        assert tar.extractfile("checkpoint/pages-1.img").read() == b"p" * 600
+
+
+def test_a_streamed_restore_that_moves_nothing_carries_only_its_plan():
+    from gpusnap.runtime.retarget import edit_members
+
+    head = {"spec.dump": b'{"ociVersion":  "1.0.2"}', "config.dump": b'{ "id": "x" }'}
+    assert edit_members(head, DeviceRemap(), {"moves": []}) == \
+        {"checkpoint/gpusnap-plan.json": b'{"moves": []}'}

@@ -133,7 +133,13 @@ def test_crun_restores_are_checked_in_pre_restore_runc_ones_by_the_hook(monkeypa
                         lambda path, spec: (["no NVIDIA GPU on this host"], None))
     with pytest.raises(GpusnapError, match="cannot restore here: no NVIDIA GPU"):
         action.check_without_hook(str(images), 1)
-    (images / PLAN_NAME).write_text("{}")  # `gpusnap restore` planned it: checked already
+    # `gpusnap restore`'s plan is re-checked here too, as runc's hook re-checks it:
+    # its GPU may have filled up while the restore downloaded
+    (images / PLAN_NAME).write_text("{}")
+    with pytest.raises(GpusnapError, match="cannot restore here: no NVIDIA GPU"):
+        action.check_without_hook(str(images), 1)
+    monkeypatch.setattr("gpusnap.gpu.bundle_plan.plan_restore_here",
+                        lambda path, spec: ([], None))  # the pinned plan holds
     action.check_without_hook(str(images), 1)
 
 
