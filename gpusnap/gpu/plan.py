@@ -487,8 +487,10 @@ def recheck(plan: Plan, manifest: Manifest, inventory: Inventory) -> list[Proble
     carried in the checkpoint) on this host now: its targets are held to, not
     chosen again, and the checks the plan's user skipped stay skipped."""
     pins = None
-    if plan.moves:
+    if plan.needs_remap:
         pins = parse_gpu_map(",".join(f"{m.source.uuid}={m.target.uuid}" for m in plan.moves))
-    result = plan_restore(manifest, inventory, gpu_map=pins,
+    # A plan that moves nothing is held to as a restore onto the checkpoint's own
+    # GPUs, and said so ("stays on its GPU, but ..."), not as a --gpu-map nobody gave.
+    result = plan_restore(manifest, inventory, gpu_map=pins, remap=plan.needs_remap,
                           skip=frozenset(p.check for p in plan.overridden))
     return result if isinstance(result, list) else []

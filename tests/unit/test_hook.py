@@ -335,7 +335,9 @@ def test_a_plan_that_moves_nothing_is_held_to_not_made_again(tmp_path, state_dir
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], man)
     (b / "checkpoint" / PLAN_NAME).write_text(json.dumps(stay.to_dict()))
     assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
-    assert UUID0 in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "GPU 0 of the checkpoint stays on its GPU, but GPU 0 here has" in said, said
+    assert "--gpu-map" not in said.split("(override")[0]  # the user gave none
     assert not (state_dir / "restores" / "4242.json").exists()  # no move stashed
 
 
