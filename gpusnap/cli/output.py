@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -109,15 +110,50 @@ def _one_line(fn: Callable, root: bool, interrupted: list[bool], *args, **kwargs
     except GpusnapError as exc:
         if interrupted:  # Ctrl-C reached the child (Podman) first: it failed of it
             raise KeyboardInterrupt from None
-        # A message may quote what a user typed (user:password@host/...) or a library said.
-        message, hint = redact(exc.message), redact(exc.hint) if exc.hint else exc.hint
-        if kwargs.get("as_json", False):
-            click.echo(json.dumps({"error": message, "hint": hint}))
-        else:
-            err_console.print(f"[bold red]Error:[/] {message}", soft_wrap=True)
-            if hint:
-                err_console.print(f"  [dim]->[/] {hint}", soft_wrap=True)
+        _say(exc.message, exc.hint, kwargs.get("as_json", False))
         sys.exit(exc.exit_code)
+    except OSError as exc:  # the host's refusal no step turned into words: still one line
+        if os.environ.get(DEBUG_ENV):
+            raise
+        _say(*_os_words(exc), kwargs.get("as_json", False))
+        sys.exit(1)
+    except Exception as exc:  # noqa: BLE001 -- a bug of gpusnap's: one line, the traceback on ask
+        if os.environ.get(DEBUG_ENV):
+            raise
+        _say(f"internal error: {type(exc).__name__}: {exc}",
+             f"this is a gpusnap bug: run it again with {DEBUG_ENV}=1 for the traceback and "
+             "report it; `gpusnap doctor` checks for anything left half done",
+             kwargs.get("as_json", False))
+        sys.exit(70)  # EX_SOFTWARE
+
+
+DEBUG_ENV = "GPUSNAP_DEBUG"
+
+
+def _say(message: str, hint: str | None, as_json: bool) -> None:
+    # A message may quote what a user typed (user:password@host/...) or a library said;
+    # a name with brackets in it is text, not rich's markup.
+    from rich.markup import escape  # start-up: only where there is an error to print
+
+    message, hint = redact(message), redact(hint) if hint else hint
+    if as_json:
+        click.echo(json.dumps({"error": message, "hint": hint}))
+    else:
+        err_console.print(f"[bold red]Error:[/] {escape(message)}", soft_wrap=True)
+        if hint:
+            err_console.print(f"  [dim]->[/] {escape(hint)}", soft_wrap=True)
+
+
+def _os_words(exc: OSError) -> tuple[str, str]:
+    what = exc.strerror or str(exc)
+    where = f": {exc.filename}" if exc.filename else ""
+    if exc.errno == errno.ENOSPC:
+        hint = "free space on that filesystem, then run the command again"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = "pick a path this user can write, or check its permissions"
+    else:
+        hint = "check that path, then run the command again"
+    return f"{what}{where}", f"{hint}; `gpusnap doctor` checks for anything left half done"
 
 
 def _note_interrupts() -> list[bool]:

@@ -82,6 +82,9 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
             raise GpusnapError(f"cannot export to {export_path}: {export_path.parent} does not exist")
         if not os.access(export_path.parent, os.W_OK):
             raise GpusnapError(f"cannot export to {export_path}: {export_path.parent} is not writable")
+        if export_path.is_dir():  # found out only after the dump otherwise: refused before it
+            raise GpusnapError(f"cannot export to {export_path}: it is a folder; the container "
+                               "keeps running", f"pass a file, e.g. {export_path / name}.tar.zst")
     cuda = cuda_processes(container.pid)
     gpu_bytes = 0
     if cuda and not runs_action_script(container.runtime) and cuda_plugin_path() is None:

@@ -278,6 +278,17 @@ def test_a_mistyped_container_is_named_before_the_registry_is_asked():
             registry.accept()
 
 
+def test_bad_paths_are_one_line_before_anything_is_done(counter, tmp_path):
+    # A folder as the export: found out after the dump until it was checked first.
+    res = run([GPUSNAP, "checkpoint", counter, "--export", str(tmp_path)])
+    assert_one_line_error(res, "it is a folder; the container keeps running",
+                          hint=f"pass a file, e.g. {tmp_path / counter}.tar.zst")
+    assert status(counter) == "running" and not list(tmp_path.iterdir())
+    # A name with brackets is said as typed (rich took "[/x]" for markup: a traceback).
+    res = run([GPUSNAP, "restore", str(tmp_path / "a[/x].tar")])
+    assert_one_line_error(res, f"no such file: {tmp_path}/a[/x].tar")
+
+
 def test_skipped_verification_is_announced_only_when_it_was_skipped(
         plain_registry, counter, tmp_path, also_removed):
     env = env_without_policy()  # nothing would be trusted: only the skip lets it through

@@ -1,0 +1,62 @@
+"""What reaches the user when a command fails: one line and what to do next,
+never a traceback, and on --json a JSON object (cli/output.py)."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from gpusnap.cli.output import handle_errors
+from gpusnap.errors import GpusnapError
+
+
+def _command(raises: BaseException):
+    @click.command()
+    @click.option("--json", "as_json", is_flag=True)
+    @handle_errors(root=False)
+    def cmd(as_json: bool) -> None:
+        raise raises
+    return cmd
+
+
+def _run(raises: BaseException, *args: str):
+    return CliRunner().invoke(_command(raises), list(args))
+
+
+def test_a_name_with_brackets_is_said_as_it_is_not_read_as_markup():
+    res = _run(GpusnapError("no such file: /tmp/a[/x].tar and [red]b.tar", "check [/dim]it"))
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert "no such file: /tmp/a[/x].tar and [red]b.tar" in res.output
+    assert "check [/dim]it" in res.output
+
+
+def test_an_oserror_no_step_worded_is_one_line_with_what_to_do():
+    res = _run(OSError(errno.ENOSPC, "No space left on device", "/var/tmp/x.partial"))
+    assert res.exit_code == 1
+    assert "No space left on device: /var/tmp/x.partial" in res.output
+    assert "free space on that filesystem" in res.output
+    res = _run(PermissionError(errno.EACCES, "Permission denied", "/sys/x.tar"), "--json")
+    said = json.loads(res.output)
+    assert said["error"] == "Permission denied: /sys/x.tar" and "permissions" in said["hint"]
+
+
+def test_a_bug_is_one_line_that_says_so_and_the_traceback_is_there_on_ask(monkeypatch):
+    res = _run(KeyError("processes"), "--json")
+    assert res.exit_code == 70
+    said = json.loads(res.output)
+    assert said["error"] == "internal error: KeyError: 'processes'"
+    assert "GPUSNAP_DEBUG=1" in said["hint"]
+    monkeypatch.setenv("GPUSNAP_DEBUG", "1")
+    res = _run(KeyError("processes"))
+    assert isinstance(res.exception, KeyError)
+
+
+def test_ctrl_c_is_not_taken_for_a_bug():
+    res = _run(KeyboardInterrupt())
+    assert res.exit_code == 130 and "Interrupted" in res.output
+    with pytest.raises(SystemExit):  # click's own exits pass through untouched
+        _command(SystemExit(3)).main([], standalone_mode=False)
