@@ -136,6 +136,10 @@ def _head_complete(contents: CheckpointContents, first: str | None) -> bool:
     return (first == MANIFEST_NAME and contents.is_podman_checkpoint)
 
 
+_NOT_AN_EXPORT = ("pass a file made by `podman container checkpoint --export` or `gpusnap "
+                  "checkpoint --export`")
+
+
 def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
     """Stream the archive once. ``head_only`` stops early where the archive
     allows it (then ``sizes`` is incomplete: for checks, not for inspect)."""
@@ -165,13 +169,20 @@ def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
                 extracted = stream.data(member)
                 if extracted is not None:
                     contents.files[name] = extracted.read()
+        if not stopped_early and first is not None and not stream.ended():
+            raise EOFError("it ends between two files, before the tar's end")
     except DamagedStream:
         raise GpusnapError(f"{path} is not a valid zstd archive",
                            "the file is damaged or truncated") from None
-    except (tarfile.TarError, EOFError, OSError) as exc:
+    except (EOFError, tarfile.ReadError) as exc:
+        if not isinstance(exc, EOFError) and "unexpected end" not in str(exc):
+            raise GpusnapError(f"{path} is not a readable checkpoint archive ({exc})",
+                               _NOT_AN_EXPORT) from None
+        raise GpusnapError(f"{path} is cut short ({exc}): a copy or an export that did not "
+                           "finish", "copy it again, or export the container again") from None
+    except (tarfile.TarError, OSError) as exc:
         raise GpusnapError(f"{path} is not a readable checkpoint archive ({exc})",
-                           "pass a file made by `podman container checkpoint --export` "
-                           "or `gpusnap checkpoint --export`") from None
+                           _NOT_AN_EXPORT) from None
     finally:
         # zstd's verdict wins over tarfile's: a cut stream is "damaged", not "not a checkpoint"
         if stream is not None and stream.close(read_to_end=not stopped_early):

@@ -158,6 +158,15 @@ class TarStream:
             return self.tar.extractfile(info)
         return _Member(self._forward, info.offset_data, info.size)  # type: ignore[return-value]
 
+    def ended(self) -> bool:
+        """Whether the tar's end (a zero block) was read after its last member:
+        to tarfile, a tar cut exactly between two members is complete, one short."""
+        if self._forward is not None:
+            read = self._forward.tell()
+        else:
+            read = self.tar.fileobj.pos  # type: ignore[union-attr]  # r|gz: tarfile's _Stream
+        return read >= self.tar.offset + tarfile.BLOCKSIZE
+
     def close(self, read_to_end: bool) -> str | None:
         """Close; returns the decompressor's complaint when the stream was read
         to the end and zstd failed (closing early makes it die of SIGPIPE: not one)."""

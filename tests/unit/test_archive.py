@@ -278,3 +278,28 @@ def test_malformed_manifest_in_an_archive_is_a_gpusnap_error(tmp_path: Path):
     with pytest.raises(GpusnapError) as info:
         contents.summary()
     assert info.value.message == f"{path}: GPU manifest: missing field(s) gpus"
+
+
+@pytest.mark.parametrize("pack", ["zstd", "gzip", "tar"])
+def test_an_archive_cut_between_two_files_is_said_to_be_cut_short(tmp_path: Path, userdata: Path,
+                                                                 pack: str):
+    # An interrupted copy that ends exactly after a member reads as a whole tar
+    # to tarfile, one file short: pushed, it became a checkpoint without its pages.
+    raw = tar_of_dir(userdata)
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        last = tar.getmembers()[-1]
+    cut = raw[:last.offset]  # everything before the last member's header
+    data = {"zstd": zstd, "gzip": gz, "tar": lambda b: b}[pack](cut)
+    path = write(tmp_path / f"cut.{pack}", data)
+    with pytest.raises(GpusnapError) as info:
+        archive.read(str(path))
+    assert info.value.message == (f"{path} is cut short (it ends between two files, before the "
+                                  "tar's end): a copy or an export that did not finish")
+    assert info.value.hint == "copy it again, or export the container again"
+
+
+def test_an_archive_cut_inside_a_file_is_said_to_be_cut_short(tmp_path: Path, userdata: Path):
+    data = gz(tar_of_dir(userdata))
+    path = write(tmp_path / "cut.tar.gz", data[:len(data) // 2])
+    with pytest.raises(GpusnapError, match=r"is cut short \(.*\): a copy or an export"):
+        archive.read(str(path))
