@@ -198,5 +198,10 @@ def read_archive(path: Path, head_only: bool = False) -> CheckpointContents:
 def read(source: str, head_only: bool = False) -> CheckpointContents:
     path = Path(source)
     if path.is_dir():
+        if not (path / "checkpoint").is_dir() and not (path / "inventory.img").is_file():
+            raise GpusnapError(f"{path} holds no checkpoint: neither a checkpoint/ folder "
+                               "(Podman's, containerd's) nor CRIU's inventory.img",
+                               "pass an exported archive, a folder of CRIU images or a "
+                               "checkpointed container's name")
         return read_directory(path)
     return read_archive(path, head_only)

@@ -15,7 +15,8 @@ _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REPO = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
 _TAG = re.compile(r"^[\w][\w.-]{0,127}$")
 _DIGEST = re.compile(r"^sha256:[a-f0-9]{64}$|^sha512:[a-f0-9]{128}$")
-_HOST = re.compile(r"^(?:\[[0-9a-fA-F:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)(?::\d+)?$")
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"  # no empty label: "a..b" is a typo
+_HOST = re.compile(rf"^(?:\[[0-9a-fA-F:.]+\]|{_LABEL}(?:\.{_LABEL})*)(?::(\d+))?$")
 FORM = "HOST[:PORT]/REPOSITORY[:TAG][@sha256:DIGEST]"
 
 
@@ -77,9 +78,13 @@ def parse(text: str) -> Reference:
     if digest and not _DIGEST.match(digest):
         raise GpusnapError(f"{bad}: bad digest {digest!r}", f"write it as {FORM}")
     host, slash, rest = name.partition("/")
-    if not slash or not _looks_like_host(host) or not _HOST.match(host):
+    matched = _HOST.match(host)
+    if not slash or not _looks_like_host(host) or not matched:
         raise GpusnapError(f"{bad}: it names no registry", f"write it as {FORM}, "
                            "e.g. registry.example.com:5000/ckpt/app:v1")
+    if matched[1] is not None and not 0 < int(matched[1]) < 65536:
+        raise GpusnapError(f"{bad}: port {matched[1]} is not a port (1-65535)",
+                           f"write it as {FORM}, e.g. registry.example.com:5000/ckpt/app:v1")
     tag = None
     last = rest.rsplit("/", 1)[-1]
     if ":" in last:

@@ -21,7 +21,7 @@ from gpusnap.oci import stall
 from gpusnap.waits import Bound
 from gpusnap.oci.auth import Credentials, find_credentials, parse_challenge
 from gpusnap.oci.lazy import need
-from gpusnap.oci.unreachable import socket_why
+from gpusnap.oci.unreachable import CUT_SHORT_HINT, socket_why, tls_misconfigured
 from gpusnap.oci.reference import Reference
 from gpusnap.oci.registry_options import RegistryOptions, tls_verify
 
@@ -123,13 +123,7 @@ class RegistryClient:
             self._session.close()
 
     def _tls_misconfigured(self, exc: Exception) -> bool:
-        """A TLS error that another try cannot fix (certificate, plain HTTP), as
-        opposed to a connection cut during a handshake or a read (a registry
-        that died: SSL EOF errors), which is retried like any cut connection."""
-        text = str(exc).lower()
-        return isinstance(exc, self._exc.SSLError) and any(
-            s in text for s in ("certificate verify failed", "wrong version number",
-                                "doesn't match", "unknown ca", "bad certificate"))
+        return isinstance(exc, self._exc.SSLError) and tls_misconfigured(str(exc))
 
     def _unreachable(self, exc: Exception) -> GpusnapError:
         text = str(exc)
@@ -152,6 +146,9 @@ class RegistryClient:
                                   "check HTTPS_PROXY / HTTP_PROXY and NO_PROXY")
         elif "Name or service not known" in text or "resolve" in text.lower():
             why = "unknown host"
+        elif isinstance(exc, self._exc.ChunkedEncodingError):  # reached; its answer ended early
+            return TransientError(f"registry {self.ref.registry} cut its answer short (after "
+                                  f"{self.opts.retries} tries)", CUT_SHORT_HINT)
         else:
             why = socket_why(text, self._timeout[1]) or type(exc).__name__
         return TransientError(f"cannot reach registry {self.ref.registry}: {why} "

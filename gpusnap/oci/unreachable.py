@@ -27,3 +27,16 @@ def socket_why(text: str, read_s: float) -> str | None:
         what = "connection" if bound and bound[1] == "connect" else "answer"
         return f"no {what} within {float(bound[2]) if bound else read_s:.0f} s"
     return next((why for cue, why in _SOCKET_WHYS if cue in low), None)
+
+
+CUT_SHORT_HINT = ("run the command again (what arrived is kept); should it repeat, look at the "
+                  "registry's log and at proxies between")
+
+
+def tls_misconfigured(text: str) -> bool:
+    """Whether an SSLError's ``text`` is one another try cannot fix (certificate,
+    plain HTTP), as opposed to a connection cut during a handshake or a read (a
+    registry that died: SSL EOF errors), which is retried like any cut connection."""
+    low = text.lower()
+    return any(s in low for s in ("certificate verify failed", "wrong version number",
+                                  "doesn't match", "unknown ca", "bad certificate"))

@@ -303,3 +303,9 @@ def test_an_archive_cut_inside_a_file_is_said_to_be_cut_short(tmp_path: Path, us
     path = write(tmp_path / "cut.tar.gz", data[:len(data) // 2])
     with pytest.raises(GpusnapError, match=r"is cut short \(.*\): a copy or an export"):
         archive.read(str(path))
+
+
+def test_a_folder_without_a_checkpoint_is_refused(tmp_path: Path):
+    (tmp_path / "notes.txt").write_text("x")  # inspected as "container: None", exit 0, before
+    with pytest.raises(GpusnapError, match=r"holds no checkpoint: neither a checkpoint/ folder"):
+        archive.read(str(tmp_path))

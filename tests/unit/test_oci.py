@@ -53,6 +53,9 @@ def test_a_source_that_names_a_registry_is_read_as_a_reference_even_when_malform
     ("reg.io/App:v1", "bad repository name"),
     ("reg.io/app:bad tag", "bad tag"),
     ("reg.io/app@sha256:xyz", "bad digest"),
+    ("registry..example.com/x/y:z", "names no registry"),  # urllib3's traceback before
+    ("127.0.0.1:99999/a/b:c", "port 99999 is not a port"),
+    ("127.0.0.1:0/a/b:c", "port 0 is not a port"),
 ])
 def test_reference_errors(text, why):
     with pytest.raises(GpusnapError, match=why):

@@ -50,3 +50,18 @@ def test_a_proxy_that_fails_is_named_as_the_proxy():
     assert err.message == ("cannot reach registry 127.0.0.1:5000 through the proxy: "
                            "no connection within 10 s")
     assert "HTTPS_PROXY" in err.hint
+
+
+def test_an_answer_cut_short_is_not_called_unreachable():
+    # The registry was reached and answered; the body ended before its length
+    # (urllib3's IncompleteRead, as requests gives it when streaming).
+    requests = pytest.importorskip("requests")
+    from gpusnap.oci.reference import parse
+    from gpusnap.oci.registry import RegistryClient
+    from gpusnap.oci.registry_options import RegistryOptions
+    client = RegistryClient(parse("127.0.0.1:5000/a/b:v1"), RegistryOptions(plain_http=True))
+    err = client._unreachable(requests.exceptions.ChunkedEncodingError(
+        "('Connection broken: IncompleteRead(1048576 bytes read, 3145728 more expected)', "
+        "IncompleteRead(1048576 bytes read, 3145728 more expected))"))
+    assert err.message.startswith("registry 127.0.0.1:5000 cut its answer short (after ")
+    assert "cannot reach" not in err.message and err.hint.startswith("run the command again")
