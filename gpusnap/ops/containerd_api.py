@@ -129,9 +129,13 @@ class Client:
         self.lease = lease
         try:
             yield lease
-        finally:
+        except BaseException:  # the block's failure is what the caller must see
             self.lease = ""
-            self.call("leases", "Leases", "Delete", id=lease)
+            with contextlib.suppress(ContainerdError):
+                self.call("leases", "Leases", "Delete", id=lease)
+            raise
+        self.lease = ""
+        self.call("leases", "Leases", "Delete", id=lease)
 
     # --- content -----------------------------------------------------------------
 

@@ -97,8 +97,8 @@ def checkpoint_container(c: Client, container_id: str, image: str, exit_after: b
     """`ctr c checkpoint --task --rw CONTAINER_ID IMAGE`: the running container checkpointed into a new image.
 
     As ctr: the task is paused while its read-write layer is diffed and CRIU
-    dumps it (its GPU quiesced before the pause: containerd_gpu.py), then stopped (EXIT_AFTER: runc's CheckpointOptions{exit}, which
-    runc.v2 and our shim honour) or resumed. The image holds the checkpoint
+    dumps it (its GPU quiesced before the pause: containerd_gpu.py), then stopped
+    (EXIT_AFTER; killed once the image exists: _checkpoint_paused) or resumed. The image holds the checkpoint
     until it is deleted, so a stopped container stays restorable from it
     whatever happens to a copy made from it (export_image).
     """
@@ -128,23 +128,35 @@ def checkpoint_container(c: Client, container_id: str, image: str, exit_after: b
 
 def _checkpoint_paused(c: Client, ctr: Any, container_id: str, image: str, exit_after: bool,
                        check: Callable[[], None] | None) -> None:
-    """Pause, the rw diff, the dump, ``check`` (before any image is made), the image, Resume."""
+    """Pause, the rw diff, the dump, ``check`` (before any image is made), the image,
+    (``exit_after``) the task killed, Resume.
+
+    The dump always leaves the task as it was, paused: `ctr c checkpoint --task`
+    dumps with runc's exit and makes its image after, so a check, an index or an
+    image that failed there lost the task and, its blobs held by the lease alone,
+    the checkpoint too. Here the task is killed only once its image holds the
+    checkpoint; any failure before that resumes it."""
     with c.leased():
         c.call("tasks", "Tasks", "Pause", container_id=container_id)
         try:
             rw = _rw_diff(c, ctr)
             descs = list(c.call("tasks", "Tasks", "Checkpoint", container_id=container_id,
                                 timeout=Bound.of("RUNC").seconds,  # the shim's runc checkpoint
-                                options=runc_checkpoint_options(exit_after)).descriptors)
+                                options=runc_checkpoint_options(False)).descriptors)
             if check is not None:
                 check()
             target = _write_checkpoint_index(c, ctr, descs + ([rw] if rw is not None else []))
             c.call("images", "Images", "Create", image=c.pb.images.Image(
                 name=image, target=target, labels={"containerd.io/checkpoint": "true"}))
+            if exit_after:  # paused, SIGKILL is all it gets: it dies as the Resume thaws it
+                c.call("tasks", "Tasks", "Kill", container_id=container_id, signal=9, all=True)
         finally:
             # As ctr's deferred Resume: a task that exited has none to do.
             with contextlib.suppress(ContainerdError):
                 c.call("tasks", "Tasks", "Resume", container_id=container_id)
+    if exit_after:  # stopped when this returns, as a dump with runc's exit leaves it
+        c.call("tasks", "Tasks", "Wait", container_id=container_id,
+               timeout=Bound.of("RUNC").seconds)
 
 
 def _write_checkpoint_index(c: Client, ctr: Any, descs: list[Any]) -> Any:

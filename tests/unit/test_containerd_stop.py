@@ -1,0 +1,63 @@
+"""`gpusnap push containerd://NS/CTR --stop`: the task is killed only once its
+checkpoint image exists; a failure before that resumes it (containerd_checkpoint.
+_checkpoint_paused). containerd is stood in for here; the whole push and stop
+runs against real containerd in tests/integration/test_shim_registry.py."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+
+from gpusnap.ops import containerd_checkpoint as cc
+from gpusnap.ops.containerd_api import ContainerdError
+
+
+class _Containerd:
+    def __init__(self, fail: str | None = None) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        self.fail = fail
+        self.pb = SimpleNamespace(images=SimpleNamespace(Image=lambda **kw: kw))
+
+    @contextlib.contextmanager
+    def leased(self):
+        yield "lease"
+
+    def call(self, module, service, method, **fields):
+        self.calls.append((method, fields))
+        if method == self.fail:
+            raise ContainerdError(f"{service}.{method}: failed")
+        if method == "Checkpoint":
+            return SimpleNamespace(descriptors=[])
+        return SimpleNamespace()
+
+    def methods(self) -> list[str]:
+        return [m for m, _ in self.calls]
+
+
+@pytest.fixture
+def stood_in(monkeypatch):
+    monkeypatch.setattr(cc, "_rw_diff", lambda c, ctr: None)
+    monkeypatch.setattr(cc, "_write_checkpoint_index", lambda c, ctr, descs: "index")
+    monkeypatch.setattr(cc, "runc_checkpoint_options", lambda exit_after: {"exit": exit_after})
+
+
+def test_a_stop_kills_the_task_only_after_its_image_exists(stood_in):
+    c = _Containerd()
+    cc._checkpoint_paused(c, None, "job", "ckpt:1", exit_after=True, check=None)
+    assert c.methods() == ["Pause", "Checkpoint", "Create", "Kill", "Resume", "Wait"]
+    assert dict(c.calls)["Checkpoint"]["options"] == {"exit": False}  # CRIU leaves it paused
+    assert dict(c.calls)["Kill"] == {"container_id": "job", "signal": 9, "all": True}
+
+
+@pytest.mark.parametrize("fail", ["check", "Create"])
+def test_a_failure_after_the_dump_resumes_the_task_instead_of_losing_it(stood_in, fail):
+    c = _Containerd(fail if fail != "check" else None)
+
+    def check():
+        if fail == "check":
+            raise ContainerdError("pre-dump never took the client's GPU manifest")
+    with pytest.raises(ContainerdError):
+        cc._checkpoint_paused(c, None, "job", "ckpt:1", exit_after=True, check=check)
+    assert "Kill" not in c.methods() and c.methods()[-1] == "Resume"
