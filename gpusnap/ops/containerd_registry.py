@@ -216,6 +216,9 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
                         "or name a running container") if container is None else \
                     f"free space in {work.parent}"
                 raise GpusnapError(f"{what}: {exc}", hint) from None
+            except OSError as exc:  # said with what is kept (below), as any failure once stopped
+                raise GpusnapError(f"{what}: cannot write {exc.filename or dest}: {exc.strerror}",
+                                   f"free space in {work.parent}") from None
             _record_origin(dest, loc.namespace, container)
         size = dir_size(dest)
         yield PushSource("containerd-container" if container else "containerd-image", dest, size,
@@ -339,6 +342,11 @@ def _import(plan: RestorePlan, src: Path, source: str, log_uri: str | None) -> d
             raise GpusnapError(f"restoring {plan.container} in namespace {plan.namespace} failed: "
                                f"{exc}", f"nothing was left there; {source} is unchanged (the "
                                "shim's log, in containerd's journal, says more)") from None
+        except OSError as exc:  # the tar of checkpoint/ beside SRC: a full disk, a read-only DIR
+            raise GpusnapError(f"restoring {plan.container} in namespace {plan.namespace} failed: "
+                               f"{exc.strerror}: {exc.filename or src.parent}",
+                               f"free space there (the restore writes a tar of {src} beside "
+                               f"it); {source} is unchanged") from None
     seconds = time.monotonic() - start
     try:
         gpu = restore_check.gpu_report(pid, plan=plan.gpu_plan)

@@ -61,3 +61,26 @@ def test_a_failure_after_the_dump_resumes_the_task_instead_of_losing_it(stood_in
     with pytest.raises(ContainerdError):
         cc._checkpoint_paused(c, None, "job", "ckpt:1", exit_after=True, check=check)
     assert "Kill" not in c.methods() and c.methods()[-1] == "Resume"
+
+
+def test_a_full_disk_under_a_containerd_restore_is_one_line(monkeypatch, tmp_path):
+    import errno
+
+    from gpusnap.errors import GpusnapError
+    from gpusnap.ops import containerd_registry as cr
+
+    @contextlib.contextmanager
+    def client(address, namespace):
+        yield None
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "checkpoint.tar"))
+    monkeypatch.setattr(cr, "_client", client)
+    monkeypatch.setattr(cr, "import_dir", full)
+    plan = SimpleNamespace(gpu_map=None, address="a", namespace="ns", container="job")
+    with pytest.raises(GpusnapError) as err:  # an OSError's traceback before
+        cr._import(plan, tmp_path / "checkpoint", "reg/x:v1", None)
+    assert err.value.message == (f"restoring job in namespace ns failed: No space left on "
+                                 f"device: {tmp_path / 'checkpoint.tar'}")
+    assert err.value.hint.startswith("free space there") and "reg/x:v1 is unchanged" in \
+        err.value.hint
