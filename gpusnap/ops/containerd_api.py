@@ -279,9 +279,13 @@ def start_task(c: Client, container_id: str, stdout: str = "", stderr: str = "",
     if ctr.snapshot_key:
         rootfs = list(c.call("snapshots", "Snapshots", "Mounts", snapshotter=ctr.snapshotter,
                              key=ctr.snapshot_key).mounts)
+    # A restore's Create unpacks the checkpoint and its Start is the shim's `runc
+    # restore`: bound as the shim bounds runc, or this side would give up (and
+    # undo) while the shim still restores
+    bound = Bound.of("RUNC").seconds if checkpoint is not None else 300
     pid = c.call("tasks", "Tasks", "Create", container_id=container_id, rootfs=rootfs, stdout=stdout,
-                 stderr=stderr, terminal=terminal, checkpoint=checkpoint).pid
-    return c.call("tasks", "Tasks", "Start", container_id=container_id).pid or pid
+                 stderr=stderr, terminal=terminal, checkpoint=checkpoint, timeout=bound).pid
+    return c.call("tasks", "Tasks", "Start", container_id=container_id, timeout=bound).pid or pid
 
 
 def restore_from_dir(c: Client, container_id: str, src: Path, stdout: str = "", stderr: str = "") -> int:

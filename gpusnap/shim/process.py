@@ -34,6 +34,7 @@ class Proc:
     io: ProcessIO | None = None
     pid: int = 0
     status: str = "created"  # created, running, paused, stopped
+    restoring: bool = False  # Start is restoring it (still "created" to containerd)
     exit_status: int = 0
     exited_at_ns: int = 0
     exited: threading.Event = field(default_factory=threading.Event)

@@ -7,6 +7,7 @@ exec's; a Create carrying a checkpoint restores (`runc restore`) at Start.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -233,10 +234,13 @@ class TaskService:
             raise precondition(str(e)) from None
         if edits is not None:
             remap.apply(c.bundle, c.checkpoint, edits)
+        p.restoring = True  # a Delete meanwhile would unmount the rootfs under CRIU
         try:
             runc.restore(c.id, c.bundle, c.pid_file(p), p.io.stdio, c.checkpoint, work, console, c.no_pivot,
                          c.parent_checkpoint)
         except BaseException:
+            with contextlib.suppress(RuncError):  # runc killed leaves its state: "exists" next time
+                runc.delete(c.id, force=True)
             if edits is not None:
                 remap.undo(c.bundle)
             # a CRIU killed late leaves its cgroup yard in `work`, which containerd's
@@ -245,6 +249,8 @@ class TaskService:
             from gpusnap.criu import yard
             yard.release(work)
             raise
+        finally:
+            p.restoring = False
         p.io.started()
         p.pid = read_pid(c.pid_file(p))
         self._watch(c, p)
@@ -283,7 +289,7 @@ class TaskService:
     def Delete(self, req, context):
         c = self._container(req.id)
         p = c.process(req.exec_id)
-        if p.status in ("running", "paused"):
+        if p.status in ("running", "paused") or p.restoring:  # restoring: CRIU reads its images
             raise precondition(f"cannot delete running process {p.id}")
         p.started.set()
         if p is c.init:

@@ -1,0 +1,94 @@
+"""shim/service.py: a task being restored (Start running `runc restore`) cannot
+be deleted under CRIU (its rootfs unmounted, its images removed), and a
+restore that failed leaves no runc state behind that would make the next
+restore into the same id fail with "exists". runc is stood in for; the shim's
+restores run against real containerd in tests/integration/test_shim*.py."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from gpusnap.shim import remap
+from gpusnap.shim.process import Container, Proc
+from gpusnap.shim.runc import RuncError
+from gpusnap.shim.service import TaskService
+from gpusnap.shim.stdio import Paths
+
+
+class Runc:
+    def __init__(self, fail: bool) -> None:
+        self.fail, self.calls = fail, []
+        self.restoring, self.go_on = threading.Event(), threading.Event()
+
+    def restore(self, cid, *args) -> None:
+        self.calls.append("restore")
+        self.restoring.set()
+        assert self.go_on.wait(10)
+        if self.fail:
+            raise RuncError("runc restore: criu failed")
+
+    def delete(self, cid: str, force: bool = False) -> None:
+        self.calls.append(f"delete force={force}")
+
+
+class Context:
+    def abort(self, code, details):
+        raise grpc.RpcError(f"{code}: {details}")
+
+
+class _IO:
+    stdio = None
+
+    def console_socket(self, bundle):
+        return None
+
+    def started(self) -> None:
+        pass
+
+    def wait(self, s) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_a_task_being_restored_is_not_deleted_and_a_failed_restore_leaves_no_runc_state(
+        tmp_path, monkeypatch, fail):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(remap, "plan_edits", lambda bundle, checkpoint: None)
+    svc = TaskService("ns", SimpleNamespace(publish=lambda e: None), None, lambda: None)
+    monkeypatch.setattr(svc, "_watch", lambda c, p: None)
+    (tmp_path / "init.pid").write_text("4242")
+    p = Proc(id="c1", paths=Paths(), io=_IO())  # type: ignore[arg-type]
+    svc.containers["c1"] = Container(id="c1", bundle=str(tmp_path), init=p,
+                                     checkpoint=str(tmp_path / "images"))
+    runc = Runc(fail)
+    svc.runcs["c1"] = runc  # type: ignore[assignment]
+    req = SimpleNamespace(id="c1", exec_id="")
+    started: list = []
+    start = threading.Thread(target=lambda: started.append(_try(svc.Start, req)))
+    start.start()
+    assert runc.restoring.wait(10)
+    with pytest.raises(grpc.RpcError, match="cannot delete running process c1"):
+        svc.Delete(req, Context())
+    assert "c1" in svc.containers
+    runc.go_on.set()
+    start.join(10)
+    if fail:
+        assert isinstance(started[0], Exception)
+        assert runc.calls == ["restore", "delete force=True"]  # runc's state gone with it
+        assert not p.restoring
+    else:
+        assert p.status == "running" and runc.calls == ["restore"]
+
+
+def _try(fn, req):
+    try:
+        return fn(req, Context())
+    except Exception as exc:  # noqa: BLE001 -- the test looks at it
+        return exc
