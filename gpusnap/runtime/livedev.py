@@ -8,6 +8,7 @@ child that joins the container's mount namespace.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.nodes import DeviceRemap
+from gpusnap.gpu.nodes import DeviceRemap, NodeChange
 from gpusnap.oci.spec.cgroup import remap_cgroup_rules
 from gpusnap.oci.spec.devices import remap_devices
 from gpusnap.runtime.devcgroup import DeviceAccess, container_rules, device_cgroup
@@ -84,14 +85,22 @@ def _swap_nodes(pid: int, pairs: list[tuple[str, str, tuple[int, int]]]) -> None
     """For each (old path, new path, new numbers): make the new node like the old one, drop the old."""
     def act() -> None:
         made = []
-        for old, new, (major, minor) in pairs:
-            st = os.stat(old, follow_symlinks=False)
-            if not stat.S_ISCHR(st.st_mode):
-                raise OSError(0, "not a character device", old)
-            tmp = f"{new}.gpusnap"
-            os.mknod(tmp, stat.S_IFCHR | stat.S_IMODE(st.st_mode), os.makedev(major, minor))
-            os.chown(tmp, st.st_uid, st.st_gid)
-            made.append((old, tmp, new))
+        try:
+            for old, new, (major, minor) in pairs:
+                st = os.stat(old, follow_symlinks=False)
+                if not stat.S_ISCHR(st.st_mode):
+                    raise OSError(0, "not a character device", old)
+                tmp = f"{new}.gpusnap"
+                with contextlib.suppress(FileNotFoundError):  # left by a move killed here
+                    os.unlink(tmp)
+                os.mknod(tmp, stat.S_IFCHR | stat.S_IMODE(st.st_mode), os.makedev(major, minor))
+                made.append((old, tmp, new))
+                os.chown(tmp, st.st_uid, st.st_gid)
+        except BaseException:  # nothing swapped yet: the container's /dev as it was
+            for _, tmp, _ in made:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            raise
         for old, tmp, new in made:  # all swaps at once: a swap 0<->1 stays one
             os.unlink(old)
         for old, tmp, new in made:
@@ -107,17 +116,18 @@ class LiveDevices:
     remap: DeviceRemap
     access: DeviceAccess
     spec_after: dict
+    nodes: tuple[NodeChange, ...] = ()  # the remap's nodes the container was given
     _applied: list[str] = field(default_factory=list)
 
     def apply(self) -> None:
         self.access.apply()
         self._applied.append("cgroup")
-        _swap_nodes(self.pid, [(n.old_path, n.new_path, n.new) for n in self.remap.nodes])
+        _swap_nodes(self.pid, [(n.old_path, n.new_path, n.new) for n in self.nodes])
         self._applied.append("nodes")
 
     def undo(self) -> None:
         if "nodes" in self._applied:
-            _swap_nodes(self.pid, [(n.new_path, n.old_path, n.old) for n in self.remap.nodes])
+            _swap_nodes(self.pid, [(n.new_path, n.old_path, n.old) for n in self.nodes])
         if "cgroup" in self._applied:
             self.access.undo()
         self._applied.clear()
@@ -131,4 +141,7 @@ def plan_live(pid: int, spec: dict, remap: DeviceRemap) -> LiveDevices:
     after = remap_cgroup_rules(remap_devices(spec, remap), remap)
     cgroup, version = device_cgroup(pid)
     access = DeviceAccess(pid, cgroup, version, container_rules(spec), container_rules(after))
-    return LiveDevices(pid, remap, access, after)
+    # A remap names every node of a moved GPU (its DRM card and render nodes where
+    # both hosts have them); a container given /dev/nvidiaN alone has only those.
+    given = {d.get("path") for d in (spec.get("linux") or {}).get("devices") or []}
+    return LiveDevices(pid, remap, access, after, tuple(n for n in remap.nodes if n.old_path in given))

@@ -38,14 +38,21 @@ def _numbers(name: str, path: str) -> list[str]:
     return podman("exec", name, "ls", "-l", path).stdout.split()[4:6]
 
 
-def test_live_device_move_and_undo_in_a_running_container(name):
+# As a GPU's move where both hosts have nvidia-drm: its DRM nodes too, which a
+# container given /dev/nvidiaN alone does not have (the move failed on them).
+WITH_DRM = DeviceRemap(nodes=KMSG_TO_LOOP.nodes + (
+    NodeChange("/dev/dri/card7", "/dev/dri/card8", (226, 7), (226, 8)),))
+
+
+@pytest.mark.parametrize("remap", [KMSG_TO_LOOP, WITH_DRM], ids=["node", "node-and-drm-not-given"])
+def test_live_device_move_and_undo_in_a_running_container(name, remap):
     podman("run", "-d", "--name", name, "--network", "none", "--device", "/dev/kmsg",
            DEMO_IMAGE, "sleep", "600")
     pid = int(podman("inspect", name, "--format", "{{.State.Pid}}").stdout)
     spec = json.loads(Path(podman("inspect", name, "--format", "{{.OCIConfigPath}}").stdout.strip())
                       .read_text())
     assert _opens(name, "/dev/kmsg")
-    live = plan_live(pid, spec, KMSG_TO_LOOP)
+    live = plan_live(pid, spec, remap)
     live.apply()
     try:
         assert _numbers(name, "/dev/loop-control") == ["10,", "237"]
@@ -62,6 +69,20 @@ def test_live_device_move_and_undo_in_a_running_container(name):
     assert podman("exec", name, "ls", "/dev/loop-control", check=False).returncode != 0
     _mknod(pid, "/tmp/new", 10, 237)
     assert not _opens(name, "/tmp/new")
+    assert podman("exec", name, "ls", "/dev/dri", check=False).returncode != 0  # none made
+
+
+def test_a_swap_that_fails_leaves_no_node_of_its_own(name):
+    podman("run", "-d", "--name", name, "--network", "none", "--device", "/dev/kmsg",
+           DEMO_IMAGE, "sleep", "600")
+    pid = int(podman("inspect", name, "--format", "{{.State.Pid}}").stdout)
+    from gpusnap.runtime.livedev import _swap_nodes
+    with pytest.raises(Exception):  # the second old node is no device: nothing swapped
+        _swap_nodes(pid, [("/dev/kmsg", "/dev/loop-control", (10, 237)),
+                          ("/etc/hostname", "/dev/other", (10, 238))])
+    listing = podman("exec", name, "ls", "-a", "/dev").stdout.split()
+    assert "kmsg" in listing and not [n for n in listing if n.endswith(".gpusnap")], listing
+    assert _numbers(name, "/dev/kmsg") == ["1,", "11"]
 
 
 @pytest.fixture
