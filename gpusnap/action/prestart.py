@@ -186,6 +186,21 @@ def run_for_agent(state: dict, read: "Callable[[], Inventory | None]",
     return _act(state, spec, problems, plan, seen)
 
 
+def _live_move_problem(spec: dict, plan: "Plan") -> str | None:
+    """Why the container's spec cannot take the planned move (post-resume makes it
+    from this spec), in words; None where it can."""
+    from gpusnap.oci.spec.cgroup import remap_cgroup_rules  # a planned move only
+    from gpusnap.oci.spec.devices import remap_devices
+    from gpusnap.oci.spec.errors import SpecError
+
+    try:
+        remap_cgroup_rules(remap_devices(spec, plan.remap), plan.remap)
+    except SpecError as exc:
+        return (f"its GPUs would move ({'; '.join(plan.describe())}), but the container's "
+                f"devices cannot: {exc.message}")
+    return None
+
+
 def _act(state: dict, spec: dict, problems: list[str], plan: "Plan | None",
          inventory: "Inventory | None") -> int:
     """A restore's verdict (refused: 1, its words on stderr; a move onto other GPUs
@@ -196,6 +211,9 @@ def _act(state: dict, spec: dict, problems: list[str], plan: "Plan | None",
         print("gpusnap: cannot restore here: " + "; ".join(problems), file=sys.stderr)
         return 1
     if plan is not None and plan.needs_remap:
+        problem = _live_move_problem(spec, plan)
+        if problem:  # found at post-resume, it left the processes off the GPU, nobody told
+            return _act(state, spec, [problem], None, inventory)
         stash_live_remap(int(state["pid"]), plan, spec)
         journal.record("restore-remap-planned", container=container_id, moves=plan.describe())
     devices = gpu_devices(spec)

@@ -341,6 +341,26 @@ def test_a_plan_that_moves_nothing_is_held_to_not_made_again(tmp_path, state_dir
     assert not (state_dir / "restores" / "4242.json").exists()  # no move stashed
 
 
+def test_a_live_move_the_containers_devices_cannot_take_is_refused_by_the_hook(
+        tmp_path, state_dir, monkeypatch, capsys):
+    # A container given both GPUs (--gpus all) whose GPU 0 is full: the hook plans
+    # 0->1, but its spec has /dev/nvidia1 already. Found at post-resume, the move
+    # failed there with the processes off the GPU and nobody told.
+    g1 = gpu(1, UUID1, minor=1)
+    monkeypatch.setattr(inventory_module, "read_inventory",
+                        lambda: inventory(gpu(0, UUID0, minor=0, memory_used=80 << 30), g1))
+    man = manifest_for(UUID0)
+    man["gpus"][0].update(minor=0, memory_total=80 << 30, compute_capability="9.0",
+                          pci_bus_id=gpu(0, UUID0, minor=0).pci_bus_id)
+    man["processes"] = [{"pid": 7, "comm": "train", "gpus": [UUID0], "gpu_memory": {UUID0: 8 << 30}}]
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0), dev("/dev/nvidia1", 1)], man)
+    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+    said = capsys.readouterr().err
+    assert "cannot restore here: its GPUs would move (GPU 0" in said, said
+    assert "but the container's devices cannot:" in said
+    assert not (state_dir / "restores" / "4242.json").exists()
+
+
 def test_an_unreadable_gpu_map_annotation_refuses_the_restore(tmp_path, state_dir, monkeypatch,
                                                               capsys):
     g0, g1 = gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1)
