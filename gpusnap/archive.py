@@ -35,10 +35,14 @@ class CheckpointContents:
         if raw is None:
             return None
         try:
-            return json.loads(raw)
-        except ValueError as exc:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
             raise GpusnapError(f"{self.source}: {name} is not valid JSON ({exc})",
-                               "the checkpoint is damaged: take it again") from exc
+                               "the checkpoint is damaged: take it again") from None
+        if not isinstance(data, dict):  # every reader takes it for an object
+            raise GpusnapError(f"{self.source}: {name} is JSON but not an object",
+                               "the checkpoint is damaged: take it again")
+        return data
 
     @property
     def manifest(self) -> Manifest | None:

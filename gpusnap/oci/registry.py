@@ -21,7 +21,8 @@ from gpusnap.oci import stall
 from gpusnap.waits import Bound
 from gpusnap.oci.auth import Credentials, find_credentials, parse_challenge
 from gpusnap.oci.lazy import need
-from gpusnap.oci.unreachable import CUT_SHORT_HINT, socket_why, tls_misconfigured
+from gpusnap.oci.unreachable import (CUT_SHORT_HINT, ITS_SIDE, NOT_IT, socket_why,
+                                     tls_misconfigured)
 from gpusnap.oci.reference import Reference
 from gpusnap.oci.registry_options import RegistryOptions, tls_verify
 
@@ -290,10 +291,11 @@ class RegistryClient:
     def ping(self) -> None:
         """Check reachability and credentials before any work is done."""
         resp = self.request("GET", f"{self.base}/v2/")
-        if resp.status_code == 404:
-            raise GpusnapError(f"{self.ref.registry} is not an OCI registry (no /v2/ API)")
+        if resp.status_code == 404:  # a web server on that port, or a typo in it
+            raise GpusnapError(f"{self.ref.registry} is not an OCI registry (no /v2/ API)", NOT_IT)
         if resp.status_code != 200:
-            raise GpusnapError(f"registry {self.ref.registry}: {_registry_error(resp)}")
+            raise GpusnapError(f"registry {self.ref.registry}: {_registry_error(resp)}",
+                               ITS_SIDE if resp.status_code >= 500 else NOT_IT)
         if "bearer" in (self._auth or "").lower():
             return
         # Basic registries accept /v2/ anonymously at times; a HEAD in the repository

@@ -29,6 +29,8 @@ def socket_why(text: str, read_s: float) -> str | None:
     return next((why for cue, why in _SOCKET_WHYS if cue in low), None)
 
 
+ITS_SIDE = "the registry failed on its side: try again, or look at its log"
+NOT_IT = "check the registry's HOST:PORT in the reference (and --plain-http for plain HTTP)"
 CUT_SHORT_HINT = ("run the command again (what arrived is kept); should it repeat, look at the "
                   "registry's log and at proxies between")
 

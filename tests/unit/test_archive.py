@@ -309,3 +309,12 @@ def test_a_folder_without_a_checkpoint_is_refused(tmp_path: Path):
     (tmp_path / "notes.txt").write_text("x")  # inspected as "container: None", exit 0, before
     with pytest.raises(GpusnapError, match=r"holds no checkpoint: neither a checkpoint/ folder"):
         archive.read(str(tmp_path))
+
+
+@pytest.mark.parametrize("data", [b"[1]", b"[" * 100000], ids=["a-list", "too-deep"])
+def test_a_config_of_the_wrong_shape_is_said_to_be_damaged(data: bytes):
+    contents = archive.CheckpointContents(source="x.tar", files={"config.dump": data})
+    with pytest.raises(GpusnapError) as info:  # AttributeError / RecursionError before
+        contents.json_file("config.dump")
+    assert info.value.message.startswith("x.tar: config.dump is ")
+    assert info.value.hint == "the checkpoint is damaged: take it again"

@@ -65,3 +65,33 @@ def test_an_answer_cut_short_is_not_called_unreachable():
         "IncompleteRead(1048576 bytes read, 3145728 more expected))"))
     assert err.message.startswith("registry 127.0.0.1:5000 cut its answer short (after ")
     assert "cannot reach" not in err.message and err.hint.startswith("run the command again")
+
+
+@pytest.mark.parametrize("status, hint", [(404, "HOST:PORT"), (502, "failed on its side")])
+def test_a_web_server_or_a_failing_registry_at_v2_says_what_to_do(status, hint):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from gpusnap.errors import GpusnapError
+    from gpusnap.oci.reference import parse
+    from gpusnap.oci.registry import RegistryClient
+    from gpusnap.oci.registry_options import RegistryOptions
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = RegistryClient(parse(f"127.0.0.1:{server.server_port}/a/b:v1"),
+                                RegistryOptions(plain_http=True, retries=1))
+        with pytest.raises(GpusnapError) as err:
+            client.ping()
+        assert err.value.hint and hint in err.value.hint  # none at all before
+    finally:
+        server.shutdown()
