@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import sys
 
 import click
 
@@ -66,8 +68,26 @@ def cli() -> None:
 
 def main() -> None:
     try:
-        cli(prog_name="gpusnap")
+        code = cli.main(prog_name="gpusnap", standalone_mode=False)
+    except click.ClickException as exc:  # a bad option or argument: click's words
+        _refused(exc)
+        code = exc.exit_code
+    except click.Abort:
+        click.echo("Aborted!", err=True)
+        code = 1
     except SystemExit as done:
         if done.code is None or isinstance(done.code, int):
             leave(done.code or 0)
         raise
+    leave(code if isinstance(code, int) else 0)
+
+
+def _refused(exc: click.ClickException) -> None:
+    """As click says it, or with --json as every error of gpusnap's: a JSON object."""
+    if "--json" not in sys.argv[1:]:
+        exc.show()
+        return
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None else "gpusnap"
+    click.echo(json.dumps({"error": exc.format_message(),
+                           "hint": f"`{where} --help` lists what it takes"}))

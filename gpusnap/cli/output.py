@@ -95,8 +95,12 @@ def handle_errors(fn: Callable | None = None, *, root: bool = True) -> Callable:
         try:  # a Ctrl-C anywhere in here, the report of an error included, is said so
             return _one_line(fn, root, interrupted, *args, **kwargs)
         except KeyboardInterrupt:
-            err_console.print("[bold red]Interrupted[/] (Ctrl-C). `gpusnap doctor` checks for "
-                              "anything left half done.")
+            if kwargs.get("as_json", False):
+                click.echo(json.dumps({"error": "interrupted (Ctrl-C)", "hint": "`gpusnap doctor` "
+                                       "checks for anything left half done"}))
+            else:
+                err_console.print("[bold red]Interrupted[/] (Ctrl-C). `gpusnap doctor` checks for "
+                                  "anything left half done.")
             sys.exit(130)
 
     return wrapper

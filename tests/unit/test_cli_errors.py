@@ -60,3 +60,27 @@ def test_ctrl_c_is_not_taken_for_a_bug():
     assert res.exit_code == 130 and "Interrupted" in res.output
     with pytest.raises(SystemExit):  # click's own exits pass through untouched
         _command(SystemExit(3)).main([], standalone_mode=False)
+
+
+def test_ctrl_c_with_json_is_a_json_object():
+    res = _run(KeyboardInterrupt(), "--json")
+    assert res.exit_code == 130
+    assert json.loads(res.output) == {"error": "interrupted (Ctrl-C)",
+                                      "hint": "`gpusnap doctor` checks for anything left half done"}
+
+
+def test_a_bad_option_value_with_json_is_a_json_object(monkeypatch, capsys):
+    from gpusnap.cli import main as cli_main
+
+    argv = ["gpusnap", "push", "/tmp/x", "127.0.0.1:5/a/b:c", "--compression-level", "0", "--json"]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit) as done:
+        cli_main.main()
+    assert done.value.code == 2  # click's code for a usage error, as before
+    said = json.loads(capsys.readouterr().out)
+    assert "'--compression-level': 0 is not in the range" in said["error"]
+    assert said["hint"] == "`gpusnap push --help` lists what it takes"
+    monkeypatch.setattr("sys.argv", argv[:-1])  # without --json: click's own words
+    with pytest.raises(SystemExit):
+        cli_main.main()
+    assert "Try 'gpusnap push --help' for help." in capsys.readouterr().err
