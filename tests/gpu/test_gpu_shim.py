@@ -210,6 +210,40 @@ def test_gpusnaps_own_checkpoint_keeps_a_cuda_task_paused_from_its_rw_diff_to_it
         _cleanup(c, ctr)
 
 
+def test_gpusnaps_stop_checkpoint_kills_a_cuda_task_only_once_its_image_exists(
+        containerd, tmp_path):
+    """`gpusnap push containerd://NS/CTR --stop`'s checkpoint: CRIU leaves the task
+    paused (its GPU quiesced before the pause), the image is made, and only then
+    is the task killed and thawed (a failure before that resumes it instead:
+    ops/containerd_checkpoint.py). It ends STOPPED, its GPU memory freed, and the
+    image restores it with every tensor equal."""
+    c = containerd
+    before = harness.gpu_memory_used(0)
+    ctr = _run_cuda(c, [0])
+    copy = f"{ctr.name}-copy"
+    image = f"gpusnap-test/{ctr.name}:stop"
+    try:
+        born, its = ctr.born(), ctr.iterations()
+        with Client(c.address, c.namespace) as api:
+            checkpoint_container(api, ctr.name, image, exit_after=True)
+            assert tasks(c)[ctr.name][1] == "STOPPED"  # when it returns, as runc's exit left it
+            export_image(api, image, tmp_path / "ck")
+        deadline = time.monotonic() + 30
+        while harness.gpu_memory_used(0) > before + (256 << 20) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert harness.gpu_memory_used(0) <= before + (256 << 20), "the killed task's GPU memory"
+        _cleanup_task(c, ctr.name)
+        (ctr.status / "w0").unlink()  # the copy's own count, not the source's last
+        with Client(c.address, c.namespace) as api:
+            import_dir(api, tmp_path / "ck", copy, stdout=f"file://{ctr.status}/out.log",
+                       stderr=f"file://{ctr.status}/out.log")
+        ctr.assert_restored(born, its)
+    finally:
+        _cleanup_task(c, copy)
+        c.ctr("images", "rm", image, check=False)
+        _cleanup(c, ctr)
+
+
 def test_a_cuda_task_checkpointed_in_nerdctls_order_and_left_running_gets_its_gpu_back(
         containerd, tmp_path):
     """nerdctl's and ctr's order: Pause, Checkpoint leaving the task running,
