@@ -380,15 +380,22 @@ def _case_name(size: float, kind: str, pipeline: str) -> str:
     return f"{size:g}gib-{kind}-{pipeline}"
 
 
+def _tmpfs(where: Path, gib: float) -> None:
+    """A tmpfs of ``gib`` at ``where``: mounted, or one an earlier run mounted
+    resized (it kept that run's size: 8 GiB training's two pre-copy rounds
+    filled a 24 GiB registry, which then answered HTTP 500)."""
+    how = f"remount,size={gib:g}g" if os.path.ismount(where) else f"size={gib:g}g"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", how, "tmpfs", str(where)], check=True)
+
+
 def run(args) -> int:
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    if args.stage_gib and not os.path.ismount(args.workdir):
+    if args.stage_gib:
         # Scratch archives in RAM: gpusnap stages its export in the roomiest of
         # /var/lib/containers and /var/tmp (runtime/storage.py), so a tmpfs
         # larger than the disk's free space takes it (and the plain archive).
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.stage_gib}g", "tmpfs",
-                        args.workdir], check=True)
+        _tmpfs(Path(args.workdir), args.stage_gib)
     work = Path(tempfile.mkdtemp(prefix="gpusnap-scale-", dir=args.workdir))
     cache = Path(args.cache_dir) / work.name if args.cache_dir else work / "cache"
     os.environ["GPUSNAP_POLICY"] = str(permissive_policy(work))
@@ -398,9 +405,8 @@ def run(args) -> int:
     print(f"registry: {registry}", flush=True)
     registries = RAM if args.ram_gib else DISK_REGISTRIES
     registries.mkdir(parents=True, exist_ok=True)
-    if args.ram_gib and not os.path.ismount(RAM):
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.ram_gib}g", "tmpfs", str(RAM)],
-                       check=True)
+    if args.ram_gib:
+        _tmpfs(RAM, args.ram_gib)
     try:
         for size in [float(s) for s in args.sizes.split(",")]:
             for kind in args.jobs.split(","):
