@@ -68,7 +68,8 @@ def _build(v: dict) -> Callable[[], RegistryOptions]:
         password = None
         if v["password_stdin"]:
             if v["username"] is None:
-                raise GpusnapError("--password-stdin needs --username")
+                raise GpusnapError("--password-stdin needs --username",
+                                   "pass -u USER with it: the password is read from stdin")
             password = sys.stdin.readline().rstrip("\r\n")
         made.append(RegistryOptions(username=v["username"], password=password,
                                     authfile=v["authfile"], insecure=v["tls_verify"] is False,

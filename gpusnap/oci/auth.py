@@ -72,7 +72,9 @@ def find_credentials(registry: str, repository: str,
             data = json.loads(path.read_text())
         except FileNotFoundError:
             if authfile:
-                raise GpusnapError(f"no such auth file: {path}") from None
+                raise GpusnapError(f"no such auth file: {path}",
+                                   "pass the file `podman login` wrote (--authfile), or drop "
+                                   "--authfile to use the default") from None
             continue
         except (OSError, ValueError) as exc:
             raise GpusnapError(f"cannot read credentials from {path}: {exc}",

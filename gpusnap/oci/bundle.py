@@ -200,7 +200,9 @@ def parse_manifest(body: bytes, media_type: str, where: str) -> dict:
     try:
         manifest = json.loads(body)
     except ValueError:
-        raise GpusnapError(f"{where}: the registry returned a manifest that is not JSON") from None
+        raise GpusnapError(f"{where}: the registry returned a manifest that is not JSON",
+                           "check that the reference names a registry, not a web server; "
+                           "push the checkpoint again if it is one") from None
     if podman_image.is_checkpoint_image(manifest):
         raise PodmanCheckpointImage(where, manifest)
     media = manifest.get("mediaType") or media_type

@@ -54,7 +54,8 @@ def tls_verify(registry: str, opts: RegistryOptions) -> bool | str:
         return False
     if opts.ca_file:
         if not Path(opts.ca_file).is_file():
-            raise GpusnapError(f"no such CA file: {opts.ca_file}")
+            raise GpusnapError(f"no such CA file: {opts.ca_file}",
+                               "pass the path of the CA certificate that signed the registry's")
         return opts.ca_file
     # Podman's per-registry CA, then the system store (Podman and ORAS trust it; certifi does not).
     for base in ("/etc/containers/certs.d", "/etc/docker/certs.d"):

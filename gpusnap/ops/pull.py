@@ -200,7 +200,8 @@ def check_output(output: Path) -> None:
         raise GpusnapError(f"cannot tell how to write {output.name}",
                            "name it .tar.zst (zstd, as Podman exports) or .tar (uncompressed)")
     if not output.absolute().parent.is_dir():
-        raise GpusnapError(f"cannot write {output}: {output.absolute().parent} does not exist")
+        raise GpusnapError(f"cannot write {output}: {output.absolute().parent} does not exist",
+                           "create that folder, or pass -o FILE in one that exists")
 
 
 def write_archive(remote: Remote, output: Path, **kw) -> dict:

@@ -307,7 +307,7 @@ def test_skipped_verification_is_announced_only_when_it_was_skipped(
                           hint="restore with --name NEW")
     res = run([GPUSNAP, "pull", ref, "--plain-http", "--insecure-policy", "-o",
                str(tmp_path / "no-such-dir" / "x.tar.zst")], env=env)
-    assert_one_line_error(res, "does not exist")
+    assert_one_line_error(res, "does not exist", hint="create that folder, or pass -o FILE")
     res = run([GPUSNAP, "restore", dead_ref(), "--plain-http", "--insecure-policy"], env=env)
     assert_one_line_error(res, "cannot reach registry")
 

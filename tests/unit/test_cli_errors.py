@@ -84,3 +84,15 @@ def test_a_bad_option_value_with_json_is_a_json_object(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli_main.main()
     assert "Try 'gpusnap push --help' for help." in capsys.readouterr().err
+
+
+def test_bad_registry_flags_say_what_to_do(tmp_path):
+    from gpusnap.oci import auth
+    from gpusnap.oci.registry_options import RegistryOptions, tls_verify
+
+    with pytest.raises(GpusnapError) as err:
+        tls_verify("reg.io", RegistryOptions(ca_file=str(tmp_path / "nope.pem")))
+    assert err.value.hint.startswith("pass the path of the CA certificate")
+    with pytest.raises(GpusnapError) as err:
+        auth.find_credentials("reg.io", "a/b", authfile=str(tmp_path / "nope.json"))
+    assert "--authfile" in err.value.hint
