@@ -137,12 +137,22 @@ def _exists(c: "Client", kind: str, name: str) -> bool:
         raise
 
 
-def _running(c: "Client", container: str) -> bool:
+def _status(c: "Client", container: str) -> int | None:
     try:
-        status = c.call("tasks", "Tasks", "Get", container_id=container).process.status
+        return c.call("tasks", "Tasks", "Get", container_id=container).process.status
     except ContainerdError:
-        return False
-    return status == c.pb.task_types.RUNNING
+        return None
+
+
+def _running(c: "Client", container: str) -> bool:
+    return _status(c, container) == c.pb.task_types.RUNNING
+
+
+def _alive(c: "Client", container: str) -> bool:
+    """Running, or paused: a checkpoint whose client Resume failed leaves it paused,
+    and gpusnap's guardian resumes it once the command has ended."""
+    return _status(c, container) in (c.pb.task_types.RUNNING, c.pb.task_types.PAUSED,
+                                     c.pb.task_types.PAUSING)
 
 
 # --- push --------------------------------------------------------------------------------
@@ -195,7 +205,7 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
                 try:
                     checkpoint_container(c, loc.name, image, exit_after=not leave_running)
                 except ContainerdError as exc:
-                    state = "it was left running" if _running(c, loc.name) else \
+                    state = "it was left running" if _alive(c, loc.name) else \
                         f"its task stopped (`{ctr} tasks ls` shows it)"
                     raise GpusnapError(f"checkpointing {loc.name} in namespace {loc.namespace} "
                                        f"failed: {exc}",
@@ -252,7 +262,7 @@ def _only_copy(address: str, namespace: str, container: str, image: str) -> bool
     """The checkpoint image was made and the container's task is no longer running."""
     try:
         with _client(address, namespace) as c:
-            return _exists(c, "image", image) and not _running(c, container)
+            return _exists(c, "image", image) and not _alive(c, container)
     except GpusnapError:
         return True  # cannot tell: keep it rather than lose it
 

@@ -84,3 +84,31 @@ def test_a_full_disk_under_a_containerd_restore_is_one_line(monkeypatch, tmp_pat
                                  f"device: {tmp_path / 'checkpoint.tar'}")
     assert err.value.hint.startswith("free space there") and "reg/x:v1 is unchanged" in \
         err.value.hint
+
+
+@pytest.mark.parametrize("status, kept", [("PAUSED", False), ("RUNNING", False),
+                                          ("STOPPED", True)])
+def test_a_paused_task_is_not_taken_for_a_stopped_one(monkeypatch, status, kept):
+    # A leave-running push whose client Resume failed leaves the task paused,
+    # and gpusnap's guardian resumes it: keeping the image and hinting
+    # `ctr tasks rm` (as for a stopped task) would have the user destroy it.
+    from gpusnap.ops import containerd_registry as cr
+    from gpusnap.proto import load
+
+    pb = load()
+
+    class Api:
+        def __init__(self):
+            self.pb = pb
+
+        def call(self, module, service, method, **fields):
+            if method == "Get" and service == "Tasks":
+                return SimpleNamespace(process=SimpleNamespace(
+                    status=getattr(pb.task_types, status)))
+            return SimpleNamespace()  # the image exists
+
+    @contextlib.contextmanager
+    def client(address, namespace):
+        yield Api()
+    monkeypatch.setattr(cr, "_client", client)
+    assert cr._only_copy("a", "ns", "job", "ckpt:1") is kept
