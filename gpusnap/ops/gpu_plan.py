@@ -5,6 +5,9 @@ problem, raised before anything is touched.
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+from pathlib import Path
 from typing import Collection
 
 from gpusnap.errors import GpusnapError
@@ -14,6 +17,7 @@ from gpusnap.gpu.host_plan import plan_on_host
 from gpusnap.gpu.inventory import Inventory
 from gpusnap.gpu.manifest import Manifest
 from gpusnap.gpu.plan import Plan
+from gpusnap.oci.spec.devices import read_host_numbers, shared_node_changes
 
 GPU_MAP_ENV = "GPUSNAP_GPU_MAP"
 
@@ -48,3 +52,24 @@ def carried(plan: Plan) -> bool:
     restore`: with other checks (not the ones this restore was told to skip)
     and free to move the GPUs this plan kept."""
     return bool(plan.moves)
+
+
+# The nodes every GPU process of a host opens besides its GPU's own: their major
+# is the driver's to pick at module load (nvidia-uvm's and nvidia-caps' are
+# dynamic; amdgpu's /dev/kfd too), so it can differ between hosts and across a reboot.
+_SHARED_NODE = re.compile(r"^/dev/(nvidiactl|nvidia-uvm(-tools)?|nvidia-modeset|nvidia-caps/.+|kfd)$")
+
+
+def with_host_numbers(plan: Plan, spec: dict | None, root: str | Path = "/") -> Plan:
+    """``plan`` with the checkpoint's shared GPU nodes (``spec``'s /dev/nvidia-uvm and
+    the like) renumbered where this host numbers them otherwise. Kept as they
+    were, the container's device rules allowed the old number and CRIU opened the
+    old node in the restored /dev: another device's, or none (CRIU's restore fails)."""
+    if not carried(plan) or not spec:
+        return plan
+    devices = (spec.get("linux") or {}).get("devices") or []
+    paths = [d["path"] for d in devices if _SHARED_NODE.match(str(d.get("path") or ""))]
+    changes = shared_node_changes(spec, read_host_numbers(paths, root))
+    if not changes:
+        return plan
+    return replace(plan, remap=replace(plan.remap, nodes=plan.remap.nodes + changes))

@@ -19,7 +19,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu.cuda import DriverAhead
 from gpusnap.gpu.plan import Plan
 from gpusnap.ops.engines import refuse_engine
-from gpusnap.ops.gpu_plan import carried, plan_here
+from gpusnap.ops.gpu_plan import carried, plan_here, with_host_numbers
 from gpusnap.ops.restore_check import OffTheGpu, gpu_report
 from gpusnap.ops.preconditions import has_checkpoint
 from gpusnap.partial import full_at
@@ -53,6 +53,7 @@ def _retarget(contents: archive.CheckpointContents,
     (with the checks this restore was told to skip) rather than planning anew."""
     if not carried(plan):
         return None, contents.files
+    plan = with_host_numbers(plan, contents.json_file("spec.dump"))
     for name in CONFIG_FILES:
         if plan.needs_remap and name not in contents.files:
             raise GpusnapError(f"{contents.source} has no {name}; its devices cannot be moved")

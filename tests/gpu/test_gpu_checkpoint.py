@@ -255,3 +255,81 @@ def test_gpus_lists_the_gpu():
     g = inv["gpus"][0]
     assert g["uuid"].startswith("GPU-") and g["memory_total"] > 10 * GIB
     assert int(inv["driver_version"].split(".")[0]) >= 570
+
+
+def _free_char_major() -> int:
+    used = {int(line.split()[0]) for line in open("/proc/devices")
+            if line.strip() and line.split()[0].isdigit()}
+    return next(m for m in range(499, 240, -1) if m not in used)
+
+
+def _as_if_uvm_were(major: int, src, dst) -> int:
+    """SRC (a plain tar export) written to DST as a host whose nvidia-uvm had
+    ``major`` would have written it: its entries in spec.dump and config.dump
+    (devices and cgroup rules), and its nodes in CRIU's images of the
+    container's tmpfs mounts. Returns this host's nvidia-uvm major."""
+    import io
+    import os
+    import tarfile
+
+    here = os.major(os.stat("/dev/nvidia-uvm").st_rdev)
+
+    def spec_edit(spec: dict) -> None:
+        linux = spec.get("linux") or {}
+        for d in (linux.get("devices") or []) + ((linux.get("resources") or {}).get("devices") or []):
+            if d.get("major") == here:
+                d["major"] = major
+
+    def member(out, info, data: bytes) -> None:
+        info.size = len(data)
+        out.addfile(info, io.BytesIO(data))
+
+    with tarfile.open(src, "r|") as tin, tarfile.open(dst, "w", format=tarfile.PAX_FORMAT) as tout:
+        for info in tin:
+            if not info.isfile():
+                tout.addfile(info)
+                continue
+            data = tin.extractfile(info).read()
+            name = info.name.lstrip("./")
+            if name == "spec.dump":
+                spec = json.loads(data)
+                spec_edit(spec)
+                data = json.dumps(spec).encode()
+            elif name == "config.dump":
+                config = json.loads(data)
+                spec_edit(config.get("spec") or {})
+                data = json.dumps(config).encode()
+            elif name.startswith("checkpoint/tmpfs-dev-") and name.endswith(".tar.gz.img"):
+                inner_out = io.BytesIO()
+                with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as a, \
+                        tarfile.open(fileobj=inner_out, mode="w:gz") as b:
+                    for i in a:
+                        if i.ischr() and i.devmajor == here:
+                            i.devmajor = major
+                        b.addfile(i, a.extractfile(i) if i.isfile() else None)
+                data = inner_out.getvalue()
+            member(tout, info, data)
+    return here
+
+
+def test_a_checkpoint_from_a_host_that_numbered_nvidia_uvm_otherwise_restores(cuda_ctr, tmp_path):
+    """nvidia-uvm's major is the driver's pick at module load: it differs between
+    hosts (and across a reboot). `gpusnap restore` renumbers the checkpoint's
+    shared GPU nodes to this host's (ops/gpu_plan.with_host_numbers): kept, the
+    container's device rule allowed the old major and CRIU made the old node,
+    and the restore failed. Another host is stood in for by rewriting a real
+    export as that host would have written it."""
+    packed, plain = tmp_path / "here.tar.zst", tmp_path / "here.tar"
+    gpusnap_json("checkpoint", cuda_ctr.name, "--export", str(packed))
+    subprocess.run(["zstd", "-dq", str(packed), "-o", str(plain)], check=True)
+    packed.unlink()
+    elsewhere = tmp_path / "elsewhere.tar"
+    major = _free_char_major()
+    here = _as_if_uvm_were(major, plain, elsewhere)
+    podman("rm", cuda_ctr.name)
+    its = cuda_ctr.iterations()
+    gpusnap_json("restore", str(elsewhere))
+    cuda_ctr.wait_running(above=its)
+    cuda_ctr.verify()
+    node = podman("exec", cuda_ctr.name, "ls", "-l", "/dev/nvidia-uvm").stdout.split()
+    assert node[4] == f"{here},", node  # the node this host's driver answers on, not {major}

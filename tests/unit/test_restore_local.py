@@ -141,10 +141,50 @@ def test_an_archive_restore_carries_a_plan_that_moves_nothing(tmp_path):
     from tests.unit.test_hook import UUID0, gpu, inventory
     from tests.unit.test_plan import manifest as plan_manifest
 
+    from gpusnap.archive import CheckpointContents
+
     g0 = gpu(0, UUID0, minor=0)
     stay = plan_restore(plan_manifest(g0), inventory(g0))
-    contents = SimpleNamespace(source="job.tar", files={"spec.dump": b"{}", "config.dump": b"{}"})
+    contents = CheckpointContents("job.tar", files={"spec.dump": b"{}", "config.dump": b"{}"})
     retarget, files = ops_restore._retarget(contents, stay)
     assert retarget == {"remap": stay.remap.to_dict(), "plan": stay.to_dict()}
     assert files == contents.files  # nothing edited
     assert ops_restore._retarget(contents, Plan((), (), False)) == (None, contents.files)
+
+
+def test_shared_gpu_nodes_this_host_numbers_otherwise_are_renumbered(monkeypatch):
+    # nvidia-uvm's major is dynamic: the checkpoint's host had 511, this one 238.
+    # Kept, the container's device rule allowed 511:0 and CRIU opened 511:0.
+    import json
+
+    from gpusnap.archive import CheckpointContents
+    from gpusnap.gpu.plan import plan_restore
+    from gpusnap.ops import gpu_plan
+    from tests.unit.test_hook import UUID0, gpu, inventory
+    from tests.unit.test_plan import manifest as plan_manifest
+
+    asked = []
+
+    def host(paths, root="/"):
+        asked.extend(paths)
+        return {"/dev/nvidia-uvm": (238, 0), "/dev/nvidiactl": (195, 255)}
+    monkeypatch.setattr(gpu_plan, "read_host_numbers", host)
+    g0 = gpu(0, UUID0, minor=0)
+    stay = plan_restore(plan_manifest(g0), inventory(g0))
+    devices = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0},
+               {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+               {"path": "/dev/nvidia-uvm", "type": "c", "major": 511, "minor": 0}]
+    spec = {"linux": {"devices": devices, "resources": {"devices": [
+        {"allow": True, "type": "c", "major": 511, "minor": 0, "access": "rwm"}]}}}
+    contents = CheckpointContents("job.tar", files={
+        "spec.dump": json.dumps(spec).encode(),
+        "config.dump": json.dumps({"spec": spec}).encode()})  # Podman keeps the spec there too
+    retarget, files = ops_restore._retarget(contents, stay)
+    assert asked == ["/dev/nvidiactl", "/dev/nvidia-uvm"]  # not the GPU's own node
+    changed = [n for n in retarget["remap"]["nodes"]]
+    assert changed == [{"old_path": "/dev/nvidia-uvm", "new_path": "/dev/nvidia-uvm",
+                        "old": [511, 0], "new": [238, 0]}]
+    moved = json.loads(files["spec.dump"])
+    assert moved["linux"]["devices"][2]["major"] == 238
+    assert moved["linux"]["resources"]["devices"][0]["major"] == 238
+    assert retarget["plan"]["remap"]["nodes"] == changed  # the hook sees what was edited
