@@ -116,14 +116,17 @@ def _one_line(fn: Callable, root: bool, interrupted: list[bool], *args, **kwargs
             raise KeyboardInterrupt from None
         _say(exc.message, exc.hint, kwargs.get("as_json", False))
         sys.exit(exc.exit_code)
-    except OSError as exc:  # the host's refusal no step turned into words: still one line
+    except (BrokenPipeError, click.exceptions.Exit):  # `| head`; click's own way out
+        raise
+    except Exception as exc:  # noqa: BLE001 -- still one line, the traceback on ask
+        if interrupted:  # Ctrl-C reached a child first: it failed of it
+            raise KeyboardInterrupt from None
         if os.environ.get(DEBUG_ENV):
             raise
-        _say(*_os_words(exc), kwargs.get("as_json", False))
-        sys.exit(1)
-    except Exception as exc:  # noqa: BLE001 -- a bug of gpusnap's: one line, the traceback on ask
-        if os.environ.get(DEBUG_ENV):
-            raise
+        if isinstance(exc, OSError) and exc.errno is not None and \
+                not type(exc).__module__.startswith(("requests", "urllib3")):
+            _say(*_os_words(exc), kwargs.get("as_json", False))  # the host's refusal, unworded
+            sys.exit(1)
         _say(f"internal error: {type(exc).__name__}: {exc}",
              f"this is a gpusnap bug: run it again with {DEBUG_ENV}=1 for the traceback and "
              "report it; `gpusnap doctor` checks for anything left half done",

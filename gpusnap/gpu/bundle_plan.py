@@ -29,7 +29,13 @@ def plan_restore_here(manifest_path: Path, spec: dict, inventory: Inventory | No
     GPUs are planned (or the `io.gpusnap.gpu-map` annotation's), and the CRIU
     action script moves the restored processes onto them before they resume.
     """
-    manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
+    try:
+        manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
+    except (ValueError, TypeError, AttributeError) as exc:  # ManifestError says its own words
+        if isinstance(exc, GpusnapError):
+            raise
+        raise GpusnapError(f"the checkpoint's GPU manifest cannot be read ({exc})",
+                           "take the checkpoint again") from None
     inventory = inventory or gpu_inventory.read_inventory()
     plan_path = manifest_path.with_name(PLAN_NAME)
     if plan_path.exists():  # the plan `gpusnap restore` made: checked, not made again

@@ -282,7 +282,7 @@ def start_task(c: Client, container_id: str, stdout: str = "", stderr: str = "",
     # A restore's Create unpacks the checkpoint and its Start is the shim's `runc
     # restore`: bound as the shim bounds runc, or this side would give up (and
     # undo) while the shim still restores
-    bound = Bound.of("RUNC").seconds if checkpoint is not None else 300
+    bound = Bound.of("RUNC").seconds + 60 if checkpoint is not None else 300  # the shim's first
     pid = c.call("tasks", "Tasks", "Create", container_id=container_id, rootfs=rootfs, stdout=stdout,
                  stderr=stderr, terminal=terminal, checkpoint=checkpoint, timeout=bound).pid
     return c.call("tasks", "Tasks", "Start", container_id=container_id, timeout=bound).pid or pid

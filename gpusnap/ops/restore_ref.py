@@ -90,14 +90,14 @@ def _staged_pull(remote: Remote, archive: Path, work: Path, **kw) -> dict:
 
 
 def _head_files(remote: Remote, plan, use_cache: bool = True, cache_root: Path | None = None,
-                devices: bool = False, **_) -> dict[str, bytes] | None:
+                **_) -> dict[str, bytes] | None:
     """config.dump and spec.dump, fetched ahead of the rest: what Podman reads on
-    the opens before the one that imports (None: the bundle lacks one); for a
-    restore onto moved GPUs (or ``devices``: renumbered ones), every other file
+    the opens before the one that imports (None: the bundle lacks one); where the
+    plan changes device nodes (moved GPUs, renumbered ones), every other file
     that names devices too (retarget.names_devices), edited before the stream starts."""
     entries = [f for f in remote.bundle.files if f.type == "file" and (
         f.path in stream_module.CONFIG_FILES
-        or ((devices or plan.needs_remap) and retarget.names_devices(f.path)))]
+        or (not plan.remap.empty and retarget.names_devices(f.path)))]
     if sum(f.path in stream_module.CONFIG_FILES for f in entries) != \
             len(stream_module.CONFIG_FILES):
         return None
@@ -320,8 +320,8 @@ def restore(ref_text: str, name: str | None, keep: bool, tcp_established: bool,
     head = _head_files(remote, plan, **kw) if opens else None
     if head is not None:  # Podman imports while the chunks arrive
         renumbered = gpu_plan.with_host_numbers(plan, _json_or_none(head["spec.dump"]))
-        if renumbered is not plan and not plan.needs_remap:  # /dev/nvidia-uvm: /dev's image too
-            head = _head_files(remote, renumbered, devices=True, **kw) or head
+        if renumbered is not plan and plan.remap.empty:  # /dev/nvidia-uvm: /dev's image too
+            head = _head_files(remote, renumbered, **kw) or head
         plan = renumbered
         # Moved GPUs: the files that name devices, edited once here (a spec that
         # cannot move is refused before Podman starts) and written in the stream;

@@ -132,7 +132,8 @@ class TaskService:
             for e in list(c.execs.values()):
                 if e.status in ("running", "paused"):
                     e.published.wait()
-        p.set_exited(ex.status, ex.at_ns)
+        with self.lock:  # Resume's "running" never lands after this
+            p.set_exited(ex.status, ex.at_ns)
         if p is c.init:
             requests.drop(p.pid, requests.HELD)  # bound to it: stale from now on anyway
         if p.io is not None:
@@ -215,6 +216,7 @@ class TaskService:
                 p.status = "running"
                 self._publish("TaskExecStarted", container_id=c.id, exec_id=p.id, pid=p.pid)
         finally:
+            p.restoring = False  # "running" by now, or failed: Delete may go on
             p.started.set()
         return self.pb.shim.StartResponse(pid=p.pid)
 
@@ -249,8 +251,6 @@ class TaskService:
             from gpusnap.criu import yard
             yard.release(work)
             raise
-        finally:
-            p.restoring = False
         p.io.started()
         p.pid = read_pid(c.pid_file(p))
         self._watch(c, p)
@@ -419,7 +419,8 @@ class TaskService:
             # thawed under the shim (gpusnap's guardian, its client killed): it runs
             if p.status != "paused" or self._runc(c).state(c.id).get("status") != "running":
                 raise
-        p.status = "running"
+        with self.lock:  # killed while paused (push --stop): it stays stopped
+            p.status = p.status if p.exited.is_set() else "running"
         requests.drop(p.pid, requests.HELD)  # the guardian may give the GPUs back now
         self._publish("TaskResumed", container_id=c.id)
         return empty_pb2.Empty()

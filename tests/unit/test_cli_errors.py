@@ -55,11 +55,18 @@ def test_a_bug_is_one_line_that_says_so_and_the_traceback_is_there_on_ask(monkey
     assert isinstance(res.exception, KeyError)
 
 
-def test_ctrl_c_is_not_taken_for_a_bug():
+def test_ctrl_c_and_click_s_own_exits_are_not_taken_for_a_bug():
     res = _run(KeyboardInterrupt())
     assert res.exit_code == 130 and "Interrupted" in res.output
-    with pytest.raises(SystemExit):  # click's own exits pass through untouched
-        _command(SystemExit(3)).main([], standalone_mode=False)
+    assert _run(click.exceptions.Exit(3)).exit_code == 3  # ctx.exit(3) in a command
+    res = _run(BrokenPipeError(errno.EPIPE, "Broken pipe"))  # `gpusnap gpus | head -1`
+    assert res.output == "" and res.exit_code == 1  # click's quiet end, no "Error: Broken pipe"
+
+
+def test_a_library_s_oserror_is_not_taken_for_a_path():
+    requests = pytest.importorskip("requests")
+    res = _run(requests.exceptions.InvalidURL("Invalid URL 'http://x:99999'"), "--json")
+    assert res.exit_code == 70 and json.loads(res.output)["error"].startswith("internal error")
 
 
 def test_ctrl_c_with_json_is_a_json_object():

@@ -246,6 +246,25 @@ def test_a_malformed_manifest_refuses_the_restore_in_words(tmp_path, state_dir, 
     assert "GPU manifest" in events("hook-refused-restore")[0]["problems"][0]
 
 
+def test_a_create_never_judges_a_checkpoint_podman_kept_in_the_folder(tmp_path, state_dir, host,
+                                                                     monkeypatch):
+    # `podman start` of a container whose checkpoint folder stayed (--keep,
+    # --leave-running): runc runs the hook as "creating"; only a restore
+    # ("stopped", at CRIU's setup-namespaces) is judged.
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], {"schema": SCHEMA, "gpus": "all"})
+    assert run_main(monkeypatch, json.dumps(state(b, "creating")), "prestart") == 0
+    assert events("hook-refused-restore") == []
+
+
+def test_a_manifest_that_is_not_json_refuses_the_restore_in_words(tmp_path, state_dir, host,
+                                                                  monkeypatch, capsys):
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], {})
+    (b / "checkpoint" / MANIFEST_NAME).write_text('{"gpus": [')  # cut short
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
+    assert "cannot restore here: the checkpoint's GPU manifest cannot be read" in \
+        capsys.readouterr().err
+
+
 def test_unwritable_state_dir_does_not_block(tmp_path, monkeypatch, host):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -193,3 +193,16 @@ def test_a_resume_during_the_dump_waits_for_its_end(shim, monkeypatch):
     assert answers and runc.frozen and requests.bound(INIT, requests.HELD)
     svc.Resume(Request(), Context())  # after it: as usual
     assert p.status == "running" and requests.bound(INIT, requests.HELD) == {}
+
+
+def test_a_task_killed_while_paused_is_not_resumed_into_running(shim):
+    # push --stop kills the paused task, then resumes it so it dies: its exit
+    # may land first, and a "running" set after it would outlive the task.
+    svc, p, _, _ = shim
+    runc = _runc(svc, frozen=False)  # runc kill --all thawed it already
+    runc.state = lambda cid: {"status": "running"}  # init still exiting
+    p.set_exited(137, 1)
+    p.status = "paused"  # as the shim had it when the Resume came
+    p.exited.set()
+    svc.Resume(Request(), Context())
+    assert p.status == "paused" and p.exited.is_set()  # not "running": TaskExit has it

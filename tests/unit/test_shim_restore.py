@@ -84,7 +84,7 @@ def test_a_task_being_restored_is_not_deleted_and_a_failed_restore_leaves_no_run
         assert runc.calls == ["restore", "delete force=True"]  # runc's state gone with it
         assert not p.restoring
     else:
-        assert p.status == "running" and runc.calls == ["restore"]
+        assert p.status == "running" and runc.calls == ["restore"] and not p.restoring
 
 
 def _try(fn, req):
