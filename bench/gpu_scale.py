@@ -384,7 +384,12 @@ def _tmpfs(where: Path, gib: float) -> None:
     """A tmpfs of ``gib`` at ``where``: mounted, or one an earlier run mounted
     resized (it kept that run's size: 8 GiB training's two pre-copy rounds
     filled a 24 GiB registry, which then answered HTTP 500)."""
-    how = f"remount,size={gib:g}g" if os.path.ismount(where) else f"size={gib:g}g"
+    fstype = next((line.split()[2] for line in open("/proc/mounts")
+                   if line.split()[1] == str(where)), None)
+    if fstype not in (None, "tmpfs"):
+        print(f"{where} is a {fstype} mount: left as it is", flush=True)
+        return
+    how = f"remount,size={gib:g}g" if fstype else f"size={gib:g}g"
     subprocess.run(["mount", "-t", "tmpfs", "-o", how, "tmpfs", str(where)], check=True)
 
 

@@ -152,10 +152,10 @@ def run(state: dict, stage: str | None = None) -> int:
     manifest_path = bundle / "checkpoint" / MANIFEST_NAME
     if not dumped.whole(bundle / "checkpoint"):  # a create, not a restore:
         kept_checkpoint.at_create(bundle)  # the state a failed restore kept is given up
-    # runc runs prestart hooks at a create as "creating" and at a restore (CRIU's
-    # setup-namespaces) as "stopped": a create never judges a checkpoint Podman
-    # kept in the folder (--keep, --leave-running), whatever it says
-    if not manifest_path.exists() or state.get("status") == "creating":
+    # runc runs prestart hooks at a restore (CRIU's setup-namespaces) as "stopped",
+    # at a create as "creating" (crun: "created"; it runs none at a restore): a
+    # create never judges a checkpoint Podman kept in the folder (--keep, -R)
+    if not manifest_path.exists() or state.get("status") != "stopped":
         return _act(state, spec, [], None, None)
     try:
         planned = plan_for_restore(manifest_path, spec)

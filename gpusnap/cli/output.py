@@ -7,6 +7,7 @@ import errno
 import functools
 import json
 import os
+import select
 import signal
 import sys
 from typing import Callable, Iterator
@@ -116,8 +117,13 @@ def _one_line(fn: Callable, root: bool, interrupted: list[bool], *args, **kwargs
             raise KeyboardInterrupt from None
         _say(exc.message, exc.hint, kwargs.get("as_json", False))
         sys.exit(exc.exit_code)
-    except (BrokenPipeError, click.exceptions.Exit):  # `| head`; click's own way out
+    except click.exceptions.Exit:  # click's own way out
         raise
+    except BrokenPipeError as exc:
+        if _stdout_closed():  # `gpusnap ... | head`: click's quiet end, as before
+            raise
+        _say(*_os_words(exc), kwargs.get("as_json", False))  # a pipe of gpusnap's own (zstd)
+        sys.exit(1)
     except Exception as exc:  # noqa: BLE001 -- still one line, the traceback on ask
         if interrupted:  # Ctrl-C reached a child first: it failed of it
             raise KeyboardInterrupt from None
@@ -149,6 +155,16 @@ def _say(message: str, hint: str | None, as_json: bool) -> None:
         err_console.print(f"[bold red]Error:[/] {escape(message)}", soft_wrap=True)
         if hint:
             err_console.print(f"  [dim]->[/] {escape(hint)}", soft_wrap=True)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe nobody reads any more (poll says POLLERR there)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # not a real file (a test's runner)
+        return False
 
 
 def _os_words(exc: OSError) -> tuple[str, str]:

@@ -205,8 +205,8 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
                 try:
                     checkpoint_container(c, loc.name, image, exit_after=not leave_running)
                 except ContainerdError as exc:
-                    state = "it was left running" if _alive(c, loc.name) else \
-                        f"its task stopped (`{ctr} tasks ls` shows it)"
+                    state = "it was left running" if (_alive if leave_running else _running)(
+                        c, loc.name) else f"its task stopped (`{ctr} tasks ls` shows it)"
                     raise GpusnapError(f"checkpointing {loc.name} in namespace {loc.namespace} "
                                        f"failed: {exc}",
                                        f"{state}; the shim's log (containerd's journal) says "
@@ -235,7 +235,7 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
                          size, container=container)
     except (GpusnapError, KeyboardInterrupt) as exc:
         if image and not stopped:  # failed or interrupted once CRIU was done: is it stopped?
-            stopped = _only_copy(address, loc.namespace, loc.name, image)
+            stopped = _only_copy(address, loc.namespace, loc.name, image, leave_running)
         if not stopped:
             raise
 
@@ -258,11 +258,15 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
                 _delete_image(address, loc.namespace, image)
 
 
-def _only_copy(address: str, namespace: str, container: str, image: str) -> bool:
-    """The checkpoint image was made and the container's task is no longer running."""
+def _only_copy(address: str, namespace: str, container: str, image: str,
+               leave_running: bool = True) -> bool:
+    """The checkpoint image was made and the container's task is no longer running.
+    A leave-running push's paused task is alive (its guardian resumes it); a
+    --stop push's paused one may hold a SIGKILL its thaw delivers: not alive."""
+    up = _alive if leave_running else _running
     try:
         with _client(address, namespace) as c:
-            return _exists(c, "image", image) and not _alive(c, container)
+            return _exists(c, "image", image) and not up(c, container)
     except GpusnapError:
         return True  # cannot tell: keep it rather than lose it
 

@@ -6,6 +6,8 @@ problem, raised before anything is touched.
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 from typing import Collection
@@ -69,7 +71,22 @@ def with_host_numbers(plan: Plan, spec: dict | None, root: str | Path = "/") -> 
         return plan
     devices = (spec.get("linux") or {}).get("devices") or []
     paths = [d["path"] for d in devices if _SHARED_NODE.match(str(d.get("path") or ""))]
-    changes = shared_node_changes(spec, read_host_numbers(paths, root))
+    host = read_host_numbers(paths, root)
+    if any("nvidia-uvm" in p and p not in host for p in paths) and _load_uvm():
+        host = read_host_numbers(paths, root)  # a host booted since no CUDA ran: now it has it
+    changes = shared_node_changes(spec, host)
     if not changes:
         return plan
     return replace(plan, remap=replace(plan.remap, nodes=plan.remap.nodes + changes))
+
+
+def _load_uvm() -> bool:
+    """nvidia-uvm loaded and its nodes made, as libcuda has it done at its first
+    use (nvidia-modprobe, setuid, as nvidia-container-toolkit runs it)."""
+    tool = shutil.which("nvidia-modprobe")
+    if tool is None:
+        return False
+    try:
+        return subprocess.run([tool, "-u", "-c=0"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False

@@ -245,9 +245,8 @@ class TaskService:
                 runc.delete(c.id, force=True)
             if edits is not None:
                 remap.undo(c.bundle)
-            # a CRIU killed late leaves its cgroup yard in `work`, which containerd's
-            # removal of the bundle would walk into (the host's cgroups); imported
-            # here, as remap is, out of the shim's startup
+            # a CRIU killed late leaves its cgroup yard in `work`, which containerd's removal
+            # of the bundle would walk into (the host's cgroups); imported here, as remap is
             from gpusnap.criu import yard
             yard.release(work)
             raise
@@ -404,7 +403,8 @@ class TaskService:
     def Pause(self, req, context):
         c, p = self._running_init(req.id)
         self._runc(c).pause(c.id)
-        p.status = "paused"
+        with self.lock:  # an exit meanwhile keeps "stopped": a dead task shown paused stays
+            p.status = p.status if p.exited.is_set() else "paused"
         self._publish("TaskPaused", container_id=c.id)
         return empty_pb2.Empty()
 

@@ -59,8 +59,23 @@ def test_ctrl_c_and_click_s_own_exits_are_not_taken_for_a_bug():
     res = _run(KeyboardInterrupt())
     assert res.exit_code == 130 and "Interrupted" in res.output
     assert _run(click.exceptions.Exit(3)).exit_code == 3  # ctx.exit(3) in a command
-    res = _run(BrokenPipeError(errno.EPIPE, "Broken pipe"))  # `gpusnap gpus | head -1`
-    assert res.output == "" and res.exit_code == 1  # click's quiet end, no "Error: Broken pipe"
+    # a pipe of gpusnap's own (stdout is not a pipe here): one line, as any OSError
+    res = _run(BrokenPipeError(errno.EPIPE, "Broken pipe"))
+    assert res.exit_code == 1 and "Error: Broken pipe" in res.output
+
+
+def test_stdout_that_nobody_reads_is_told_apart(monkeypatch):
+    import os
+    import sys
+
+    from gpusnap.cli import output
+
+    r, w = os.pipe()
+    with os.fdopen(w, "w") as writer:
+        monkeypatch.setattr(sys, "stdout", writer)
+        assert not output._stdout_closed()
+        os.close(r)  # `| head -1` done: click's quiet end is right for it
+        assert output._stdout_closed()
 
 
 def test_a_library_s_oserror_is_not_taken_for_a_path():

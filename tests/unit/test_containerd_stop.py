@@ -86,12 +86,15 @@ def test_a_full_disk_under_a_containerd_restore_is_one_line(monkeypatch, tmp_pat
         err.value.hint
 
 
-@pytest.mark.parametrize("status, kept", [("PAUSED", False), ("RUNNING", False),
-                                          ("STOPPED", True)])
-def test_a_paused_task_is_not_taken_for_a_stopped_one(monkeypatch, status, kept):
+@pytest.mark.parametrize("leave_running, status, kept", [
+    (True, "PAUSED", False), (True, "RUNNING", False), (True, "STOPPED", True),
+    (False, "PAUSED", True), (False, "RUNNING", False), (False, "STOPPED", True)])
+def test_a_paused_task_is_alive_only_where_no_kill_was_sent(monkeypatch, leave_running, status,
+                                                            kept):
     # A leave-running push whose client Resume failed leaves the task paused,
     # and gpusnap's guardian resumes it: keeping the image and hinting
-    # `ctr tasks rm` (as for a stopped task) would have the user destroy it.
+    # `ctr tasks rm` would have the user destroy it. A --stop push's paused task
+    # may hold the SIGKILL its thaw delivers: its image is all that is left.
     from gpusnap.ops import containerd_registry as cr
     from gpusnap.proto import load
 
@@ -111,4 +114,4 @@ def test_a_paused_task_is_not_taken_for_a_stopped_one(monkeypatch, status, kept)
     def client(address, namespace):
         yield Api()
     monkeypatch.setattr(cr, "_client", client)
-    assert cr._only_copy("a", "ns", "job", "ckpt:1") is kept
+    assert cr._only_copy("a", "ns", "job", "ckpt:1", leave_running) is kept

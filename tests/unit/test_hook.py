@@ -175,7 +175,7 @@ def test_restore_onto_an_incompatible_host_is_refused_in_one_line(tmp_path, stat
     missing = "GPU-deadbeef-0000-0000-0000-000000000000"
     # three GPUs in the checkpoint, two here: no plan can place them all
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0, UUID1, missing))
-    assert run_main(monkeypatch, json.dumps(state(b))) == 1
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     err = capsys.readouterr().err
     assert err.startswith("gpusnap: cannot restore here: ") and err.count("\n") == 1, err
     assert f"GPU 2 of the checkpoint (NVIDIA H100 80GB HBM3, {missing})" in err, err
@@ -188,7 +188,7 @@ def test_restore_refusal_joins_several_problems(tmp_path, state_dir, monkeypatch
     old = inventory(gpu(0, UUID0), driver="550.54.15")
     monkeypatch.setattr(inventory_module, "read_inventory", lambda: old)
     b = bundle(tmp_path, [], manifest_for(UUID0, UUID1))
-    assert run_main(monkeypatch, json.dumps(state(b))) == 1
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "NVIDIA driver 550.54.15 cannot restore" in err and f"{UUID1}) is not on this host" in err
@@ -199,7 +199,7 @@ def test_restore_on_a_host_without_nvidia_driver_is_refused(tmp_path, state_dir,
     monkeypatch.setattr(inventory_module, "read_inventory",
                         lambda: Inventory(error="no NVIDIA driver: Driver Not Loaded"))
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0))
-    assert run_main(monkeypatch, json.dumps(state(b))) == 1
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     assert "this host has none usable (no NVIDIA driver: Driver Not Loaded)" in capsys.readouterr().err
 
 
@@ -241,7 +241,7 @@ def test_a_malformed_manifest_refuses_the_restore_in_words(tmp_path, state_dir, 
     # restores anything; let by, its post-resume would fail on the same manifest
     # with the processes left off the GPU.
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], {"schema": SCHEMA, "gpus": "all"})
-    assert run_main(monkeypatch, json.dumps(state(b))) == 1
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     assert "cannot restore here: GPU manifest: missing field(s)" in capsys.readouterr().err
     assert "GPU manifest" in events("hook-refused-restore")[0]["problems"][0]
 
@@ -252,7 +252,8 @@ def test_a_create_never_judges_a_checkpoint_podman_kept_in_the_folder(tmp_path, 
     # --leave-running): runc runs the hook as "creating"; only a restore
     # ("stopped", at CRIU's setup-namespaces) is judged.
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], {"schema": SCHEMA, "gpus": "all"})
-    assert run_main(monkeypatch, json.dumps(state(b, "creating")), "prestart") == 0
+    for create in ("creating", "created"):  # runc's word, crun's
+        assert run_main(monkeypatch, json.dumps(state(b, create)), "prestart") == 0
     assert events("hook-refused-restore") == []
 
 
@@ -275,10 +276,10 @@ def test_unwritable_state_dir_does_not_block(tmp_path, monkeypatch, host):
 
 # --- as runc runs it ----------------------------------------------------------------------
 
-def run_hook_process(stdin: str, state_dir: Path) -> subprocess.CompletedProcess:
+def run_hook_process(stdin: str, state_dir: Path, *stage: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, GPUSNAP_STATE_DIR=str(state_dir), PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "gpusnap.hook.main"], input=stdin, text=True,
-                          capture_output=True, env=env, cwd=REPO, timeout=60)
+    return subprocess.run([sys.executable, "-m", "gpusnap.hook.main", *stage], input=stdin,
+                          text=True, capture_output=True, env=env, cwd=REPO, timeout=60)
 
 
 def test_hook_process_exits_0_on_garbage(tmp_path):
@@ -292,7 +293,7 @@ def test_hook_process_exits_1_when_it_refuses_a_restore(tmp_path):
     # No host has this GPU (and this one may have no NVIDIA driver at all): refused either way.
     absent = "GPU-00000000-0000-0000-0000-000000000000"
     b = bundle(tmp_path, [], manifest_for(absent))
-    res = run_hook_process(json.dumps(state(b)), tmp_path / "state")
+    res = run_hook_process(json.dumps(state(b, "stopped")), tmp_path / "state", "prestart")
     assert res.returncode == 1
     assert res.stderr.startswith("gpusnap: cannot restore here: ")
     assert "Traceback" not in res.stderr
@@ -322,12 +323,12 @@ def test_restore_with_a_plan_checks_the_plans_targets(tmp_path, state_dir, monke
     man["processes"] = [{"pid": 7, "comm": "train", "gpus": [UUID0], "gpu_memory": {UUID0: 8 << 30}}]
     b = bundle(tmp_path, [dev("/dev/nvidia1", 1)], man)
     (b / "checkpoint" / PLAN_NAME).write_text(json.dumps(plan))
-    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 0
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 0
     assert not (state_dir / "restores" / "4242.json").exists()  # gpusnap restore moved it already
     # A plain `podman container restore` of the same: the hook plans GPU 1 itself and
     # leaves the move for the CRIU action script, keyed by the restored init pid.
     (b / "checkpoint" / PLAN_NAME).unlink()
-    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 0
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 0
     stash = json.loads((state_dir / "restores" / "4242.json").read_text())
     assert stash["plan"]["moves"][0]["target"]["uuid"] == UUID1
     assert stash["spec"]["linux"]["devices"][0]["path"] == "/dev/nvidia1"
@@ -353,7 +354,7 @@ def test_a_plan_that_moves_nothing_is_held_to_not_made_again(tmp_path, state_dir
     man["processes"] = [{"pid": 7, "comm": "train", "gpus": [UUID0], "gpu_memory": {UUID0: 8 << 30}}]
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], man)
     (b / "checkpoint" / PLAN_NAME).write_text(json.dumps(stay.to_dict()))
-    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     said = capsys.readouterr().err
     assert "GPU 0 of the checkpoint stays on its GPU, but GPU 0 here has" in said, said
     assert "--gpu-map" not in said.split("(override")[0]  # the user gave none
@@ -373,7 +374,7 @@ def test_a_live_move_the_containers_devices_cannot_take_is_refused_by_the_hook(
                           pci_bus_id=gpu(0, UUID0, minor=0).pci_bus_id)
     man["processes"] = [{"pid": 7, "comm": "train", "gpus": [UUID0], "gpu_memory": {UUID0: 8 << 30}}]
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0), dev("/dev/nvidia1", 1)], man)
-    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     said = capsys.readouterr().err
     assert "cannot restore here: its GPUs would move (GPU 0" in said, said
     assert "but the container's devices cannot:" in said
@@ -389,7 +390,7 @@ def test_an_unreadable_gpu_map_annotation_refuses_the_restore(tmp_path, state_di
     spec["annotations"] = {GPU_MAP_ANNOTATION: "garbage"}
     (b / "config.json").write_text(json.dumps(spec))
     # let by, the restore would go ahead with none of its GPU checks made
-    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     assert "cannot restore here:" in capsys.readouterr().err
 
 
@@ -403,12 +404,12 @@ def test_the_gpu_map_annotation_pins_a_plain_restore(tmp_path, state_dir, monkey
     spec = json.loads((b / "config.json").read_text())
     spec["annotations"] = {GPU_MAP_ANNOTATION: "0=1"}
     (b / "config.json").write_text(json.dumps(spec))
-    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 0
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 0
     stash = json.loads((state_dir / "restores" / "4242.json").read_text())
     assert "chosen by --gpu-map 0=1" in stash["plan"]["moves"][0]["reasons"]
     spec["annotations"] = {GPU_MAP_ANNOTATION: "0=5"}
     (b / "config.json").write_text(json.dumps(spec))
-    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     assert "no GPU 5" in capsys.readouterr().err
 
 
@@ -419,5 +420,5 @@ def test_restore_with_a_plan_whose_target_is_gone_is_refused(tmp_path, state_dir
     monkeypatch.setattr(inventory_module, "read_inventory", lambda: inventory(g0))
     b = bundle(tmp_path, [dev("/dev/nvidia1", 1)], manifest_for(UUID0))
     (b / "checkpoint" / PLAN_NAME).write_text(json.dumps(plan))
-    assert run_main(monkeypatch, json.dumps(state(b)), "prestart") == 1
+    assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     assert UUID1 in capsys.readouterr().err

@@ -188,3 +188,23 @@ def test_shared_gpu_nodes_this_host_numbers_otherwise_are_renumbered(monkeypatch
     assert moved["linux"]["devices"][2]["major"] == 238
     assert moved["linux"]["resources"]["devices"][0]["major"] == 238
     assert retarget["plan"]["remap"]["nodes"] == changed  # the hook sees what was edited
+
+
+def test_nvidia_uvm_not_loaded_yet_is_loaded_before_its_number_is_read(monkeypatch):
+    # A host booted since no CUDA ran has no /dev/nvidia-uvm until libcuda's
+    # first use: read then, the checkpoint's number would stay.
+    from gpusnap.gpu.plan import plan_restore
+    from gpusnap.ops import gpu_plan
+    from tests.unit.test_hook import UUID0, gpu, inventory
+    from tests.unit.test_plan import manifest as plan_manifest
+
+    loaded = []
+    monkeypatch.setattr(gpu_plan, "_load_uvm", lambda: loaded.append(1) or True)
+    monkeypatch.setattr(gpu_plan, "read_host_numbers",
+                        lambda paths, root="/": {"/dev/nvidia-uvm": (238, 0)} if loaded else {})
+    g0 = gpu(0, UUID0, minor=0)
+    stay = plan_restore(plan_manifest(g0), inventory(g0))
+    spec = {"linux": {"devices": [{"path": "/dev/nvidia-uvm", "type": "c", "major": 511,
+                                   "minor": 0}]}}
+    renumbered = gpu_plan.with_host_numbers(stay, spec)
+    assert loaded == [1] and [n.new for n in renumbered.remap.nodes] == [(238, 0)]
