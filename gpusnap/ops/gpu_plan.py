@@ -59,7 +59,9 @@ def carried(plan: Plan) -> bool:
 # The nodes every GPU process of a host opens besides its GPU's own: their major
 # is the driver's to pick at module load (nvidia-uvm's and nvidia-caps' are
 # dynamic; amdgpu's /dev/kfd too), so it can differ between hosts and across a reboot.
-_SHARED_NODE = re.compile(r"^/dev/(nvidiactl|nvidia-uvm(-tools)?|nvidia-modeset|nvidia-caps/.+|kfd)$")
+_SHARED_NODE = re.compile(r"^/dev/(nvidiactl|nvidia-uvm(-tools)?|nvidia-modeset|nvidia-caps/.+"
+                          r"|nvidia-caps-imex-channels/.+|nvidia-nvswitch(ctl|\d+)|nvidia-nvlink"
+                          r"|gdrdrv|kfd)$")
 
 
 def with_host_numbers(plan: Plan, spec: dict | None, root: str | Path = "/") -> Plan:
