@@ -235,7 +235,7 @@ def post_resume(init_pid: int, criu_pid: int, driver=None, by: str = "script") -
         mapped = remote_map.put_back(held, init_pid, by)
     state = step_state.restore(criu_pid)
     kept = json.loads(state.read_text()) if state.exists() else {}
-    manifest = gpu_manifest.Manifest.from_dict(json.loads(kept[MANIFEST_NAME])) \
+    manifest = gpu_manifest.parse(kept[MANIFEST_NAME], MANIFEST_NAME) \
         if MANIFEST_NAME in kept else None
     if manifest is not None and manifest.quiesced_by == "criu-cuda-plugin":
         return  # CRIU's plugin brings them back itself
@@ -309,11 +309,7 @@ def _pair_choices(plan_text: str | None) -> list[tuple[str, list[tuple[str, str]
         return [("none", None)]
     from gpusnap.gpu.plan import Plan  # a moved restore only: not every step's start-up
 
-    try:
-        return Plan.from_dict(json.loads(plan_text)).pair_choices()
-    except (ValueError, KeyError, TypeError) as exc:
-        raise GpusnapError(f"the checkpoint's {PLAN_NAME} is not a GPU plan gpusnap can read "
-                           f"({exc})") from None
+    return Plan.from_json(plan_text).pair_choices()
 
 
 def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=None,

@@ -6,7 +6,6 @@ no hook) both ask it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from gpusnap import PLAN_NAME
@@ -14,7 +13,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu import inventory as gpu_inventory
 from gpusnap.gpu.gpumap import GPU_MAP_ANNOTATION, parse_gpu_map
 from gpusnap.gpu.inventory import Inventory
-from gpusnap.gpu.manifest import Manifest
+from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.host_plan import plan_on_host
 from gpusnap.gpu.plan import Plan, recheck
 
@@ -30,21 +29,14 @@ def plan_restore_here(manifest_path: Path, spec: dict, inventory: Inventory | No
     action script moves the restored processes onto them before they resume.
     """
     try:
-        manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
-    except (ValueError, TypeError, AttributeError) as exc:  # ManifestError says its own words
-        if isinstance(exc, GpusnapError):
-            raise
+        manifest = gpu_manifest.parse(manifest_path.read_text(), "the checkpoint's GPU manifest")
+    except OSError as exc:
         raise GpusnapError(f"the checkpoint's GPU manifest cannot be read ({exc})",
                            "take the checkpoint again") from None
     inventory = inventory or gpu_inventory.read_inventory()
     plan_path = manifest_path.with_name(PLAN_NAME)
     if plan_path.exists():  # the plan `gpusnap restore` made: checked, not made again
-        try:
-            pinned = Plan.from_dict(json.loads(plan_path.read_text()))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise GpusnapError(f"the checkpoint's {PLAN_NAME} is not a GPU plan gpusnap can "
-                               f"read ({type(exc).__name__}: {exc})",
-                               "restore it with `gpusnap restore`, which plans it again") from None
+        pinned = Plan.from_json(plan_path.read_text())
         return [p.line for p in recheck(pinned, manifest, inventory)], None
     annotation = (spec.get("annotations") or {}).get(GPU_MAP_ANNOTATION)
     # as `gpusnap restore` plans (DRM and NUMA nodes), less the CPU, kernel and CRIU

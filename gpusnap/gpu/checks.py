@@ -13,9 +13,10 @@ import platform
 from dataclasses import dataclass
 from typing import Mapping
 
-from gpusnap.criu.version import criu_version
+from gpusnap.criu.version import criu_version, is_supported
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.inventory import mps_active
+from gpusnap.gpu.inventory import Inventory, mps_active
+from gpusnap.gpu.manifest import Manifest
 
 SKIP_ENV = "GPUSNAP_SKIP_CHECKS"
 MIN_CHECKPOINT_DRIVER = 570  # cuCheckpointProcess* exists
@@ -157,3 +158,51 @@ def driver_major(version: str | None) -> int:
         return int((version or "0").split(".")[0])
     except ValueError:
         return 0
+
+
+# --- what the checkpoint needs of this host ------------------------------------------------
+
+def driver_problems(manifest: Manifest, inventory: Inventory) -> list[Problem]:
+    here, there = inventory.driver_version, manifest.driver_version
+    if driver_major(here) < MIN_CHECKPOINT_DRIVER:
+        return [Problem("driver", f"NVIDIA driver {here} cannot restore CUDA checkpoints: "
+                                  f"r{MIN_CHECKPOINT_DRIVER} or newer is needed")]
+    problems = []
+    # The processes mapped the host's libcuda, which must match the kernel module; a
+    # checkpoint without processes (nothing mapped) does not care.
+    if manifest.processes and here and there and here != there:
+        problems.append(Problem("driver-version", f"NVIDIA driver here is {here} but the "
+                                f"checkpoint's processes run driver {there}'s libcuda: restore on a "
+                                f"host with driver {there}"))
+    cuda_here = version_key(inventory.cuda_driver_version, 2)
+    cuda_there = version_key(manifest.cuda_driver_version, 2)
+    if cuda_here and cuda_there and cuda_here < cuda_there:
+        problems.append(Problem("cuda", f"CUDA driver API here is {inventory.cuda_driver_version}, "
+                                f"older than the checkpoint's {manifest.cuda_driver_version}"))
+    return problems
+
+
+def host_problems(manifest: Manifest | None, host: HostFacts | None, uses_gpus: bool) -> list[Problem]:
+    if host is None:
+        return []
+    problems = []
+    was = (manifest.host if manifest else {}) or {}
+    if was.get("arch") and host.arch and was["arch"] != host.arch:
+        problems.append(Problem("arch", f"the checkpoint was taken on {was['arch']} and this host is "
+                                f"{host.arch}: CRIU restores only onto the same CPU architecture"))
+    k_was, k_here = version_key(was.get("kernel"), 2), version_key(host.kernel, 2)
+    if k_was and k_here and k_here < k_was:
+        problems.append(Problem("kernel", f"kernel {host.kernel} here is older than the checkpoint's "
+                                f"{was['kernel']}: restored processes may use what it lacks"))
+    if not is_supported(host.criu_version):
+        problems.append(Problem("criu", f"restore needs CRIU 4.0 or newer, found "
+                                f"{host.criu_version or 'no criu'}"))
+    elif manifest and manifest.criu_version:
+        c_was, c_here = version_key(manifest.criu_version), version_key(host.criu_version)
+        if c_was and c_here and c_here < c_was:
+            problems.append(Problem("criu-version", f"CRIU {host.criu_version} here is older than "
+                                    f"CRIU {manifest.criu_version} that wrote the checkpoint"))
+    if uses_gpus and host.mps_active:
+        problems.append(Problem("mps", "a CUDA MPS control daemon runs here: restored processes "
+                                "would meet MPS, which the checkpoint API does not support"))
+    return problems

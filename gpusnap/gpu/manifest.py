@@ -167,12 +167,17 @@ def write(manifest: Manifest, image_dir: str | os.PathLike) -> Path:
     return write_private(Path(image_dir) / MANIFEST_NAME, manifest.to_json())
 
 
+def parse(text: str | bytes, where: str) -> Manifest:
+    """A manifest from its JSON text; ManifestError names `where` and what is wrong."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ManifestError(f"{where} is not valid JSON ({exc})") from None
+    return Manifest.from_dict(data)  # refuses any JSON value but an object too
+
+
 def read(image_dir: str | os.PathLike) -> Manifest | None:
     path = Path(image_dir) / MANIFEST_NAME
     if not path.exists():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ManifestError(f"{path} is not valid JSON ({exc})") from None
-    return Manifest.from_dict(data)
+    return parse(path.read_text(), str(path))

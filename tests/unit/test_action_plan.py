@@ -55,9 +55,11 @@ def test_a_plan_that_keeps_the_gpus_needs_no_pairs(tmp_path, monkeypatch):
     assert _pairs(images, monkeypatch, tmp_path) == [("none", None)]
 
 
-def test_a_damaged_plan_is_one_clear_error():
-    with pytest.raises(GpusnapError, match="is not a GPU plan gpusnap can read"):
-        action._pair_choices('{"moves": 3}')
+@pytest.mark.parametrize("text", ['{"moves": 3}', "[]", '"plan"', '{"moves": [', "{}"])
+def test_a_damaged_plan_is_one_clear_error(text):
+    with pytest.raises(GpusnapError, match="is not a GPU plan gpusnap can read") as info:
+        action._pair_choices(text)
+    assert "gpusnap restore" in info.value.hint
 
 
 def test_post_resume_falls_back_to_fewer_pairs_when_the_driver_refuses(tmp_path, monkeypatch):

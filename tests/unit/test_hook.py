@@ -262,7 +262,7 @@ def test_a_manifest_that_is_not_json_refuses_the_restore_in_words(tmp_path, stat
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], {})
     (b / "checkpoint" / MANIFEST_NAME).write_text('{"gpus": [')  # cut short
     assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
-    assert "cannot restore here: the checkpoint's GPU manifest cannot be read" in \
+    assert "cannot restore here: the checkpoint's GPU manifest is not valid JSON" in \
         capsys.readouterr().err
 
 

@@ -105,6 +105,12 @@ def test_read_of_a_manifest_that_is_not_json_names_the_file(tmp_path: Path):
     assert info.value.message.startswith(f"{tmp_path / MANIFEST_NAME} is not valid JSON")
 
 
+@pytest.mark.parametrize("text", ["[]", '"manifest"', "3", "null"])
+def test_a_manifest_that_is_json_but_not_an_object_is_refused_in_words(text):
+    with pytest.raises(ManifestError, match="the top level"):
+        gm.parse(text, "the checkpoint's GPU manifest")
+
+
 # --- malformed manifests ------------------------------------------------------------------
 
 def good() -> dict:
