@@ -24,9 +24,11 @@ if [ "${GPUSNAP_OFFLINE:-0}" = 1 ]; then
   venv_site=$($ROOT/venv/bin/python -c 'import site; print(site.getsitepackages()[0])')
   # GPUSNAP_PYLIB (unpacked wheels the interpreter lacks, e.g. grpcio) goes first.
   printf '%s\n' ${GPUSNAP_PYLIB:-} "$host_site" "$SRC" > "$venv_site/gpusnap-offline.pth"
-  for script in gpusnap:gpusnap.cli.main gpusnap-hook:gpusnap.hook.main gpusnap-criu-action:gpusnap.action.action \
-                containerd-shim-gpusnap-v1:gpusnap.shim.main; do
-    printf '#!%s\nimport sys\nfrom %s import main\nif __name__ == "__main__":  # spawned workers import this file\n    sys.exit(main())\n' "$ROOT/venv/bin/python" "${script#*:}" > "$ROOT/venv/bin/${script%%:*}"
+  # name:module:function, as pyproject.toml's [project.scripts]
+  for script in gpusnap:gpusnap.cli.main:main gpusnap-hook:gpusnap.hook.main:entry \
+                gpusnap-criu-action:gpusnap.action.action:entry containerd-shim-gpusnap-v1:gpusnap.shim.main:main; do
+    target=${script#*:}
+    printf '#!%s\nimport sys\nfrom %s import %s\nif __name__ == "__main__":  # spawned workers import this file\n    sys.exit(%s())\n' "$ROOT/venv/bin/python" "${target%:*}" "${target##*:}" "${target##*:}" > "$ROOT/venv/bin/${script%%:*}"
     chmod 755 "$ROOT/venv/bin/${script%%:*}"
   done
   # Compiled now, as pip does for an installed package: where the environment

@@ -37,7 +37,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 from gpusnap.action import agent_files, read_ahead_child, step_state
@@ -475,5 +475,11 @@ def main() -> int:
     return run_step(action, os.getppid())
 
 
-if __name__ == "__main__":
+def entry() -> NoReturn:
+    """The console script's: out through `leave`, so a driver call still in flight
+    (a lock past its bound) never holds CRIU in libcuda's exit handlers."""
     leave(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import NoReturn
 
 from gpusnap import journal
 from gpusnap.action import prestart
+from gpusnap.waits import leave
 
 
 def main() -> int:
@@ -30,5 +32,11 @@ def main() -> int:
         return 0
 
 
+def entry() -> NoReturn:
+    """The console script's: out through `leave`, so an NVML call still in flight
+    never holds runc in libcuda's exit handlers past the hook's timeout."""
+    leave(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

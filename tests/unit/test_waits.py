@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 import time
 
 import pytest
@@ -91,3 +92,32 @@ def test_a_runc_the_shim_runs_that_never_ends_is_killed_at_its_bound(tmp_path):
     assert time.monotonic() - started < 30
     assert res.stdout.strip() == ("runc checkpoint: no answer within 1 s "
                                   "(GPUSNAP_WAIT_RUNC=SECONDS raises the bound)"), res.stderr
+
+
+def _scripts() -> dict[str, str]:
+    import tomllib
+    with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["scripts"]
+
+
+@pytest.mark.parametrize("name", ["gpusnap-criu-action", "gpusnap-hook"])
+def test_criu_and_runc_scripts_exit_past_a_driver_call_in_flight(name, monkeypatch):
+    # CRIU waits on its action script and runc on its hook: with a driver call
+    # abandoned at its bound, sys.exit would sit in libcuda's exit handlers.
+    import importlib
+    from gpusnap.gpu import driver_calls
+    module, func = _scripts()[name].split(":")
+    entry = getattr(importlib.import_module(module), func)
+    monkeypatch.setattr(importlib.import_module(module), "main", lambda: 3)
+    monkeypatch.setattr(driver_calls, "driver_busy", lambda: True)
+    left = []
+    monkeypatch.setattr("os._exit", lambda code: left.append(code) or (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit):
+        entry()
+    assert left == [3]
+
+
+def test_the_offline_install_writes_the_same_entry_points_as_pyproject():
+    install = (Path(__file__).parents[2] / "packaging" / "install.sh").read_text()
+    for name, target in _scripts().items():
+        assert f"{name}:{target}" in install, name
