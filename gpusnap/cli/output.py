@@ -113,7 +113,10 @@ def _one_line(fn: Callable, root: bool, interrupted: list[bool], *args, **kwargs
             raise ROOT_NEEDED
         return fn(*args, **kwargs)
     except GpusnapError as exc:
-        if interrupted:  # Ctrl-C reached the child (Podman) first: it failed of it
+        # Ctrl-C reached the child (Podman) first: it failed of it. An error built
+        # for the Ctrl-C (exit 130: where the checkpoint is kept, the upload's id)
+        # is the line to keep.
+        if interrupted and exc.exit_code != 130:
             raise KeyboardInterrupt from None
         _say(exc.message, exc.hint, kwargs.get("as_json", False))
         sys.exit(exc.exit_code)

@@ -118,3 +118,33 @@ def test_bad_registry_flags_say_what_to_do(tmp_path):
     with pytest.raises(GpusnapError) as err:
         auth.find_credentials("reg.io", "a/b", authfile=str(tmp_path / "nope.json"))
     assert "--authfile" in err.value.hint
+
+
+def _interrupted_then(raises: GpusnapError, *args: str):
+    # Ctrl-C noted by the handler, then the error the interrupted step built
+    import os
+    import signal
+
+    @click.command()
+    @click.option("--json", "as_json", is_flag=True)
+    @handle_errors(root=False)
+    def cmd(as_json: bool) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+        raise raises
+    return CliRunner().invoke(cmd, list(args))
+
+
+def test_the_line_built_for_a_ctrl_c_says_where_the_checkpoint_is_kept():
+    kept = GpusnapError("interrupted; web is checkpointed and stopped, its checkpoint is kept in "
+                        "/var/tmp/x/checkpoint.tar", "`gpusnap push /var/tmp/x/checkpoint.tar r/x:1` "
+                        "tries again", exit_code=130)
+    res = _interrupted_then(kept, "--json")
+    assert res.exit_code == 130
+    assert json.loads(res.output)["error"].startswith("interrupted; web is checkpointed and stopped")
+    # a child's failure of the same Ctrl-C is the user's interrupt, not Podman's failure
+    res = _interrupted_then(GpusnapError("podman failed: signal: interrupt"))
+    assert res.exit_code == 130 and "Interrupted (Ctrl-C)" in res.output
+    assert "podman failed" not in res.output
