@@ -412,7 +412,7 @@ def _run_once(p: CheckpointPlan) -> dict:
         # userdata/): root only, even should the folder above be opened up.
         restrict_tree(p.container.checkpoint_dir)
     journal.record("checkpointed", container=p.container.id, export=str(p.export or ""),
-                   seconds=round(seconds, 3))
+                   leave_running=p.leave_running, seconds=round(seconds, 3))
     result = contents.summary()
     result.update({"container": {"id": p.container.id, "name": p.container.name},
                    "export": str(p.export) if p.export else None,

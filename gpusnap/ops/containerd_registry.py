@@ -44,7 +44,7 @@ from gpusnap.ops.containerd_api import Client, ContainerdError
 from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image, import_dir
 from gpusnap.ops.engines import ENGINE, refuse_engine
 from gpusnap.ops import gpu_plan as gpu_planning
-from gpusnap.ops.push_source import PushSource, dir_size, kept_error
+from gpusnap.ops.push_source import PushSource, dir_size, kept_error, mark_only_copy
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, roomiest
 
 if TYPE_CHECKING:
@@ -202,16 +202,11 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
                     on_checkpoint(loc.name)
                 image = (f"{CHECKPOINT_IMAGE_PREFIX}{loc.name}:"
                          f"{time.strftime('%Y%m%d%H%M%S')}-{os.urandom(3).hex()}")
-                try:
-                    checkpoint_container(c, loc.name, image, exit_after=not leave_running)
-                except ContainerdError as exc:
-                    state = "it was left running" if (_alive if leave_running else _running)(
-                        c, loc.name) else f"its task stopped (`{ctr} tasks ls` shows it)"
-                    raise GpusnapError(f"checkpointing {loc.name} in namespace {loc.namespace} "
-                                       f"failed: {exc}",
-                                       f"{state}; the shim's log (containerd's journal) says "
-                                       "more") from None
+                _checkpoint_task(c, ctr, loc, image, leave_running)
                 stopped = not leave_running
+                if stopped:  # the image and DEST: `doctor --fix` keeps DEST
+                    mark_only_copy(work, loc.name, dest, f"`gpusnap push {dest} REF`",
+                                   _restore_words(ctr, loc.name, image))
                 what, container = image, loc.name
             elif _exists(c, "image", loc.name):
                 what, container = loc.name, None
@@ -244,8 +239,7 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
             f"`gpusnap push {SCHEME}{loc.namespace}/{image} REF`"
         raise kept_error(exc, f"{loc.name} in namespace {loc.namespace}",
                          f"as image {image}{kept}", again,
-                         f"`{ctr} tasks rm {loc.name}; {ctr} containers rm {loc.name}; "
-                         f"{ctr} containers restore --rw --live {loc.name} {image}`") from None
+                         _restore_words(ctr, loc.name, image)) from None
     else:
         shutil.rmtree(work, ignore_errors=True)
         if image:  # pushed: the registry holds the checkpoint now
@@ -256,6 +250,21 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
             shutil.rmtree(work, ignore_errors=True)
             if image:
                 _delete_image(address, loc.namespace, image)
+
+
+def _checkpoint_task(c, ctr: str, loc, image: str, leave_running: bool) -> None:
+    try:
+        checkpoint_container(c, loc.name, image, exit_after=not leave_running)
+    except ContainerdError as exc:
+        state = "it was left running" if (_alive if leave_running else _running)(
+            c, loc.name) else f"its task stopped (`{ctr} tasks ls` shows it)"
+        raise GpusnapError(f"checkpointing {loc.name} in namespace {loc.namespace} failed: {exc}",
+                           f"{state}; the shim's log (containerd's journal) says more") from None
+
+
+def _restore_words(ctr: str, name: str, image: str) -> str:
+    return (f"`{ctr} tasks rm {name}; {ctr} containers rm {name}; "
+            f"{ctr} containers restore --rw --live {name} {image}`")
 
 
 def _only_copy(address: str, namespace: str, container: str, image: str,

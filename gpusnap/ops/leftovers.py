@@ -4,9 +4,9 @@ A killed CLI cannot tidy up: the export's hidden `.NAME.partial` and the FIFO
 directories stay. They are never mistaken for a checkpoint (no archive has the
 export's name), but they take space; doctor lists them and --fix removes them.
 A killed push or `restore REF` leaves its staging directory (`.gpusnap-push-*`,
-`.gpusnap-pull-*`) the same way. One thing is not litter: the complete export
-a killed `push CTR`/`migrate` staged is all that is left of the container it
-stopped; `kept()` names it and nothing removes it. Nor is the folder of a
+`.gpusnap-pull-*`) the same way. One thing is not litter: what a killed
+`push CTR`/`migrate` staged is all that is left of the container it stopped
+(its folder is marked so before the dump); `kept()` names it and nothing removes it. Nor is the folder of a
 background upload whose process still runs (ops/uploads.py): it may rest
 between reads longer than a foreground push does. A pre-copy's round-1 pages
 kept in RAM (pages/kept_pages.py) are listed once older than their bound.
@@ -14,6 +14,7 @@ kept in RAM (pages/kept_pages.py) are listed once older than their bound.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.ops import uploads
+from gpusnap.ops.push_source import ONLY_COPY
 from gpusnap.pages import kept_pages, memory, pages_aside
 from gpusnap.runtime.fifo_pump import referenced
 from gpusnap.runtime.kept_checkpoint import KEPT_NAME
@@ -65,15 +67,36 @@ def _busy(work: Path) -> bool:
 
 
 def kept() -> list[dict]:
-    """Complete exports a killed `push CTR`/`migrate` staged: {container, export}."""
-    found = []
+    """What a killed push left that is all there is of a container it stopped:
+    {container, export, again, back}. Its folder's mark says so (ops/push_source);
+    a journal line, for a folder from before marks (kept while the journal has it)."""
+    found, seen = [], set()
     live = uploads.live_work_dirs()
+
+    def add(export: Path, entry: dict) -> None:
+        work = export.parent
+        if work in seen or work in live or not export.exists() or _busy(work):
+            return
+        seen.add(work)
+        found.append({"container": entry.get("container"), "export": str(export),
+                      "again": entry.get("again") or f"`gpusnap push {export} REF`",
+                      "back": entry.get("back") or f"`gpusnap restore {export}` (once "
+                      "the container of that name is removed)"})
+
+    for work in staging_folders():
+        if not work.name.startswith(PUSH_PREFIX):
+            continue
+        try:
+            mark = json.loads((work / ONLY_COPY).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(mark, dict) and mark.get("export"):
+            add(Path(mark["export"]), mark)
     for event in journal.read(500):
         export = Path(event.get("export") or "")
-        if event.get("event") == "checkpointed" and export.parent.name.startswith(
-                STAGING_PREFIXES[0]) and export.is_file() and export.parent not in live \
-                and not _busy(export.parent):
-            found.append({"container": event.get("container"), "export": str(export)})
+        if event.get("event") == "checkpointed" and not event.get("leave_running") and \
+                export.parent.name.startswith(PUSH_PREFIX) and export.is_file():
+            add(export, event)
     return found
 
 

@@ -26,7 +26,7 @@ from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import checkpoint as ops_checkpoint
 from gpusnap.pages import early_pages, kept_pages, prefetch, prepared_pages
-from gpusnap.ops.push_source import PushSource, cause, kept_error
+from gpusnap.ops.push_source import PushSource, cause, kept_error, mark_only_copy
 from gpusnap.runtime import podman
 from gpusnap.pages import memory
 from gpusnap.runtime.follow import follow
@@ -72,6 +72,8 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
     aside: Path | None = None  # where CRIU's memory pages go, out of Podman's export
     in_ram = False
     stopped = False  # the container is down and this archive is all that is left of it
+    again, back = f"`gpusnap push {export} REF`", f"`podman rm {source}; gpusnap restore {export}`"
+    job: Future | None = None
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
     try:
         # The disk's room is checked below, once it is known whether the pages go to RAM.
@@ -81,11 +83,12 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         # streamed: not taken again under the upload, but refused to push(), which retakes it all
         plan.retake_stale, plan.check_files = not stream, not pre_checkpoint
         aside, in_ram = _place_pages(plan, work, root, sets_aside)
+        if not leave_running and aside is None:  # the export will hold all of it
+            mark_only_copy(work, source, export, again, back)
         if on_checkpoint:
             on_checkpoint(plan.container.name)
-        if stream:  # one from an earlier export would be followed as if Podman wrote it
-            (plan.container.userdata / prefetch.DEVSHM).unlink(missing_ok=True)
-            early_pages.clear_stale(plan.container.checkpoint_dir)
+        if stream:
+            _clear_stale(plan.container)
         job = pool.submit(ops_checkpoint.run, plan)
         if on_checkpointed:
             job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside))
@@ -107,26 +110,44 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
             raise
         if aside is not None:  # the export alone must restore anywhere: pages into it
             _make_export_whole(exc, source, export, aside, container)
-        raise kept_error(exc, source, f"in {export}", f"`gpusnap push {export} REF`",
-                         f"`podman rm {source}; gpusnap restore {export}`") from None
+            mark_only_copy(work, source, export, again, back)
+        raise kept_error(exc, source, f"in {export}", again, back) from None
     else:
-        if aside is not None:
-            ops_checkpoint.drop_local(container.userdata)
-        discard(work, work.parent)  # the export (and the pages): as large as the checkpoint
-        if in_ram:
-            if pre_checkpoint:
-                kept_pages.keep(aside, container.id, ops_checkpoint.ahead_tasks(plan),
-                                held_too=plan.gpu_bytes)
-            discard(aside, aside.parent)
+        _pushed(plan, work, aside, in_ram, pre_checkpoint)
         work = None
     finally:
         pool.shutdown(wait=True)
-        if work is not None and not stopped:
+        # a second Ctrl-C may have left the handler above before it knew the dump stopped it
+        if work is not None and not stopped and not _stopped_it(job, leave_running):
             if aside is not None:
                 _local_checkpoint_after_failure(container, aside)
             shutil.rmtree(work, ignore_errors=True)
             if in_ram:
                 shutil.rmtree(aside, ignore_errors=True)
+
+
+def _pushed(plan, work: Path, aside: Path | None, in_ram: bool, pre_checkpoint: bool) -> None:
+    """The registry holds it now: the local copies go (a pre-copy's round 1 keeps its pages)."""
+    if aside is not None:
+        ops_checkpoint.drop_local(plan.container.userdata)
+    discard(work, work.parent)  # the export (and the pages): as large as the checkpoint
+    if in_ram:
+        if pre_checkpoint:
+            kept_pages.keep(aside, plan.container.id, ops_checkpoint.ahead_tasks(plan),
+                            held_too=plan.gpu_bytes)
+        discard(aside, aside.parent)
+
+
+def _clear_stale(container: podman.Container) -> None:
+    """What an earlier export left, which would be followed as if Podman wrote it."""
+    (container.userdata / prefetch.DEVSHM).unlink(missing_ok=True)
+    early_pages.clear_stale(container.checkpoint_dir)
+
+
+def _stopped_it(job: Future | None, leave_running: bool) -> bool:
+    """Whether the checkpoint job ended well and so stopped the container."""
+    return not leave_running and job is not None and job.done() and not job.cancelled() \
+        and job.exception() is None
 
 
 def _place_pages(plan, work: Path, root: Path, sets_aside: bool) -> tuple[Path | None, bool]:

@@ -6,11 +6,17 @@ flows one way: engine -> PushSource -> push.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable
 
 from gpusnap.errors import GpusnapError
+from gpusnap.private import write_private
+
+# In a push's folder whose checkpoint stops the container: once the dump is
+# done, what the folder holds is all that is left of it (ops/leftovers.kept).
+ONLY_COPY = "gpusnap-only-copy.json"
 
 
 @dataclass
@@ -43,6 +49,14 @@ def cause(exc: BaseException) -> str:
     """What stopped a push, in the words of its error (Ctrl-C: "interrupted")."""
     return "interrupted" if isinstance(exc, KeyboardInterrupt) else getattr(exc, "message",
                                                                             str(exc))
+
+
+def mark_only_copy(work: Path, container: str, kept: Path, again: str, back: str) -> None:
+    """Written before the dump that stops ``container``: `gpusnap doctor --fix`
+    never removes a folder so marked (the journal, which also says it, keeps
+    only its last lines), and doctor prints the two ways on, with real names."""
+    write_private(work / ONLY_COPY, json.dumps({"container": container, "export": str(kept),
+                                                "again": again, "back": back}))
 
 
 def kept_error(exc: BaseException, container: str, kept: str, again: str,

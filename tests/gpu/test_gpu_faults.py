@@ -246,7 +246,7 @@ def test_upload_killed_in_the_foreground(source, registry, capsys):
         assert _status(source.name) == "exited"
         report = json.loads(gpusnap("doctor", "--json").stdout)
         shown = [c for c in report["checks"] if c["name"] == "kept checkpoints"][0]
-        assert str(kept) in shown["detail"] and "gpusnap push FILE REF" in shown["fix"], shown
+        assert str(kept) in shown["detail"] and f"gpusnap push {kept} REF" in shown["fix"], shown
         again = gpusnap_json("push", str(kept), ref, *registry.flags())
         assert 0 < again["chunks_sent"] < again["chunks"], again
         _restore_ref_here(source, ref, its, *registry.flags())

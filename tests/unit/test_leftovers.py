@@ -1,0 +1,106 @@
+"""What `gpusnap doctor --fix` may remove (ops/leftovers.py): a push's folder
+that holds all that is left of a container it stopped is never among it,
+however far back the journal's line went; a copy push's folder is litter."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from gpusnap import journal
+from gpusnap.ops import leftovers, uploads
+from gpusnap.ops.push_source import mark_only_copy
+from gpusnap.runtime.storage import PUSH_PREFIX
+
+
+@pytest.fixture
+def staging(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    root = tmp_path / "var-tmp"
+    root.mkdir()
+    monkeypatch.setattr(leftovers, "_staging_roots", lambda: {root})
+    monkeypatch.setattr(uploads, "live_work_dirs", lambda: set())
+    monkeypatch.setattr(leftovers, "referenced", lambda path: False)
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path / "tmp"))
+    return root
+
+
+def _push_folder(root: Path, name: str) -> tuple[Path, Path]:
+    work = root / f"{PUSH_PREFIX}{name}"
+    work.mkdir()
+    export = work / "checkpoint.tar"
+    export.write_bytes(b"\0" * 1024)
+    old = time.time() - 3600
+    os.utime(work, (old, old))
+    return work, export
+
+
+def test_a_stopped_containers_export_is_kept_with_its_own_commands(staging):
+    work, export = _push_folder(staging, "stopped")
+    mark_only_copy(work, "web", export, f"`gpusnap push {export} REF`",
+                   f"`podman rm web; gpusnap restore {export}`")
+    os.utime(work, (time.time() - 3600,) * 2)
+    for _ in range(600):  # the journal's line about it is long gone
+        journal.record("pushed", ref="r/x:1")
+    kept = leftovers.kept()
+    assert [k["export"] for k in kept] == [str(export)]
+    assert kept[0]["back"] == f"`podman rm web; gpusnap restore {export}`"
+    assert work not in leftovers.find()
+
+
+def test_a_copy_pushs_export_is_litter_though_the_journal_names_it(staging):
+    work, export = _push_folder(staging, "copy")
+    journal.record("checkpointed", container="abc", export=str(export), leave_running=True)
+    assert leftovers.kept() == []
+    assert work in leftovers.find()
+
+
+def test_a_journal_line_from_before_marks_still_keeps_its_export(staging):
+    work, export = _push_folder(staging, "old")
+    journal.record("checkpointed", container="abc", export=str(export))  # no leave_running
+    assert [k["export"] for k in leftovers.kept()] == [str(export)]
+    assert work not in leftovers.find()
+
+
+def test_a_second_ctrl_c_while_migrate_waits_for_its_dump_keeps_the_export(tmp_path, monkeypatch):
+    # The first Ctrl-C stops the upload; the push waits for the dump, which
+    # stops the container. A second Ctrl-C in that wait must not let the
+    # clean-up remove the export: it is all that is left of the container.
+    from types import SimpleNamespace
+
+    from gpusnap.ops import checkpoint as ops_checkpoint, podman_source
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    root = tmp_path / "staging"
+    root.mkdir()
+    monkeypatch.setattr(podman_source, "staging_dir", lambda *a: root)
+    monkeypatch.setattr(podman_source.kept_pages, "sweep", lambda: None)
+    monkeypatch.setattr(podman_source.pages_aside, "enabled", lambda: False)
+    container = SimpleNamespace(name="web", id="abc", userdata=tmp_path / "userdata",
+                                checkpoint_dir=tmp_path / "userdata" / "checkpoint",
+                                graph_root=None, runtime="runc")
+    plan = SimpleNamespace(container=container, estimate_bytes=1, export=None, keep=False)
+
+    def make_plan(source, export, *a, **k):
+        plan.export = Path(export)
+        return plan
+
+    def dump(p):
+        time.sleep(0.3)
+        p.export.write_bytes(b"tar")  # Podman's export, the container stopped
+    monkeypatch.setattr(ops_checkpoint, "plan", make_plan)
+    monkeypatch.setattr(ops_checkpoint, "require_space", lambda *a: None)
+    monkeypatch.setattr(ops_checkpoint, "run", dump)
+    monkeypatch.setattr(podman_source, "_push_source", lambda *a: None)
+
+    def second_ctrl_c(jobs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(podman_source, "futures_wait", second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        with podman_source.checkpointed("web", False, None, True, container, None):
+            raise KeyboardInterrupt  # the first, in the upload
+    exports = list(root.glob(f"{PUSH_PREFIX}*/checkpoint.tar"))
+    assert [e.read_bytes() for e in exports] == [b"tar"]
