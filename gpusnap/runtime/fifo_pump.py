@@ -15,8 +15,8 @@ export: FIFO -> (HEAD as a tar member, if the file exists then) -> zstd -T0
         (A plain export needs no pump: Podman writes it, stream.export_plain.)
 import: every open of FIFO gets a fresh `zstd -dc ARCHIVE` stream (a plain
         ARCHIVE as it is), or with --retarget R (JSON: remap and plan) the
-        archive rewritten for other GPUs; a rewrite that fails leaves its
-        reason beside R, in retarget.error. With --head, the first N opens get
+        archive rewritten for other GPUs; a stream that fails (a rewrite, a
+        zstd checksum) ends broken and leaves its reason beside FIFO, in pump.error. With --head, the first N opens get
         HEAD instead (config.dump and spec.dump: all Podman 4.3 reads on them).
         Every open is served whatever its number, so no count of Podman's
         opens can leave a reader waiting.
@@ -37,6 +37,7 @@ and its reader unblocked, never left in open(2).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -50,7 +51,8 @@ from typing import Callable
 
 from gpusnap.errors import GpusnapError
 from gpusnap.private import open_private
-from gpusnap.runtime.stream import OPENED, PIPE_SIZE, PUMP_PARENT_ENV, is_zstd, tar_member
+from gpusnap.runtime.stream import (BROKEN_END, OPENED, PIPE_SIZE, PUMP_ERROR, PUMP_PARENT_ENV,
+                                    is_zstd, tar_member)
 from gpusnap.runtime.stream import widen as _widen
 
 _SPLICE = PIPE_SIZE
@@ -125,7 +127,7 @@ def _drain(src: int) -> None:
         os.close(null)
 
 
-def _serve_one(fd: int, archive: str) -> None:
+def _serve_one(fd: int, archive: str, error: Path) -> None:
     if not is_zstd(Path(archive)):  # a plain tar: straight from the page cache
         src = os.open(archive, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -137,12 +139,40 @@ def _serve_one(fd: int, archive: str) -> None:
             os.close(src)
             os.close(fd)
         return
+    _serve_zstd(fd, archive, error)
+
+
+# The tail of a decompressed stream held back until zstd has checked the frame's
+# checksum, which it does after writing everything: a bit flipped in a raw block
+# shows only there, and a reader given the tar's end blocks first would restore it.
+_HOLD = 64 << 10
+
+
+def _serve_zstd(fd: int, archive: str, error: Path) -> None:
+    """``archive`` decompressed to ``fd``; a failed check ends it broken, said in ``error``."""
     zstd = subprocess.Popen(["zstd", "-dcq", archive], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL)
-    _widen(zstd.stdout.fileno())
+                            stderr=subprocess.PIPE)
+    src = zstd.stdout.fileno()
+    _widen(src)
+    held = b""
     try:
-        while os.splice(zstd.stdout.fileno(), fd, _SPLICE):
-            pass
+        while data := os.read(src, 1 << 20):
+            data = held + data
+            cut = len(data) - _HOLD
+            if cut > 0:
+                _write_all(fd, memoryview(data)[:cut])
+            held = data[max(cut, 0):]
+        err = zstd.stderr.read().decode(errors="replace").strip()  # its output ended: it ends
+        try:
+            ok = zstd.wait(timeout=60) == 0
+        except subprocess.TimeoutExpired:
+            ok, err = False, "zstd did not end within 60 s of its output"
+        if ok:
+            _write_all(fd, memoryview(held))
+            return
+        with contextlib.suppress(OSError):  # said first: Podman fails as soon as it reads the end
+            error.write_text(f"{archive} is damaged: zstd: {err or 'decompression failed'}")
+        _write_all(fd, memoryview(BROKEN_END))
     except OSError:
         pass  # the reader had what it wanted and closed its end
     finally:
@@ -151,7 +181,7 @@ def _serve_one(fd: int, archive: str) -> None:
         zstd.wait()
 
 
-def _serve_retargeted(fd: int, archive: str, retarget: str) -> None:
+def _serve_retargeted(fd: int, archive: str, retarget: str, error: Path) -> None:
     # start-up: only a --retarget import; the pump starts at every FIFO import
     from gpusnap.gpu.nodes import DeviceRemap
     from gpusnap.runtime.retarget import rewrite_archive
@@ -162,9 +192,9 @@ def _serve_retargeted(fd: int, archive: str, retarget: str) -> None:
     except OSError:
         pass  # the reader had what it wanted and closed its end
     except GpusnapError as exc:
-        Path(retarget).with_name("retarget.error").write_text(exc.message)
+        error.write_text(exc.message)
     except Exception as exc:  # noqa: BLE001 -- said to the CLI; the stream already ends broken
-        Path(retarget).with_name("retarget.error").write_text(
+        error.write_text(
             f"rewriting the archive failed: {type(exc).__name__}: {exc}")
     finally:
         os.close(fd)
@@ -312,10 +342,12 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watchdog, args=(fifo, parent), daemon=True).start()
     if args.mode == "export":
         return export(fifo, args.partial, args.level, args.head)
+    error = Path(fifo).with_name(PUMP_ERROR)
     if args.retarget:
-        whole = functools.partial(_serve_retargeted, archive=args.archive, retarget=args.retarget)
+        whole = functools.partial(_serve_retargeted, archive=args.archive, retarget=args.retarget,
+                                  error=error)
     else:
-        whole = functools.partial(_serve_one, archive=args.archive)
+        whole = functools.partial(_serve_one, archive=args.archive, error=error)
     return serve(fifo, whole, args.head, args.head_opens)
 
 

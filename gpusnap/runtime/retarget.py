@@ -27,6 +27,7 @@ from gpusnap.criu.images import ImageError, dev_tmpfs_name, parse_mountpoints
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.nodes import DeviceRemap
 from gpusnap.oci.spec import SpecError, rewrite_config_dump, rewrite_spec
+from gpusnap.runtime.stream import BROKEN_END
 from gpusnap.tarstream import GZIP_MAGIC, ZSTD_MAGIC
 
 _COPY_BUFFER = 1 << 20
@@ -248,7 +249,7 @@ def rewrite_archive(src_path: Path, out: int, remap: DeviceRemap, plan: dict | N
         # reader: end it with a header whose checksum is wrong (Go's tar, as in
         # Podman, and GNU tar fail on it; Python's tarfile alone shrugs).
         try:
-            _write_all(out, b"gpusnap: rewrite failed\n".ljust(BLOCK, b"\xff"))
+            _write_all(out, BROKEN_END)
         except OSError:
             pass
         raise
@@ -262,8 +263,7 @@ def _rewrite(src_path: Path, out: int, remap: DeviceRemap, plan: dict | None) ->
     try:
         for item in _members(src):
             if item is None:
-                _write_all(out, NUL_BLOCK * 2)
-                break
+                break  # the end blocks only once zstd said its checksum held (below)
             raw, info = item
             name = _norm(info.name)
             if plan is not None and name == _IMAGES + PLAN_NAME and info.isreg():
@@ -291,3 +291,4 @@ def _rewrite(src_path: Path, out: int, remap: DeviceRemap, plan: dict | None) ->
     if complaint:
         raise GpusnapError(f"{src_path} is not a valid archive ({complaint})",
                            "the file is damaged or truncated")
+    _write_all(out, NUL_BLOCK * 2)

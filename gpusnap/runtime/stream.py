@@ -274,6 +274,12 @@ class ImportStream:
 
 
 OPENED = "opened"  # made by the pump at a reader's first open (ImportStream.check)
+PUMP_ERROR = "pump.error"  # why the pump ended a stream broken (a rewrite, a zstd checksum)
+# Ends a stream that must not pass for a whole tar: a reader cut at a member
+# boundary would take it for one. Go's tar (Podman's) and GNU tar fail on a
+# header whose checksum is wrong, or on the byte past it where it lands in a
+# member's data (one byte more than a block: never a clean end).
+BROKEN_END = b"gpusnap: the stream broke off here\n".ljust(tarfile.BLOCKSIZE + 1, b"\xff")
 
 
 def unblock_reader(fifo: Path) -> None:
@@ -318,8 +324,8 @@ def import_fifo(src: Path, near: Path | None = None, retarget: dict | None = Non
     try:
         yield ImportStream(fifo, server, work)
     except GpusnapError as exc:
-        failed = (work / "retarget.error").read_text().strip() \
-            if (work / "retarget.error").exists() else ""
+        failed = (work / PUMP_ERROR).read_text().strip() \
+            if (work / PUMP_ERROR).exists() else ""
         if failed:
             raise GpusnapError(f"{exc.message} ({failed})", exc.hint) from None
         raise

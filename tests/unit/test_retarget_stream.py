@@ -94,3 +94,63 @@ def test_a_streamed_restore_that_moves_nothing_carries_only_its_plan():
     head = {"spec.dump": b'{"ociVersion":  "1.0.2"}', "config.dump": b'{ "id": "x" }'}
     assert edit_members(head, DeviceRemap(), {"moves": []}) == \
         {"checkpoint/gpusnap-plan.json": b'{"moves": []}'}
+
+
+def _damaged_zstd(tmp_path, name: str = "damaged"):
+    """A tar of incompressible pages, zstd-compressed (raw blocks, which only
+    the frame's checksum guards) with one byte flipped in the pages."""
+    import os
+    import subprocess
+
+    pages = os.urandom(1 << 20)
+    tar = tmp_path / f"{name}.tar"
+    tar.write_bytes(_header("checkpoint/pages-1.img", len(pages)) + pages + b"\0" * (2 * BLOCK))
+    subprocess.run(["zstd", "-q", "-f", str(tar), "-o", str(tar) + ".zst"], check=True)
+    good = tar.read_bytes()
+    raw = bytearray((tmp_path / f"{name}.tar.zst").read_bytes())
+    at = raw.index(pages[1000:1064])  # stored as it is in a raw block
+    raw[at] ^= 0x01
+    bad = tmp_path / f"{name}-bad.tar.zst"
+    bad.write_bytes(bytes(raw))
+    return tmp_path / f"{name}.tar.zst", bad, good
+
+
+def _served(archive, tmp_path) -> tuple[bytes, str]:
+    import os
+    import threading
+
+    from gpusnap.runtime import fifo_pump
+
+    error = tmp_path / "pump.error"
+    error.unlink(missing_ok=True)
+    r, w = os.pipe()
+    threading.Thread(target=fifo_pump._serve_one, args=(w, str(archive), error)).start()
+    out = b""
+    with os.fdopen(r, "rb") as f:
+        while chunk := f.read(1 << 16):
+            out += chunk
+    return out, error.read_text() if error.exists() else ""
+
+
+def test_a_zst_archive_whose_checksum_fails_never_reaches_its_end_blocks(tmp_path):
+    from gpusnap.runtime.stream import BROKEN_END
+
+    good_zst, bad_zst, good = _damaged_zstd(tmp_path)
+    out, error = _served(good_zst, tmp_path)
+    assert out == good and error == ""
+    out, error = _served(bad_zst, tmp_path)
+    assert out.endswith(BROKEN_END) and not out.endswith(b"\0" * (2 * BLOCK))
+    assert "is damaged: zstd" in error
+
+
+def test_a_retargeted_zst_archive_whose_checksum_fails_ends_broken(tmp_path):
+    import pytest
+
+    from gpusnap.errors import GpusnapError
+    from gpusnap.runtime.stream import BROKEN_END
+
+    _, bad_zst, _ = _damaged_zstd(tmp_path)
+    out = tmp_path / "out.tar"
+    with open(out, "wb") as f, pytest.raises(GpusnapError, match="not a (valid|readable)"):
+        rewrite_archive(bad_zst, f.fileno(), DeviceRemap(container_paths="keep"), {"moves": []})
+    assert out.read_bytes().endswith(BROKEN_END)
