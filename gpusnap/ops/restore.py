@@ -255,7 +255,7 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
     that streams the archive, watched while Podman reads it); a failure
     removes what Podman half-created."""
     target = name or (contents.json_file("config.dump") or {}).get("name")
-    start = time.monotonic()
+    start, since = time.monotonic(), time.time() - 1  # the second: clocks' rounding
     journal.record("import-started", container=target)
     ahead = DriverAhead() if plan.moves else None  # for the check once Podman is done
     try:
@@ -265,12 +265,18 @@ def import_archive(opener: ContextManager[ImportStream], contents: archive.Check
                            progress=stream.progress)
     except GpusnapError as exc:
         journal.record("import-failed", container=target, error=exc.message)
-        log, left = _drop_half_restored(target)
+        # a container that took the name meanwhile is not this import's to remove
+        log, left = (None, None) if "that name is already in use" in exc.message else \
+            _drop_half_restored(target, since)
         # Podman's "see restore.log" names a file removed with the container
         why, hint = _with_criu_log(exc, log, target)
         if left:  # the cause above stays the message; the leftover is what to clean up
             why += f"; the half-restored container {target} is left ({left}): `podman rm -f {target}`"
         raise GpusnapError(f"{why}; nothing was restored, {source} is unchanged", hint) from None
+    except KeyboardInterrupt:  # Podman stopped: what it half-made under the name goes too
+        journal.record("import-failed", container=target, error="interrupted")
+        _drop_half_restored(target, since)
+        raise
     done = time.monotonic()
     ctr = podman.inspect(target or source)
     hostname = None
@@ -376,15 +382,15 @@ def _with_criu_log(exc: GpusnapError, log: CriuLog | None,
     return why, hint
 
 
-def _drop_half_restored(name: str | None) -> tuple[CriuLog | None, str | None]:
+def _drop_half_restored(name: str | None, since: float) -> tuple[CriuLog | None, str | None]:
     """An import that failed (a damaged archive) may leave a created container
-    behind; the name was free before, so it is ours to remove. Its CRIU
+    behind; the name was free before, so one made since ``since`` is ours to remove. Its CRIU
     restore.log goes with it: it is read and a copy kept first. (the log, why
     the container could not be removed): a failed removal never hides why the
     import failed."""
     try:
         ctr = podman.find(name) if name else None
-        if ctr is None or ctr.running:
+        if ctr is None or ctr.running or ctr.made_before(since):
             return None, None
     except GpusnapError as exc:
         return None, exc.message

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import threading
+from datetime import datetime
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -41,10 +42,18 @@ class Container:
     hostname_path: str = ""  # Podman's /etc/hostname and /etc/hosts for it, on the host
     hosts_path: str = ""
     lower_dirs: tuple[str, ...] = ()  # its image's layers on the host, uppermost first (overlay)
+    created: str = ""  # when Podman made it (RFC 3339, as inspect says)
 
     @property
     def running(self) -> bool:
         return self.status == "running"
+
+    def made_before(self, when: float) -> bool:
+        """Whether Podman made it before ``when`` (epoch seconds); False where unknown."""
+        try:
+            return datetime.fromisoformat(self.created).timestamp() < when
+        except ValueError:
+            return False
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -114,6 +123,7 @@ def find(name: str) -> Container | None:
         hostname_path=data.get("HostnamePath") or "", hosts_path=data.get("HostsPath") or "",
         lower_dirs=tuple(d for d in ((data.get("GraphDriver") or {}).get("Data") or {})
                          .get("LowerDir", "").split(":") if d),
+        created=data.get("Created") or "",
     )
 
 

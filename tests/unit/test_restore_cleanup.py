@@ -158,3 +158,46 @@ def test_a_local_restore_podman_failed_says_what_crius_log_says(tmp_path, monkey
     assert msg.startswith("podman container restore: ") and "boom" in msg, msg
     assert "CRIU's log is kept in" in msg and "log file:" not in msg, msg
     assert err.value.hint == "`gpusnap inspect` shows what the checkpoint needs"
+
+
+def _stranger(tmp_path: Path, created: str) -> podman.Container:
+    ctr = _container(tmp_path)
+    ctr.status, ctr.created = "exited", created
+    return ctr
+
+
+def test_a_container_that_took_the_name_meanwhile_is_never_removed(tmp_path, monkeypatch):
+    # The name was free when the restore began; a container made under it while
+    # the checkpoint downloaded is someone else's, whatever Podman then said.
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    removed = []
+    monkeypatch.setattr(podman, "remove", lambda name, **k: removed.append(name))
+    monkeypatch.setattr(podman, "find", lambda name: _stranger(tmp_path, "2020-01-01T00:00:00.5Z"))
+    for said in ("the container name \"r2-1\" is already in use by c0ffee. You have to remove that "
+                 "container to be able to reuse that name: that name is already in use",
+                 "CRIU restore failed"):
+        def failed_restore(*a, said=said, **k):
+            raise GpusnapError(f"podman container restore failed: {said}")
+        monkeypatch.setattr(podman, "restore", failed_restore)
+        _failed_import(tmp_path, "REF")
+    assert removed == []
+
+
+def test_ctrl_c_during_the_import_removes_what_podman_half_made(tmp_path, monkeypatch):
+    import time
+    from datetime import datetime, timezone
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    removed = []
+    monkeypatch.setattr(podman, "remove", lambda name, **k: removed.append(name))
+    now = datetime.fromtimestamp(time.time(), timezone.utc).isoformat()
+    monkeypatch.setattr(podman, "find", lambda name: _stranger(tmp_path, now))
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(podman, "restore", interrupted)
+    contents = type("C", (), {"json_file": lambda self, n: {"name": "r2-1"}})()
+    with pytest.raises(KeyboardInterrupt):
+        restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents,
+                               Plan([], [], False), "r2-1", False, False, "REF")
+    assert removed == ["r2-1"]
