@@ -8,6 +8,7 @@ host takes, so they only ever end a hang.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -86,17 +87,33 @@ def stop(proc: subprocess.Popen, grace: float | None = None) -> None:
         pass
 
 
+def stop_tree(proc: subprocess.Popen, descendants: Callable[[int], list[int]]) -> None:
+    """``proc`` and what it started (runc, CRIU under a Podman; ``descendants``
+    names them): a Podman stopped alone leaves them working on the container it
+    reported as failed."""
+    below = descendants(proc.pid) if proc.poll() is None else []
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    stop(proc)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)  # those the grace above did not end
+
+
 def run(argv: Sequence[str], what: str, bound: Bound,
         watch: Callable[[], None] | None = None, tick: float = 0.25,
         hint: str | None = None,
-        progress: Callable[[], int] | None = None) -> subprocess.CompletedProcess:
+        progress: Callable[[], int] | None = None,
+        tree: Callable[[int], list[int]] | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, capture_output=True, text=True)`` that ends within
     ``bound``. ``watch`` is called every ``tick`` seconds while it runs and may
     raise (the stream it reads has died, say): the program is stopped first,
     then the error goes on. ``progress`` (bytes fed to it so far, say) restarts
     the bound whenever it moves: a restore that reads a slow download is not
     hung. Output is read all along, so a chatty program never blocks on a full
-    pipe."""
+    pipe. ``tree`` (a pid's descendants): at the bound, what the program
+    started is stopped too."""
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + bound.seconds
@@ -114,8 +131,11 @@ def run(argv: Sequence[str], what: str, bound: Bound,
                 moved, deadline = progress(), time.monotonic() + bound.seconds
             if time.monotonic() > deadline:
                 raise bound.expired(what, hint)
-    except BaseException:
-        stop(proc)
+    except BaseException as exc:
+        if tree is not None and isinstance(exc, WaitExpired):
+            stop_tree(proc, tree)
+        else:
+            stop(proc)
         # what is left in the pipes, so no reader of them hangs
         try:
             proc.communicate(timeout=Bound.of("STOP").seconds)

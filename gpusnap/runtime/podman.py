@@ -22,6 +22,7 @@ from typing import Callable, TypeVar
 from gpusnap import journal, waits
 from gpusnap.errors import GpusnapError
 from gpusnap.private import write_private
+from gpusnap.procs import process_tree
 from gpusnap.runtime.kept_checkpoint import CHECKPOINT_DIRS, CHECKPOINT_FILES
 from gpusnap.waits import Bound
 
@@ -75,9 +76,20 @@ def podman_binary() -> str:
 def _run(args: list[str], bound: Bound | None = None,
          watch: Callable[[], None] | None = None,
          progress: Callable[[], int] | None = None) -> subprocess.CompletedProcess:
-    """Podman, ended by ``bound`` (a query's when None): never an endless wait."""
-    return waits.run([podman_binary(), *args], f"podman {' '.join(args[:2])}",
-                     bound or Bound.of("PODMAN"), watch, progress=progress)
+    """Podman, ended by ``bound`` (a query's when None): never an endless wait.
+    A checkpoint or restore at its bound ends with the runc and CRIU it ran."""
+    bound = bound or Bound.of("PODMAN")
+    hint = None if bound.name == "PODMAN" else \
+        (f"Podman and the runc and CRIU it ran were stopped; `gpusnap doctor` checks what "
+         f"they left; if the host is just slow, raise the bound "
+         f"(GPUSNAP_WAIT_{bound.name}=SECONDS)")
+    return waits.run([podman_binary(), *args], f"podman {' '.join(args[:2])}", bound, watch,
+                     hint=hint, progress=progress,
+                     tree=None if bound.name == "PODMAN" else _descendants)
+
+
+def _descendants(pid: int) -> list[int]:
+    return process_tree(pid)[1:]
 
 
 # How runc passes on the words of a hook that failed (gpusnap's OCI hook among them)

@@ -121,3 +121,31 @@ def test_the_offline_install_writes_the_same_entry_points_as_pyproject():
     install = (Path(__file__).parents[2] / "packaging" / "install.sh").read_text()
     for name, target in _scripts().items():
         assert f"{name}:{target}" in install, name
+
+
+def test_a_podman_checkpoint_at_its_bound_ends_with_the_runc_and_criu_it_ran(tmp_path, monkeypatch):
+    # Podman runs runc, runc CRIU: a Podman stopped alone left them dumping a
+    # container the failure path already thawed and called running.
+    import os
+
+    from gpusnap.runtime import podman
+
+    child_pid = tmp_path / "criu.pid"
+    fake = tmp_path / "podman"
+    fake.write_text(f"#!/bin/sh\nsh -c 'echo $$ > {child_pid}; exec sleep 600' &\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(podman, "podman_binary", lambda: str(fake))
+    monkeypatch.setenv("GPUSNAP_WAIT_PODMAN_CHECKPOINT", "1")
+    monkeypatch.setenv("GPUSNAP_WAIT_STOP", "1")
+    with pytest.raises(waits.WaitExpired) as info:
+        podman.checkpoint("web", None, False, False)
+    assert "runc and CRIU it ran were stopped" in info.value.hint
+    pid = int(child_pid.read_text())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the fake CRIU (pid {pid}) outlived the Podman stopped at its bound")
