@@ -33,6 +33,9 @@ DEFAULTS: dict[str, float] = {
     # guardian's own bound on a freeze CRIU left (120 s), then the driver's restore
     "GPU_TURN": 180.0,
     "DRIVER": 120.0,          # the NVIDIA driver's cuInit and state query (seconds at most)
+    # NVML in the OCI hook, which runc kills at hooks.d's 30 s: the shell front
+    # may have spent 17 s on the agent first (packaging/bin/gpusnap-hook)
+    "HOOK_NVML": 10.0,
     "RESUME_SETTLE": 30.0,    # the driver answering for a restored process (at once when healthy)
     # the driver's lock (plus its own timeout), checkpoint, restore or unlock of
     # one process: seconds for tens of GiB of GPU memory on a healthy GPU

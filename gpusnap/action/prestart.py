@@ -47,10 +47,8 @@ def gpu_devices(spec: dict) -> list[dict]:
 
 
 def record_assignment(container_id: str, devices: list[dict], inv: "Inventory | None" = None) -> Path:
-    from gpusnap.gpu.inventory import read_inventory  # start-up: the hook runs at every create
-
     read_by = "agent" if inv else "hook"  # whose NVML read (action/agent.py): benchmarks tell
-    inv = inv or read_inventory()
+    inv = inv or hook_inventory()
     gpus = []
     for dev in devices:
         gpu = inv.by_minor(int(dev.get("minor", -1)))
@@ -59,6 +57,16 @@ def record_assignment(container_id: str, devices: list[dict], inv: "Inventory | 
     path = journal.state_subdir("containers") / f"{container_id}.json"
     return write_private(path, json.dumps({"id": container_id, "gpus": gpus,
                                            "inventory_read_by": read_by}, indent=2))
+
+
+def hook_inventory() -> "Inventory":
+    """NVML read within the hook's own bound: runc kills a hook at hooks.d's
+    timeout, in its words, not gpusnap's; past this bound a create goes on and
+    a restore is refused, each in gpusnap's words."""
+    from gpusnap.gpu.inventory import read_inventory  # start-up: the hook runs at every create
+    from gpusnap.waits import Bound
+
+    return read_inventory(Bound.of("HOOK_NVML"))
 
 
 def host_gpu_nodes(dev: Path = Path("/dev")) -> int:
@@ -112,11 +120,11 @@ def plan_for_restore(manifest_path: Path, spec: dict, wait_s: float = 0.5,
     from gpusnap.gpu.bundle_plan import plan_restore_here
 
     seen = agent_inventory(wait_s)
-    problems, plan = plan_restore_here(manifest_path, spec, seen)
-    if seen is not None and _too_narrow(problems, seen, dev):
-        seen = None
-        problems, plan = plan_restore_here(manifest_path, spec)
-    return problems, plan, seen
+    if seen is not None:
+        problems, plan = plan_restore_here(manifest_path, spec, seen)
+        if not _too_narrow(problems, seen, dev):
+            return problems, plan, seen
+    return (*plan_restore_here(manifest_path, spec, hook_inventory()), None)
 
 
 def _too_narrow(problems: list[str], seen: "Inventory", dev: Path) -> bool:

@@ -72,15 +72,16 @@ def mps_active() -> bool:
     return (pipe_dir / "control").exists()
 
 
-def read_inventory() -> Inventory:
+def read_inventory(bound: Bound | None = None) -> Inventory:
     """Query NVML; never raises: a host without a driver gets ``error`` set, and
-    so does one whose driver does not answer within DRIVER (NVML waits on a
-    wedged GPU as libcuda does; later reads in this process then fail at once)."""
+    so does one whose driver does not answer within ``bound`` (DRIVER unless
+    given; NVML waits on a wedged GPU as libcuda does; later reads in this
+    process then fail at once)."""
     try:
         import pynvml  # optional (nvidia-ml-py), and start-up: NVML only where it is read
     except ImportError:
         return Inventory(error="nvidia-ml-py is not installed")
-    bound = Bound.of("DRIVER")
+    bound = bound or Bound.of("DRIVER")
     wedged = f"NVML did not answer within {bound.seconds:.0f} s: {driver_calls.WEDGED}"
     if driver_calls.hung_named(_NVML):
         return Inventory(error=wedged, unanswered=True)

@@ -577,7 +577,7 @@ def test_a_replicas_take_writes_the_read_it_has(tmp_path, monkeypatch):
     from gpusnap.gpu import inventory as gpu_inventory
 
     monkeypatch.setattr(gpu_inventory, "read_inventory",
-                        lambda: gpu_inventory.Inventory(error="the only read"))
+                        lambda *a: gpu_inventory.Inventory(error="the only read"))
     nvml = agent._Nvml()
     nvml.read()
     nvml.fresh(agent.NVML_FRESH_S)
@@ -592,7 +592,7 @@ def test_a_read_ending_after_the_folder_went_makes_no_folder(tmp_path, monkeypat
 
     may_end = threading.Event()
     monkeypatch.setattr(gpu_inventory, "read_inventory",
-                        lambda: (may_end.wait(10), gpu_inventory.Inventory(error="late"))[1])
+                        lambda *a: (may_end.wait(10), gpu_inventory.Inventory(error="late"))[1])
     nvml = agent._Nvml()
     reading = threading.Thread(target=nvml.read)
     reading.start()
@@ -615,7 +615,7 @@ def test_the_take_asks_for_a_fresh_read_where_the_agents_is_old(tmp_path, monkey
         monkeypatch.delenv(name, raising=False)
     reads = []
     monkeypatch.setattr(gpu_inventory, "read_inventory",
-                        lambda: (reads.append(1),
+                        lambda *a: (reads.append(1),
                                  gpu_inventory.Inventory(error=f"read {len(reads)}"))[1])
     monkeypatch.setattr(agent.action, "run_step", lambda *a, **k: 0)
     nvml = agent._Nvml()

@@ -57,7 +57,7 @@ def host(tmp_path, monkeypatch):
     born = {INIT: 1000, INIT + 1: 1001}
     frozen: set[int] = set()
     monkeypatch.setattr(containerd_gpu, "cuda_processes", lambda pid: [_use(INIT), _use(INIT + 1)])
-    monkeypatch.setattr(containerd_gpu, "read_inventory", lambda: inventory(gpu(0, UUID0)))
+    monkeypatch.setattr(containerd_gpu, "read_inventory", lambda *a: inventory(gpu(0, UUID0)))
     monkeypatch.setattr(containerd_gpu, "require_driver", lambda: driver)
     monkeypatch.setattr(containerd_gpu, "cuda_plugin_path", lambda: None)
     monkeypatch.setattr(containerd_gpu, "criu_version", lambda: "4.2.1")
@@ -317,7 +317,7 @@ def _pre_dump_on_gpu0(monkeypatch, state: ProcessState) -> FakeDriver:
     in ``state`` for the faked driver (returned)."""
     process = ProcessGpuUse(pid=INIT, comm="python3", maps_libcuda=True)
     monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [process])
-    monkeypatch.setattr(action_dump, "read_inventory", lambda: inventory(gpu(0, UUID0)))
+    monkeypatch.setattr(action_dump, "read_inventory", lambda *a: inventory(gpu(0, UUID0)))
     monkeypatch.setattr(action_dump, "cuda_plugin_path", lambda: None)
     monkeypatch.setattr(action_dump, "criu_version", lambda: "4.2.1")
     driver = FakeDriver({INIT: state})

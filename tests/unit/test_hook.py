@@ -39,7 +39,7 @@ def state_dir(tmp_path: Path, monkeypatch) -> Path:
 def host(monkeypatch):
     """This host's GPUs as the hook sees them (NVML replaced)."""
     inv = inventory(gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1))
-    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inv)
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda *a: inv)
     return inv
 
 
@@ -186,7 +186,7 @@ def test_restore_onto_an_incompatible_host_is_refused_in_one_line(tmp_path, stat
 
 def test_restore_refusal_joins_several_problems(tmp_path, state_dir, monkeypatch, capsys):
     old = inventory(gpu(0, UUID0), driver="550.54.15")
-    monkeypatch.setattr(inventory_module, "read_inventory", lambda: old)
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda *a: old)
     b = bundle(tmp_path, [], manifest_for(UUID0, UUID1))
     assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     err = capsys.readouterr().err
@@ -197,7 +197,7 @@ def test_restore_refusal_joins_several_problems(tmp_path, state_dir, monkeypatch
 
 def test_restore_on_a_host_without_nvidia_driver_is_refused(tmp_path, state_dir, monkeypatch, capsys):
     monkeypatch.setattr(inventory_module, "read_inventory",
-                        lambda: Inventory(error="no NVIDIA driver: Driver Not Loaded"))
+                        lambda *a: Inventory(error="no NVIDIA driver: Driver Not Loaded"))
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0))
     assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     assert "this host has none usable (no NVIDIA driver: Driver Not Loaded)" in capsys.readouterr().err
@@ -205,7 +205,7 @@ def test_restore_on_a_host_without_nvidia_driver_is_refused(tmp_path, state_dir,
 
 def test_restore_of_a_cpu_only_checkpoint_is_not_judged(tmp_path, state_dir, monkeypatch):
     monkeypatch.setattr(inventory_module, "read_inventory",
-                        lambda: Inventory(error="no NVIDIA driver"))
+                        lambda *a: Inventory(error="no NVIDIA driver"))
     b = bundle(tmp_path, [], manifest_for())
     assert run_main(monkeypatch, json.dumps(state(b))) == 0
 
@@ -226,7 +226,7 @@ def test_missing_bundle_config_lets_the_container_start(tmp_path, state_dir, mon
 
 
 def test_failing_gpu_inventory_lets_the_container_start(tmp_path, state_dir, monkeypatch):
-    def broken():
+    def broken(*a):
         raise RuntimeError("NVML exploded")
 
     monkeypatch.setattr(inventory_module, "read_inventory", broken)
@@ -316,7 +316,7 @@ def test_restore_with_a_plan_checks_the_plans_targets(tmp_path, state_dir, monke
     plan = _plan_to(g1, g0)
     # GPU 0 is full now: without the plan the restore would be refused, with it GPU 1 takes it.
     inv = inventory(gpu(0, UUID0, minor=0, memory_used=80 << 30), g1)
-    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inv)
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda *a: inv)
     man = manifest_for(UUID0)
     man["gpus"][0].update(minor=0, memory_total=80 << 30, compute_capability="9.0",
                           pci_bus_id=g0.pci_bus_id)
@@ -347,7 +347,7 @@ def test_a_plan_that_moves_nothing_is_held_to_not_made_again(tmp_path, state_dir
     stay = plan_restore(plan_manifest(g0), inventory(g0, g1))
     assert not isinstance(stay, list) and not stay.needs_remap and stay.moves
     monkeypatch.setattr(inventory_module, "read_inventory",
-                        lambda: inventory(gpu(0, UUID0, minor=0, memory_used=80 << 30), g1))
+                        lambda *a: inventory(gpu(0, UUID0, minor=0, memory_used=80 << 30), g1))
     man = manifest_for(UUID0)
     man["gpus"][0].update(minor=0, memory_total=80 << 30, compute_capability="9.0",
                           pci_bus_id=g0.pci_bus_id)
@@ -368,7 +368,7 @@ def test_a_live_move_the_containers_devices_cannot_take_is_refused_by_the_hook(
     # failed there with the processes off the GPU and nobody told.
     g1 = gpu(1, UUID1, minor=1)
     monkeypatch.setattr(inventory_module, "read_inventory",
-                        lambda: inventory(gpu(0, UUID0, minor=0, memory_used=80 << 30), g1))
+                        lambda *a: inventory(gpu(0, UUID0, minor=0, memory_used=80 << 30), g1))
     man = manifest_for(UUID0)
     man["gpus"][0].update(minor=0, memory_total=80 << 30, compute_capability="9.0",
                           pci_bus_id=gpu(0, UUID0, minor=0).pci_bus_id)
@@ -384,7 +384,7 @@ def test_a_live_move_the_containers_devices_cannot_take_is_refused_by_the_hook(
 def test_an_unreadable_gpu_map_annotation_refuses_the_restore(tmp_path, state_dir, monkeypatch,
                                                               capsys):
     g0, g1 = gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1)
-    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inventory(g0, g1))
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda *a: inventory(g0, g1))
     b = bundle(tmp_path, [dev("/dev/nvidia0", 0)], manifest_for(UUID0))
     spec = json.loads((b / "config.json").read_text())
     spec["annotations"] = {GPU_MAP_ANNOTATION: "garbage"}
@@ -396,7 +396,7 @@ def test_an_unreadable_gpu_map_annotation_refuses_the_restore(tmp_path, state_di
 
 def test_the_gpu_map_annotation_pins_a_plain_restore(tmp_path, state_dir, monkeypatch, capsys):
     g0, g1 = gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1)
-    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inventory(g0, g1))
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda *a: inventory(g0, g1))
     man = manifest_for(UUID0)
     man["gpus"][0].update(minor=0, memory_total=80 << 30, compute_capability="9.0",
                           pci_bus_id=g0.pci_bus_id)
@@ -417,8 +417,27 @@ def test_restore_with_a_plan_whose_target_is_gone_is_refused(tmp_path, state_dir
                                                              capsys):
     g0, g1 = gpu(0, UUID0, minor=0), gpu(1, UUID1, minor=1)
     plan = _plan_to(g1, g0)
-    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inventory(g0))
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda *a: inventory(g0))
     b = bundle(tmp_path, [dev("/dev/nvidia1", 1)], manifest_for(UUID0))
     (b / "checkpoint" / PLAN_NAME).write_text(json.dumps(plan))
     assert run_main(monkeypatch, json.dumps(state(b, "stopped")), "prestart") == 1
     assert UUID1 in capsys.readouterr().err
+
+
+def test_the_hooks_nvml_read_ends_before_runc_kills_the_hook(tmp_path, state_dir, monkeypatch):
+    # runc kills a prestart hook at hooks.d's timeout, in runc's words; the
+    # shell front may spend 10 s on a starting agent and 7 on its answer first.
+    import re
+
+    root = Path(__file__).parents[2]
+    timeout = json.loads((root / "packaging/hooks.d/gpusnap-prestart.json").read_text())[
+        "hook"]["timeout"]
+    front = (root / "packaging/bin/gpusnap-hook").read_text()
+    answer = int(re.search(r'agent_ask "\$here" prestart 0 "\$file" "" (\d+)', front).group(1))
+    bounds = []
+    monkeypatch.setattr(inventory_module, "read_inventory",
+                        lambda bound=None: bounds.append(bound) or inventory(gpu(0, UUID0)))
+    b = bundle(tmp_path, [dev("/dev/nvidia0", 0)])
+    assert run_main(monkeypatch, json.dumps(state(b, "creating")), "prestart") == 0
+    assert bounds and bounds[0] is not None
+    assert 10 + answer + bounds[0].seconds + 2 < timeout, (answer, bounds[0], timeout)

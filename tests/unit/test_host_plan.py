@@ -57,7 +57,7 @@ def test_the_hooks_plan_for_a_plain_podman_restore_moves_the_drm_nodes(tmp_path,
     folder.mkdir()
     path = folder / "gpusnap-manifest.json"
     path.write_text(_source().to_json())
-    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inventory(gpu(0, UUID0), gpu(1, UUID1)))
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda *a: inventory(gpu(0, UUID0), gpu(1, UUID1)))
     spec = {"annotations": {GPU_MAP_ANNOTATION: "0=1"}}
     problems, plan = plan_restore_here(path, spec, sysfs=_sysfs(tmp_path / "sys"))
     assert problems == [] and plan is not None

@@ -182,7 +182,7 @@ def test_hook_request_and_journal_state_files_are_private(state, monkeypatch):
     from gpusnap.action import prestart as hook
     from tests.unit.fakes import UUID0, gpu, inventory
 
-    monkeypatch.setattr(inventory_module, "read_inventory", lambda: inventory(gpu(0, UUID0, minor=0)))
+    monkeypatch.setattr(inventory_module, "read_inventory", lambda *a: inventory(gpu(0, UUID0, minor=0)))
     hook.record_assignment("abc", [{"path": "/dev/nvidia0", "minor": 0}])
     # the stash holds the spec, and so the container's environment
     stash = hook.stash_live_remap(os.getpid(), Plan((), (), DeviceRemap()),

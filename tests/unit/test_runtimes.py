@@ -69,7 +69,7 @@ def test_a_cuda_container_under_crun_is_refused_before_anything(monkeypatch, tmp
     monkeypatch.setattr(checkpoint, "require_supported", lambda verb: None)
     monkeypatch.setattr(checkpoint, "cuda_processes", lambda pid: ["a CUDA process"])
     monkeypatch.setattr(checkpoint, "cuda_plugin_path", lambda: None)
-    monkeypatch.setattr(checkpoint, "read_inventory", lambda: pytest.fail("the GPU was asked"))
+    monkeypatch.setattr(checkpoint, "read_inventory", lambda *a: pytest.fail("the GPU was asked"))
     with pytest.raises(GpusnapError) as err:
         checkpoint.plan("llm", None, False, False, 10_000, container=ctr)
     assert "runs under crun" in err.value.message and "keeps running" in err.value.message
