@@ -235,8 +235,7 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
             raise
 
         kept = f" and in {dest}" if dest.is_dir() else ""
-        again = f"`gpusnap push {dest} REF`" if dest.is_dir() else \
-            f"`gpusnap push {SCHEME}{loc.namespace}/{image} REF`"
+        again = str(dest) if dest.is_dir() else f"{SCHEME}{loc.namespace}/{image}"
         raise kept_error(exc, f"{loc.name} in namespace {loc.namespace}",
                          f"as image {image}{kept}", again,
                          _restore_words(ctr, loc.name, image)) from None

@@ -111,7 +111,7 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         if aside is not None:  # the export alone must restore anywhere: pages into it
             _make_export_whole(exc, source, export, aside, container)
             mark_only_copy(work, source, export, again, back)
-        raise kept_error(exc, source, f"in {export}", again, back) from None
+        raise kept_error(exc, source, f"in {export}", str(export), back) from None
     else:
         _pushed(plan, work, aside, in_ram, pre_checkpoint)
         work = None

@@ -24,7 +24,8 @@ from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.pages import early_pages, kept_pages, pages_aside, prefetch, same_pages
 from gpusnap.ops import push_podman
 from gpusnap.ops.checkpoint import SNAPSHOT_TRIES, StaleSnapshot, TakeAgain, gave_up
-from gpusnap.ops.push_source import PushSource
+from gpusnap.ops.advice import gpusnap_command
+from gpusnap.ops.push_source import KeptError, PushSource
 from gpusnap.ops.sources import find_container, open_source
 from gpusnap.runtime.storage import image_repo_digests
 from gpusnap.trust.options import TrustOptions
@@ -383,6 +384,31 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     job = _PushJob(source, ref, opts, client, sealing, container, ChunkCache.open(cache_root),
                    leave_running, pre_checkpoint, image_format, level, workers, processes,
                    containerd_address, on_checkpoint, on_checkpointed, total, time.monotonic())
+    try:
+        return _push_tries(job, progress, source)
+    except KeptError as exc:  # the retry as the user would type it: this push's flags
+        raise exc.with_push(push_command(exc.push_from, ref_text, opts, trust, image_format)) \
+            from None
+
+
+def push_command(source: str, ref_text: str, opts: RegistryOptions,
+                 trust: TrustOptions | None, image_format: str) -> str:
+    """`gpusnap push SOURCE REF` with the flags a push with these options had."""
+    args = ["push", source, ref_text]
+    if image_format != "gpusnap":
+        args += ["--format", image_format]
+    for key in trust.sign_keys if trust else ():
+        args += ["--sign-key", str(Path(key).absolute())]
+    for key in trust.encrypt_to if trust else ():
+        args += ["--encrypt-to", str(Path(key).absolute())]
+    if trust and trust.no_sign:
+        args.append("--no-sign")
+    if trust and trust.passphrase_file:
+        args += ["--passphrase-file", str(Path(trust.passphrase_file).absolute())]
+    return gpusnap_command(args, opts)
+
+
+def _push_tries(job: _PushJob, progress: Progress | None, source: str) -> dict:
     changed: list[str] = []
     last: TakeAgain | None = None
     for attempt in range(1, SNAPSHOT_TRIES + 1):

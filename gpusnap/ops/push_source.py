@@ -59,16 +59,32 @@ def mark_only_copy(work: Path, container: str, kept: Path, again: str, back: str
                                                 "again": again, "back": back}))
 
 
-def kept_error(exc: BaseException, container: str, kept: str, again: str,
-               back: str) -> GpusnapError:
+class KeptError(GpusnapError):
+    """A push that failed after its checkpoint stopped the container: where the
+    checkpoint is kept, and the two ways on. push() fills the retry command in
+    with the reference and flags it was given (``with_push``)."""
+
+    def __init__(self, message: str, first: str | None, push_from: str, back: str,
+                 exit_code: int) -> None:
+        self.first, self.push_from, self.back = first, push_from, back
+        super().__init__(message, self._hint(f"gpusnap push {push_from} REF"), exit_code)
+
+    def _hint(self, again: str) -> str:
+        return (f"{self.first}; then " if self.first else "") + \
+            f"`{again}` tries again (chunks already sent are skipped); {self.back} brings it " \
+            "back here"
+
+    def with_push(self, command: str) -> "KeptError":
+        self.hint = self._hint(command)
+        return self
+
+
+def kept_error(exc: BaseException, container: str, kept: str, push_from: str,
+               back: str) -> KeptError:
     """A push that failed after its checkpoint stopped ``container``: what
-    failed, where the checkpoint is kept, and the two ways on (engine's words)."""
+    failed, where the checkpoint is kept (``push_from``: what to push again),
+    and the two ways on (engine's words)."""
     first = getattr(exc, "hint", None)  # the cause's own fix (the registry's side), then ours
-    return GpusnapError(f"{cause(exc)}; {container} is checkpointed and stopped, its checkpoint is "
-                        f"kept {kept}",
-                        (f"{first}; then " if first else "") +
-                        f"{again} tries again (chunks already sent are skipped); {back} brings "
-                        "it back here",
-                        exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1)
-
-
+    return KeptError(f"{cause(exc)}; {container} is checkpointed and stopped, its checkpoint is "
+                     f"kept {kept}", first, push_from, back,
+                     exit_code=130 if isinstance(exc, KeyboardInterrupt) else 1)

@@ -108,9 +108,9 @@ def killed(state: dict) -> dict:
                 "hint": f"push it again (chunks already sent are skipped); `gpusnap doctor "
                         f"--fix` removes the export it left, {export}"}
 
-    exc = kept_error(Exception("the upload was killed"), ctr, f"in {export}",
-                     f"`gpusnap push {export} {ref}`", f"`podman rm {ctr}; gpusnap restore {export}`")
-    return {"error": exc.message, "hint": exc.hint}
+    exc = kept_error(Exception("the upload was killed"), ctr, f"in {export}", export,
+                     f"`podman rm {ctr}; gpusnap restore {export}`")
+    return {"error": exc.message, "hint": exc.with_push(f"gpusnap push {export} {ref}").hint}
 
 
 def all_states(prune_after_s: float = PRUNE_AFTER_S) -> list[dict]:

@@ -6,6 +6,8 @@ survive.)"""
 
 from __future__ import annotations
 
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -36,7 +38,10 @@ def test_registry_killed_during_migrate_upload(registry, loaded, capsys):
         assert kept.is_file() and status(loaded) == "exited"
         registry.start()
         assert not tag_exists(registry, repo, "v1"), "a tag for a push that failed"
-        again = gpusnap_json("push", str(kept), ref, *registry.flags())
+        # the hint's own command, as printed: this push's reference and flags
+        printed = re.search(r"`(gpusnap push [^`]+)` tries again", res.stderr)
+        assert printed and str(kept) in printed.group(1) and ref in printed.group(1), res.stderr
+        again = gpusnap_json(*shlex.split(printed.group(1))[1:])
         assert 0 < again["chunks_sent"] < again["chunks"], again
         say(capsys, f"{res.stderr.splitlines()[0]} / re-push sent {again['chunks_sent']} of "
                     f"{again['chunks']} chunks")
