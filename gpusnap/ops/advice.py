@@ -37,6 +37,23 @@ def gpusnap_command(args: list[str], opts: RegistryOptions) -> str:
     return " ".join(shlex.quote(a) for a in ["gpusnap", *args, *restore_flags(opts)])
 
 
+def push_command(source: str, ref_text: str, opts: RegistryOptions,
+                 trust: TrustOptions | None, image_format: str) -> str:
+    """`gpusnap push SOURCE REF` with the flags a push with these options had."""
+    args = ["push", source, ref_text]
+    if image_format != "gpusnap":
+        args += ["--format", image_format]
+    for key in trust.sign_keys if trust else ():
+        args += ["--sign-key", str(Path(key).absolute())]
+    for key in trust.encrypt_to if trust else ():
+        args += ["--encrypt-to", str(Path(key).absolute())]
+    if trust and trust.no_sign:
+        args.append("--no-sign")
+    if trust and trust.passphrase_file:
+        args += ["--passphrase-file", str(Path(trust.passphrase_file).absolute())]
+    return gpusnap_command(args, opts)
+
+
 def container_state(r: dict, leave_running: bool, pre_checkpoint: bool = False,
                     migrate: bool = False, uploading: bool = False) -> dict | None:
     """What the push (or ``migrate``) did to the container it checkpointed: a

@@ -24,7 +24,7 @@ from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.pages import early_pages, kept_pages, pages_aside, prefetch, same_pages
 from gpusnap.ops import push_podman
 from gpusnap.ops.checkpoint import SNAPSHOT_TRIES, StaleSnapshot, TakeAgain, gave_up
-from gpusnap.ops.advice import gpusnap_command
+from gpusnap.ops.advice import push_command
 from gpusnap.ops.push_source import KeptError, PushSource
 from gpusnap.ops.sources import find_container, open_source
 from gpusnap.runtime.storage import image_repo_digests
@@ -391,23 +391,6 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
             from None
 
 
-def push_command(source: str, ref_text: str, opts: RegistryOptions,
-                 trust: TrustOptions | None, image_format: str) -> str:
-    """`gpusnap push SOURCE REF` with the flags a push with these options had."""
-    args = ["push", source, ref_text]
-    if image_format != "gpusnap":
-        args += ["--format", image_format]
-    for key in trust.sign_keys if trust else ():
-        args += ["--sign-key", str(Path(key).absolute())]
-    for key in trust.encrypt_to if trust else ():
-        args += ["--encrypt-to", str(Path(key).absolute())]
-    if trust and trust.no_sign:
-        args.append("--no-sign")
-    if trust and trust.passphrase_file:
-        args += ["--passphrase-file", str(Path(trust.passphrase_file).absolute())]
-    return gpusnap_command(args, opts)
-
-
 def _push_tries(job: _PushJob, progress: Progress | None, source: str) -> dict:
     changed: list[str] = []
     last: TakeAgain | None = None
@@ -437,8 +420,9 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
         if job.total and src.known_bytes:
             job.total(src.known_bytes)
         if job.image_format == "podman":
-            return _push_podman(src, job.client, job.source, job.level, progress, job.start,
-                                job.sealing)
+            with _entries(src) as entries:
+                return push_podman.push_checkpoint(src, entries, job.client, job.source, job.level,
+                                                   progress, job.start, job.sealing)
         scale = layer_scale(src.estimated_bytes)
         uploader = Uploader(job.client, job.cache, job.level, job.workers, progress,
                             cipher=job.sealing.cipher)
@@ -496,26 +480,3 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
             "gpu": b.summary.get("gpu") is not None, "annotations": notes,
             "pre_checkpoint": job.pre_checkpoint,
             "trust": job.sealing.facts(signed_by)}
-
-
-def _push_podman(src: PushSource, client: RegistryClient, source: str, level: int,
-                 progress: Progress | None, start: float, sealing: PushTrust) -> dict:
-    """One layer, Podman's annotations: `podman container restore REF` takes it;
-    encrypted to ``sealing.recipients`` as ocicrypt encrypts layers."""
-    criu = None
-    if src.kind == "container":  # checkpointed here, by this CRIU
-        criu = criu_version()
-    with _entries(src) as entries:
-        pushed = push_podman.push_image(entries, client, str(client.ref), level, criu, progress,
-                                        sealing.layer_encryptor(), sealing.recipients)
-    signed_by = sealing.sign(client, pushed["digest"], pushed["manifest_bytes"])
-    seconds = time.monotonic() - start
-    ref = client.ref
-    # the restore line is advice.after_push's, as for gpusnap's own format
-    return {"reference": str(ref), "digest": pushed["digest"], "format": "podman",
-            "pinned": str(ref.with_digest(pushed["digest"])), "source": source,
-            "source_kind": src.kind, "container": src.container, "files": pushed["files"],
-            "bytes": pushed["bytes"], "bytes_sent": pushed["layer_bytes"], "layers": 1,
-            "seconds": round(seconds, 3),
-            "throughput_mb_s": round(pushed["bytes"] / seconds / 1e6, 1) if seconds else None,
-            "annotations": pushed["annotations"], "trust": sealing.facts(signed_by)}

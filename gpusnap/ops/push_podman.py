@@ -7,9 +7,11 @@ from __future__ import annotations
 import hashlib
 import platform
 import tarfile
+import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from gpusnap import archive
+from gpusnap.criu.version import criu_version
 from gpusnap.errors import GpusnapError
 from gpusnap.oci import podman_image, tarfiles
 from gpusnap.oci.lazy import need
@@ -19,7 +21,9 @@ from gpusnap.oci.transfer import Progress
 from gpusnap.runtime import podman
 
 if TYPE_CHECKING:  # cryptography: only where a push is encrypted
+    from gpusnap.ops.push_source import PushSource
     from gpusnap.trust.ocicrypt_layer import LayerEncryptor
+    from gpusnap.trust.remote import PushTrust
 
 _READ = 1 << 20
 
@@ -115,3 +119,24 @@ def push_image(src_entries, client: RegistryClient, label: str, level: int,
             "bytes": sum(contents.sizes.values()),
             "layer_bytes": layer_size, "annotations": notes, "arch": platform.machine(),
             "summary": contents.summary()}
+
+
+def push_checkpoint(src: "PushSource", entries, client: RegistryClient, source: str, level: int,
+                    progress: Progress | None, start: float, sealing: "PushTrust") -> dict:
+    """``src`` (its tar ``entries``) as one layer with Podman's annotations:
+    `podman container restore REF` takes it; encrypted to ``sealing.recipients``
+    as ocicrypt encrypts layers."""
+    criu = criu_version() if src.kind == "container" else None  # checkpointed here, by this CRIU
+    pushed = push_image(entries, client, str(client.ref), level, criu, progress,
+                        sealing.layer_encryptor(), sealing.recipients)
+    signed_by = sealing.sign(client, pushed["digest"], pushed["manifest_bytes"])
+    seconds = time.monotonic() - start
+    ref = client.ref
+    # the restore line is advice.after_push's, as for gpusnap's own format
+    return {"reference": str(ref), "digest": pushed["digest"], "format": "podman",
+            "pinned": str(ref.with_digest(pushed["digest"])), "source": source,
+            "source_kind": src.kind, "container": src.container, "files": pushed["files"],
+            "bytes": pushed["bytes"], "bytes_sent": pushed["layer_bytes"], "layers": 1,
+            "seconds": round(seconds, 3),
+            "throughput_mb_s": round(pushed["bytes"] / seconds / 1e6, 1) if seconds else None,
+            "annotations": pushed["annotations"], "trust": sealing.facts(signed_by)}

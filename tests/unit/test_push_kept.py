@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 
 from gpusnap.oci.registry import RegistryOptions
-from gpusnap.ops.push import push_command
+from gpusnap.ops.advice import push_command
 from gpusnap.ops.push_source import kept_error
 from gpusnap.trust.options import TrustOptions
 
