@@ -104,11 +104,24 @@ def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
     name = notes.get("io.gpusnap.container.name")
     renamed = None
     if notes.get("io.gpusnap.engine") == "containerd":  # into containerd: say where
-        args += ["--to", f"containerd://NAMESPACE/{name or 'ID'}"]
+        args += ["--to", _containerd_target(r.get("source") or "", name, here)]
     elif here and (other := name_args(name)):
         renamed = name
         args += other
     return " ".join(shlex.quote(a) if a != "KEY" else a for a in args), renamed
+
+
+def _containerd_target(source: str, name: str | None, here: bool) -> str:
+    """containerd://NS/ID for the restore: the pushed container's own namespace,
+    and on this host (a copy: its container stays) another ID."""
+    namespace = "default"
+    if source.startswith("containerd://"):
+        from gpusnap.ops.containerd_registry import parse_uri  # containerd pushes only
+
+        namespace = parse_uri(source).namespace
+    ident = name or "ID"
+    return f"containerd://{namespace}/{ident}-2" if here and name else \
+        f"containerd://{namespace}/{ident}"
 
 
 def restore_file_command(path: str, name: str | None) -> str:

@@ -18,10 +18,12 @@ def test_the_restore_line_carries_the_registry_flags_and_never_the_password():
 
 
 def test_an_encrypted_checkpoint_asks_for_the_key_and_containerd_says_where():
-    r = {"pinned": PINNED, "trust": {"encrypted": True},
+    r = {"pinned": PINNED, "trust": {"encrypted": True}, "source": "containerd://ml/job",
          "annotations": {"io.gpusnap.engine": "containerd", "io.gpusnap.container.name": "job"}}
-    line, _ = advice.restore_command(r, RegistryOptions(), None, here=True)
-    assert line.endswith("--decrypt-key KEY --to containerd://NAMESPACE/job")
+    line, _ = advice.restore_command(r, RegistryOptions(), None, here=False)  # another host
+    assert line.endswith("--decrypt-key KEY --to containerd://ml/job")
+    line, _ = advice.restore_command(r, RegistryOptions(), None, here=True)  # job is still here
+    assert line.endswith("--to containerd://ml/job-2")
 
 
 def test_the_container_state_says_what_the_verb_did():
