@@ -11,8 +11,11 @@ from gpusnap.ops import checkpoint as ops
 
 
 def _human(r: dict) -> None:
-    where = r["export"] or "Podman's storage (restore with `gpusnap restore NAME`)"
-    console.print(f"[bold green]Checkpointed[/] {r['container']['name']} in {r['seconds']:.2f} s "
+    name = r["container"]["name"]
+    # a container left running must stop before its checkpoint can come back
+    back = f"`podman stop {name}`, then " if r["leave_running"] else ""
+    where = r["export"] or f"Podman's storage ({back}`gpusnap restore {name}` brings it back)"
+    console.print(f"[bold green]Checkpointed[/] {name} in {r['seconds']:.2f} s "
                   f"-> {where}")
     crit = r["criu"]
     console.print(f"  processes: {crit['processes']}, memory: {human_bytes(crit['memory_pages_bytes'])}"

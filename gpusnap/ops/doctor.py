@@ -216,7 +216,7 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
             for who, role, pids in busy.values())
     at_work = {pid for *_, pids in busy.values() for pid in pids}
     left = [s for s in stuck if s["pid"] not in at_work and s["pid"] not in fixed]
-    hint = "run `gpusnap doctor --fix` to restore and unlock them (or `gpusnap thaw`)" \
+    hint = "run `gpusnap doctor --fix` to restore and unlock them" \
         if left else ""
     if refused:
         detail += "; the driver refused to bring back " + "; ".join(

@@ -23,7 +23,7 @@ from gpusnap.gpu.quiesce import Driver, QuiesceError, refused_for_good
 from gpusnap.ops.gpu_state import bring_back, load_driver
 from gpusnap.procs import age_s, cuda_processes
 
-DOCTOR = "`gpusnap doctor --fix`, or `gpusnap thaw` the container"
+DOCTOR = "`gpusnap doctor --fix` brings them back onto the GPU"
 
 
 class OffTheGpu(GpusnapError):

@@ -62,8 +62,8 @@ class _Editor:
             return self._edit(name, data)
         except (SpecError, DevTarError, ImageError, ValueError) as exc:
             raise GpusnapError(f"cannot move the devices in {name}: {exc}",
-                               "nothing was restored; `gpusnap restore --dry-run` "
-                               "shows the plan") from None
+                               "nothing was restored; the same `gpusnap restore` with "
+                               "--dry-run shows the plan") from None
 
     def _edit(self, name: str, data: bytes) -> bytes:
         if name == "spec.dump":

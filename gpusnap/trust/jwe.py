@@ -66,7 +66,8 @@ def _wrap_for(recipient: keys.PublicKey, cek: bytes) -> dict:
                                                       hashes.SHA1(), None))  # RSA-OAEP is SHA-1 by definition (RFC 7518 4.3)
         return {"header": header, "encrypted_key": b64u(wrapped)}
     raise GpusnapError(f"a {keys.kind(recipient)} key cannot be an encryption recipient",
-                       "encrypt to P-256 (`gpusnap key generate --type ecdsa-p256`) or RSA keys")
+                       "encrypt to P-256 (`gpusnap key generate --type ecdsa-p256 -o NAME` "
+                       "writes NAME.pub) or RSA keys")
 
 
 def encrypt(plaintext: bytes, recipients: Sequence[keys.PublicKey]) -> bytes:

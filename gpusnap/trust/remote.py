@@ -81,14 +81,15 @@ class PushTrust:
             if keys.kind(key) not in keys.KEY_TYPES:
                 raise GpusnapError(f"{path} is a {keys.kind(key)} key, which cannot sign "
                                    "checkpoints", "sign with an Ed25519 or ECDSA P-256 key "
-                                   "(`gpusnap key generate`)")
+                                   "(`gpusnap key generate -o NAME` writes NAME.key)")
         recipients: dict[str, keys.PublicKey] = {}
         for path in opts.encrypt_to:
             key = keys.load_public_key(path)
             if not keys.kind(key).startswith(_RECIPIENT_KINDS):
                 raise GpusnapError(f"{path} is a {keys.kind(key)} key, which cannot be an "
                                    "encryption recipient", "encrypt to P-256 (`gpusnap key "
-                                   "generate --type ecdsa-p256`) or RSA public keys")
+                                   "generate --type ecdsa-p256 -o NAME` writes NAME.pub) or RSA "
+                                   "public keys")
             recipients.setdefault(keys.key_id(key), key)
         trust = cls(signers, list(recipients.values()))
         if trust.recipients and chunked:
