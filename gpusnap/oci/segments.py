@@ -303,7 +303,7 @@ class FetchPool:
                  count: Callable[[dict], None]) -> None:
         self.workers, self._count = workers, count
         self.window = workers + 2  # segments fetched or waiting to be copied: RAM bound
-        self.dir = Path(tempfile.mkdtemp(prefix="gpusnap-fetch-", dir=_scratch(self.window)))
+        self.dir = Path(tempfile.mkdtemp(prefix=FETCH_PREFIX, dir=_scratch(self.window)))
         self._initargs = (ref, opts, str(cache_root) if cache_root else None)
         # Made at the first segment: a restore that only links prepared files
         # starts no process (not even multiprocessing's resource tracker).
@@ -401,12 +401,17 @@ def worker_died(verb: str) -> GpusnapError:
                         "run the command again: chunks already fetched are in the cache")
 
 
+# A killed pull leaves its scratch (RAM, on /dev/shm): `gpusnap doctor --fix` finds it by this
+FETCH_PREFIX = "gpusnap-fetch-"
+SCRATCH_ROOTS = (Path("/dev/shm"), Path("/var/tmp"))
+
+
 def _scratch(window: int) -> Path:
     """/dev/shm when it holds the window of segments twice over, else /var/tmp."""
-    shm = Path("/dev/shm")
+    shm, disk = SCRATCH_ROOTS
     try:
         if shutil.disk_usage(shm).free >= 2 * window * FETCH_SEGMENT:
             return shm
     except OSError:
         pass
-    return Path("/var/tmp")
+    return disk

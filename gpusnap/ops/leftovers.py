@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from gpusnap import journal
+from gpusnap.oci.segments import FETCH_PREFIX, SCRATCH_ROOTS
 from gpusnap.ops import uploads
 from gpusnap.ops.push_source import ONLY_COPY
 from gpusnap.pages import kept_pages, memory, pages_aside
@@ -137,7 +138,8 @@ def find() -> list[Path]:
                 found.append(work)
     keep = {Path(k["export"]).parent for k in kept()} | _linked_from_checkpoints() | \
         uploads.live_work_dirs()
-    for work in staging_folders():
+    scratch = [w for root in SCRATCH_ROOTS for w in sorted(root.glob(FETCH_PREFIX + "*"))]
+    for work in staging_folders() + scratch:  # a killed pull's fetch scratch, in RAM
         try:
             idle = time.time() - work.stat().st_mtime >= STAGING_IDLE_S
         except OSError:

@@ -104,3 +104,13 @@ def test_a_second_ctrl_c_while_migrate_waits_for_its_dump_keeps_the_export(tmp_p
             raise KeyboardInterrupt  # the first, in the upload
     exports = list(root.glob(f"{PUSH_PREFIX}*/checkpoint.tar"))
     assert [e.read_bytes() for e in exports] == [b"tar"]
+
+
+def test_a_killed_pulls_fetch_scratch_in_ram_is_found(staging, tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    scratch = shm / "gpusnap-fetch-abc"
+    scratch.mkdir(parents=True)
+    (scratch / "seg-1").write_bytes(b"\0" * 4096)
+    os.utime(scratch, (time.time() - 3600,) * 2)
+    monkeypatch.setattr(leftovers, "SCRATCH_ROOTS", (shm,))
+    assert scratch in leftovers.find()
