@@ -101,7 +101,7 @@ def kept() -> list[dict]:
     return found
 
 
-def _linked_from_checkpoints() -> set[Path]:
+def linked_from_checkpoints() -> set[Path]:
     """Staging folders holding the pages of a container's local checkpoint (a
     push killed after its dump: pages/pages_aside.py), or of one a failed
     restore kept (runtime/kept_checkpoint.py): the only copy, kept."""
@@ -136,7 +136,7 @@ def find() -> list[Path]:
         for work in d.glob(FIFO_DIR_PREFIX + "*"):
             if work.is_dir() and not referenced(str(work / FIFO_NAME)):
                 found.append(work)
-    keep = {Path(k["export"]).parent for k in kept()} | _linked_from_checkpoints() | \
+    keep = {Path(k["export"]).parent for k in kept()} | linked_from_checkpoints() | \
         uploads.live_work_dirs()
     scratch = [w for root in SCRATCH_ROOTS for w in sorted(root.glob(FETCH_PREFIX + "*"))]
     for work in staging_folders() + scratch:  # a killed pull's fetch scratch, in RAM

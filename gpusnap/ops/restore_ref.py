@@ -128,7 +128,9 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
     # import (one thread, the slowest copy of a restore): Podman gets symlinks,
     # the pre-restore action renames them into place or links them (pages/pages_aside.py).
     scripted = runs_action_script(_restoring_runtime(files, facts.runtime))
-    aside = pages_aside.enabled() and scripted
+    # not for --keep: on another filesystem Podman's kept checkpoint would hold
+    # links into a folder that is gone once the restore is done
+    aside = pages_aside.enabled() and scripted and not keep
     where = prepared_pages.roots(facts.graph_root) if aside else []
     prepared = prepared_pages.best(remote.bundle, where) if aside else None
     if prepared is not None and not prepared_pages.claim(prepared):
@@ -174,13 +176,26 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         why = _unprepared(remote, where, prepared, aside) if restored else None
         if restored and pages is not None and prepared is None and job.exception() is None:
             kept = _keep_pages(remote, pages, result)  # written anew: the next replica links them
-        if pages is not None and kept is None:  # restored (or not needed): in the background
-            discard(pages, pages.parent)
+        if pages is not None and kept is None and not _held_by_a_kept_checkpoint(pages, restored):
+            discard(pages, pages.parent)  # restored (or not needed): in the background
         prepared_pages.release(prepared)
     ref = remote.client.ref
     prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}", where)
     return result, {**job.result(), "streamed": True, "pages_prepared_skipped": why,
                     "pages_kept": kept}
+
+
+def _held_by_a_kept_checkpoint(pages: Path, restored: bool) -> bool:
+    """Whether the checkpoint a failed restore's last step kept (for `gpusnap
+    restore NAME`: runtime/kept_checkpoint.py) links into ``pages``: then they stay."""
+    if restored:
+        return False
+    from gpusnap.ops.leftovers import linked_from_checkpoints  # a failed restore only
+
+    if pages not in linked_from_checkpoints():
+        return False
+    journal.record("pages-kept", folder=str(pages), why="a kept checkpoint links into them")
+    return True
 
 
 def _early_agent(remote: Remote) -> step_agent.EarlyAgent | None:

@@ -264,4 +264,24 @@ def test_leftovers_keep_the_staging_a_relative_pages_link_names(tmp_path, userda
     kc.keep_aside(userdata / "checkpoint", "refused")
     (userdata / "checkpoint/pages-3.img").unlink()
     monkeypatch.setattr(leftovers, "storage_root", lambda: tmp_path / "storage")
-    assert leftovers._linked_from_checkpoints() == {staging}
+    assert leftovers.linked_from_checkpoints() == {staging}
+
+
+def test_a_failed_restore_ref_leaves_the_pages_its_kept_checkpoint_links_to(tmp_path, userdata,
+                                                                            monkeypatch):
+    # restore REF's pages folder is discarded once Podman is done; where the
+    # restore's last step failed, the checkpoint kept for `gpusnap restore NAME`
+    # links into it (on another filesystem): it stays.
+    from gpusnap.ops import restore_ref
+
+    staging = tmp_path / "storage" / ".gpusnap-pull-abc"
+    staging.mkdir()
+    (staging / "pages-3.img").write_bytes(b"p")
+    rel = os.path.relpath(staging / "pages-3.img", userdata / "checkpoint")
+    (userdata / "checkpoint/pages-3.img").symlink_to(rel)
+    kc.keep_aside(userdata / "checkpoint", "refused")
+    monkeypatch.setattr(leftovers, "storage_root", lambda: tmp_path / "storage")
+    assert restore_ref._held_by_a_kept_checkpoint(staging, restored=False)
+    assert not restore_ref._held_by_a_kept_checkpoint(staging, restored=True)
+    assert not restore_ref._held_by_a_kept_checkpoint(tmp_path / "storage" / ".gpusnap-pull-x",
+                                                      restored=False)
