@@ -425,11 +425,18 @@ def test_a_step_whose_agent_never_answers(tmp_path, state):
     threading.Thread(target=os.read, args=(fd, 4096), daemon=True).start()  # taken, unanswered
     started = time.monotonic()
     res = _script("post-restore", 1, state, GPUSNAP_WAIT_AGENT="2")
-    os.close(fd)
     assert res.returncode == 1
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "did not answer within 2 s" in lines[0], res.stderr
+    assert "the checkpoint is unchanged" in lines[0]
     assert time.monotonic() - started < 10
+    # at post-resume CRIU has let the processes run: nothing stops, doctor brings them back
+    threading.Thread(target=os.read, args=(fd, 4096), daemon=True).start()
+    res = _script("post-resume", 1, state, GPUSNAP_WAIT_AGENT="2")
+    os.close(fd)
+    assert res.returncode == 1
+    assert "the restored container runs" in res.stderr and "gpusnap doctor --fix" in res.stderr
+    assert "unchanged" not in res.stderr, res.stderr
 
 
 def test_an_agent_gone_after_its_step_was_done_is_no_failure(tmp_path, state):
