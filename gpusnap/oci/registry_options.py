@@ -30,6 +30,9 @@ class RegistryOptions:
         """These options in Podman's words, for a printed `podman pull` (a
         password is asked by Podman itself, never printed)."""
         flags = ["--tls-verify=false"] if self.plain_http or self.insecure else []
+        if self.ca_file and not flags and self.ca_file.endswith(".crt"):
+            # Podman takes a folder of CA files, each *.crt, not a file
+            flags.append(f"--cert-dir {shlex.quote(str(Path(self.ca_file).absolute().parent))}")
         if self.username:
             flags.append(f"--creds {shlex.quote(self.username)}")
         elif self.authfile:

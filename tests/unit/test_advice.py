@@ -43,3 +43,11 @@ def test_a_prefetch_line_quotes_what_a_shell_would_split():
     opts = RegistryOptions(authfile="/tmp/my auth.json")
     line = advice.gpusnap_command(["pull", "--prefetch", PINNED], opts)
     assert line.endswith("--authfile '/tmp/my auth.json'")
+
+
+def test_a_printed_podman_pull_trusts_the_ca_file_the_way_podman_takes_one(tmp_path):
+    # Podman has no --ca-file: --cert-dir names a folder whose *.crt are CAs
+    ca = tmp_path / "certs" / "ca.crt"
+    assert RegistryOptions(ca_file=str(ca)).podman_flags() == f" --cert-dir {ca.parent}"
+    assert RegistryOptions(ca_file=str(ca), plain_http=True).podman_flags() == \
+        " --tls-verify=false"
