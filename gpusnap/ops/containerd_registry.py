@@ -342,7 +342,8 @@ def plan_restore(summary: dict, gpu_manifest: "Manifest | None", where: str, to:
         if _exists(c, "container", container):
             raise GpusnapError(f"a container named {container} already exists in namespace "
                                f"{loc.namespace}",
-                               f"remove it (`{ctr} containers rm {container}`) or restore with "
+                               f"remove it (`{ctr} tasks rm -f {container}; {ctr} containers rm "
+                               f"{container}`) or restore with "
                                f"--to containerd://{loc.namespace}/NEW; nothing was downloaded")
     gpu = gpu_planning.plan_here(gpu_manifest, gpu_map,
                     refusal_hint="restore on a host with GPUs like the checkpoint's (`gpusnap "
@@ -375,12 +376,12 @@ def _import(plan: RestorePlan, src: Path, source: str, log_uri: str | None) -> d
     except restore_check.OffTheGpu as exc:  # its processes cannot run on; the source is untouched
         journal.record("restore-off-the-gpu", container=plan.container, pids=exc.pids,
                        error=exc.message)
-        ns, cid = plan.namespace, plan.container
+        ns, cid, ctr = plan.namespace, plan.container, _ctr(plan.address, plan.namespace)
         raise GpusnapError(f"{exc.message}; task {cid} in namespace {ns} is left running off "
                            f"its GPU; {source} is unchanged", (
-                               f"`ctr -n {ns} task kill -s SIGKILL {cid}`, `ctr -n {ns} task rm "
-                               f"{cid}`, `ctr -n {ns} container rm {cid}`, then restore it again "
-                               "once the GPU has the memory free")) from None
+                               f"`{ctr} task kill -s SIGKILL {cid}`, `{ctr} task rm -f {cid}`, "
+                               f"`{ctr} container rm {cid}`, then restore it again once the GPU "
+                               "has the memory free")) from None
     except GpusnapError as exc:  # its check failed otherwise: the task and where it is
         journal.record("restore-check-failed", container=plan.container, error=exc.message)
         raise GpusnapError(f"{exc.message} (task {plan.container} in namespace "
