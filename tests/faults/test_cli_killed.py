@@ -95,7 +95,9 @@ def test_migrate_killed_during_upload_resumes_from_the_kept_archive(registry, lo
     assert status(loaded) == "exited"
     assert kept.is_file() and not referenced(str(kept))
     try:
-        assert {"container": cid, "export": str(kept)} in doctor()["kept"]
+        shown = [k for k in doctor()["kept"] if k["export"] == str(kept)]
+        assert shown and shown[0]["container"] in (cid, loaded), doctor()["kept"]
+        assert f"gpusnap push {kept} REF" in shown[0]["again"], shown
         fixed = doctor_fix()
         assert kept.is_file() and not any(str(kept.parent) in r for r in fixed["removed"]), \
             "doctor --fix removed the only copy of a stopped container"
