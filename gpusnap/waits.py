@@ -2,8 +2,10 @@
 
 A wait that runs out raises WaitExpired: one line that says what was waited
 for and for how long. Each bound can be widened (or, in tests, shortened) with
-``GPUSNAP_WAIT_<NAME>=SECONDS``; the defaults are far above what a healthy
-host takes, so they only ever end a hang.
+``GPUSNAP_WAIT_<NAME>=SECONDS``, or with a ``NAME=SECONDS`` line in
+/etc/gpusnap/waits.conf: the only way to reach the steps runc, CRIU and the
+containerd shim run, whose environment is not the user's. The defaults are far
+above what a healthy host takes, so they only ever end a hang.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 from gpusnap.errors import GpusnapError
@@ -59,7 +62,7 @@ class Bound:
 
     @classmethod
     def of(cls, name: str, extra: float = 0.0) -> "Bound":
-        raw = os.environ.get(f"GPUSNAP_WAIT_{name}")
+        raw = os.environ.get(f"GPUSNAP_WAIT_{name}") or _configured(name)
         try:
             seconds = float(raw) if raw else DEFAULTS[name] + extra
         except ValueError:
@@ -73,7 +76,30 @@ class Bound:
     def expired(self, what: str, hint: str | None = None) -> WaitExpired:
         return WaitExpired(f"{what}: no answer within {self.seconds:.0f} s",
                            hint or f"nothing was changed by the wait; if the host is just slow, "
-                                   f"raise the bound (GPUSNAP_WAIT_{self.name}=SECONDS)")
+                                   f"raise the bound ({raise_words(self.name)})")
+
+
+def conf_path() -> Path:
+    return Path(os.environ.get("GPUSNAP_WAITS_CONF") or "/etc/gpusnap/waits.conf")
+
+
+def _configured(name: str) -> str | None:
+    """NAME's value in waits.conf (NAME=SECONDS lines, # comments), if any."""
+    try:
+        text = conf_path().read_text()
+    except OSError:
+        return None
+    found = None
+    for line in text.splitlines():
+        key, eq, value = line.split("#", 1)[0].partition("=")
+        if eq and key.strip() == name:
+            found = value.strip()
+    return found
+
+
+def raise_words(name: str) -> str:
+    """How a user raises bound ``name``, wherever the process that waits runs."""
+    return f"GPUSNAP_WAIT_{name}=SECONDS, or {name}=SECONDS in {conf_path()}"
 
 
 def stop(proc: subprocess.Popen, grace: float | None = None) -> None:

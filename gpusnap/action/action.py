@@ -46,7 +46,7 @@ from gpusnap.gpu import staging, turn
 from gpusnap.private import write_private
 from gpusnap.procs import cuda_processes, ns_pid, parent_of, process_tree, start_time
 from gpusnap.runtime import kept_checkpoint, step_agent
-from gpusnap.waits import leave
+from gpusnap.waits import leave, raise_words
 
 if TYPE_CHECKING:
     from gpusnap.pages.fill_plan import Settings
@@ -281,7 +281,7 @@ class NotAnswered(GpusnapError):
 
     def __init__(self, message: str, pids: list[int]) -> None:
         super().__init__(message, "`gpusnap doctor --fix` brings them back once the driver "
-                                  "answers; GPUSNAP_WAIT_RESUME_SETTLE=SECONDS waits longer")
+                                  f"answers; {raise_words('RESUME_SETTLE')} waits longer")
         self.pids = pids
 
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 from gpusnap.journal import state_subdir
 from gpusnap.procs import ns_init, parent_of
-from gpusnap.waits import Bound
+from gpusnap.waits import Bound, raise_words
 
 POLL_S = 0.1
 
@@ -153,7 +153,7 @@ def wait_turn(init_pid: int, what: str, role: str, bound: Bound | None = None,
                 f"{what}: {_busy_line(init_pid)}",
                 "nothing was changed; try again once it is done (a containerd task its client "
                 "keeps paused gets its GPUs back once it is resumed; `gpusnap doctor` shows "
-                f"what is still checkpointed; a slow host: GPUSNAP_WAIT_{bound.name}=SECONDS)")
+                f"what is still checkpointed; a slow host: {raise_words(bound.name)})")
         time.sleep(POLL_S)
 
 

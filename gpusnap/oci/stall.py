@@ -15,6 +15,8 @@ import socket
 import threading
 import time
 
+from gpusnap.waits import raise_words
+
 PIECE = 1 << 20  # what must arrive within the bound: the downloader's read size
 
 
@@ -113,5 +115,5 @@ def words(registry: str, digest: str, tries: int, seconds: float) -> tuple[str, 
     """The line and the hint for a blob cut off on every try."""
     return (f"registry {registry} sent blob {digest[:19]} at under 1 MiB in {seconds:.0f} s "
             f"(after {tries} tries)",
-            "check the link to the registry; on a link that slow raise GPUSNAP_WAIT_REGISTRY "
-            "(seconds)")
+            "check the link to the registry; on a link that slow raise the bound "
+            f"({raise_words('REGISTRY')})")

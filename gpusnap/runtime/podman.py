@@ -82,7 +82,7 @@ def _run(args: list[str], bound: Bound | None = None,
     hint = None if bound.name == "PODMAN" else \
         (f"Podman and the runc and CRIU it ran were stopped; `gpusnap doctor` checks what "
          f"they left; if the host is just slow, raise the bound "
-         f"(GPUSNAP_WAIT_{bound.name}=SECONDS)")
+         f"({waits.raise_words(bound.name)})")
     return waits.run([podman_binary(), *args], f"podman {' '.join(args[:2])}", bound, watch,
                      hint=hint, progress=progress,
                      tree=None if bound.name == "PODMAN" else _descendants)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from gpusnap.procs import process_tree
 from gpusnap.shim.reaper import Reaper
-from gpusnap.waits import Bound
+from gpusnap.waits import Bound, raise_words
 
 
 log = logging.getLogger("gpusnap.shim")
@@ -112,7 +112,7 @@ class Runc:
             ex, timed_out = fut.result(), True  # reaped at once: SIGKILL cannot be refused
         if timed_out:
             raise RuncError(f"runc {args[0]}: no answer within {bound.seconds:.0f} s "
-                            f"(GPUSNAP_WAIT_RUNC=SECONDS raises the bound)")
+                            f"({raise_words('RUNC')} raises the bound)")
         log.debug("runc %s: %.1f ms", args[0], (time.monotonic() - t0) * 1000)
         if ex.status != 0:
             raise RuncError(self._last_error(start_at) or output.decode(errors="replace").strip()

@@ -90,8 +90,9 @@ def test_a_runc_the_shim_runs_that_never_ends_is_killed_at_its_bound(tmp_path):
     res = subprocess.run([sys.executable, "-c", shim], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "GPUSNAP_WAIT_RUNC": "1"})
     assert time.monotonic() - started < 30
-    assert res.stdout.strip() == ("runc checkpoint: no answer within 1 s "
-                                  "(GPUSNAP_WAIT_RUNC=SECONDS raises the bound)"), res.stderr
+    assert res.stdout.strip() == ("runc checkpoint: no answer within 1 s (GPUSNAP_WAIT_RUNC="
+                                  "SECONDS, or RUNC=SECONDS in /etc/gpusnap/waits.conf raises "
+                                  "the bound)"), res.stderr
 
 
 def _scripts() -> dict[str, str]:
@@ -149,3 +150,29 @@ def test_a_podman_checkpoint_at_its_bound_ends_with_the_runc_and_criu_it_ran(tmp
         time.sleep(0.05)
     else:
         pytest.fail(f"the fake CRIU (pid {pid}) outlived the Podman stopped at its bound")
+
+
+def test_a_bound_set_in_waits_conf_reaches_a_step_with_no_users_environment(tmp_path, monkeypatch):
+    conf = tmp_path / "waits.conf"
+    conf.write_text("# gpusnap's bounds\nRUNC = 7200  # a slow NFS\nAGENT=5\n")
+    monkeypatch.setenv("GPUSNAP_WAITS_CONF", str(conf))
+    monkeypatch.delenv("GPUSNAP_WAIT_RUNC", raising=False)
+    assert waits.Bound.of("RUNC").seconds == 7200
+    monkeypatch.setenv("GPUSNAP_WAIT_RUNC", "9")  # the variable wins
+    assert waits.Bound.of("RUNC").seconds == 9
+    assert str(conf) in waits.Bound.of("PODMAN").expired("podman x").hint
+
+
+def test_criu_action_reads_its_agents_bound_from_waits_conf(tmp_path):
+    import subprocess
+
+    conf = tmp_path / "waits.conf"
+    conf.write_text("AGENT = 7\n")
+    script = Path(__file__).parents[2] / "packaging/bin/criu-action"
+    # what the script computes, before any step: its bound line, run alone
+    text = script.read_text()
+    start = text.index("CONF=${GPUSNAP_WAITS_CONF")
+    end = text.index("\n", text.index("bound=${bound//[[:space:]]/}"))
+    res = subprocess.run(["bash", "-c", text[start:end] + '\necho "$bound"'], capture_output=True,
+                         text=True, env={"GPUSNAP_WAITS_CONF": str(conf), "PATH": "/usr/bin:/bin"})
+    assert res.stdout.strip() == "7", res
