@@ -253,15 +253,22 @@ def test_doctor_tells_a_needed_copy_from_one_whose_container_runs_again(userdata
     assert check.ok and "dropped job's" in check.detail and kc.why_kept(userdata) is None
 
 
-def test_leftovers_keep_the_staging_a_relative_pages_link_names(tmp_path, userdata, monkeypatch):
-    """pre-restore leaves a relative link where the pages lie on another
-    filesystem; the kept copy holds the same link, one folder deeper."""
+def _kept_with_pages_elsewhere(tmp_path: Path, userdata: Path) -> Path:
+    """A checkpoint kept aside whose pages link (relative, another filesystem's
+    way) into a restore's staging folder; the folder."""
     staging = tmp_path / "storage" / ".gpusnap-pull-abc"
     staging.mkdir()
     (staging / "pages-3.img").write_bytes(b"p")
     rel = os.path.relpath(staging / "pages-3.img", userdata / "checkpoint")
     (userdata / "checkpoint/pages-3.img").symlink_to(rel)
     kc.keep_aside(userdata / "checkpoint", "refused")
+    return staging
+
+
+def test_leftovers_keep_the_staging_a_relative_pages_link_names(tmp_path, userdata, monkeypatch):
+    """pre-restore leaves a relative link where the pages lie on another
+    filesystem; the kept copy holds the same link, one folder deeper."""
+    staging = _kept_with_pages_elsewhere(tmp_path, userdata)
     (userdata / "checkpoint/pages-3.img").unlink()
     monkeypatch.setattr(leftovers, "storage_root", lambda: tmp_path / "storage")
     assert leftovers.linked_from_checkpoints() == {staging}
@@ -274,12 +281,7 @@ def test_a_failed_restore_ref_leaves_the_pages_its_kept_checkpoint_links_to(tmp_
     # links into it (on another filesystem): it stays.
     from gpusnap.ops import restore_ref
 
-    staging = tmp_path / "storage" / ".gpusnap-pull-abc"
-    staging.mkdir()
-    (staging / "pages-3.img").write_bytes(b"p")
-    rel = os.path.relpath(staging / "pages-3.img", userdata / "checkpoint")
-    (userdata / "checkpoint/pages-3.img").symlink_to(rel)
-    kc.keep_aside(userdata / "checkpoint", "refused")
+    staging = _kept_with_pages_elsewhere(tmp_path, userdata)
     monkeypatch.setattr(leftovers, "storage_root", lambda: tmp_path / "storage")
     assert restore_ref._held_by_a_kept_checkpoint(staging, restored=False)
     assert not restore_ref._held_by_a_kept_checkpoint(staging, restored=True)
