@@ -11,6 +11,7 @@ above what a healthy host takes, so they only ever end a hang.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -38,7 +39,7 @@ DEFAULTS: dict[str, float] = {
     "DRIVER": 120.0,          # the NVIDIA driver's cuInit and state query (seconds at most)
     # NVML in the OCI hook, which runc kills at hooks.d's 30 s: the shell front
     # may have spent 17 s on the agent first (packaging/bin/gpusnap-hook)
-    "HOOK_NVML": 10.0,
+    "HOOK_NVML": 8.0,
     "RESUME_SETTLE": 30.0,    # the driver answering for a restored process (at once when healthy)
     # the driver's lock (plus its own timeout), checkpoint, restore or unlock of
     # one process: seconds for tens of GiB of GPU memory on a healthy GPU
@@ -66,6 +67,8 @@ class Bound:
         try:
             seconds = float(raw) if raw else DEFAULTS[name] + extra
         except ValueError:
+            seconds = DEFAULTS[name] + extra
+        if not math.isfinite(seconds):  # nan would never run out, inf never end a hang
             seconds = DEFAULTS[name] + extra
         return cls(name, max(seconds, 0.1))
 
@@ -119,15 +122,23 @@ def stop(proc: subprocess.Popen, grace: float | None = None) -> None:
 def stop_tree(proc: subprocess.Popen, descendants: Callable[[int], list[int]]) -> None:
     """``proc`` and what it started (runc, CRIU under a Podman; ``descendants``
     names them): a Podman stopped alone leaves them working on the container it
-    reported as failed."""
-    below = descendants(proc.pid) if proc.poll() is None else []
-    for pid in below:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    stop(proc)
-    for pid in below:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)  # those the grace above did not end
+    reported as failed. Signalled through pidfds taken at once: a pid reused in
+    the grace is never hit."""
+    fds = []
+    for pid in descendants(proc.pid) if proc.poll() is None else []:
+        with contextlib.suppress(OSError):
+            fds.append(os.pidfd_open(pid))
+    try:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(fd, signal.SIGTERM)
+        stop(proc)
+        for fd in fds:
+            with contextlib.suppress(OSError):  # those the grace above did not end
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def run(argv: Sequence[str], what: str, bound: Bound,

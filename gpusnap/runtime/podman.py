@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -51,8 +52,11 @@ class Container:
 
     def made_before(self, when: float) -> bool:
         """Whether Podman made it before ``when`` (epoch seconds); False where unknown."""
+        # Podman: 2026-12-01T18:26:21.092364953Z; nanoseconds and Z are beyond
+        # Python 3.10's fromisoformat
+        stamp = re.sub(r"(\.\d{6})\d+", r"\1", self.created.strip()).replace("Z", "+00:00")
         try:
-            return datetime.fromisoformat(self.created).timestamp() < when
+            return datetime.fromisoformat(stamp).timestamp() < when
         except ValueError:
             return False
 
@@ -79,17 +83,31 @@ def _run(args: list[str], bound: Bound | None = None,
     """Podman, ended by ``bound`` (a query's when None): never an endless wait.
     A checkpoint or restore at its bound ends with the runc and CRIU it ran."""
     bound = bound or Bound.of("PODMAN")
+    # runc and CRIU are Podman's for a checkpoint; a restore's are conmon's, which
+    # Podman double-forks: they may go on
+    stopped = "Podman and the runc and CRIU it ran were" if bound.name == "PODMAN_CHECKPOINT" \
+        else "Podman was"
     hint = None if bound.name == "PODMAN" else \
-        (f"Podman and the runc and CRIU it ran were stopped; `gpusnap doctor` checks what "
-         f"they left; if the host is just slow, raise the bound "
-         f"({waits.raise_words(bound.name)})")
+        (f"{stopped} stopped; `gpusnap doctor` checks what they left; if the host is just "
+         f"slow, raise the bound ({waits.raise_words(bound.name)})")
     return waits.run([podman_binary(), *args], f"podman {' '.join(args[:2])}", bound, watch,
                      hint=hint, progress=progress,
                      tree=None if bound.name == "PODMAN" else _descendants)
 
 
 def _descendants(pid: int) -> list[int]:
-    return process_tree(pid)[1:]
+    """What Podman started in its own session: not a guardian CRIU's action
+    script started in a session of its own (setsid) to outlive the dump."""
+    try:
+        session = os.getsid(pid)
+    except OSError:
+        return []
+    below = []
+    for child in process_tree(pid)[1:]:
+        with contextlib.suppress(OSError):
+            if os.getsid(child) == session:
+                below.append(child)
+    return below
 
 
 # How runc passes on the words of a hook that failed (gpusnap's OCI hook among them)

@@ -201,3 +201,14 @@ def test_ctrl_c_during_the_import_removes_what_podman_half_made(tmp_path, monkey
         restore.import_archive(contextlib.nullcontext(ImportStream(tmp_path / "fifo")), contents,
                                Plan([], [], False), "r2-1", False, False, "REF")
     assert removed == ["r2-1"]
+
+
+@pytest.mark.parametrize("created", ["2026-12-01T18:26:21.092364953Z",
+                                     "2026-12-01T19:26:21.092364953+01:00"])
+def test_podmans_creation_time_is_read_in_every_form_it_takes(tmp_path, created):
+    from datetime import datetime
+
+    ctr = _container(tmp_path)
+    ctr.created = created
+    at = datetime.fromisoformat("2026-12-01T18:26:21.092364+00:00").timestamp()
+    assert ctr.made_before(at + 1) and not ctr.made_before(at - 1)

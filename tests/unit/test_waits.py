@@ -167,7 +167,7 @@ def test_criu_action_reads_its_agents_bound_from_waits_conf(tmp_path):
     import subprocess
 
     conf = tmp_path / "waits.conf"
-    conf.write_text("AGENT = 7\n")
+    conf.write_text("AGENT = 7")  # its last line without a newline
     script = Path(__file__).parents[2] / "packaging/bin/criu-action"
     # what the script computes, before any step: its bound line, run alone
     text = script.read_text()
@@ -176,3 +176,36 @@ def test_criu_action_reads_its_agents_bound_from_waits_conf(tmp_path):
     res = subprocess.run(["bash", "-c", text[start:end] + '\necho "$bound"'], capture_output=True,
                          text=True, env={"GPUSNAP_WAITS_CONF": str(conf), "PATH": "/usr/bin:/bin"})
     assert res.stdout.strip() == "7", res
+
+
+def test_the_tree_kill_leaves_a_process_in_a_session_of_its_own(tmp_path, monkeypatch):
+    # the guardian pre-dump starts with setsid outlives the dump on purpose
+    import os
+
+    from gpusnap.runtime import podman
+
+    mine, own = tmp_path / "criu.pid", tmp_path / "guardian.pid"
+    fake = tmp_path / "podman"
+    fake.write_text(f"#!/bin/sh\nsh -c 'echo $$ > {mine}; exec sleep 600' &\n"
+                    f"setsid sh -c 'echo $$ > {own}; exec sleep 600' &\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(podman, "podman_binary", lambda: str(fake))
+    monkeypatch.setenv("GPUSNAP_WAIT_PODMAN_CHECKPOINT", "1")
+    monkeypatch.setenv("GPUSNAP_WAIT_STOP", "1")
+    with pytest.raises(waits.WaitExpired):
+        podman.checkpoint("web", None, False, False)
+    guardian = int(own.read_text())
+    try:
+        os.kill(guardian, 0)  # alive
+        time.sleep(0.3)
+        with pytest.raises(ProcessLookupError):
+            for _ in range(20):
+                os.kill(int(mine.read_text()), 0)
+                time.sleep(0.05)
+    finally:
+        os.kill(guardian, 9)
+
+
+def test_a_bound_that_is_not_a_number_keeps_its_default(monkeypatch):
+    monkeypatch.setenv("GPUSNAP_WAIT_STOP", "nan")
+    assert waits.Bound.of("STOP").seconds == 15
