@@ -161,10 +161,14 @@ class _Source:
         if self.proc is None:
             os.close(self.fd)
             return None
+        if read_to_end:  # the padding after the end blocks: zstd must finish, not die of EPIPE
+            while self.proc.stdout.read(1 << 20):
+                pass
         self.proc.stdout.close()
         err = self.proc.stderr.read().decode(errors="replace").strip()
         self.proc.stderr.close()
-        return (err or "decompression failed") if self.proc.wait() > 0 and read_to_end else None
+        # any status but 0 (a signal's is negative) where the whole archive was read
+        return (err or "decompression failed") if self.proc.wait() != 0 and read_to_end else None
 
 
 def _write_all(fd: int, data: bytes) -> None:

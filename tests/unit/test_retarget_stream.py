@@ -154,3 +154,28 @@ def test_a_retargeted_zst_archive_whose_checksum_fails_ends_broken(tmp_path):
     with open(out, "wb") as f, pytest.raises(GpusnapError, match="not a (valid|readable)"):
         rewrite_archive(bad_zst, f.fileno(), DeviceRemap(container_paths="keep"), {"moves": []})
     assert out.read_bytes().endswith(BROKEN_END)
+
+
+def test_a_damaged_zst_archive_with_long_padding_is_refused_too(tmp_path):
+    # zstd killed by EPIPE while it still wrote the padding reported no error
+    import os
+    import subprocess
+
+    import pytest
+
+    from gpusnap.errors import GpusnapError
+
+    pages = os.urandom(1 << 20)
+    tar = tmp_path / "padded.tar"
+    tar.write_bytes(_header("checkpoint/pages-1.img", len(pages)) + pages + b"\0" * (2 * BLOCK)
+                    + b"\0" * (2 << 20))
+    subprocess.run(["zstd", "-q", "-f", str(tar), "-o", str(tar) + ".zst"], check=True)
+    raw = bytearray((tmp_path / "padded.tar.zst").read_bytes())
+    raw[raw.index(pages[5000:5064])] ^= 0x01
+    bad = tmp_path / "padded-bad.tar.zst"
+    bad.write_bytes(bytes(raw))
+    with open(tmp_path / "out.tar", "wb") as f, pytest.raises(GpusnapError):
+        rewrite_archive(bad, f.fileno(), DeviceRemap(container_paths="keep"), {"moves": []})
+    with open(tmp_path / "good.tar", "wb") as f:  # the undamaged one still passes
+        rewrite_archive(tmp_path / "padded.tar.zst", f.fileno(), DeviceRemap(container_paths="keep"),
+                        {"moves": []})
