@@ -38,11 +38,14 @@ def gpusnap_command(args: list[str], opts: RegistryOptions) -> str:
 
 
 def push_command(source: str, ref_text: str, opts: RegistryOptions,
-                 trust: TrustOptions | None, image_format: str) -> str:
+                 trust: TrustOptions | None, image_format: str,
+                 containerd_address: str | None = None) -> str:
     """`gpusnap push SOURCE REF` with the flags a push with these options had."""
     args = ["push", source, ref_text]
     if image_format != "gpusnap":
         args += ["--format", image_format]
+    if containerd_address and source.startswith("containerd://"):
+        args += ["--containerd-address", containerd_address]
     for key in trust.sign_keys if trust else ():
         args += ["--sign-key", str(Path(key).absolute())]
     for key in trust.encrypt_to if trust else ():

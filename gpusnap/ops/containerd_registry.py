@@ -44,7 +44,8 @@ from gpusnap.ops.containerd_api import Client, ContainerdError
 from gpusnap.ops.containerd_checkpoint import checkpoint_container, export_image, import_dir
 from gpusnap.ops.engines import ENGINE, refuse_engine
 from gpusnap.ops import gpu_plan as gpu_planning
-from gpusnap.ops.push_source import PushSource, dir_size, kept_error, mark_only_copy
+from gpusnap.ops.push_source import (PushSource, dir_size, kept_error, mark_only_copy,
+                                     push_again_words)
 from gpusnap.runtime.storage import PULL_PREFIX, PUSH_PREFIX, roomiest
 
 if TYPE_CHECKING:
@@ -177,9 +178,11 @@ def _record_origin(dest: Path, namespace: str, container: str | None) -> dict:
 
 @contextmanager
 def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str], None] | None,
-                address: str | None = None) -> Iterator["PushSource"]:
+                address: str | None = None,
+                push_again: Callable[[str], str] = push_again_words) -> Iterator["PushSource"]:
     """SOURCE (containerd://[NS/]NAME) as a checkpoint directory for push(): a container
-    checkpointed first, or a checkpoint image laid out."""
+    checkpointed first, or a checkpoint image laid out. ``push_again``: the
+    retry of this push, for a path."""
     address = _address(address)
     loc = parse_uri(source)
     if not loc.name:
@@ -204,9 +207,6 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
                          f"{time.strftime('%Y%m%d%H%M%S')}-{os.urandom(3).hex()}")
                 _checkpoint_task(c, ctr, loc, image, leave_running)
                 stopped = not leave_running
-                if stopped:  # the image and DEST: `doctor --fix` keeps DEST
-                    mark_only_copy(work, loc.name, dest, f"`gpusnap push {dest} REF`",
-                                   _restore_words(ctr, loc.name, image))
                 what, container = image, loc.name
             elif _exists(c, "image", loc.name):
                 what, container = loc.name, None
@@ -225,6 +225,9 @@ def push_source(source: str, leave_running: bool, on_checkpoint: Callable[[str],
                 raise GpusnapError(f"{what}: cannot write {exc.filename or dest}: {exc.strerror}",
                                    f"free space in {work.parent}") from None
             _record_origin(dest, loc.namespace, container)
+            if stopped:  # the image, and DEST now whole: `doctor --fix` keeps DEST
+                mark_only_copy(work, loc.name, dest, f"`{push_again(str(dest))}`",
+                               _restore_words(ctr, loc.name, image))
         size = dir_size(dest)
         yield PushSource("containerd-container" if container else "containerd-image", dest, size,
                          size, container=container)

@@ -310,8 +310,9 @@ def run(fix: bool) -> dict:
     checks.append(Check("kept checkpoints", not kept,
                         "none from interrupted pushes" if not kept else ", ".join(
                             f"{k['export']} (container {str(k['container'])[:12]})" for k in kept),
-                        "; ".join(f"{k['back']} brings {str(k['container'])[:12]} back here, "
-                                  f"{k['again']} finishes the push" for k in kept) +
+                        "; ".join(f"{k['back']} brings {str(k['container'])[:12]} back here" +
+                                  (f", {k['again']} finishes the push" if k["again"] else "")
+                                  for k in kept) +
                         ("; then delete it" if kept else ""),
                         required=False))
     return {"ok": ok, "checks": [{**asdict(c), "level": c.level} for c in checks],

@@ -69,18 +69,19 @@ def _busy(work: Path) -> bool:
 
 def kept() -> list[dict]:
     """What a killed push left that is all there is of a container it stopped:
-    {container, export, again, back}. Its folder's mark says so (ops/push_source);
-    a journal line, for a folder from before marks (kept while the journal has it)."""
+    {container, export, again, back, folder, holds}. Its folder's mark says so
+    (ops/push_source); a journal line, for a folder from before marks (kept
+    while the journal has it)."""
     found, seen = [], set()
     live = uploads.live_work_dirs()
 
-    def add(export: Path, entry: dict) -> None:
-        work = export.parent
+    def add(work: Path, export: Path, entry: dict) -> None:
         if work in seen or work in live or not export.exists() or _busy(work):
             return
         seen.add(work)
+        again = entry.get("again", f"`gpusnap push {export} REF`")
         found.append({"container": entry.get("container"), "export": str(export),
-                      "again": entry.get("again") or f"`gpusnap push {export} REF`",
+                      "again": again, "folder": str(work), "holds": entry.get("holds") or [],
                       "back": entry.get("back") or f"`gpusnap restore {export}` (once "
                       "the container of that name is removed)"})
 
@@ -92,12 +93,12 @@ def kept() -> list[dict]:
         except (OSError, ValueError):
             continue
         if isinstance(mark, dict) and mark.get("export"):
-            add(Path(mark["export"]), mark)
+            add(work, Path(mark["export"]), mark)
     for event in journal.read(500):
         export = Path(event.get("export") or "")
         if event.get("event") == "checkpointed" and not event.get("leave_running") and \
                 export.parent.name.startswith(PUSH_PREFIX) and export.is_file():
-            add(export, event)
+            add(export.parent, export, event)
     return found
 
 
@@ -136,8 +137,8 @@ def find() -> list[Path]:
         for work in d.glob(FIFO_DIR_PREFIX + "*"):
             if work.is_dir() and not referenced(str(work / FIFO_NAME)):
                 found.append(work)
-    keep = {Path(k["export"]).parent for k in kept()} | linked_from_checkpoints() | \
-        uploads.live_work_dirs()
+    keep = {Path(f) for k in kept() for f in [k["folder"], *k["holds"]]} | \
+        linked_from_checkpoints() | uploads.live_work_dirs()
     scratch = [w for root in SCRATCH_ROOTS for w in sorted(root.glob(FETCH_PREFIX + "*"))]
     for work in staging_folders() + scratch:  # a killed pull's fetch scratch, in RAM
         try:

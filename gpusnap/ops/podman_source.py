@@ -26,7 +26,8 @@ from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import checkpoint as ops_checkpoint
 from gpusnap.pages import early_pages, kept_pages, prefetch, prepared_pages
-from gpusnap.ops.push_source import PushSource, cause, kept_error, mark_only_copy
+from gpusnap.ops.push_source import (PushSource, cause, kept_error, mark_only_copy,
+                                     push_again_words)
 from gpusnap.runtime import podman
 from gpusnap.pages import memory
 from gpusnap.runtime.follow import follow
@@ -51,12 +52,14 @@ def _push_source(plan: ops_checkpoint.CheckpointPlan, export: Path, job: Future,
 def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str], None] | None,
                  stream: bool, container: podman.Container,
                  on_checkpointed: Callable[[dict], None] | None,
-                 pre_checkpoint: bool = False) -> Iterator[PushSource]:
+                 pre_checkpoint: bool = False,
+                 push_again: Callable[[str], str] = push_again_words) -> Iterator[PushSource]:
     """``container`` checkpointed into a staged plain tar; with ``stream`` the
     push reads that tar while Podman still writes it (upload overlaps the
     dump), else once it is complete. ``on_checkpointed``: called once the
     checkpoint succeeded (see push()). ``pre_checkpoint``: a pre-copy's round
-    1, its pages kept for the final round's read-ahead (pages/kept_pages.py)."""
+    1, its pages kept for the final round's read-ahead (pages/kept_pages.py).
+    ``push_again``: the retry of this push, for a path (its reference and flags)."""
     kept_pages.sweep()
     # Only where CRIU runs gpusnap's action script, which moves them (criu/runtimes.py).
     sets_aside = stream and pages_aside.enabled() and runs_action_script(container.runtime)
@@ -72,7 +75,7 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
     aside: Path | None = None  # where CRIU's memory pages go, out of Podman's export
     in_ram = False
     stopped = False  # the container is down and this archive is all that is left of it
-    again, back = f"`gpusnap push {export} REF`", f"`podman rm {source}; gpusnap restore {export}`"
+    again, back = f"`{push_again(str(export))}`", f"`podman rm {source}; gpusnap restore {export}`"
     job: Future | None = None
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
     try:
@@ -83,8 +86,8 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         # streamed: not taken again under the upload, but refused to push(), which retakes it all
         plan.retake_stale, plan.check_files = not stream, not pre_checkpoint
         aside, in_ram = _place_pages(plan, work, root, sets_aside)
-        if not leave_running and aside is None:  # the export will hold all of it
-            mark_only_copy(work, source, export, again, back)
+        if not leave_running:  # the export, or the local checkpoint and its pages aside
+            _mark(work, source, export, aside, again, back)
         if on_checkpoint:
             on_checkpoint(plan.container.name)
         if stream:
@@ -142,6 +145,15 @@ def _clear_stale(container: podman.Container) -> None:
     """What an earlier export left, which would be followed as if Podman wrote it."""
     (container.userdata / prefetch.DEVSHM).unlink(missing_ok=True)
     early_pages.clear_stale(container.checkpoint_dir)
+
+
+def _mark(work: Path, source: str, export: Path, aside: Path | None, again: str,
+          back: str) -> None:
+    if aside is None:  # the export will hold all of it
+        mark_only_copy(work, source, export, again, back)
+    else:  # Podman's local checkpoint, its pages linked from ASIDE: both stay
+        mark_only_copy(work, source, aside, None, f"`gpusnap restore {source}` (its local "
+                       f"checkpoint, whose memory pages lie in {aside})", holds=(aside,))
 
 
 def _stopped_it(job: Future | None, leave_running: bool) -> bool:

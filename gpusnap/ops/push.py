@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import threading
@@ -333,6 +334,7 @@ class _PushJob:
     on_checkpointed: Callable[[dict], None] | None
     total: Callable[[int], None] | None
     start: float
+    push_again: Callable[[str], str]  # this push's retry from a path, flags and all
 
 
 class _Counted:
@@ -381,14 +383,16 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     client.ping()  # wrong credentials fail before a container is checkpointed
     if processes is None:
         processes = segments.default_workers(stopped=container is not None and not leave_running)
+    again = functools.partial(push_command, ref_text=ref_text, opts=opts, trust=trust,
+                              image_format=image_format, containerd_address=containerd_address)
     job = _PushJob(source, ref, opts, client, sealing, container, ChunkCache.open(cache_root),
                    leave_running, pre_checkpoint, image_format, level, workers, processes,
-                   containerd_address, on_checkpoint, on_checkpointed, total, time.monotonic())
+                   containerd_address, on_checkpoint, on_checkpointed, total, time.monotonic(),
+                   again)
     try:
         return _push_tries(job, progress, source)
     except KeptError as exc:  # the retry as the user would type it: this push's flags
-        raise exc.with_push(push_command(exc.push_from, ref_text, opts, trust, image_format)) \
-            from None
+        raise exc.with_push(again(exc.push_from)) from None
 
 
 def _push_tries(job: _PushJob, progress: Progress | None, source: str) -> dict:
@@ -416,7 +420,7 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
                      stream=job.image_format == "gpusnap",
                      containerd_address=job.containerd_address, container=job.container,
                      on_checkpointed=job.on_checkpointed,
-                     pre_checkpoint=job.pre_checkpoint) as src:
+                     pre_checkpoint=job.pre_checkpoint, push_again=job.push_again) as src:
         if job.total and src.known_bytes:
             job.total(src.known_bytes)
         if job.image_format == "podman":

@@ -51,12 +51,20 @@ def cause(exc: BaseException) -> str:
                                                                             str(exc))
 
 
-def mark_only_copy(work: Path, container: str, kept: Path, again: str, back: str) -> None:
+def mark_only_copy(work: Path, container: str, kept: Path, again: str | None, back: str,
+                   holds: tuple[Path, ...] = ()) -> None:
     """Written before the dump that stops ``container``: `gpusnap doctor --fix`
-    never removes a folder so marked (the journal, which also says it, keeps
-    only its last lines), and doctor prints the two ways on, with real names."""
+    never removes a folder so marked, nor the folders it ``holds`` (the
+    journal, which also says it, keeps only its last lines), and doctor prints
+    the ways on (``again``: the push again, where the folder can be pushed)."""
     write_private(work / ONLY_COPY, json.dumps({"container": container, "export": str(kept),
-                                                "again": again, "back": back}))
+                                                "again": again, "back": back,
+                                                "holds": [str(h) for h in holds]}))
+
+
+def push_again_words(path: str) -> str:
+    """The retry where the push's reference and flags are not known."""
+    return f"gpusnap push {path} REF"
 
 
 class KeptError(GpusnapError):

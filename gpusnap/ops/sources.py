@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from gpusnap.errors import GpusnapError
-from gpusnap.ops.push_source import PushSource, dir_size
+from gpusnap.ops.push_source import PushSource, dir_size, push_again_words
 from gpusnap.runtime import podman
 
 
@@ -38,19 +38,21 @@ def open_source(source: str, leave_running: bool,
                 stream: bool = True, containerd_address: str | None = None,
                 container: podman.Container | None = None,
                 on_checkpointed: Callable[[dict], None] | None = None,
-                pre_checkpoint: bool = False) -> Iterator[PushSource]:
+                pre_checkpoint: bool = False,
+                push_again: Callable[[str], str] = push_again_words) -> Iterator[PushSource]:
     """SOURCE as a file stream. A container is checkpointed into a staged plain
     tar; with ``stream`` the push reads that tar while Podman still writes it
     (upload overlaps the dump), else once it is complete. ``on_checkpointed``:
     called once a container's checkpoint succeeded (see push()).
     ``pre_checkpoint``: a pre-copy's round 1 (podman_source.checkpointed); a
     Podman container left running otherwise has its checkpoint checked for
-    open files that changed before the export (ops/snapshot_files.py)."""
+    open files that changed before the export (ops/snapshot_files.py).
+    ``push_again``: this push's retry for a path, as doctor prints it."""
     if source.startswith("containerd://"):  # a containerd container or checkpoint image
         from gpusnap.ops import containerd_registry  # grpc and containerd's protos: only here
 
         with containerd_registry.push_source(source, leave_running, on_checkpoint,
-                                             containerd_address) as src:
+                                             containerd_address, push_again) as src:
             yield src
         return
     path = Path(source)
@@ -65,5 +67,5 @@ def open_source(source: str, leave_running: bool,
 
     with podman_source.checkpointed(source, leave_running, on_checkpoint, stream,
                                     container or find_container(source),
-                                    on_checkpointed, pre_checkpoint) as src:
+                                    on_checkpointed, pre_checkpoint, push_again) as src:
         yield src

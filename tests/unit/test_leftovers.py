@@ -114,3 +114,21 @@ def test_a_killed_pulls_fetch_scratch_in_ram_is_found(staging, tmp_path, monkeyp
     os.utime(scratch, (time.time() - 3600,) * 2)
     monkeypatch.setattr(leftovers, "SCRATCH_ROOTS", (shm,))
     assert scratch in leftovers.find()
+
+
+def test_a_stopped_container_whose_pages_lie_aside_keeps_them_and_says_restore_it(staging):
+    # pages set aside (in RAM, the default GPU path): the local checkpoint links
+    # to them; doctor never offers `podman rm`, and --fix never takes the pages
+    work, export = _push_folder(staging, "aside")
+    aside = staging / f"{PUSH_PREFIX}pages"
+    aside.mkdir()
+    (aside / "pages-1.img").write_bytes(b"p")
+    os.utime(aside, (time.time() - 3600,) * 2)
+    from gpusnap.ops import podman_source
+    podman_source._mark(work, "web", export, aside, "`gpusnap push x REF`", "unused")
+    os.utime(work, (time.time() - 3600,) * 2)
+    kept = leftovers.kept()
+    assert len(kept) == 1 and kept[0]["again"] is None and kept[0]["holds"] == [str(aside)]
+    assert kept[0]["back"].startswith("`gpusnap restore web`") and "podman rm" not in kept[0]["back"]
+    found = leftovers.find()
+    assert work not in found and aside not in found
