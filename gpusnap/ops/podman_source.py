@@ -151,8 +151,8 @@ def _mark(work: Path, source: str, export: Path, aside: Path | None, again: str,
           back: str) -> None:
     if aside is None:  # the export will hold all of it
         mark_only_copy(work, source, export, again, back)
-    else:  # Podman's local checkpoint, its pages linked from ASIDE: both stay
-        mark_only_copy(work, source, aside, None, f"`gpusnap restore {source}` (its local "
+    else:  # the local checkpoint and the export link to the pages in ASIDE: it stays
+        mark_only_copy(work, source, export, again, f"`gpusnap restore {source}` (its local "
                        f"checkpoint, whose memory pages lie in {aside})", holds=(aside,))
 
 

@@ -128,7 +128,8 @@ def test_a_stopped_container_whose_pages_lie_aside_keeps_them_and_says_restore_i
     podman_source._mark(work, "web", export, aside, "`gpusnap push x REF`", "unused")
     os.utime(work, (time.time() - 3600,) * 2)
     kept = leftovers.kept()
-    assert len(kept) == 1 and kept[0]["again"] is None and kept[0]["holds"] == [str(aside)]
+    assert len(kept) == 1 and kept[0]["holds"] == [str(aside)]
+    assert kept[0]["again"] == "`gpusnap push x REF`"  # the export's links lead to ASIDE
     assert kept[0]["back"].startswith("`gpusnap restore web`") and "podman rm" not in kept[0]["back"]
     found = leftovers.find()
     assert work not in found and aside not in found
