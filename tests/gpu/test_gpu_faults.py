@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import shlex
 import os
 import re
 import shutil
@@ -246,8 +247,10 @@ def test_upload_killed_in_the_foreground(source, registry, capsys):
         assert _status(source.name) == "exited"
         report = json.loads(gpusnap("doctor", "--json").stdout)
         shown = [c for c in report["checks"] if c["name"] == "kept checkpoints"][0]
-        assert str(kept) in shown["detail"] and f"gpusnap push {kept} REF" in shown["fix"], shown
-        again = gpusnap_json("push", str(kept), ref, *registry.flags())
+        # doctor's own command, as printed: this push's reference and flags
+        printed = re.search(r"`(gpusnap push [^`]+)` finishes the push", shown["fix"])
+        assert str(kept) in shown["detail"] and printed and ref in printed.group(1), shown
+        again = gpusnap_json(*shlex.split(printed.group(1))[1:])
         assert 0 < again["chunks_sent"] < again["chunks"], again
         _restore_ref_here(source, ref, its, *registry.flags())
         say(capsys, f"upload killed: doctor showed {shown['detail'][:80]}... / re-push sent "
