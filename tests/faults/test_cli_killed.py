@@ -10,6 +10,7 @@ again completes.
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from pathlib import Path
 
@@ -97,11 +98,12 @@ def test_migrate_killed_during_upload_resumes_from_the_kept_archive(registry, lo
     try:
         shown = [k for k in doctor()["kept"] if k["export"] == str(kept)]
         assert shown and shown[0]["container"] in (cid, loaded), doctor()["kept"]
-        assert f"gpusnap push {kept} REF" in shown[0]["again"], shown
+        printed = shown[0]["again"].strip("`")  # this push's own reference and flags
+        assert printed.startswith(f"gpusnap push {kept} {ref}"), shown
         fixed = doctor_fix()
         assert kept.is_file() and not any(str(kept.parent) in r for r in fixed["removed"]), \
             "doctor --fix removed the only copy of a stopped container"
-        again = gpusnap_json("push", str(kept), ref, *registry.flags())
+        again = gpusnap_json(*shlex.split(printed)[1:])  # doctor's command, as printed
         assert 0 < again["chunks_sent"] < again["chunks"], again  # only what was missing
         podman("rm", loaded)
         gpusnap_json("restore", ref, *registry.flags())
