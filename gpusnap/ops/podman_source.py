@@ -94,7 +94,9 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
             _clear_stale(plan.container)
         job = pool.submit(ops_checkpoint.run, plan)
         if on_checkpointed:
-            job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside))
+            ways = {"again": again.strip("`"),
+                    "back": back if aside is None else _back_aside(source, aside)}
+            job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside, ways))
         if not stream:
             job.result()
         try:
@@ -152,8 +154,11 @@ def _mark(work: Path, source: str, export: Path, aside: Path | None, again: str,
     if aside is None:  # the export will hold all of it
         mark_only_copy(work, source, export, again, back)
     else:  # the local checkpoint and the export link to the pages in ASIDE: it stays
-        mark_only_copy(work, source, export, again, f"`gpusnap restore {source}` (its local "
-                       f"checkpoint, whose memory pages lie in {aside})", holds=(aside,))
+        mark_only_copy(work, source, export, again, _back_aside(source, aside), holds=(aside,))
+
+
+def _back_aside(source: str, aside: Path) -> str:
+    return f"`gpusnap restore {source}` (its local checkpoint, whose memory pages lie in {aside})"
 
 
 def _stopped_it(job: Future | None, leave_running: bool) -> bool:
@@ -223,9 +228,11 @@ def _claim_kept(plan) -> tuple[Path | None, list[str]]:
 
 
 def _when_checkpointed(callback: Callable[[dict], None], plan, export: Path,
-                       aside: Path | None) -> Callable[[Future], None]:
+                       aside: Path | None, ways: dict) -> Callable[[Future], None]:
     """The checkpoint job's done-callback: ``callback`` with what is on local
-    storage now (the container stopped or resumed, its GPU released)."""
+    storage now (the container stopped or resumed, its GPU released) and
+    ``ways`` on from it should the push then fail (again: the push's retry;
+    back: the restore here)."""
     def done(job: Future) -> None:
         if job.cancelled() or job.exception() is not None:
             return
@@ -234,7 +241,7 @@ def _when_checkpointed(callback: Callable[[dict], None], plan, export: Path,
             staged += sum(p.stat().st_size for p in aside.iterdir() if p.is_file())
         callback({"export": str(export), "container": plan.container.name,
                   "init_pid": plan.container.pid, "seconds": job.result().get("seconds"),
-                  "bytes": staged})
+                  "bytes": staged, **ways})
     return done
 
 

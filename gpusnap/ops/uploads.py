@@ -109,8 +109,10 @@ def killed(state: dict) -> dict:
                         f"--fix` removes the export it left, {export}"}
 
     exc = kept_error(Exception("the upload was killed"), ctr, f"in {export}", export,
-                     f"`podman rm {ctr}; gpusnap restore {export}`")
-    return {"error": exc.message, "hint": exc.with_push(f"gpusnap push {export} {ref}").hint}
+                     state.get("restore_back") or f"`podman rm {ctr}; gpusnap restore {export}`")
+    # the push's own retry (reference, trust and registry flags), recorded at the dump
+    return {"error": exc.message,
+            "hint": exc.with_push(state.get("push_again") or f"gpusnap push {export} {ref}").hint}
 
 
 def all_states(prune_after_s: float = PRUNE_AFTER_S) -> list[dict]:
@@ -202,6 +204,7 @@ class Tracker:
         """The dump is complete on local storage (push's on_checkpointed)."""
         gpu_free = quiesced_at(facts.get("init_pid"), float(self.state["started"]))
         self._update(phase="uploading", export=facts.get("export"),
+                     push_again=facts.get("again"), restore_back=facts.get("back"),
                      checkpointed_after_s=self._since_start(),
                      gpu_free_after_s=self._since_start(gpu_free) if gpu_free else None,
                      bytes_total=facts.get("bytes") or self.state.get("bytes_total"))

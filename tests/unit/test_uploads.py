@@ -144,3 +144,18 @@ def test_listing_prunes_old_finished_uploads_but_keeps_a_failed_one_with_its_exp
 ])
 def test_child_args_drop_only_detach(argv, expected):
     assert child_args(argv) == expected
+
+
+def test_a_killed_detached_upload_prints_its_own_push_and_restore(state_dir):
+    path = uploads.create("migrate", "web", "reg/app:v1", leave_running=False)
+    export = "/var/lib/.gpusnap-push-x/checkpoint.tar"
+    state = {**uploads.read(path), "phase": "uploading", "pid": _dead_pid(), "export": export,
+             "push_again": f"gpusnap push {export} reg/app:v1 --encrypt-to /k/them.pub --plain-http",
+             "restore_back": "`gpusnap restore web` (its local checkpoint, whose memory pages lie "
+                             "in /run/gpusnap/ram/.gpusnap-push-y)"}
+    uploads.write(path, state)
+    seen = uploads.find(state["id"])
+    assert f"`gpusnap push {export} reg/app:v1 --encrypt-to /k/them.pub --plain-http` tries " \
+           "again" in seen["hint"]
+    assert "`gpusnap restore web` (its local checkpoint" in seen["hint"] and "podman rm" not in \
+        seen["hint"]
