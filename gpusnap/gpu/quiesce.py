@@ -184,16 +184,23 @@ def quiesce(driver: Driver, pids: list[int], lock_timeout_ms: int = DEFAULT_LOCK
         raise QuiesceError("checkpoint", {p: RuntimeError("the driver reports this process FAILED")
                                           for p in failed})
 
-    failures = _timed(timing, "lock", to_lock, lambda pid: driver.lock(pid, lock_timeout_ms))
-    if failures:
-        locked = [p for p in to_lock if p not in failures]
-        undo = _parallel(locked, driver.unlock)
-        raise QuiesceError("lock", failures, undo)
+    try:
+        failures = _timed(timing, "lock", to_lock, lambda pid: driver.lock(pid, lock_timeout_ms))
+        if failures:
+            locked = [p for p in to_lock if p not in failures]
+            undo = _parallel(locked, driver.unlock)
+            raise QuiesceError("lock", failures, undo)
 
-    failures = _timed(timing, "checkpoint", to_checkpoint, driver.checkpoint)
-    if failures:
-        undo = _rollback(driver, [p for p in to_checkpoint if p not in failures] + list(failures))
-        raise QuiesceError("checkpoint", failures, undo)
+        failures = _timed(timing, "checkpoint", to_checkpoint, driver.checkpoint)
+        if failures:
+            undo = _rollback(driver, [p for p in to_checkpoint if p not in failures]
+                             + list(failures))
+            raise QuiesceError("checkpoint", failures, undo)
+    except KeyboardInterrupt:
+        # the calls in flight were waited out (the pool's exit): back as they were,
+        # not left LOCKED or CHECKPOINTED for doctor to find
+        _rollback(driver, to_checkpoint)
+        raise
     return to_checkpoint
 
 

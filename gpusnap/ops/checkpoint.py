@@ -21,6 +21,7 @@ from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, cuda_plugin_pa
                                   inet_sockets_problem, require_supported)
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
+from gpusnap.ops import frozen
 from gpusnap.ops.gpu_state import ensure_running
 from gpusnap.ops.snapshot_files import unrestorable
 from gpusnap.ops.preconditions import has_checkpoint, require_running
@@ -87,6 +88,13 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
                                "keeps running", f"pass a file, e.g. {export_path / name}.tar.zst")
     cuda = cuda_processes(container.pid)
     gpu_bytes = 0
+    on_purpose = frozen.frozen() if cuda else {}
+    if on_purpose and set(on_purpose) & {p.pid for p in cuda}:
+        # its GPU memory is in the processes' host memory, and its manifest would
+        # name no GPU: nothing a restore could check or place
+        raise GpusnapError(f"{container.name} is frozen (`gpusnap freeze`): its GPU state is "
+                           "not on a GPU to checkpoint", f"`gpusnap thaw {container.name}` "
+                           "first; nothing was changed")
     if cuda and not runs_action_script(container.runtime) and cuda_plugin_path() is None:
         raise GpusnapError(f"{container.name} has CUDA processes and runs under "
                            f"{container.runtime}: {why_not(container.runtime)} and its GPU "

@@ -21,7 +21,7 @@ from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, refused_for_good, resume, states
 from gpusnap.gpu import turn
-from gpusnap.ops import leftovers
+from gpusnap.ops import frozen, leftovers
 from gpusnap.pages import prepared_pages
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import PROC, gpu_use, process_tree, stopped
@@ -158,11 +158,13 @@ def stuck_processes() -> list[dict]:
     Stopped ones are not asked about (the driver would wait until they run), nor
     frozen ones (a dump in progress, or a paused container: not left by one)."""
     candidates = []
+    on_purpose = frozen.frozen()  # `gpusnap freeze`'s, until `gpusnap thaw`
     for entry in PROC.iterdir():
         if entry.name.isdigit():
             use = gpu_use(int(entry.name), PROC)
             if use is not None and use.maps_libcuda and not _ours(use.pid) \
-                    and not stopped(use.pid) and not is_frozen(use.pid):
+                    and not stopped(use.pid) and not is_frozen(use.pid) \
+                    and use.pid not in on_purpose:
                 candidates.append(use)
     if not candidates:
         return []
@@ -210,6 +212,10 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
                 refused.update({pid: str(err) for pid, err in exc.failures.items()})
     detail = "none held by an unfinished checkpoint" if not stuck else \
         ", ".join(f"pid {s['pid']} ({s['comm']}) {s['state']}" for s in stuck)
+    held_on_purpose = sorted(set(frozen.frozen().values()))
+    if held_on_purpose:  # not stuck: `gpusnap thaw` gives them their GPU back
+        detail += "; frozen by `gpusnap freeze`: " + ", ".join(
+            f"{name} (`gpusnap thaw {name}`)" for name in held_on_purpose)
     if busy:
         detail += "; left to gpusnap's " + ", ".join(
             f"{role or 'step'} (pid {who or '?'}), at work on pid {', '.join(map(str, pids))}"

@@ -15,6 +15,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import Driver, QuiesceError, Timing, quiesce, resume
 from gpusnap.gpu.turn import wait_turn
+from gpusnap.ops import frozen
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import require_running
 from gpusnap.procs import cuda_processes
@@ -44,7 +45,13 @@ def gpu_turn(name: str, verb: str, command: str) -> Iterator[tuple]:
     ctr = podman.inspect(name)
     require_running(ctr, verb)
     with wait_turn(ctr.pid, f"{command} of {ctr.name}", command):
-        yield (ctr, *cuda_of(ctr, verb, command))
+        procs, driver = cuda_of(ctr, verb, command)
+        if command != "thaw" and set(frozen.frozen()) & {p.pid for p in procs}:
+            # a freeze again would record no pids (doctor would then restore them); a
+            # move would resume them onto the new GPU: a thaw behind the user's back
+            raise GpusnapError(f"{ctr.name} is frozen (`gpusnap freeze`), so it cannot {verb}",
+                               f"`gpusnap thaw {ctr.name}` first; nothing was changed")
+        yield ctr, procs, driver
 
 
 def _gpu_used() -> dict[str, int]:
@@ -65,6 +72,7 @@ def _freeze(ctr: podman.Container, procs: list, driver: Driver, lock_timeout_ms:
         raise GpusnapError(f"freeze of {ctr.name} failed, nothing changed: {exc}",
                            "a process may be stuck in a long kernel; retry with a longer "
                            "--timeout") from None
+    frozen.mark(ctr.pid, ctr.name, changed)  # off the GPU on purpose: doctor leaves them
     journal.record("frozen", container=ctr.id, pids=changed, timing=timing.phases)
     return {"container": ctr.name, "pids": changed, "timing": timing.phases,
             "gpu_memory_used_before": before, "gpu_memory_used_after": _gpu_used()}
@@ -82,6 +90,7 @@ def _thaw(ctr: podman.Container, procs: list, driver: Driver) -> dict:
     except QuiesceError as exc:
         raise GpusnapError(f"thaw of {ctr.name} failed: {exc}",
                            "check free GPU memory with `gpusnap gpus`, then thaw again") from None
+    frozen.unmark(ctr.pid)
     journal.record("thawed", container=ctr.id, pids=changed, timing=timing.phases)
     return {"container": ctr.name, "pids": changed, "timing": timing.phases,
             "gpu_memory_used_after": _gpu_used()}

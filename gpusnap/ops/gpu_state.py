@@ -10,6 +10,7 @@ from gpusnap.gpu.cuda import ProcessState
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.quiesce import Driver, require_driver, resume, resume_onto, states
 from gpusnap.gpu.turn import holder, key_for, try_take
+from gpusnap.ops import frozen
 from gpusnap.procs import alive, stopped
 
 T = TypeVar("T")
@@ -32,6 +33,8 @@ def ensure_running(init_pid: int, pids: list[int], wait_s: float = 60.0) -> list
 
     Returns the pids this call had to resume itself.
     """
+    on_purpose = frozen.frozen()  # `gpusnap freeze`'s: never restored behind its back
+    pids = [p for p in pids if p not in on_purpose]
     if not pids:
         return []
     driver = load_driver()

@@ -336,3 +336,22 @@ def test_resume_onto_reports_what_was_refused_before_the_choice_taken():
     label, changed, refused = resume_onto(driver, [7], [("as planned", None), ("swapped", None)])
     assert (label, changed) == ("swapped", [7])
     assert len(refused) == 1 and refused[0].startswith("as planned: restore failed"), refused
+
+
+def test_ctrl_c_in_the_quiesce_puts_every_process_back(monkeypatch):
+    # Ctrl-C reaches the CLI (freeze, move) while the driver's calls run: the
+    # pool waits them out, then every process goes back to RUNNING
+    from gpusnap.gpu import quiesce as module
+
+    driver = FakeDriver({1: ProcessState.RUNNING, 2: ProcessState.RUNNING})
+    timed = module._timed
+
+    def interrupted(timing, phase, pids, fn):
+        done = timed(timing, phase, pids, fn)
+        if phase == "checkpoint":
+            raise KeyboardInterrupt
+        return done
+    monkeypatch.setattr(module, "_timed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quiesce(driver, [1, 2])
+    assert driver.states == {1: ProcessState.RUNNING, 2: ProcessState.RUNNING}
