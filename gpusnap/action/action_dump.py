@@ -203,10 +203,16 @@ def _read_ahead(criu_pid: int, guardian: socket.socket, push: dict,
     read_s, taken = round(time.monotonic() - started, 3), []  # with the layouts
     dropping = time.monotonic()
     for task in tasks:
+        # from the drop until the guardian writes it back, the process's memory
+        # (the driver's staging among it) is in the guardian's files alone: a
+        # driver restore meanwhile (doctor --fix, a failed dump's clean-up, the
+        # guardian gone) would bring back zeros, so it is refused (staging.hold)
+        staging.hold(task.pid, [])
         try:
             dump_ahead.drop(task)  # the push hashed it meanwhile (the read's notes)
             taken.append(task)
         except RemoteSyscallError as exc:  # its memory is back: CRIU dumps it
+            staging.release(task.pid)
             Path(task.path).unlink(missing_ok=True)
             journal.record("pages-read-ahead-skipped", pid=task.pid, error=str(exc))
         except dump_ahead.AheadError as exc:

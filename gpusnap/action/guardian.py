@@ -39,6 +39,7 @@ from typing import Callable
 
 from gpusnap import journal, requests
 from gpusnap.criu.freezer import is_frozen, thaw
+from gpusnap.gpu import staging
 from gpusnap.gpu.cuda import CudaDriver
 from gpusnap.gpu.quiesce import QuiesceError, resume
 from gpusnap.gpu.turn import claim, release_fd
@@ -176,6 +177,9 @@ def _guard(argv: list[str], init: int | None, client: bool, turn_fd: int | None)
     living = survivors_to_resume(watched, time.monotonic() + THAW_WAIT_S,
                                  held=_held(init, turn_fd), dump_in_flight_bounded=not client)
     failed = write_back(taken) if taken and living else set()
+    for task, _ in taken:  # memory back (or its process gone): a driver restore may run
+        if task.pid not in failed:
+            staging.release(task.pid)
     living = [p for p in living if p in pids and p not in failed]
     if not living:
         return 1 if failed else 0

@@ -147,3 +147,32 @@ def test_a_guardian_that_fails_says_so_and_lets_go(tmp_path, monkeypatch):
     failed = journal.read()[-1]
     assert failed["event"] == "guardian-failed" and "ZeroDivisionError" in failed["error"]
     assert turns.try_take(700, "test") is not None
+
+
+def test_memory_read_ahead_stays_held_from_a_driver_restore_until_written_back(tmp_path,
+                                                                                monkeypatch):
+    # pre-dump dropped the processes' memory into the guardian's files: until
+    # they are written back, a driver restore (doctor --fix, a failed dump's
+    # clean-up) would bring back zeros; a write-back that failed keeps the hold
+    from types import SimpleNamespace
+
+    from gpusnap.gpu import quiesce, staging
+    from gpusnap.gpu.cuda import ProcessState
+    from tests.unit.fakes import FakeDriver
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path))
+    me, parent = os.getpid(), os.getppid()
+    for pid in (me, parent):
+        staging.hold(pid, [])  # as pre-dump does before its drop
+    monkeypatch.setattr(guardian, "wait_exit", lambda pid: None)
+    monkeypatch.setattr(guardian, "_handed_over",
+                        lambda: [(SimpleNamespace(pid=me), 0), (SimpleNamespace(pid=parent), 1)])
+    monkeypatch.setattr(guardian, "survivors_to_resume", lambda pids, deadline, **kw: pids)
+    monkeypatch.setattr(guardian, "write_back", lambda taken: {parent})
+    monkeypatch.setattr(guardian, "CudaDriver", lambda: None)
+    monkeypatch.setattr(guardian, "resume", lambda driver, pids: pids)
+    guardian._guard(["9999", str(me), str(parent)], None, False, None)
+    assert staging.held(me) is None and staging.held(parent) == []
+    driver = FakeDriver({parent: ProcessState.CHECKPOINTED})
+    with pytest.raises(quiesce.QuiesceError):
+        quiesce.resume(driver, [parent])  # doctor --fix: refused, never zeros
