@@ -349,6 +349,39 @@ def run(p: CheckpointPlan) -> dict:
     _gave_up(p, last, changed)
 
 
+def _after_failure(p: CheckpointPlan, started_at: float) -> tuple[str, list[int]]:
+    """What a dump that failed or was interrupted left, put back: its requests
+    dropped, a cgroup CRIU left frozen thawed, the GPU state given back, a stale
+    dump's files and links dropped where the container runs. (its state, the
+    pids resumed here)"""
+    requests.drop(p.container.pid)
+    requests.drop(p.container.pid, "pages")
+    state = podman.inspect(p.container.id).status if podman.exists(p.container.id) else "gone"
+    if state == "running" and thaw(p.container.pid):
+        # a CRIU killed mid-dump leaves the cgroup frozen, and the runtime does not thaw it
+        journal.record("thawed", container=p.container.id, why="CRIU ended with it frozen")
+    try:
+        resumed = ensure_running(p.container.pid, [c.pid for c in p.cuda])
+    except GpusnapError as given_back:  # the dump's failure stays the line; this is journaled
+        journal.record("resume-failed", init_pid=p.container.pid, error=given_back.message)
+        resumed = []
+    if state == "running":
+        _drop_stale_dump(p.container, started_at)
+        if p.pages_prelinked:
+            pages_aside.drop_links(p.container.checkpoint_dir, p.pages_aside)
+    return state, resumed
+
+
+def _where(p: CheckpointPlan, state: str, hint: str | None) -> tuple[str, str | None]:
+    """Where the container is after a failed dump, and the hint with the way back."""
+    if state == "running":
+        return "the container is still running", hint
+    if has_checkpoint(p.container):
+        return (f"the container is {state}, its checkpoint is kept locally",
+                f"`gpusnap restore {p.container.name}` brings it back; " + (hint or ""))
+    return f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}", hint
+
+
 def _gave_up(p: CheckpointPlan, last: TakeAgain | None, changed: list[str]) -> NoReturn:
     if p.export is not None:
         p.export.unlink(missing_ok=True)
@@ -371,30 +404,13 @@ def _run_once(p: CheckpointPlan) -> dict:
                                 4 * len(process_tree(p.container.pid)) + 32)
     try:
         _dump(p)
+    except KeyboardInterrupt:  # the same clean-up as a failure's, and its words
+        state, _ = _after_failure(p, started_at)
+        where, hint = _where(p, state, "`gpusnap doctor` checks what is left")
+        raise GpusnapError(f"interrupted (Ctrl-C); {where}", hint, exit_code=130) from None
     except GpusnapError as exc:
-        requests.drop(p.container.pid)
-        requests.drop(p.container.pid, "pages")
-        state = podman.inspect(p.container.id).status if podman.exists(p.container.id) else "gone"
-        if state == "running" and thaw(p.container.pid):
-            # a CRIU killed mid-dump leaves the cgroup frozen, and the runtime does not thaw it
-            journal.record("thawed", container=p.container.id, why="CRIU ended with it frozen")
-        try:
-            resumed = ensure_running(p.container.pid, [c.pid for c in p.cuda])
-        except GpusnapError as given_back:  # the dump's failure stays the line; this is journaled
-            journal.record("resume-failed", init_pid=p.container.pid, error=given_back.message)
-            resumed = []
-        restorable = has_checkpoint(p.container)
-        hint = exc.hint
-        if state == "running":
-            where = "the container is still running"
-            _drop_stale_dump(p.container, started_at)
-            if p.pages_prelinked:
-                pages_aside.drop_links(p.container.checkpoint_dir, p.pages_aside)
-        elif restorable:
-            where = f"the container is {state}, its checkpoint is kept locally"
-            hint = f"`gpusnap restore {p.container.name}` brings it back; " + (hint or "")
-        else:
-            where = f"the container is {state}; what was dumped stays in {p.container.checkpoint_dir}"
+        state, resumed = _after_failure(p, started_at)
+        where, hint = _where(p, state, exc.hint)
         log = _written_since(p.container.userdata / "dump.log", started_at)
         message, hint, criu, kept = _why_dump_failed(p, exc.message, hint, log)
         blocked = seize_blocked(log) if log and state == "running" else None

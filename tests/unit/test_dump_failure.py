@@ -147,3 +147,27 @@ def test_stale_words_say_open_files_and_a_damaged_diff_each_as_they_are():
                      "filesystem; the root filesystem in the export (damaged: x)")
     assert checkpoint._stale_words(["the root filesystem in the export (damaged: x)"]) == \
         "the root filesystem in the export (damaged: x)"
+
+
+def test_ctrl_c_in_the_dump_gets_the_failures_clean_up_and_says_where_the_container_is(
+        tmp_path, monkeypatch):
+    # a CPU container has no guardian: the cgroup CRIU froze must be thawed here
+    from gpusnap import requests
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    p = _plan(tmp_path, None)
+    requests.put(INIT, lock_timeout_ms=1)
+    thawed = []
+
+    def interrupted(plan):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "_dump", interrupted)
+    monkeypatch.setattr(podman, "exists", lambda name: True)
+    monkeypatch.setattr(podman, "inspect", lambda name: p.container)
+    monkeypatch.setattr(checkpoint, "thaw", lambda pid: thawed.append(pid) or True)
+    monkeypatch.setattr(checkpoint, "ensure_running", lambda init, pids: [])
+    with pytest.raises(GpusnapError) as info:
+        checkpoint._run_once(p)
+    assert info.value.exit_code == 130 and thawed == [INIT]
+    assert info.value.message == "interrupted (Ctrl-C); the container is still running"
+    assert requests.peek(INIT) == {}  # the action script's request dropped
