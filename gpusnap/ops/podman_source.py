@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from gpusnap import MANIFEST_NAME
+from gpusnap import MANIFEST_NAME, journal
 from gpusnap.pages import pages_aside
 from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.criu.runtimes import runs_action_script
@@ -124,10 +124,9 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         pool.shutdown(wait=True)
         # a second Ctrl-C may have left the handler above before it knew the dump stopped it
         if work is not None and not stopped and not _stopped_it(job, leave_running):
-            if aside is not None:
-                _local_checkpoint_after_failure(container, aside)
+            needed = aside is not None and _local_checkpoint_after_failure(container, aside)
             shutil.rmtree(work, ignore_errors=True)
-            if in_ram:
+            if in_ram and not needed:
                 shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -277,17 +276,25 @@ def _same_fs(a: Path, b: Path) -> bool:
         return False
 
 
-def _local_checkpoint_after_failure(container: podman.Container, aside: Path) -> None:
+def _local_checkpoint_after_failure(container: podman.Container, aside: Path) -> bool:
     """A push that failed and stopped nothing: a container that runs on has a
     stale dump (dropped); one the failed dump stopped keeps its local
-    checkpoint, whose pages go back where CRIU wrote them."""
+    checkpoint, whose pages go back where CRIU wrote them. Whether ASIDE must
+    stay (the disk could not take them)."""
     if podman.exists(container.id) and podman.inspect(container.id).running:
         pages_aside.drop_links(container.checkpoint_dir, aside)
         if any(aside.glob(pages_aside.PATTERN)):
             ops_checkpoint.drop_local(container.userdata)
     elif any(aside.glob(pages_aside.PATTERN)):
         # A copy where the pages are in RAM: the checkpoint must outlive the folder.
-        pages_aside.bring_back(container.checkpoint_dir, copy=True)
+        try:
+            pages_aside.bring_back(container.checkpoint_dir, copy=True)
+        except OSError as exc:  # a full disk: the links lead to ASIDE, which stays, marked
+            journal.record("pages-left-aside", folder=str(aside), error=str(exc))
+            mark_only_copy(aside, container.name, aside, None,
+                           _back_aside(container.name, aside), holds=(aside,))
+            return True
+    return False
 
 
 def _manifest_member(plan) -> Callable[[], bytes]:

@@ -169,8 +169,13 @@ def bring_back(images: Path, copy: bool = False) -> int:
                 raise
             if copy:
                 tmp = link.with_name(f".{link.name}.copy")
-                shutil.copyfile(path, tmp)
-                os.rename(tmp, link)
+                try:
+                    shutil.copyfile(path, tmp)
+                    os.rename(tmp, link)
+                except OSError:  # a full disk: the link back, the pages where they were
+                    tmp.unlink(missing_ok=True)
+                    os.symlink(path, link)
+                    raise
             else:
                 os.symlink(relative_link(path, images), link)
         done += 1

@@ -216,3 +216,32 @@ def test_a_rewritten_pagemap_and_its_parent_are_brought_back(tmp_path):
     claimed.joinpath("pages-8.img").unlink()
     claimed.rmdir()  # the restore is over and its folder gone
     assert pages_aside.drop_stale_parent(images) and not os.path.lexists(parent)
+
+
+def test_a_copy_back_that_meets_a_full_disk_leaves_the_link_and_the_pages(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    aside = tmp_path / ".gpusnap-push-ram"
+    aside.mkdir()
+    (aside / "pages-1.img").write_bytes(b"p" * 4096)
+    images = tmp_path / "checkpoint"
+    images.mkdir()
+    (images / "pages-1.img").symlink_to(aside / "pages-1.img")
+    real_rename = os.rename
+
+    def across(src, dst):
+        if str(src).startswith(str(aside)):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_rename(src, dst)
+
+    def full(src, dst):
+        open(dst, "wb").write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+    monkeypatch.setattr(os, "rename", across)
+    monkeypatch.setattr(shutil, "copyfile", full)
+    with pytest.raises(OSError):
+        pages_aside.bring_back(images, copy=True)
+    assert os.readlink(images / "pages-1.img") == str(aside / "pages-1.img")
+    assert (aside / "pages-1.img").read_bytes() == b"p" * 4096
+    assert not (images / ".pages-1.img.copy").exists()
