@@ -124,22 +124,24 @@ def require_space(targets: list[Path], needed: int) -> None:
                 "free space or export elsewhere (--skip-space-check tries anyway)")
 
 
-def _action_failure(init_pid: int) -> dict | None:
-    """What the CRIU action script said (its journal event), when it was what
-    stopped the dump."""
+def _action_failure(init_pid: int, since: float) -> dict | None:
+    """What the CRIU action script said (its journal event) during this dump
+    (``since`` its start: an earlier dump's refusal is not this one's), when
+    it was what stopped the dump."""
     for event in reversed(journal.read(50)):
-        if event.get("event") == "failed" and str(event.get("init_pid")) == str(init_pid):
+        if event.get("event") == "failed" and str(event.get("init_pid")) == str(init_pid) \
+                and float(event.get("at") or 0) >= since - 1:
             return event
     return None
 
 
-def _why_dump_failed(p: CheckpointPlan, said: str, hint: str | None,
-                     log: Path | None) -> tuple[str, str | None, str | None, Path | None]:
+def _why_dump_failed(p: CheckpointPlan, said: str, hint: str | None, log: Path | None,
+                     since: float = 0.0) -> tuple[str, str | None, str | None, Path | None]:
     """The failure in words, the hint to give, CRIU's first error where it had
     one, and where its log is kept. ``said``: Podman's error, the cause where
     neither the action script nor CRIU failed (a full disk): CRIU's log is then
     neither kept nor named. ``log``: CRIU's log of this dump."""
-    action = _action_failure(p.container.pid)
+    action = _action_failure(p.container.pid, since)
     criu = criu_error(log) if log else None
     if action and action.get("refused"):  # pre-dump said no before anything was touched
         return action["error"], action.get("hint") or hint, None, None
@@ -412,7 +414,7 @@ def _run_once(p: CheckpointPlan) -> dict:
         state, resumed = _after_failure(p, started_at)
         where, hint = _where(p, state, exc.hint)
         log = _written_since(p.container.userdata / "dump.log", started_at)
-        message, hint, criu, kept = _why_dump_failed(p, exc.message, hint, log)
+        message, hint, criu, kept = _why_dump_failed(p, exc.message, hint, log, started_at)
         blocked = seize_blocked(log) if log and state == "running" else None
         sockets = inet_sockets_problem(criu_version()) if criu and INET_SOCKETS_LOG in criu \
             else None

@@ -171,3 +171,16 @@ def test_ctrl_c_in_the_dump_gets_the_failures_clean_up_and_says_where_the_contai
     assert info.value.exit_code == 130 and thawed == [INIT]
     assert info.value.message == "interrupted (Ctrl-C); the container is still running"
     assert requests.peek(INIT) == {}  # the action script's request dropped
+
+
+def test_an_earlier_dumps_refusal_is_not_this_dumps_words(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    p = _plan(tmp_path, "(00.1) Dumping finished successfully\n")
+    journal.record("failed", action="pre-dump", init_pid=str(INIT), refused=True,
+                   error="lock timed out an hour ago", hint="an old hint")
+    said = "writing x.tar.zst failed: the disk is full"
+    message, hint, _, _ = checkpoint._why_dump_failed(p, said, "free space", None,
+                                                      time.time() + 5)
+    assert (message, hint) == (said, "free space")
