@@ -15,9 +15,9 @@ from gpusnap.trust.policy import Policy
 
 # How a host comes to trust another's pushes (no policy file: trust/hostkey.py).
 # A push signs with --sign-key's keys, else with its host's own: either public half serves.
-TRUST_STEPS = ("copy the signer's public key here and run `gpusnap key trust signer.pub`: the "
-               ".pub beside the --sign-key key it was pushed with, else the pushing host's own "
-               "(`gpusnap key export -o signer.pub` there writes it)")
+TRUST_STEPS = ("on the host that pushed it run `gpusnap key export -o signer.pub` (pushed with "
+               "--sign-key: take the .pub beside that key instead), copy signer.pub here and "
+               "run `gpusnap key trust signer.pub`")
 SKIP_WARNING = ("signature verification skipped (--insecure-policy): this checkpoint "
                 "runs as root with nobody vouching for it")
 

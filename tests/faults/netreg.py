@@ -55,7 +55,7 @@ class PlainRegistry:
         self.proc = subprocess.Popen(["docker-registry", "serve", str(self.root / "config.yml")],
                                      stdout=log, stderr=log, start_new_session=True,
                                      preexec_fn=enter)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # a loaded CI host: 15 s ran out once (CI127)
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(f"http://{self.host}/v2/", timeout=2)

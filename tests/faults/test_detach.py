@@ -100,10 +100,13 @@ def test_detached_upload_killed_halfway_leaves_a_checkpoint_that_restores(regist
         assert failed["phase"] == "failed", failed
         assert failed["export"] == str(export)
         assert "the upload was killed" in failed["error"] and str(export) in failed["error"]
-        assert f"gpusnap restore {export}" in failed["hint"]
+        # the pages lie aside with Podman's local checkpoint: that is what the line
+        # restores (no `podman rm` first); the retry is the push's own command
+        back = f"`gpusnap restore {loaded}` (its local checkpoint"
+        assert back in failed["hint"] and f"`gpusnap push {export} {ref}" in failed["hint"]
         assert "chunks already sent are skipped" in failed["hint"]
         waited = gpusnap("status", started["id"], "--wait")
-        assert_one_line_error(waited, "the upload was killed", hint=f"gpusnap restore {export}")
+        assert_one_line_error(waited, "the upload was killed", hint=back)
         assert status(loaded) == "exited"
         assert any(e.get("event") == "checkpointed" and e.get("export") == str(export)
                    for e in journal_since(mark))
@@ -116,8 +119,7 @@ def test_detached_upload_killed_halfway_leaves_a_checkpoint_that_restores(regist
         assert len(aside) == 1, aside
         settled(aside)
         assert str(aside[0]) not in doctor_fix()["removed"]
-        podman("rm", loaded)
-        gpusnap_json("restore", str(export))
+        gpusnap_json("restore", loaded)  # as the line says
         goes_on(loaded, at, token)
     finally:
         shutil.rmtree(export.parent, ignore_errors=True)

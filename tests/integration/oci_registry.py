@@ -88,7 +88,7 @@ class Registry:
                                      stdout=log, stderr=log, start_new_session=True)
         ctx = ssl.create_default_context(cafile=str(self.ca)) if self.ca else None
         scheme = "https" if self.ca else "http"
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # a loaded CI host (2 cores) may take longer
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(f"{scheme}://{self.host}/v2/", context=ctx, timeout=2)

@@ -215,10 +215,15 @@ def test_re_push_after_a_small_change_sends_few_bytes(registry, name, capsys):
     podman("exec", name, "dd", "if=/dev/urandom", "of=/dev/shm/blob", "bs=64k", "count=10",
            "seek=300", "conv=notrunc")
     second = gs_json("push", name, ref.replace(":v1", ":v2"), "--leave-running", *registry.flags())
-    ratio = second["bytes_sent"] / first["bytes_sent"]
+    # against the checkpoint's size: bytes_sent counts the last try only, and a
+    # first push whose snapshot was taken again (the counter's file changed
+    # under the export) sent its chunks in the try before (CI127: 29124 bytes)
+    ratio = second["bytes_sent"] / first["bytes"]
     with capsys.disabled():
-        print(f"\n  re-push after 1% change: {second['bytes_sent']} of {first['bytes_sent']} bytes "
-              f"({100 * ratio:.2f}%), {second['chunks_sent']} of {second['chunks']} chunks")
+        print(f"\n  re-push after 1% change: {second['bytes_sent']} of {first['bytes']} bytes "
+              f"({100 * ratio:.2f}%), {second['chunks_sent']} of {second['chunks']} chunks"
+              + (f"; the first push taken {first['retaken']['tries']} times"
+                 if first.get("retaken") else ""))
     assert ratio <= 0.05
     # The re-push stands on its own: restored from it, the container has the changed data.
     expected = hashlib.sha256(_shm_blob(name)).hexdigest()
