@@ -135,6 +135,15 @@ def test_freeze_releases_gpu_memory_and_thaw_brings_it_back(cuda_ctr):
     time.sleep(1.0)
     assert cuda_ctr.iterations() == stalled  # blocked in CUDA, not running on
     assert _status(cuda_ctr.name) == "running"
+    # off its GPU on purpose: doctor --fix leaves it (it restored a freeze before),
+    # and a checkpoint or a freeze again is refused until the thaw
+    doctor = json.loads(gpusnap("doctor", "--fix", "--json").stdout)
+    shown = [c for c in doctor["checks"] if c["name"] == "gpu processes"][0]
+    assert f"frozen by `gpusnap freeze`: {cuda_ctr.name}" in shown["detail"], shown
+    assert not doctor["fixed"] and harness.gpu_memory_used() - during < GIB, doctor
+    assert_one_line_error(gpusnap("checkpoint", cuda_ctr.name), "is frozen",
+                          hint=f"`gpusnap thaw {cuda_ctr.name}` first")
+    assert_one_line_error(gpusnap("freeze", cuda_ctr.name), "is frozen")
     gpusnap_json("thaw", cuda_ctr.name)
     cuda_ctr.wait_running(above=stalled)
     cuda_ctr.verify()
