@@ -52,7 +52,7 @@ from typing import Callable
 from gpusnap.errors import GpusnapError
 from gpusnap.private import open_private
 from gpusnap.runtime.stream import (BROKEN_END, OPENED, PIPE_SIZE, PUMP_ERROR, PUMP_PARENT_ENV,
-                                    is_zstd, tar_member)
+                                    decompression_failed, is_zstd, tar_member)
 from gpusnap.runtime.stream import widen as _widen
 
 _SPLICE = PIPE_SIZE
@@ -162,16 +162,12 @@ def _serve_zstd(fd: int, archive: str, error: Path) -> None:
             if cut > 0:
                 _write_all(fd, memoryview(data)[:cut])
             held = data[max(cut, 0):]
-        err = zstd.stderr.read().decode(errors="replace").strip()  # its output ended: it ends
-        try:
-            ok = zstd.wait(timeout=60) == 0
-        except subprocess.TimeoutExpired:
-            ok, err = False, "zstd did not end within 60 s of its output"
-        if ok:
+        failed = decompression_failed(zstd)
+        if failed is None:
             _write_all(fd, memoryview(held))
             return
         with contextlib.suppress(OSError):  # said first: Podman fails as soon as it reads the end
-            error.write_text(f"{archive} is damaged: zstd: {err or 'decompression failed'}")
+            error.write_text(f"{archive} is damaged: zstd: {failed}")
         _write_all(fd, memoryview(BROKEN_END))
     except OSError:
         pass  # the reader had what it wanted and closed its end

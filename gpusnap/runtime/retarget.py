@@ -27,7 +27,7 @@ from gpusnap.criu.images import ImageError, dev_tmpfs_name, parse_mountpoints
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.nodes import DeviceRemap
 from gpusnap.oci.spec import SpecError, rewrite_config_dump, rewrite_spec
-from gpusnap.runtime.stream import BROKEN_END
+from gpusnap.runtime.stream import BROKEN_END, decompression_failed
 from gpusnap.tarstream import GZIP_MAGIC, ZSTD_MAGIC
 
 _COPY_BUFFER = 1 << 20
@@ -164,11 +164,9 @@ class _Source:
         if read_to_end:  # the padding after the end blocks: zstd must finish, not die of EPIPE
             while self.proc.stdout.read(1 << 20):
                 pass
-        self.proc.stdout.close()
-        err = self.proc.stderr.read().decode(errors="replace").strip()
-        self.proc.stderr.close()
-        # any status but 0 (a signal's is negative) where the whole archive was read
-        return (err or "decompression failed") if self.proc.wait() != 0 and read_to_end else None
+        self.proc.stdout.close()  # a reader that stopped early: zstd ends on EPIPE
+        failed = decompression_failed(self.proc)
+        return failed if read_to_end else None
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -282,6 +282,22 @@ PUMP_ERROR = "pump.error"  # why the pump ended a stream broken (a rewrite, a zs
 BROKEN_END = b"gpusnap: the stream broke off here\n".ljust(tarfile.BLOCKSIZE + 1, b"\xff")
 
 
+def decompression_failed(proc: subprocess.Popen, bound_s: float = 60.0) -> str | None:
+    """Once a zstd's (or gzip's) output has ended: None where it exited 0, else
+    why, in its own words where it said any. Any other status counts (a
+    signal's is negative), and so does no exit within ``bound_s``: a frame's
+    checksum is checked after its last byte is written."""
+    try:
+        _, err = proc.communicate(timeout=bound_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return f"{Path(proc.args[0]).name} did not end within {bound_s:.0f} s of its output"
+    if proc.returncode == 0:
+        return None
+    return (err or b"").decode(errors="replace").strip() or "decompression failed"
+
+
 def unblock_reader(fifo: Path) -> None:
     """A reader blocked in open(2) on ``fifo`` gets its writer, and at once EOF."""
     try:
