@@ -88,13 +88,9 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
                                "keeps running", f"pass a file, e.g. {export_path / name}.tar.zst")
     cuda = cuda_processes(container.pid)
     gpu_bytes = 0
-    on_purpose = frozen.frozen() if cuda else {}
-    if on_purpose and set(on_purpose) & {p.pid for p in cuda}:
-        # its GPU memory is in the processes' host memory, and its manifest would
-        # name no GPU: nothing a restore could check or place
-        raise GpusnapError(f"{container.name} is frozen (`gpusnap freeze`): its GPU state is "
-                           "not on a GPU to checkpoint", f"`gpusnap thaw {container.name}` "
-                           "first; nothing was changed")
+    # a frozen one's GPU memory is in its processes' host memory, and its manifest
+    # would name no GPU: nothing a restore could check or place
+    frozen.refuse(container.name, cuda, "be checkpointed: its GPU state is not on a GPU")
     if cuda and not runs_action_script(container.runtime) and cuda_plugin_path() is None:
         raise GpusnapError(f"{container.name} has CUDA processes and runs under "
                            f"{container.runtime}: {why_not(container.runtime)} and its GPU "

@@ -46,11 +46,10 @@ def gpu_turn(name: str, verb: str, command: str) -> Iterator[tuple]:
     require_running(ctr, verb)
     with wait_turn(ctr.pid, f"{command} of {ctr.name}", command):
         procs, driver = cuda_of(ctr, verb, command)
-        if command != "thaw" and set(frozen.frozen()) & {p.pid for p in procs}:
+        if command != "thaw":
             # a freeze again would record no pids (doctor would then restore them); a
             # move would resume them onto the new GPU: a thaw behind the user's back
-            raise GpusnapError(f"{ctr.name} is frozen (`gpusnap freeze`), so it cannot {verb}",
-                               f"`gpusnap thaw {ctr.name}` first; nothing was changed")
+            frozen.refuse(ctr.name, procs, verb)
         yield ctr, procs, driver
 
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from gpusnap import journal
+from gpusnap.errors import GpusnapError
 from gpusnap.private import write_private
 from gpusnap.procs import start_time
 
@@ -47,3 +49,12 @@ def frozen() -> dict[int, str]:
             if born is not None and start_time(pid) == born:
                 found[pid] = str(data.get("container") or "?")
     return found
+
+
+def refuse(name: str, procs: Sequence, verb: str) -> None:
+    """One line where a container's CUDA processes (``procs``, with pids) are
+    frozen: what it cannot ``verb`` until `gpusnap thaw`, nothing changed."""
+    on_purpose = frozen() if procs else {}  # a CPU container: nothing to read
+    if on_purpose and set(on_purpose) & {p.pid for p in procs}:
+        raise GpusnapError(f"{name} is frozen (`gpusnap freeze`), so it cannot {verb}",
+                           f"`gpusnap thaw {name}` first; nothing was changed")

@@ -24,7 +24,7 @@ from pathlib import Path
 from gpusnap import journal
 from gpusnap.oci.segments import FETCH_PREFIX, SCRATCH_ROOTS
 from gpusnap.ops import uploads
-from gpusnap.ops.push_source import ONLY_COPY
+from gpusnap.ops.push_source import ONLY_COPY, push_again_words
 from gpusnap.pages import kept_pages, memory, pages_aside
 from gpusnap.runtime.fifo_pump import referenced
 from gpusnap.runtime.kept_checkpoint import KEPT_NAME
@@ -79,7 +79,7 @@ def kept() -> list[dict]:
         if work in seen or work in live or not export.exists() or _busy(work):
             return
         seen.add(work)
-        again = entry.get("again", f"`gpusnap push {export} REF`")
+        again = entry.get("again", f"`{push_again_words(str(export))}`")
         found.append({"container": entry.get("container"), "export": str(export),
                       "again": again, "folder": str(work), "holds": entry.get("holds") or [],
                       "back": entry.get("back") or f"`gpusnap restore {export}` (once "

@@ -75,7 +75,7 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
     aside: Path | None = None  # where CRIU's memory pages go, out of Podman's export
     in_ram = False
     stopped = False  # the container is down and this archive is all that is left of it
-    again, back = f"`{push_again(str(export))}`", f"`podman rm {source}; gpusnap restore {export}`"
+    again, back = push_again(str(export)), f"`podman rm {source}; gpusnap restore {export}`"
     job: Future | None = None
     pool = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-checkpoint")
     try:
@@ -86,17 +86,18 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         # streamed: not taken again under the upload, but refused to push(), which retakes it all
         plan.retake_stale, plan.check_files = not stream, not pre_checkpoint
         aside, in_ram = _place_pages(plan, work, root, sets_aside)
+        back_now = back if aside is None else _back_aside(source, aside)  # the export links them
         if not leave_running:  # the export, or the local checkpoint and its pages aside
-            _mark(work, source, export, aside, again, back)
+            mark_only_copy(work, source, export, f"`{again}`", back_now,
+                           holds=(aside,) if aside is not None else ())
         if on_checkpoint:
             on_checkpoint(plan.container.name)
         if stream:
             _clear_stale(plan.container)
         job = pool.submit(ops_checkpoint.run, plan)
         if on_checkpointed:
-            ways = {"again": again.strip("`"),
-                    "back": back if aside is None else _back_aside(source, aside)}
-            job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside, ways))
+            job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside,
+                                                     {"again": again, "back": back_now}))
         if not stream:
             job.result()
         try:
@@ -115,7 +116,7 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
             raise
         if aside is not None:  # the export alone must restore anywhere: pages into it
             _make_export_whole(exc, source, export, aside, container)
-            mark_only_copy(work, source, export, again, back)
+            mark_only_copy(work, source, export, f"`{again}`", back)
         raise kept_error(exc, source, f"in {export}", str(export), back) from None
     else:
         _pushed(plan, work, aside, in_ram, pre_checkpoint)
@@ -146,14 +147,6 @@ def _clear_stale(container: podman.Container) -> None:
     """What an earlier export left, which would be followed as if Podman wrote it."""
     (container.userdata / prefetch.DEVSHM).unlink(missing_ok=True)
     early_pages.clear_stale(container.checkpoint_dir)
-
-
-def _mark(work: Path, source: str, export: Path, aside: Path | None, again: str,
-          back: str) -> None:
-    if aside is None:  # the export will hold all of it
-        mark_only_copy(work, source, export, again, back)
-    else:  # the local checkpoint and the export link to the pages in ASIDE: it stays
-        mark_only_copy(work, source, export, again, _back_aside(source, aside), holds=(aside,))
 
 
 def _back_aside(source: str, aside: Path) -> str:

@@ -75,7 +75,7 @@ class KeptError(GpusnapError):
     def __init__(self, message: str, first: str | None, push_from: str, back: str,
                  exit_code: int) -> None:
         self.first, self.push_from, self.back = first, push_from, back
-        super().__init__(message, self._hint(f"gpusnap push {push_from} REF"), exit_code)
+        super().__init__(message, self._hint(push_again_words(push_from)), exit_code)
 
     def _hint(self, again: str) -> str:
         return (f"{self.first}; then " if self.first else "") + \

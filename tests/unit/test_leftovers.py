@@ -125,7 +125,9 @@ def test_a_stopped_container_whose_pages_lie_aside_keeps_them_and_says_restore_i
     (aside / "pages-1.img").write_bytes(b"p")
     os.utime(aside, (time.time() - 3600,) * 2)
     from gpusnap.ops import podman_source
-    podman_source._mark(work, "web", export, aside, "`gpusnap push x REF`", "unused")
+    # the mark podman_source.checkpointed writes where the pages lie aside
+    mark_only_copy(work, "web", export, "`gpusnap push x REF`",
+                   podman_source._back_aside("web", aside), holds=(aside,))
     os.utime(work, (time.time() - 3600,) * 2)
     kept = leftovers.kept()
     assert len(kept) == 1 and kept[0]["holds"] == [str(aside)]
