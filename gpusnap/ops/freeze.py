@@ -12,8 +12,9 @@ from typing import Iterator
 
 from gpusnap import journal
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.inventory import read_inventory
-from gpusnap.gpu.quiesce import Driver, QuiesceError, Timing, quiesce, resume
+from gpusnap.gpu.inventory import Inventory, read_inventory
+from gpusnap.gpu.plan import gib
+from gpusnap.gpu.quiesce import Driver, QuiesceError, Timing, quiesce, refused_for_good, resume
 from gpusnap.gpu.turn import wait_turn
 from gpusnap.ops import frozen
 from gpusnap.ops.gpu_state import load_driver
@@ -62,8 +63,18 @@ def freeze(name: str, lock_timeout_ms: int) -> dict:
         return _freeze(ctr, procs, driver, lock_timeout_ms)
 
 
+def _held(inv: Inventory, pids: list[int]) -> dict[str, int]:
+    """GPU UUID -> bytes ``pids`` hold there, as NVML sees them."""
+    held: dict[str, int] = {}
+    for pid in pids:
+        for uuid, used in inv.process_memory.get(pid, {}).items():
+            held[uuid] = held.get(uuid, 0) + used
+    return held
+
+
 def _freeze(ctr: podman.Container, procs: list, driver: Driver, lock_timeout_ms: int) -> dict:
-    before = _gpu_used()
+    inv = read_inventory()
+    before = {g.uuid: g.memory_used for g in inv.gpus}
     timing = Timing()
     try:
         changed = quiesce(driver, [p.pid for p in procs], lock_timeout_ms, timing)
@@ -71,7 +82,8 @@ def _freeze(ctr: podman.Container, procs: list, driver: Driver, lock_timeout_ms:
         raise GpusnapError(f"freeze of {ctr.name} failed, nothing changed: {exc}",
                            "a process may be stuck in a long kernel; retry with a longer "
                            "--timeout") from None
-    frozen.mark(ctr.pid, ctr.name, changed)  # off the GPU on purpose: doctor leaves them
+    # off the GPU on purpose (doctor leaves them); what they held is what a thaw needs free
+    frozen.mark(ctr.pid, ctr.name, changed, _held(inv, changed))
     journal.record("frozen", container=ctr.id, pids=changed, timing=timing.phases)
     return {"container": ctr.name, "pids": changed, "timing": timing.phases,
             "gpu_memory_used_before": before, "gpu_memory_used_after": _gpu_used()}
@@ -82,11 +94,37 @@ def thaw(name: str) -> dict:
         return _thaw(ctr, procs, driver)
 
 
+def _room_for(name: str, needs: dict[str, int], inv: Inventory) -> None:
+    """Refuse a thaw the GPU has no room for, before the driver is asked: driver
+    580 refuses a process for good once its restore failed for memory, and a
+    frozen container has no other way back."""
+    if inv.error:
+        return  # NVML unreadable: the driver's own answer is all there is
+    for uuid, need in sorted(needs.items()):
+        gpu = inv.by_uuid(uuid)
+        if gpu is None:
+            raise GpusnapError(f"{name} was frozen on GPU {uuid}, which this host no longer "
+                               "has; it stays frozen", "`gpusnap gpus` lists this host's GPUs")
+        free = max(gpu.memory_total - gpu.memory_used, 0)
+        if need > free:
+            raise GpusnapError(
+                f"GPU {gpu.index} has {gib(free)} free and {name}'s frozen processes need "
+                f"{gib(need)}; it stays frozen, nothing was changed",
+                f"free GPU {gpu.index}'s memory (`gpusnap gpus` shows its use), then "
+                f"`gpusnap thaw {name}`")
+
+
 def _thaw(ctr: podman.Container, procs: list, driver: Driver) -> dict:
+    _room_for(ctr.name, frozen.needs(ctr.pid), read_inventory())
     timing = Timing()
     try:
         changed = resume(driver, [p.pid for p in procs], timing=timing)
     except QuiesceError as exc:
+        if refused_for_good(str(exc)):  # a thaw again would be refused the same
+            raise GpusnapError(f"thaw of {ctr.name} failed and the driver will not take its "
+                               f"processes back: {exc}",
+                               f"their GPU state is lost: `podman restart {ctr.name}` starts "
+                               "it afresh") from None
         raise GpusnapError(f"thaw of {ctr.name} failed: {exc}",
                            "check free GPU memory with `gpusnap gpus`, then thaw again") from None
     frozen.unmark(ctr.pid)

@@ -25,10 +25,22 @@ def _folder() -> Path:
     return journal.state_subdir("frozen")
 
 
-def mark(init_pid: int, name: str, pids: list[int]) -> None:
+def mark(init_pid: int, name: str, pids: list[int], needs: dict[str, int] | None = None) -> None:
+    """``needs``: GPU UUID -> bytes its processes held, what a thaw must find free."""
     write_private(_folder() / f"{init_pid}.json",
                   json.dumps({"container": name, "init_pid": init_pid,
-                              "pids": {str(p): start_time(p) for p in pids}}))
+                              "pids": {str(p): start_time(p) for p in pids},
+                              "needs": needs or {}}))
+
+
+def needs(init_pid: int) -> dict[str, int]:
+    """GPU UUID -> bytes the freeze of the container with ``init_pid`` released;
+    empty where unknown (no record, or one written before it was recorded)."""
+    try:
+        data = json.loads((_folder() / f"{init_pid}.json").read_text())
+        return {str(u): int(n) for u, n in (data.get("needs") or {}).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
 
 
 def unmark(init_pid: int) -> None:

@@ -150,6 +150,27 @@ def test_freeze_releases_gpu_memory_and_thaw_brings_it_back(cuda_ctr):
     assert harness.gpu_memory_used() - during >= 2 * GIB
 
 
+def test_a_thaw_with_its_gpu_memory_taken_is_refused_and_the_container_stays_frozen(cuda_ctr):
+    """Driver 580 refuses a process for good once its restore failed for memory,
+    and a frozen container has no checkpoint to come back from: a thaw the GPU
+    has no room for is refused before the driver is asked, and works once the
+    memory is free again."""
+    frozen = gpusnap_json("freeze", cuda_ctr.name)
+    stalled = cuda_ctr.iterations()
+    hog = harness.hold_memory(0, max(harness.gpu_memory_free(0) / GIB - 1.0, 1.0))
+    try:
+        assert_one_line_error(gpusnap("thaw", cuda_ctr.name), "frozen processes need",
+                              "it stays frozen", hint=f"`gpusnap thaw {cuda_ctr.name}`")
+        assert cuda_ctr.iterations() == stalled
+        managed = states(CudaDriver(), frozen["pids"])
+        assert set(managed.values()) == {ProcessState.CHECKPOINTED}, managed
+    finally:
+        hog.remove()
+    gpusnap_json("thaw", cuda_ctr.name)
+    cuda_ctr.wait_running(above=stalled)
+    cuda_ctr.verify()
+
+
 def test_lock_timeout_leaves_the_container_running(cuda_ctr):
     (cuda_ctr.status / "busy").write_text("1")
     deadline = time.monotonic() + 30

@@ -56,3 +56,58 @@ def test_a_frozen_container_is_refused_a_freeze_again_or_a_move(monkeypatch, com
     assert "`gpusnap thaw web` first" in info.value.hint
     with freeze.gpu_turn("web", "be thawed", "thaw") as (got, procs, _):
         assert got is ctr and [p.pid for p in procs] == [me]
+
+
+def _inventory(free_gib: float):
+    from gpusnap.gpu.inventory import GpuInfo, Inventory
+    gpu = GpuInfo(index=0, uuid="GPU-a", name="H200", minor=0, pci_bus_id="0:1", compute_capability="9.0",
+                  memory_total=100 << 30, memory_used=(100 << 30) - int(free_gib * (1 << 30)))
+    return Inventory(driver_version="580", gpus=[gpu])
+
+
+def test_a_thaw_the_gpu_has_no_room_for_is_refused_before_the_driver_is_asked(monkeypatch):
+    me = os.getpid()
+    frozen.mark(me, "web", [me], {"GPU-a": 8 << 30})
+    ctr = podman.Container(id="c0ffee", name="web", status="running", pid=me, image="img",
+                           checkpointed=False, userdata=podman.Path("/nonexistent"), devices=[])
+    asked = []
+    monkeypatch.setattr(freeze, "resume", lambda *a, **k: asked.append(a) or [me])
+    monkeypatch.setattr(freeze, "read_inventory", lambda: _inventory(2))
+    with pytest.raises(GpusnapError, match="GPU 0 has 2.0 GiB free and web's frozen processes "
+                       "need 8.0 GiB; it stays frozen") as info:
+        freeze._thaw(ctr, [SimpleNamespace(pid=me)], object())
+    assert info.value.hint == ("free GPU 0's memory (`gpusnap gpus` shows its use), then "
+                               "`gpusnap thaw web`")
+    assert not asked and frozen.frozen() == {me: "web"}
+    monkeypatch.setattr(freeze, "read_inventory", lambda: _inventory(9))
+    assert freeze._thaw(ctr, [SimpleNamespace(pid=me)], object())["pids"] == [me]
+    assert asked and frozen.frozen() == {}
+
+
+def test_a_freeze_records_what_its_processes_held_on_each_gpu(monkeypatch):
+    me = os.getpid()
+    ctr = podman.Container(id="c0ffee", name="web", status="running", pid=me, image="img",
+                           checkpointed=False, userdata=podman.Path("/nonexistent"), devices=[])
+    inv = _inventory(50)
+    inv.process_memory = {me: {"GPU-a": 3 << 30}, me + 1: {"GPU-a": 1 << 30}}
+    monkeypatch.setattr(freeze, "read_inventory", lambda: inv)
+    monkeypatch.setattr(freeze, "quiesce", lambda driver, pids, *a: pids)
+    freeze._freeze(ctr, [SimpleNamespace(pid=me)], object(), 1000)
+    assert frozen.needs(me) == {"GPU-a": 3 << 30}
+
+
+def test_a_thaw_the_driver_refuses_for_good_does_not_say_to_thaw_again(monkeypatch):
+    from gpusnap.gpu.quiesce import QuiesceError
+    me = os.getpid()
+    frozen.mark(me, "web", [me], {"GPU-a": 1 << 30})
+    ctr = podman.Container(id="c0ffee", name="web", status="running", pid=me, image="img",
+                           checkpointed=False, userdata=podman.Path("/nonexistent"), devices=[])
+    monkeypatch.setattr(freeze, "read_inventory", lambda: _inventory(9))
+
+    def refused(*a, **k):
+        raise QuiesceError("restore", {me: RuntimeError(
+            f"cuCheckpointProcessRestore(pid {me}) failed: CUDA_ERROR_OPERATING_SYSTEM")})
+    monkeypatch.setattr(freeze, "resume", refused)
+    with pytest.raises(GpusnapError, match="will not take its processes back") as info:
+        freeze._thaw(ctr, [SimpleNamespace(pid=me)], object())
+    assert info.value.hint == "their GPU state is lost: `podman restart web` starts it afresh"
