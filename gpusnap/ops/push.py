@@ -342,10 +342,11 @@ class _Counted:
     checkpoint taken again starts the bar where it started."""
 
     def __init__(self, progress: Progress | None) -> None:
-        self.progress, self.done = progress, 0
+        self.progress, self.done, self.sent = progress, 0, 0
 
     def __call__(self, raw: int, network: int) -> None:
         self.done += raw
+        self.sent += network
         if self.progress:
             self.progress(raw, network)
 
@@ -398,17 +399,21 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
 def _push_tries(job: _PushJob, progress: Progress | None, source: str) -> dict:
     changed: list[str] = []
     last: TakeAgain | None = None
+    sent_before = 0  # what the registry took from tries whose snapshot was refused
     for attempt in range(1, SNAPSHOT_TRIES + 1):
         counted = _Counted(progress)
         try:
             result = _push_once(job, counted)
         except TakeAgain as again:  # the container still runs: nothing was tagged
             counted.rewind()
+            sent_before += counted.sent
             last = again
             changed = again.files if isinstance(again, StaleSnapshot) else changed
             continue
         if attempt > 1:
-            result["retaken"] = {"tries": attempt, "files": changed}
+            result["retaken"] = {"tries": attempt, "files": changed,
+                                 "bytes_sent_before": sent_before}
+            result["bytes_sent"] += sent_before  # the network's cost, every try
         return result
     # push keeps a container running by default; --stop (migrate without -R) stops it
     raise gave_up(last, source, changed, "no reference was pushed",

@@ -314,3 +314,22 @@ def test_a_push_taken_again_rewinds_the_bar_by_what_its_attempt_reported():
     first.rewind()  # once: the second has nothing to take back
     assert seen == [(100, 40), (50, 0), (-150, 0)]
     _Counted(None)(10, 10)  # no bar: counted, nothing called
+
+
+def test_a_push_taken_again_counts_what_every_try_sent(monkeypatch):
+    """bytes_sent is the network's cost: a --leave-running snapshot refused after
+    its chunks went out still sent them."""
+    from gpusnap.ops import push as push_ops
+    from gpusnap.ops.checkpoint import StaleSnapshot
+    tries = []
+
+    def once(job, counted):
+        tries.append(counted)
+        counted(1000, 300)
+        if len(tries) == 1:
+            raise StaleSnapshot("web", ["/tmp/c"])
+        return {"bytes_sent": 300}
+    monkeypatch.setattr(push_ops, "_push_once", once)
+    result = push_ops._push_tries(object(), None, "web")
+    assert result["bytes_sent"] == 600
+    assert result["retaken"] == {"tries": 2, "files": ["/tmp/c"], "bytes_sent_before": 300}
