@@ -145,7 +145,40 @@ def _serve_one(fd: int, archive: str, error: Path) -> None:
 # The tail of a decompressed stream held back until zstd has checked the frame's
 # checksum, which it does after writing everything: a bit flipped in a raw block
 # shows only there, and a reader given the tar's end blocks first would restore it.
+# The end blocks may be followed by any length of zero padding, so a run of zeros
+# before the last 64 KiB is held too, as a count (memory stays bounded).
 _HOLD = 64 << 10
+_ZEROS = bytes(1 << 20)
+
+
+class _Held:
+    """What the pump has read and not yet given its reader: ``zeros`` zero bytes,
+    then ``tail`` (at most _HOLD bytes)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.zeros, self.tail = fd, 0, b""
+
+    def add(self, data: bytes) -> None:
+        data = self.tail + data
+        cut = len(data) - _HOLD
+        if cut > 0:
+            # the usual read ends in data: no copy to find where its zeros start
+            body = cut if data[cut - 1] else len(data[:cut].rstrip(b"\0"))
+            if body:  # more than padding: what was held goes before it
+                self._zeros_out()
+                _write_all(self.fd, memoryview(data)[:body])
+            self.zeros += cut - body
+        self.tail = data[max(cut, 0):]
+
+    def release(self) -> None:
+        self._zeros_out()
+        _write_all(self.fd, memoryview(self.tail))
+
+    def _zeros_out(self) -> None:
+        while self.zeros:
+            n = min(self.zeros, len(_ZEROS))
+            _write_all(self.fd, memoryview(_ZEROS)[:n])
+            self.zeros -= n
 
 
 def _serve_zstd(fd: int, archive: str, error: Path) -> None:
@@ -154,17 +187,13 @@ def _serve_zstd(fd: int, archive: str, error: Path) -> None:
                             stderr=subprocess.PIPE)
     src = zstd.stdout.fileno()
     _widen(src)
-    held = b""
+    held = _Held(fd)
     try:
         while data := os.read(src, 1 << 20):
-            data = held + data
-            cut = len(data) - _HOLD
-            if cut > 0:
-                _write_all(fd, memoryview(data)[:cut])
-            held = data[max(cut, 0):]
+            held.add(data)
         failed = decompression_failed(zstd)
         if failed is None:
-            _write_all(fd, memoryview(held))
+            held.release()
             return
         with contextlib.suppress(OSError):  # said first: Podman fails as soon as it reads the end
             error.write_text(f"{archive} is damaged: zstd: {failed}")

@@ -179,3 +179,29 @@ def test_a_damaged_zst_archive_with_long_padding_is_refused_too(tmp_path):
     with open(tmp_path / "good.tar", "wb") as f:  # the undamaged one still passes
         rewrite_archive(tmp_path / "padded.tar.zst", f.fileno(), DeviceRemap(container_paths="keep"),
                         {"moves": []})
+
+
+def test_a_damaged_zst_archive_padded_past_the_pumps_hold_never_reaches_its_end_blocks(tmp_path):
+    """The end blocks followed by 2 MiB of zeros (more than the 64 KiB held back
+    for zstd's checksum): the zeros are held too, and given only once it passed."""
+    import os
+    import subprocess
+
+    from gpusnap.runtime.stream import BROKEN_END
+
+    pages = os.urandom(1 << 20)
+    tar = tmp_path / "padded.tar"
+    good = (_header("checkpoint/pages-1.img", len(pages)) + pages + bytes(3 << 20) + b"x" * 512
+            + b"\0" * (2 * BLOCK) + bytes(2 << 20))
+    tar.write_bytes(good)
+    subprocess.run(["zstd", "-q", "-f", str(tar), "-o", str(tar) + ".zst"], check=True)
+    out, error = _served(tmp_path / "padded.tar.zst", tmp_path)
+    assert out == good and error == ""
+    raw = bytearray((tmp_path / "padded.tar.zst").read_bytes())
+    raw[raw.index(pages[5000:5064])] ^= 0x01
+    bad = tmp_path / "padded-bad.tar.zst"
+    bad.write_bytes(bytes(raw))
+    out, error = _served(bad, tmp_path)
+    # everything up to the last data, none of the zeros after it: no end blocks
+    assert len(out) == good.index(b"x" * 512) + 512 + len(BROKEN_END) and out.endswith(BROKEN_END)
+    assert "is damaged: zstd" in error
