@@ -46,12 +46,24 @@ def gpu_turn(name: str, verb: str, command: str) -> Iterator[tuple]:
     ctr = podman.inspect(name)
     require_running(ctr, verb)
     with wait_turn(ctr.pid, f"{command} of {ctr.name}", command):
+        _same_after_the_wait(ctr, verb, command)
         procs, driver = cuda_of(ctr, verb, command)
         if command != "thaw":
             # a freeze again would record no pids (doctor would then restore them); a
             # move would resume them onto the new GPU: a thaw behind the user's back
             frozen.refuse(ctr.name, procs, verb)
         yield ctr, procs, driver
+
+
+def _same_after_the_wait(ctr: podman.Container, verb: str, command: str) -> None:
+    """The turn is keyed by the init pid read before the wait: a container
+    stopped, restored or restarted meanwhile is another set of processes."""
+    now = podman.inspect(ctr.id)
+    require_running(now, verb)
+    if now.pid != ctr.pid:
+        raise GpusnapError(f"{ctr.name} was restarted or restored while the {command} waited "
+                           "for its turn; nothing was changed",
+                           f"run the same `gpusnap {command}` again")
 
 
 def _gpu_used() -> dict[str, int]:

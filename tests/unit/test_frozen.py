@@ -111,3 +111,19 @@ def test_a_thaw_the_driver_refuses_for_good_does_not_say_to_thaw_again(monkeypat
     with pytest.raises(GpusnapError, match="will not take its processes back") as info:
         freeze._thaw(ctr, [SimpleNamespace(pid=me)], object())
     assert info.value.hint == "their GPU state is lost: `podman restart web` starts it afresh"
+
+
+def test_a_container_restarted_while_the_command_waited_for_its_turn_is_not_touched(monkeypatch):
+    me = os.getpid()
+    before = podman.Container(id="c0ffee", name="web", status="running", pid=me, image="img",
+                              checkpointed=False, userdata=podman.Path("/nonexistent"), devices=[])
+    after = podman.Container(id="c0ffee", name="web", status="running", pid=me + 1, image="img",
+                             checkpointed=False, userdata=podman.Path("/nonexistent"), devices=[])
+    seen = iter([before, after])
+    monkeypatch.setattr(podman, "inspect", lambda name: next(seen))
+    monkeypatch.setattr(freeze, "wait_turn", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(freeze, "cuda_of", lambda *a: pytest.fail("read the new processes"))
+    with pytest.raises(GpusnapError, match="restarted or restored while the freeze waited") as info:
+        with freeze.gpu_turn("web", "be frozen", "freeze"):
+            pass
+    assert info.value.hint == "run the same `gpusnap freeze` again"
