@@ -82,8 +82,11 @@ def _plan(spec: dict, image_dir: Path) -> tuple[DeviceRemap, dict] | None:
     if manifest is None:
         return None  # no GPU in the checkpoint: nothing to plan
     plan = gpu_plan.plan_here(manifest, gpu_map_for(spec), refusal_hint=_HINT)
-    if not plan.needs_remap:
-        return None  # the checkpoint's own GPUs: restored as they are, as under Podman
+    # nvidia-uvm's major is the driver's to pick at load: another host's, or this
+    # one's before a reboot, is renumbered even where every GPU stays
+    plan = gpu_plan.with_host_numbers(plan, spec)
+    if not plan.needs_remap and not plan.remap.nodes:
+        return None  # the checkpoint's own GPUs and nodes: restored as they are
     return plan.remap, plan.to_dict()
 
 

@@ -190,6 +190,31 @@ def test_shared_gpu_nodes_this_host_numbers_otherwise_are_renumbered(monkeypatch
     assert retarget["plan"]["remap"]["nodes"] == changed  # the hook sees what was edited
 
 
+def test_the_shim_renumbers_shared_gpu_nodes_where_every_gpu_stays(monkeypatch, tmp_path):
+    # ctr/nerdctl restore after a reboot (or on another host): the task's spec and
+    # CRIU's /dev image name the old nvidia-uvm major; the same plan as gpusnap restore's
+    from gpusnap.gpu.plan import plan_restore
+    from gpusnap.ops import gpu_plan
+    from gpusnap.shim import remap as shim_remap
+    from tests.unit.test_hook import UUID0, gpu, inventory
+    from tests.unit.test_plan import manifest as plan_manifest
+
+    g0 = gpu(0, UUID0, minor=0)
+    stay = plan_restore(plan_manifest(g0), inventory(g0))
+    monkeypatch.setattr(shim_remap.gpu_manifest, "read", lambda image_dir: object())
+    monkeypatch.setattr(shim_remap.gpu_plan, "plan_here", lambda *a, **k: stay)
+    numbers = {"/dev/nvidia-uvm": (511, 0)}
+    monkeypatch.setattr(gpu_plan, "read_host_numbers", lambda paths, root="/": numbers)
+    spec = {"linux": {"devices": [{"path": "/dev/nvidia-uvm", "type": "c", "major": 511,
+                                   "minor": 0}]}}
+    assert shim_remap._plan(spec, tmp_path) is None  # numbered the same: nothing edited
+    numbers["/dev/nvidia-uvm"] = (238, 0)
+    remap, plan = shim_remap._plan(spec, tmp_path)
+    assert [(n.old_path, n.old, n.new) for n in remap.nodes] == [("/dev/nvidia-uvm", (511, 0),
+                                                                  (238, 0))]
+    assert plan["remap"] == remap.to_dict() and not stay.needs_remap  # no GPU moved
+
+
 def test_nvidia_uvm_not_loaded_yet_is_loaded_before_its_number_is_read(monkeypatch):
     # A host booted since no CUDA ran has no /dev/nvidia-uvm until libcuda's
     # first use: read then, the checkpoint's number would stay.
