@@ -23,7 +23,9 @@ traces the processes, however long) and its request is dropped
 
 It holds the container's turn (gpu/turn.py, ``--turn-fd``, from pre-dump)
 until the GPUs are back, so a second checkpoint waits rather than dumping
-processes this guardian is about to unlock.
+processes this guardian is about to unlock. Its last journal event, before it
+lets go, is turn.DONE with its verdict: `gpusnap checkpoint --leave-running` waits
+for the turn and says it (ops/gpu_back.py).
 
 Usage: python -m gpusnap.action.guardian CRIU_PID PID... [--init INIT_PID [--drop-request]
        [--turn-fd FD]]
@@ -42,7 +44,7 @@ from gpusnap.criu.freezer import is_frozen, thaw
 from gpusnap.gpu import staging
 from gpusnap.gpu.cuda import CudaDriver
 from gpusnap.gpu.quiesce import QuiesceError, resume
-from gpusnap.gpu.turn import claim, release_fd
+from gpusnap.gpu.turn import DONE, claim, release_fd
 from gpusnap.procs import alive, traced_by_criu
 from gpusnap.waits import leave
 
@@ -105,7 +107,7 @@ def _handed_over() -> list:
     return dump_ahead.received(sock)
 
 
-def write_back(taken: list) -> set[int]:
+def write_back(taken: list, init: int | None = None) -> set[int]:
     """Each surviving process's memory back from the files; the pids it failed for."""
     from gpusnap.pages import dump_ahead  # start-up: loaded once CRIU is gone, not beside the dump
     failed = set()
@@ -117,7 +119,7 @@ def write_back(taken: list) -> set[int]:
             journal.record("guardian-wrote-back", pid=task.pid, bytes=task.bytes)
         except OSError as exc:
             failed.add(task.pid)
-            journal.record("guardian-failed", pids=[task.pid],
+            journal.record("guardian-failed", init_pid=init, pids=[task.pid],
                            error=f"its memory could not be written back ({exc}): left "
                                  "locked; restore the container from its checkpoint")
     return failed
@@ -140,14 +142,18 @@ def main(argv: list[str]) -> int:
         if not claim(init, turn_fd, "guardian"):  # not the turn's file: nothing to let go
             journal.record("guardian-turn-lost", init_pid=init, fd=turn_fd)
             turn_fd = None
+    code = 1
     try:
-        return _guard(argv, init, client, turn_fd)
+        code = _guard(argv, init, client, turn_fd)
     except Exception as exc:  # noqa: BLE001 -- said where someone looks: the journal
         journal.record("guardian-failed", init_pid=init, error=f"{type(exc).__name__}: {exc}")
-        return 1
-    finally:  # the GPUs are back (or cannot be): the next checkpoint may quiesce
-        if turn_fd is not None and init is not None:
+    finally:
+        # before the turn goes: whoever waits for it (`gpusnap checkpoint
+        # --leave-running`, ops/gpu_back.py) finds the verdict once it is free
+        journal.record(DONE, init_pid=init, ok=code == 0)
+        if turn_fd is not None and init is not None:  # the next checkpoint may quiesce
             release_fd(init, turn_fd)
+    return code
 
 
 def _held(init: int | None, turn_fd: int | None) -> Callable[[], bool]:
@@ -176,7 +182,7 @@ def _guard(argv: list[str], init: int | None, client: bool, turn_fd: int | None)
     watched = sorted(set(pids) | {task.pid for task, _ in taken})
     living = survivors_to_resume(watched, time.monotonic() + THAW_WAIT_S,
                                  held=_held(init, turn_fd), dump_in_flight_bounded=not client)
-    failed = write_back(taken) if taken and living else set()
+    failed = write_back(taken, init) if taken and living else set()
     for task, _ in taken:  # memory back (or its process gone): a driver restore may run
         if task.pid not in failed:
             staging.release(task.pid)
@@ -185,9 +191,9 @@ def _guard(argv: list[str], init: int | None, client: bool, turn_fd: int | None)
         return 1 if failed else 0
     try:
         changed = resume(CudaDriver(), living)
-        journal.record("guardian-resumed", pids=changed)
+        journal.record("guardian-resumed", init_pid=init, pids=changed)
     except (QuiesceError, RuntimeError) as exc:
-        journal.record("guardian-failed", pids=living, error=str(exc))
+        journal.record("guardian-failed", init_pid=init, pids=living, error=str(exc))
         return 1
     return 0
 

@@ -31,6 +31,11 @@ from gpusnap.procs import ns_init, parent_of
 from gpusnap.waits import Bound, raise_words
 
 POLL_S = 0.1
+# The journal event a guardian ends with, its verdict (ok or not), written
+# before it lets go: whoever then takes the turn finds it (ops/gpu_back.py).
+DONE = "guardian-done"
+# The roles that hold a turn from pre-dump until the GPUs are back.
+GUARDING = ("pre-dump", "guardian", "guardian-held")
 
 
 @dataclass

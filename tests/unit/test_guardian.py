@@ -144,8 +144,9 @@ def test_a_guardian_that_fails_says_so_and_lets_go(tmp_path, monkeypatch):
     monkeypatch.setattr(guardian, "wait_exit", lambda pid: None)
     monkeypatch.setattr(guardian, "_handed_over", lambda: 1 / 0)
     assert guardian.main(["9999", "701", "--init", "700", "--turn-fd", str(turn.fd)]) == 1
-    failed = journal.read()[-1]
+    failed, done = journal.read()[-2:]
     assert failed["event"] == "guardian-failed" and "ZeroDivisionError" in failed["error"]
+    assert done["event"] == guardian.DONE and not done["ok"]
     assert turns.try_take(700, "test") is not None
 
 
@@ -168,7 +169,7 @@ def test_memory_read_ahead_stays_held_from_a_driver_restore_until_written_back(t
     monkeypatch.setattr(guardian, "_handed_over",
                         lambda: [(SimpleNamespace(pid=me), 0), (SimpleNamespace(pid=parent), 1)])
     monkeypatch.setattr(guardian, "survivors_to_resume", lambda pids, deadline, **kw: pids)
-    monkeypatch.setattr(guardian, "write_back", lambda taken: {parent})
+    monkeypatch.setattr(guardian, "write_back", lambda taken, init=None: {parent})
     monkeypatch.setattr(guardian, "CudaDriver", lambda: None)
     monkeypatch.setattr(guardian, "resume", lambda driver, pids: pids)
     guardian._guard(["9999", str(me), str(parent)], None, False, None)
@@ -176,3 +177,32 @@ def test_memory_read_ahead_stays_held_from_a_driver_restore_until_written_back(t
     driver = FakeDriver({parent: ProcessState.CHECKPOINTED})
     with pytest.raises(quiesce.QuiesceError):
         quiesce.resume(driver, [parent])  # doctor --fix: refused, never zeros
+
+
+def test_a_guardian_ends_with_its_verdict_before_it_lets_go_of_the_turn(tmp_path, monkeypatch):
+    """`gpusnap checkpoint --leave-running` waits for the turn, then reads this
+    record (ops/gpu_back.py): it must be there once the turn is free."""
+    from gpusnap import journal
+    from gpusnap.gpu import turn as turns
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(guardian, "wait_exit", lambda pid: None)
+    monkeypatch.setattr(guardian, "_handed_over", lambda: [])
+    monkeypatch.setattr(guardian, "survivors_to_resume", lambda pids, deadline, **kw: pids)
+    monkeypatch.setattr(guardian, "CudaDriver", lambda: None)
+    seen_free: list[bool] = []
+    real_release = guardian.release_fd
+
+    def release(init, fd):
+        seen_free.append(journal.read()[-1]["event"] == guardian.DONE)
+        real_release(init, fd)
+    monkeypatch.setattr(guardian, "release_fd", release)
+    for resume, ok in ((lambda driver, pids: pids, True),
+                       (lambda driver, pids: (_ for _ in ()).throw(RuntimeError("refused")), False)):
+        monkeypatch.setattr(guardian, "resume", resume)
+        turn = turns.try_take(700, "pre-dump")
+        guardian.main(["9999", "701", "--init", "700", "--turn-fd", str(turn.fd)])
+        events = journal.read()
+        assert events[-1] == {**events[-1], "event": guardian.DONE, "init_pid": 700, "ok": ok}
+        if not ok:
+            assert events[-2]["event"] == "guardian-failed" and events[-2]["init_pid"] == 700
+    assert seen_free == [True, True]
