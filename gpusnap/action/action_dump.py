@@ -98,6 +98,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
     manifest = gpu_manifest.build(procs, inventory, criu_version(), by)
     pids = [p.pid for p in procs]
     free_at = None  # when the GPU was free for the next job: its memory in host memory
+    guardian = None
     if plugin is None:
         from gpusnap.pages import dump_ahead  # GPU dumps only: not every step's start-up
         before = {pid: _mapped(dump_ahead.mapped, pid) for pid in pids}
@@ -124,9 +125,11 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
     if image_dir:  # CRIU always names one; never the working folder
         gpu_manifest.write(manifest, image_dir)
     # ``at``: when the GPU was free (none where CRIU's plugin quiesces, later, inside CRIU)
+    # ``guardian``: whether one gives the GPUs back after CRIU (its verdict: ops/gpu_back.py)
     journal.record("quiesced", init_pid=init_pid, pids=pids, by=by, timing=manifest.timing,
                    **({"at": free_at} if free_at is not None else {}),
-                   turn_waited_s=turn.waited_s if turn is not None else None)
+                   turn_waited_s=turn.waited_s if turn is not None else None,
+                   guardian=guardian is not None)
 
 
 def _mapped(read, pid: int) -> list[tuple[int, int]] | None:

@@ -342,6 +342,7 @@ def test_pre_dump_of_a_task_the_shim_holds_does_not_wait_for_its_earlier_trys_gu
     assert set(driver.calls) == {("state", INIT)}  # read, not changed
     assert driver.states == {INIT: C} and turns.try_take(INIT, "test") is None
     assert journal.read()[-1]["turn_waited_s"] is None
+    assert journal.read()[-1]["guardian"] is False  # nothing for a checkpoint -R to wait for
 
 
 def test_pre_dump_journals_the_gpu_free_once_the_quiesce_returned(host, monkeypatch, tmp_path):
@@ -366,6 +367,21 @@ def test_pre_dump_journals_the_gpu_free_once_the_quiesce_returned(host, monkeypa
     quiesced = journal.read()[-1]
     assert quiesced["event"] == "quiesced" and driver.states == {INIT: C}
     assert quiesced["at"] <= writing[0] + 0.001, (quiesced["at"], writing)
+
+
+def test_pre_dump_journals_whether_a_guardian_gives_the_gpus_back(host, monkeypatch, tmp_path):
+    """`gpusnap checkpoint --leave-running` waits for that guardian's verdict
+    (ops/gpu_back.py): one that never said it is a guardian gone, not none."""
+    _pre_dump_on_gpu0(monkeypatch, R)
+    monkeypatch.setattr(action_dump, "refuse_unmanaged", lambda driver, procs: None)
+    started = []
+    monkeypatch.setattr(action_dump, "_start_guardian",
+                        lambda *a, **k: started.append(a) or object())
+    images = tmp_path / "images"
+    images.mkdir()
+    action_dump.pre_dump(INIT, str(images), 9999)
+    quiesced = journal.read()[-1]
+    assert started and quiesced["event"] == "quiesced" and quiesced["guardian"] is True
 
 
 def test_the_clients_real_guardian_holds_the_turn_it_was_handed(host, monkeypatch):
