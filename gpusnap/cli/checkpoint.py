@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+import time
+
 import click
 
-from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option, step
+from gpusnap.cli.output import (console, emit, err_console, handle_errors, human_bytes,
+                                json_option, step)
 from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
-from gpusnap.ops import advice
+from gpusnap.ops import advice, gpu_back
 from gpusnap.ops import checkpoint as ops
 
 
@@ -26,9 +30,21 @@ def _human(r: dict) -> None:
         console.print(f"  GPUs: {names}; GPU memory saved: {human_bytes(gpu['gpu_memory_bytes'])} "
                       f"(quiesced by {gpu['quiesced_by']}, {gpu['timing']})")
     if r["leave_running"]:
-        console.print("  the container keeps running")
+        console.print("  the container keeps running" + _on_gpus(r))
     if retaken := advice.retaken(r):
         console.print(f"  {retaken}")
+    if r.get("gpu_back_detail"):  # not back (yet): on stderr, as an error is
+        from rich.markup import escape  # start-up: rich only where there is this to say
+        mark = "[bold red]Error:[/]" if r["gpu_back"] is False else "[bold yellow]Note:[/]"
+        err_console.print(f"{mark} {escape(r['gpu_back_detail'])}")
+        err_console.print(f"  [dim]->[/] {escape(r['gpu_back_hint'])}")
+
+
+def _on_gpus(r: dict) -> str:
+    """Its GPUs given back by the guardian, where a leave-running dump took them."""
+    if r.get("gpu_back") is not True:
+        return ""
+    return f", on its GPUs again {r['gpu_back_seconds']:.2f} s after the dump"
 
 
 @click.command("checkpoint")
@@ -51,10 +67,16 @@ def checkpoint_cmd(container: str, export: str | None, leave_running: bool,
     plan = ops.plan(container, export, leave_running, tcp_established, lock_timeout_ms,
                     skip_space_check)
     what = f"{len(plan.cuda)} CUDA process(es)" if plan.cuda else "no GPU"
+    since = time.time()
     with step(f"Checkpointing {plan.container.name} ({what}, up to "
               f"{human_bytes(plan.estimate_bytes)})...", as_json):
         result = ops.run(plan)
+    if plan.leave_running and plan.cuda:  # Podman is done before the guardian gave them back
+        with step(f"Giving {plan.container.name} its GPUs back...", as_json):
+            result.update(gpu_back.wait(plan.container.pid, plan.container.name, since).fields())
     emit(as_json, result, _human)
+    if result.get("gpu_back") is False:  # the checkpoint is kept; the container is off its GPUs
+        sys.exit(1)
 
 
 COMMANDS = [checkpoint_cmd]

@@ -1,0 +1,106 @@
+"""A leave-running checkpoint of a CUDA container: its GPUs given back.
+
+Podman is done once CRIU is, but the container's CUDA processes get their
+GPUs back later: pre-dump's guardian (action/guardian.py) restores and
+unlocks them after CRIU exits, seconds later at GBs of GPU memory, and a
+failure there was in the journal only. The guardian holds the container's
+turn (gpu/turn.py) until then and journals its verdict (turn.DONE) just
+before it lets go: so `gpusnap checkpoint --leave-running` waits for the
+turn, within GPU_TURN, then reads that verdict and says it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gpusnap import journal
+from gpusnap.gpu.turn import DONE, GUARDING, holder, wait_turn
+from gpusnap.waits import Bound, WaitExpired, raise_words
+
+FIX = "run `gpusnap doctor --fix` to give them back"
+
+
+@dataclass
+class GpuBack:
+    """Whether the GPUs are back: None where that is not known (yet)."""
+
+    back: bool | None
+    seconds: float  # waited after the dump, for the guardian's turn
+    detail: str | None = None  # where not back: what happened, in one line
+    hint: str | None = None
+
+    def fields(self) -> dict:
+        """For the checkpoint's result (and --json)."""
+        out: dict = {"gpu_back": self.back, "gpu_back_seconds": self.seconds}
+        if self.detail:
+            out.update(gpu_back_detail=self.detail, gpu_back_hint=self.hint)
+        return out
+
+
+def _another_took_it(pid: int | None, role: str) -> bool:
+    """A later command holds the turn: the guardian has let go of it."""
+    return bool(role) and role not in GUARDING
+
+
+def wait(init_pid: int, name: str, since: float, bound: Bound | None = None) -> GpuBack:
+    """The guardian's verdict on ``name``'s GPUs, once it has let go of the turn."""
+    bound = bound or Bound.of("GPU_TURN")
+    started = time.monotonic()
+    try:
+        turn = wait_turn(init_pid, f"the GPUs of {name} given back", "checkpoint's check",
+                         bound, go_on=_another_took_it)
+    except WaitExpired:
+        return _still_coming(init_pid, name, round(time.monotonic() - started, 3))
+    except OSError as exc:  # a state folder this process cannot use: nothing to wait on
+        return GpuBack(None, 0.0, f"the checkpoint of {name} is complete; whether its GPUs "
+                       f"are back could not be told ({exc})", f"`gpusnap doctor` tells; {FIX}")
+    if turn is not None:
+        turn.release()
+    return verdict(init_pid, name, since, round(time.monotonic() - started, 3))
+
+
+def _still_coming(init_pid: int, name: str, waited: float) -> GpuBack:
+    who, _ = holder(init_pid)
+    return GpuBack(None, waited, (
+        f"the checkpoint of {name} is complete; its GPUs are still being given back by "
+        f"gpusnap's guardian (pid {who or 'unknown'}) {waited:.0f} s after the dump"),
+        "`gpusnap doctor` shows its processes as left to the guardian until they are back; "
+        f"a host that is just slow: {raise_words('GPU_TURN')}")
+
+
+def _mine(init_pid: int, since: float) -> list[dict]:
+    """This container's journal events since ``since``, from its last quiesce on
+    (a retaken checkpoint quiesced once a try)."""
+    events = [e for e in journal.read(1000) if str(e.get("init_pid")) == str(init_pid)
+              and isinstance(e.get("at"), (int, float)) and e["at"] >= since - 1]
+    starts = [i for i, e in enumerate(events) if e.get("event") == "quiesced"]
+    return events[starts[-1]:] if starts else events
+
+
+def verdict(init_pid: int, name: str, since: float, waited: float) -> GpuBack:
+    """What the guardian journaled (turn.DONE, and its failure's words)."""
+    events = _mine(init_pid, since)
+    done = [e for e in events if e.get("event") == DONE]
+    quiesced = events[0] if events and events[0].get("event") == "quiesced" else None
+    if done and done[-1].get("ok"):
+        return GpuBack(True, waited)
+    if done:
+        said = [e.get("error") for e in events if e.get("event") == "guardian-failed"]
+        why = said[-1] if said and said[-1] else "the guardian failed (the journal says no more)"
+        return _not_back(name, waited, why)
+    if quiesced is not None and not quiesced.get("guardian", True):
+        return GpuBack(True, waited)  # nothing quiesced here: no GPU was taken away
+    if quiesced is not None:
+        return _not_back(name, waited, "gpusnap's guardian ended before it said they were "
+                                       "(killed?)")
+    return GpuBack(None, waited, f"the checkpoint of {name} is complete; whether its GPUs "
+                   "are back could not be told (no record of its quiesce in gpusnap's journal)",
+                   f"`gpusnap doctor` tells; {FIX}")
+
+
+def _not_back(name: str, waited: float, why: str) -> GpuBack:
+    return GpuBack(False, waited, f"the checkpoint of {name} is complete and kept, but its "
+                   f"GPUs were not given back: {why}",
+                   f"{FIX} (where the driver refuses, it says what else to do); the "
+                   "checkpoint needs nothing more")
