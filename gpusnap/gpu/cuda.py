@@ -172,6 +172,13 @@ class CudaDriver:
                                 "process's state once the driver answers")
         self._check(code, name, pid)
 
+    def landed(self, pid: int, seconds: float) -> bool:
+        """Whether the call about ``pid`` left behind at its bound has answered,
+        waited for up to ``seconds``: a rollback puts its process back once it
+        has (quiesce.py). True at once where none was left behind."""
+        left = self._left.get(pid)
+        return left is None or left[0].landed(seconds)
+
     def _error_name(self, code: int) -> str:
         name = ctypes.c_char_p()
         if self._lib.cuGetErrorName(code, ctypes.byref(name)) == CUDA_SUCCESS and name.value:

@@ -41,6 +41,12 @@ class Call:
         finally:
             self._done.set()
 
+    def landed(self, seconds: float) -> bool:
+        """Whether the call has answered, waited for up to ``seconds``; its thread
+        is gone once it has, so the driver may be asked about its pid again."""
+        self.thread.join(seconds)
+        return not self.thread.is_alive()
+
     def code(self, seconds: float):
         """The call's result, or None where it did not answer within ``seconds``;
         what it raised is raised here."""

@@ -83,6 +83,9 @@ class FakeDriver:
     def unlock(self, pid: int) -> None:
         self._step("unlock", pid)
 
+    def landed(self, pid: int, seconds: float) -> bool:
+        return True  # no call is ever left in flight here
+
     def called(self, call: str) -> list[int]:
         return sorted(pid for c, pid in self.calls if c == call)
 

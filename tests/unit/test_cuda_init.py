@@ -232,3 +232,22 @@ def test_a_driver_call_that_raises_is_not_taken_for_a_hang(monkeypatch):
     with pytest.raises(ctypes.ArgumentError):
         _driver(lib).checkpoint(os.getpid())
     assert time.monotonic() - started < 1 and not driver_calls.driver_hung()
+
+
+def test_a_call_left_behind_is_waited_for_and_its_pid_asked_about_again_once_it_landed(
+        monkeypatch):
+    """CudaDriver.landed: what a rollback waits on before it puts the process back."""
+    monkeypatch.setenv("GPUSNAP_WAIT_DRIVER_MOVE", "0.3")
+    monkeypatch.setattr(driver_calls, "_HUNG", [])
+    lib = _Stuck()
+    driver = _driver(lib)
+    assert driver.landed(os.getpid(), 0)  # nothing left behind: at once
+    with pytest.raises(WaitExpired):
+        driver.checkpoint(os.getpid())
+    started = time.monotonic()
+    assert not driver.landed(os.getpid(), 0.2)
+    assert 0.2 <= time.monotonic() - started < 5
+    threading.Timer(0.2, lib.answer.set).start()
+    assert driver.landed(os.getpid(), 10)
+    assert driver.state(os.getpid()) == cuda.ProcessState.RUNNING  # asked, not refused
+
