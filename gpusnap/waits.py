@@ -44,6 +44,9 @@ DEFAULTS: dict[str, float] = {
     # the driver's lock (plus its own timeout), checkpoint, restore or unlock of
     # one process: seconds for tens of GiB of GPU memory on a healthy GPU
     "DRIVER_MOVE": 900.0,
+    # a driver call left at its bound in a quiesce that failed, waited for once
+    # more by the rollback: a lock that lands later is undone then, not left LOCKED
+    "DRIVER_LATE": 60.0,
     "PTRACE": 30.0,           # a thread of a container's process stopping under ptrace (µs)
     "DEVICES": 30.0,          # a child that mknods a running container's GPU nodes (ms)
 }

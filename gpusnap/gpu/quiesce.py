@@ -5,7 +5,9 @@ GPU work while another is being copied out), then checkpoints them all in
 parallel, one thread each: the driver's copy is per process, so N processes on
 N GPUs take about as long as the largest one. If any step fails, what was done
 is undone (restore + unlock) before the error is raised: the container keeps
-running on its GPUs.
+running on its GPUs. A call left in flight at its bound (a wedged driver) may
+still land: the rollback waits for it a while longer (DRIVER_LATE) and puts
+that process back too, or says what to do should it land later.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from gpusnap.gpu import staging
 from gpusnap.gpu.cuda import CudaDriver, CudaError, ProcessState
 from gpusnap.gpu.inventory import Inventory, mps_active
 from gpusnap.procs import ProcessGpuUse
-from gpusnap.waits import Bound
+from gpusnap.waits import Bound, WaitExpired
 
 # A restore refused with these is refused for good on driver 580: once it answered
 # OUT_OF_MEMORY, every later restore of that process answers OPERATING_SYSTEM,
@@ -46,6 +48,7 @@ class Driver(Protocol):
     def checkpoint(self, pid: int) -> None: ...
     def restore(self, pid: int, gpu_pairs: list[tuple[str, str]] | None = None) -> None: ...
     def unlock(self, pid: int) -> None: ...
+    def landed(self, pid: int, seconds: float) -> bool: ...
 
 
 @dataclass
@@ -189,12 +192,13 @@ def quiesce(driver: Driver, pids: list[int], lock_timeout_ms: int = DEFAULT_LOCK
         if failures:
             locked = [p for p in to_lock if p not in failures]
             undo = _parallel(locked, driver.unlock)
+            undo.update(_undo_late(driver, failures))
             raise QuiesceError("lock", failures, undo)
 
         failures = _timed(timing, "checkpoint", to_checkpoint, driver.checkpoint)
         if failures:
-            undo = _rollback(driver, [p for p in to_checkpoint if p not in failures]
-                             + list(failures))
+            undo = _rollback(driver, [p for p in to_checkpoint if p not in _late(failures)])
+            undo.update(_undo_late(driver, failures))
             raise QuiesceError("checkpoint", failures, undo)
     except KeyboardInterrupt:
         # the calls in flight were waited out (the pool's exit): back as they were,
@@ -207,6 +211,38 @@ def quiesce(driver: Driver, pids: list[int], lock_timeout_ms: int = DEFAULT_LOCK
 def _rollback(driver: Driver, pids: list[int]) -> dict[int, BaseException]:
     """Bring processes back to RUNNING whatever step they stopped at."""
     return _parallel(pids, lambda pid: _to_running(driver, pid, None))
+
+
+def _late(failures: dict[int, BaseException]) -> list[int]:
+    """The pids whose driver call was left in flight at its bound: it may still land."""
+    return [pid for pid, exc in failures.items() if isinstance(exc, WaitExpired)]
+
+
+def _undo_late(driver: Driver, failures: dict[int, BaseException]) -> dict[int, BaseException]:
+    """Each process whose call was left at its bound, put back once that call
+    lands, all waited for at once within DRIVER_LATE: a lock landing after the
+    rollback would leave its process LOCKED, and no guardian starts after a
+    quiesce that failed. ``failures`` then says of each that it was put back;
+    returned: those whose call did not land, with what to do should it."""
+    late = _late(failures)
+    if not late:
+        return {}
+    bound = Bound.of("DRIVER_LATE")
+    deadline = time.monotonic() + bound.seconds
+
+    def back(pid: int) -> None:
+        if not driver.landed(pid, max(0.0, deadline - time.monotonic())):
+            raise RuntimeError(
+                f"the call had not answered {bound.seconds:.0f} s later either: should it "
+                "still, the process stays off its GPU until `gpusnap doctor --fix` gives it "
+                "back")
+        _to_running(driver, pid, None)
+    undo = _parallel(late, back)
+    for pid in late:
+        if pid not in undo:
+            failures[pid] = RuntimeError(f"{failures[pid]}; the call answered later, and the "
+                                         "process was put back")
+    return undo
 
 
 def _to_running(driver: Driver, pid: int, gpu_pairs: list[tuple[str, str]] | None) -> None:

@@ -251,3 +251,95 @@ def test_a_call_left_behind_is_waited_for_and_its_pid_asked_about_again_once_it_
     assert driver.landed(os.getpid(), 10)
     assert driver.state(os.getpid()) == cuda.ProcessState.RUNNING  # asked, not refused
 
+
+class _Machine(_Lib):
+    """libcuda with the driver's state per pid, whose ``slow`` call about
+    ``slow_pid`` waits until ``land`` is set, then lands as it would have."""
+
+    _MOVES = {"lock": (0, 1), "checkpoint": (1, 2), "restore": (2, 1), "unlock": (1, 0)}
+
+    def __init__(self, slow: str, slow_pid: int) -> None:
+        super().__init__()
+        self.go.set()
+        self.states: dict[int, int] = {}
+        self.slow, self.slow_pid = slow, slow_pid
+        self.land = threading.Event()
+
+    def cuCheckpointProcessGetState(self, pid, state) -> int:
+        state._obj.value = self.states.get(pid, 0)
+        return cuda.CUDA_SUCCESS
+
+    def _move(self, call: str, pid: int) -> int:
+        if (call, pid) == (self.slow, self.slow_pid):
+            self.land.wait(30)
+        need, leave = self._MOVES[call]
+        assert self.states.get(pid, 0) == need, (call, pid, self.states)
+        self.states[pid] = leave
+        return cuda.CUDA_SUCCESS
+
+    def cuCheckpointProcessLock(self, pid, args) -> int:
+        return self._move("lock", pid)
+
+    def cuCheckpointProcessCheckpoint(self, pid, args) -> int:
+        return self._move("checkpoint", pid)
+
+    def cuCheckpointProcessRestore(self, pid, args) -> int:
+        return self._move("restore", pid)
+
+    def cuCheckpointProcessUnlock(self, pid, args) -> int:
+        return self._move("unlock", pid)
+
+
+@pytest.fixture
+def two_running():
+    """Two running processes the driver is asked about (it refuses stopped ones)."""
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    yield [p.pid for p in procs]
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("slow", ["lock", "checkpoint"])
+def test_a_call_left_at_its_bound_that_lands_during_the_rollback_is_undone(
+        monkeypatch, two_running, slow):
+    """A wedged driver's lock (or checkpoint) of one process outlives DRIVER_MOVE:
+    the others are put back at once, and that one once its call lands, within
+    DRIVER_LATE, instead of staying LOCKED (or CHECKPOINTED) with no guardian."""
+    from gpusnap.gpu.quiesce import QuiesceError, quiesce
+    monkeypatch.setenv("GPUSNAP_WAIT_DRIVER_MOVE", "0.3")
+    monkeypatch.setenv("GPUSNAP_WAIT_DRIVER_LATE", "20")
+    monkeypatch.setattr(driver_calls, "_HUNG", [])
+    ok, wedged = two_running
+    lib = _Machine(slow, wedged)
+    threading.Timer(1.5, lib.land.set).start()  # lands after the bound, within the late wait
+    with pytest.raises(QuiesceError) as err:
+        quiesce(_driver(lib), [ok, wedged], lock_timeout_ms=100)
+    assert lib.states == {ok: 0, wedged: 0}  # both RUNNING again
+    assert list(err.value.failures) == [wedged] and err.value.rollback_failures == {}
+    said = str(err.value)
+    assert f"the NVIDIA driver's {slow} of process {wedged}: no answer within" in said
+    assert said.endswith("; the call answered later, and the process was put back")
+    assert not driver_calls.driver_hung()
+
+
+def test_a_lock_that_has_not_landed_by_the_late_bound_says_what_to_do(monkeypatch, two_running):
+    from gpusnap.gpu.quiesce import QuiesceError, quiesce
+    monkeypatch.setenv("GPUSNAP_WAIT_DRIVER_MOVE", "0.3")
+    monkeypatch.setenv("GPUSNAP_WAIT_DRIVER_LATE", "0.5")
+    monkeypatch.setattr(driver_calls, "_HUNG", [])
+    ok, wedged = two_running
+    lib = _Machine("lock", wedged)
+    try:
+        started = time.monotonic()
+        with pytest.raises(QuiesceError) as err:
+            quiesce(_driver(lib), [ok, wedged], lock_timeout_ms=100)
+        assert time.monotonic() - started < 5  # bounded: DRIVER_MOVE (+ the lock's), DRIVER_LATE
+        assert lib.states[ok] == 0  # the other one was unlocked, without waiting
+        assert list(err.value.rollback_failures) == [wedged]
+        assert str(err.value).endswith(
+            f"-- and could not undo for pid {wedged}: the call had not answered 0 s later "
+            "either: should it still, the process stays off its GPU until `gpusnap doctor "
+            "--fix` gives it back")
+    finally:
+        lib.land.set()
