@@ -42,9 +42,11 @@ def _human(r: dict) -> None:
 
 def _on_gpus(r: dict) -> str:
     """Its GPUs given back by the guardian, where a leave-running dump took them."""
+    if r.get("gpu_back") is False:
+        return ", off its GPUs"
     if r.get("gpu_back") is not True:
         return ""
-    return f", on its GPUs again {r['gpu_back_seconds']:.2f} s after the dump"
+    return f", on its GPUs again {r['gpu_back_seconds']:.2f} s after Podman was done"
 
 
 @click.command("checkpoint")
@@ -71,7 +73,8 @@ def checkpoint_cmd(container: str, export: str | None, leave_running: bool,
     with step(f"Checkpointing {plan.container.name} ({what}, up to "
               f"{human_bytes(plan.estimate_bytes)})...", as_json):
         result = ops.run(plan)
-    if plan.leave_running and plan.cuda:  # Podman is done before the guardian gave them back
+    # Podman is done before the guardian has given the GPUs back
+    if gpu_back.expected(plan.leave_running, bool(plan.cuda), plan.container.runtime):
         with step(f"Giving {plan.container.name} its GPUs back...", as_json):
             result.update(gpu_back.wait(plan.container.pid, plan.container.name, since).fields())
     emit(as_json, result, _human)

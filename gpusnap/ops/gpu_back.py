@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from gpusnap import journal
+from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.gpu.turn import DONE, GUARDING, holder, wait_turn
 from gpusnap.waits import Bound, WaitExpired, raise_words
 
@@ -26,7 +27,7 @@ class GpuBack:
     """Whether the GPUs are back: None where that is not known (yet)."""
 
     back: bool | None
-    seconds: float  # waited after the dump, for the guardian's turn
+    seconds: float  # waited for the guardian's turn once Podman was done
     detail: str | None = None  # where not back: what happened, in one line
     hint: str | None = None
 
@@ -36,6 +37,13 @@ class GpuBack:
         if self.detail:
             out.update(gpu_back_detail=self.detail, gpu_back_hint=self.hint)
         return out
+
+
+def expected(leave_running: bool, cuda: bool, runtime: str) -> bool:
+    """Whether a guardian gives GPUs back after this checkpoint: not where the
+    dump stops the container, nor without CUDA processes, nor where CRIU runs
+    no action script (its CUDA plugin then gives them back before it ends)."""
+    return leave_running and cuda and runs_action_script(runtime)
 
 
 def _another_took_it(pid: int | None, role: str) -> bool:
@@ -64,9 +72,9 @@ def _still_coming(init_pid: int, name: str, waited: float) -> GpuBack:
     who, _ = holder(init_pid)
     return GpuBack(None, waited, (
         f"the checkpoint of {name} is complete; its GPUs are still being given back by "
-        f"gpusnap's guardian (pid {who or 'unknown'}) {waited:.0f} s after the dump"),
-        "`gpusnap doctor` shows its processes as left to the guardian until they are back; "
-        f"a host that is just slow: {raise_words('GPU_TURN')}")
+        f"gpusnap's guardian (pid {who or 'unknown'}) {waited:.0f} s after Podman was done"),
+        "`gpusnap doctor` says once they are back (its processes are \"left to gpusnap's "
+        f"guardian\" meanwhile); a host that is just slow: {raise_words('GPU_TURN')}")
 
 
 def _mine(init_pid: int, since: float) -> list[dict]:
@@ -91,9 +99,10 @@ def verdict(init_pid: int, name: str, since: float, waited: float) -> GpuBack:
         return _not_back(name, waited, why)
     if quiesced is not None and not quiesced.get("guardian", True):
         return GpuBack(True, waited)  # nothing quiesced here: no GPU was taken away
-    if quiesced is not None:
-        return _not_back(name, waited, "gpusnap's guardian ended before it said they were "
-                                       "(killed?)")
+    if quiesced is not None:  # not known to be back: said as not back, the way to check with it
+        return GpuBack(False, waited, f"the checkpoint of {name} is complete and kept, but "
+                       "gpusnap's guardian ended before it said its GPUs were back (killed?)",
+                       f"`gpusnap doctor` shows whether they are; {FIX}")
     return GpuBack(None, waited, f"the checkpoint of {name} is complete; whether its GPUs "
                    "are back could not be told (no record of its quiesce in gpusnap's journal)",
                    f"`gpusnap doctor` tells; {FIX}")

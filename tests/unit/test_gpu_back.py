@@ -28,9 +28,10 @@ def state(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
 
 
-def _checkpoint(monkeypatch, *args: str, cuda: bool = True, leave_running: bool = True):
+def _checkpoint(monkeypatch, *args: str, cuda: bool = True, leave_running: bool = True,
+                runtime: str = "runc"):
     """`gpusnap checkpoint web ARGS`, its dump faked: done at once."""
-    plan = SimpleNamespace(container=SimpleNamespace(pid=INIT, name="web"),
+    plan = SimpleNamespace(container=SimpleNamespace(pid=INIT, name="web", runtime=runtime),
                            cuda=[SimpleNamespace(pid=INIT + 1)] if cuda else [],
                            estimate_bytes=1 << 30, leave_running=leave_running)
     result = {"container": {"id": "c0ffee", "name": "web"}, "export": None,
@@ -83,6 +84,7 @@ def test_a_give_back_that_failed_is_said_and_the_checkpoint_kept(monkeypatch):
     _guardian_ends(holder, 0.1, ok=False, error="CUDA_ERROR_OUT_OF_MEMORY")
     res = _checkpoint(monkeypatch, "-R")
     assert res.exit_code == 1 and "Checkpointed web" in res.output
+    assert "the container keeps running, off its GPUs" in res.output
     assert "Error: the checkpoint of web is complete and kept" in res.output
     assert "gpusnap doctor --fix" in res.output
 
@@ -98,18 +100,20 @@ def test_a_guardian_still_at_work_at_the_bound_is_said_with_the_command_to_check
     assert out["gpu_back_detail"].startswith(
         f"the checkpoint of web is complete; its GPUs are still being given back by gpusnap's "
         f"guardian (pid {holder.pid}) ")
-    assert out["gpu_back_detail"].endswith(" s after the dump")
-    assert out["gpu_back_hint"].startswith("`gpusnap doctor` shows")
+    assert out["gpu_back_detail"].endswith(" s after Podman was done")
+    assert out["gpu_back_hint"].startswith("`gpusnap doctor` says once they are back")
     assert "GPUSNAP_WAIT_GPU_TURN=SECONDS" in out["gpu_back_hint"]
 
 
-@pytest.mark.parametrize("cuda, leave_running", [(False, True), (True, False)])
+@pytest.mark.parametrize("cuda, leave_running, runtime", [
+    (False, True, "runc"), (True, False, "runc"),
+    (True, True, "/usr/bin/runsc")])  # no action script: CRIU's CUDA plugin's to give back
 def test_a_checkpoint_without_a_guardian_to_wait_for_does_not_wait(monkeypatch, cuda,
-                                                                   leave_running):
+                                                                   leave_running, runtime):
     with turn_holder.holding(INIT):  # would hold it past any wait
         started = time.monotonic()
         res = _checkpoint(monkeypatch, *(["-R"] if leave_running else []), "--json",
-                          cuda=cuda, leave_running=leave_running)
+                          cuda=cuda, leave_running=leave_running, runtime=runtime)
         assert time.monotonic() - started < 2
     assert res.exit_code == 0 and "gpu_back" not in json.loads(res.output)
 
@@ -117,7 +121,8 @@ def test_a_checkpoint_without_a_guardian_to_wait_for_does_not_wait(monkeypatch, 
 def test_a_guardian_gone_without_a_word_is_not_taken_for_gpus_back():
     journal.record("quiesced", init_pid=INIT, pids=[INIT + 1], guardian=True)
     back = gpu_back.wait(INIT, "web", time.time() - 5, Bound("GPU_TURN", 5))
-    assert back.back is False and "ended before it said they were" in back.detail
+    assert back.back is False and "ended before it said its GPUs were back" in back.detail
+    assert "`gpusnap doctor --fix`" in back.hint
 
 
 def test_gpus_nothing_took_away_are_back():
