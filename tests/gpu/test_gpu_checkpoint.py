@@ -80,12 +80,16 @@ def test_gpusnap_checkpoint_restore_two_processes(cuda_ctr2, tmp_path):
 
 def test_leave_running_gives_the_gpu_back(cuda_ctr, tmp_path):
     archive = tmp_path / "live.tar.zst"
-    gpusnap_json("checkpoint", cuda_ctr.name, "--export", str(archive), "--leave-running")
-    # The guardian restores the GPU state once CRIU has let the container go.
-    cuda_ctr.wait_running(above=cuda_ctr.iterations(), timeout=60)
-    cuda_ctr.verify()
+    result = gpusnap_json("checkpoint", cuda_ctr.name, "--export", str(archive),
+                          "--leave-running")
+    # The guardian restores the GPU state once CRIU has let the container go, and
+    # the command returns only once it has (ops/gpu_back.py): back as it returns.
+    assert result["gpu_back"] is True and "gpu_back_detail" not in result, result
+    assert 0 <= result["gpu_back_seconds"] < 180, result
     driver = CudaDriver()
     assert all(driver.state(p) == ProcessState.RUNNING for p in harness.host_pids(cuda_ctr.name))
+    cuda_ctr.wait_running(above=cuda_ctr.iterations(), timeout=60)
+    cuda_ctr.verify()
 
 
 def test_a_checkpoint_while_a_guardian_holds_the_turn_waits_for_it(cuda_ctr, tmp_path):
