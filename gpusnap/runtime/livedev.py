@@ -16,6 +16,7 @@ import signal
 import stat
 import time
 from dataclasses import dataclass, field
+from typing import Callable, NoReturn
 
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.nodes import DeviceRemap, NodeChange
@@ -27,8 +28,9 @@ from gpusnap.waits import Bound
 _CLONE_NEWNS = 0x00020000
 
 
-def _in_mount_ns(pid: int, action) -> None:
-    """Run ``action()`` in a child that has joined ``pid``'s mount namespace.
+def _in_mount_ns(pid: int, action: Callable[[], bytes | None]) -> bytes:
+    """Run ``action()`` in a child that has joined ``pid``'s mount namespace; what
+    it returns comes back.
 
     The parent runs libcuda's threads by now (the GPU was quiesced): the child
     calls setns resolved before the fork, not dlopen, whose lock another thread
@@ -37,48 +39,77 @@ def _in_mount_ns(pid: int, action) -> None:
     ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
     r, w = os.pipe()
     child = os.fork()
-    if child == 0:  # single-threaded here, as setns(CLONE_NEWNS) requires
-        os.close(r)
-        try:
-            if setns(ns, _CLONE_NEWNS) != 0:
-                raise OSError(ctypes.get_errno(), "setns")
-            action()
-        except OSError as exc:
-            os.write(w, f"{exc.filename or ''}: {exc.strerror}".encode())
-            os._exit(1)
-        except BaseException:  # Ctrl-C reaches the child too: never unwind the parent's stack
-            os._exit(1)
-        os._exit(0)
+    if child == 0:
+        _child(ns, r, w, setns, action)
     os.close(w)
     os.close(ns)
     try:
-        err, status = _reap(child, r, Bound.of("DEVICES"))
+        said, status = _reap(child, r, Bound.of("DEVICES"))
     finally:
         os.close(r)
     if status != 0:
-        raise GpusnapError(f"cannot change the container's device nodes ({err.decode().strip()})")
+        raise GpusnapError(f"cannot change the container's device nodes ({said.decode().strip()})")
+    return said
+
+
+def _child(ns: int, r: int, w: int, setns, action: Callable[[], bytes | None]) -> NoReturn:
+    """The forked child: single-threaded, as setns(CLONE_NEWNS) requires."""
+    try:
+        # Ctrl-C reaches the terminal's whole process group: ignored, so that a
+        # change of the nodes is never cut mid-way (the parent waits for it)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+        os.close(r)
+        if setns(ns, _CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "setns")
+        said = action()
+        if isinstance(said, bytes):
+            os.write(w, said)
+    except OSError as exc:
+        os.write(w, f"{exc.filename or ''}: {exc.strerror}".encode())
+        os._exit(1)
+    except BaseException:  # never unwind the parent's stack in the child
+        os._exit(1)
+    os._exit(0)
 
 
 def _reap(child: int, r: int, bound: Bound) -> tuple[bytes, int]:
     """(what the child wrote to ``r``, its wait status), within ``bound``: past
-    it the child is killed."""
+    it the child is killed. A Ctrl-C meanwhile is raised once the child has
+    exited: it finishes its change, and an undo begun meanwhile would race it."""
     deadline = time.monotonic() + bound.seconds
-    err = b""
-    while True:
-        ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            os.kill(child, signal.SIGKILL)
-            os.waitpid(child, 0)
-            raise bound.expired("the child changing the container's device nodes",
-                                "the move stops and is undone; the container's "
-                                "/dev/nvidia* nodes may be half-changed (`podman exec "
-                                "CTR ls -l /dev` shows them)")
-        chunk = os.read(r, 4096)
-        if not chunk:
-            break
-        err += chunk
-    _, status = os.waitpid(child, 0)  # the pipe closed: it has exited (or is exiting)
-    return err, status
+    said: list[bytes] = []
+    interrupted: KeyboardInterrupt | None = None
+    status: int | None = None
+    while status is None:
+        try:
+            status = _reap_step(child, r, deadline, bound, said)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+        except ChildProcessError:
+            if interrupted is None:
+                raise
+            status = -1  # reaped just as the Ctrl-C came: it is raised below
+    if interrupted is not None:
+        raise interrupted
+    return b"".join(said), status
+
+
+def _reap_step(child: int, r: int, deadline: float, bound: Bound, said: list[bytes]) -> int | None:
+    """One wait for the child: its wait status once it has exited, else None."""
+    ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+    if not ready:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        raise bound.expired("the child changing the container's device nodes",
+                            "the move stops and is undone; the container's "
+                            "/dev/nvidia* nodes may be half-changed (`podman exec "
+                            "CTR ls -l /dev` shows them)")
+    chunk = os.read(r, 4096)
+    if chunk:
+        said.append(chunk)
+        return None
+    return os.waitpid(child, 0)[1]  # the pipe closed: it has exited (or is exiting)
 
 
 def _swap_nodes(pid: int, pairs: list[tuple[str, str, tuple[int, int]]]) -> None:

@@ -4,6 +4,7 @@ is waited for within a bound, and joins the namespace without dlopen."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -47,3 +48,32 @@ def test_a_change_in_our_own_mount_namespace_runs_in_the_child(tmp_path):
     assert made.read_text() == "x"
     with pytest.raises(livedev.GpusnapError, match="cannot change the container's device nodes"):
         livedev._in_mount_ns(os.getpid(), lambda: os.stat(tmp_path / "missing"))
+
+
+def test_ctrl_c_never_cuts_the_childs_change(tmp_path):
+    # Ctrl-C goes to the terminal's whole process group, the child included
+    made = tmp_path / "made"
+
+    def change() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        made.write_text("x")
+    livedev._in_mount_ns(os.getpid(), change)
+    assert made.read_text() == "x"
+
+
+def test_ctrl_c_in_the_parent_waits_for_the_child_then_is_raised(tmp_path):
+    # an undo begun while the child still changes the nodes would race it
+    made = tmp_path / "made"
+
+    def change() -> None:
+        os.kill(os.getppid(), signal.SIGINT)
+        time.sleep(0.3)
+        made.write_text("x")
+    with pytest.raises(KeyboardInterrupt):
+        livedev._in_mount_ns(os.getpid(), change)
+    assert made.read_text() == "x"
+
+
+def test_what_the_action_returns_comes_back():
+    assert livedev._in_mount_ns(os.getpid(), lambda: b"found") == b"found"
