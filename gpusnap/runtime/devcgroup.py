@@ -243,13 +243,23 @@ class DeviceAccess:
                 self._old_fd = attached_now  # runc's program, kept to undo the move
             else:
                 try:
-                    if self._old_fd is None:
-                        raise GpusnapError("nothing to undo: the device program was not replaced")
-                    replace_program(fd, self._old_fd, attached_now, flags)
+                    self._put_back(fd, attached_now, flags, wanted)
                 finally:
                     os.close(attached_now)
         finally:
             os.close(fd)
+
+    def _put_back(self, fd: int, attached_now: int, flags: int, wanted: list[Rule]) -> None:
+        """runc's program where this process kept it; else (a change whose process
+        is gone, undone by `gpusnap doctor --fix`) one built from the rules before."""
+        if self._old_fd is not None:
+            replace_program(fd, self._old_fd, attached_now, flags)
+            return
+        built = load_program(device_program(wanted))
+        try:
+            replace_program(fd, built, attached_now, flags)
+        finally:
+            os.close(built)  # the cgroup holds it now
 
     def close(self) -> None:
         if self._old_fd is not None:

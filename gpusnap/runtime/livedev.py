@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import select
 import signal
 import stat
 import time
-from dataclasses import dataclass, field
-from typing import Callable, NoReturn
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, NoReturn, Sequence
 
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.nodes import DeviceRemap, NodeChange
+from gpusnap.gpu.nodes import DeviceRemap
 from gpusnap.oci.spec.cgroup import remap_cgroup_rules
 from gpusnap.oci.spec.devices import remap_devices
 from gpusnap.runtime.devcgroup import DeviceAccess, container_rules, device_cgroup
@@ -28,7 +29,7 @@ from gpusnap.waits import Bound
 _CLONE_NEWNS = 0x00020000
 
 
-def _in_mount_ns(pid: int, action: Callable[[], bytes | None]) -> bytes:
+def _in_mount_ns(pid: int, action: Callable[[], bytes | None], doing: str = "change") -> bytes:
     """Run ``action()`` in a child that has joined ``pid``'s mount namespace; what
     it returns comes back.
 
@@ -48,7 +49,7 @@ def _in_mount_ns(pid: int, action: Callable[[], bytes | None]) -> bytes:
     finally:
         os.close(r)
     if status != 0:
-        raise GpusnapError(f"cannot change the container's device nodes ({said.decode().strip()})")
+        raise GpusnapError(f"cannot {doing} the container's device nodes ({said.decode().strip()})")
     return said
 
 
@@ -112,31 +113,84 @@ def _reap_step(child: int, r: int, deadline: float, bound: Bound, said: list[byt
     return os.waitpid(child, 0)[1]  # the pipe closed: it has exited (or is exiting)
 
 
-def _swap_nodes(pid: int, pairs: list[tuple[str, str, tuple[int, int]]]) -> None:
-    """For each (old path, new path, new numbers): make the new node like the old one, drop the old."""
-    def act() -> None:
-        made = []
-        try:
-            for old, new, (major, minor) in pairs:
-                st = os.stat(old, follow_symlinks=False)
-                if not stat.S_ISCHR(st.st_mode):
-                    raise OSError(0, "not a character device", old)
-                tmp = f"{new}.gpusnap"
-                with contextlib.suppress(FileNotFoundError):  # left by a move killed here
-                    os.unlink(tmp)
-                os.mknod(tmp, stat.S_IFCHR | stat.S_IMODE(st.st_mode), os.makedev(major, minor))
-                made.append((old, tmp, new))
-                os.chown(tmp, st.st_uid, st.st_gid)
-        except BaseException:  # nothing swapped yet: the container's /dev as it was
-            for _, tmp, _ in made:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-            raise
-        for old, tmp, new in made:  # all swaps at once: a swap 0<->1 stays one
-            os.unlink(old)
-        for old, tmp, new in made:
-            os.rename(tmp, new)
-    _in_mount_ns(pid, act)
+_TMP = ".gpusnap"  # a node being made, renamed over its path once complete
+
+
+@dataclass(frozen=True)
+class Node:
+    """A character device node as a container's /dev has it, or is to have it."""
+
+    path: str
+    major: int
+    minor: int
+    mode: int  # permission bits
+    uid: int
+    gid: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Node":
+        return cls(str(d["path"]), *(int(d[k]) for k in ("major", "minor", "mode", "uid", "gid")))
+
+
+def survey(pid: int, paths: Sequence[str]) -> list[Node]:
+    """The nodes at ``paths`` in ``pid``'s /dev as they are now, what an undo
+    puts back; each must be a character device."""
+    if not paths:
+        return []
+
+    def read() -> bytes:
+        found = []
+        for path in paths:
+            st = os.stat(path, follow_symlinks=False)
+            if not stat.S_ISCHR(st.st_mode):
+                raise OSError(0, "not a character device", path)
+            found.append(Node(path, os.major(st.st_rdev), os.minor(st.st_rdev),
+                              stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid).to_dict())
+        return json.dumps(found).encode()
+    return [Node.from_dict(d) for d in json.loads(_in_mount_ns(pid, read, "read"))]
+
+
+def set_nodes(pid: int, wanted: Sequence[Node], gone: Sequence[str]) -> None:
+    """Make ``pid``'s /dev hold the ``wanted`` nodes and none of the ``gone``
+    paths, from whatever state a change cut mid-way left there: so a change and
+    its undo are the same step, which may be run again until it succeeds."""
+    _in_mount_ns(pid, lambda: _make_nodes(wanted, gone))
+
+
+def _make_nodes(wanted: Sequence[Node], gone: Sequence[str]) -> None:
+    """In the container's mount namespace: each wanted path made its node at once
+    (a path both given and taken, a swap 0<->1, is never missing), then the
+    paths no longer wanted removed, with any temp a cut change left."""
+    for node in wanted:
+        _make_node(node)
+    for path in gone:
+        for stale in (path + _TMP, path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+
+
+def _make_node(node: Node) -> None:
+    tmp = node.path + _TMP
+    with contextlib.suppress(FileNotFoundError):  # left by a change cut here
+        os.unlink(tmp)
+    os.mknod(tmp, stat.S_IFCHR | 0o600, os.makedev(node.major, node.minor))
+    try:
+        os.chown(tmp, node.uid, node.gid)
+        os.chmod(tmp, node.mode)  # after the chown, which clears setuid bits; mknod's mode is umask'ed
+        os.rename(tmp, node.path)  # atomic: the path is the old node or the new one
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _only_in(nodes: Sequence[Node], other: Sequence[Node]) -> list[str]:
+    """Paths of ``nodes`` that ``other`` does not name."""
+    keep = {n.path for n in other}
+    return [n.path for n in nodes if n.path not in keep]
 
 
 @dataclass
@@ -144,21 +198,21 @@ class LiveDevices:
     """A planned change of a running container's devices; ``apply`` then ``undo`` if needed."""
 
     pid: int
-    remap: DeviceRemap
     access: DeviceAccess
-    spec_after: dict
-    nodes: tuple[NodeChange, ...] = ()  # the remap's nodes the container was given
+    before: tuple[Node, ...] = ()  # the container's nodes the change replaces, as they were
+    after: tuple[Node, ...] = ()  # the nodes it gets instead
     _applied: list[str] = field(default_factory=list)
 
     def apply(self) -> None:
-        self.access.apply()
+        # each marked before it starts: one cut mid-way is undone too
         self._applied.append("cgroup")
-        _swap_nodes(self.pid, [(n.old_path, n.new_path, n.new) for n in self.nodes])
+        self.access.apply()
         self._applied.append("nodes")
+        set_nodes(self.pid, self.after, _only_in(self.before, self.after))
 
     def undo(self) -> None:
         if "nodes" in self._applied:
-            _swap_nodes(self.pid, [(n.new_path, n.old_path, n.old) for n in self.nodes])
+            set_nodes(self.pid, self.before, _only_in(self.after, self.before))
         if "cgroup" in self._applied:
             self.access.undo()
         self._applied.clear()
@@ -168,11 +222,16 @@ class LiveDevices:
 
 
 def plan_live(pid: int, spec: dict, remap: DeviceRemap) -> LiveDevices:
-    """Check everything the change needs before anything changes."""
-    after = remap_cgroup_rules(remap_devices(spec, remap), remap)
+    """Check everything the change needs before anything changes: the
+    container's old nodes are read here, for an undo to put back as they were."""
+    spec_after = remap_cgroup_rules(remap_devices(spec, remap), remap)
     cgroup, version = device_cgroup(pid)
-    access = DeviceAccess(pid, cgroup, version, container_rules(spec), container_rules(after))
+    access = DeviceAccess(pid, cgroup, version, container_rules(spec), container_rules(spec_after))
     # A remap names every node of a moved GPU (its DRM card and render nodes where
     # both hosts have them); a container given /dev/nvidiaN alone has only those.
     given = {d.get("path") for d in (spec.get("linux") or {}).get("devices") or []}
-    return LiveDevices(pid, remap, access, after, tuple(n for n in remap.nodes if n.old_path in given))
+    changes = [n for n in remap.nodes if n.old_path in given]
+    before = survey(pid, [n.old_path for n in changes])
+    after = tuple(replace(node, path=n.new_path, major=n.new[0], minor=n.new[1])
+                  for node, n in zip(before, changes))
+    return LiveDevices(pid, access, tuple(before), after)

@@ -12,13 +12,15 @@ import os
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from gpusnap.gpu.nodes import DeviceRemap, NodeChange
 from gpusnap.runtime import devcgroup
-from gpusnap.runtime.livedev import _in_mount_ns, plan_live
+from gpusnap.errors import GpusnapError
+from gpusnap.runtime.livedev import _in_mount_ns, plan_live, set_nodes, survey
 from tests.conftest import DEMO_IMAGE, assert_one_line_error, gpusnap, podman
 
 KMSG_TO_LOOP = DeviceRemap(nodes=(NodeChange("/dev/kmsg", "/dev/loop-control", (1, 11), (10, 237)),))
@@ -72,17 +74,24 @@ def test_live_device_move_and_undo_in_a_running_container(name, remap):
     assert podman("exec", name, "ls", "/dev/dri", check=False).returncode != 0  # none made
 
 
-def test_a_swap_that_fails_leaves_no_node_of_its_own(name):
+def test_a_change_cut_mid_way_is_undone_node_by_node(name):
     podman("run", "-d", "--name", name, "--network", "none", "--device", "/dev/kmsg",
            DEMO_IMAGE, "sleep", "600")
     pid = int(podman("inspect", name, "--format", "{{.State.Pid}}").stdout)
-    from gpusnap.runtime.livedev import _swap_nodes
-    with pytest.raises(Exception):  # the second old node is no device: nothing swapped
-        _swap_nodes(pid, [("/dev/kmsg", "/dev/loop-control", (10, 237)),
-                          ("/etc/hostname", "/dev/other", (10, 238))])
+    mode = podman("exec", name, "ls", "-l", "/dev/kmsg").stdout.split()[0]
+    kmsg = survey(pid, ["/dev/kmsg"])
+    loop = replace(kmsg[0], path="/dev/loop-control", major=10, minor=237)
+    with pytest.raises(GpusnapError):  # the second node's folder is not there: the first is made
+        set_nodes(pid, [loop, replace(loop, path="/dev/no-such-dir/x")], ["/dev/kmsg"])
+    assert _numbers(name, "/dev/loop-control") == ["10,", "237"]
+    set_nodes(pid, kmsg, ["/dev/loop-control", "/dev/no-such-dir/x"])  # the undo, from there
     listing = podman("exec", name, "ls", "-a", "/dev").stdout.split()
-    assert "kmsg" in listing and not [n for n in listing if n.endswith(".gpusnap")], listing
+    assert "kmsg" in listing and "loop-control" not in listing, listing
+    assert not [n for n in listing if n.endswith(".gpusnap")], listing
     assert _numbers(name, "/dev/kmsg") == ["1,", "11"]
+    assert podman("exec", name, "ls", "-l", "/dev/kmsg").stdout.split()[0] == mode
+    with pytest.raises(GpusnapError, match="not a character device"):  # read before any change
+        survey(pid, ["/etc/hostname"])
 
 
 @pytest.fixture

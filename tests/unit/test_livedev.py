@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
+from pathlib import Path
 
 import pytest
 
-from gpusnap.runtime import livedev
+from gpusnap.gpu.nodes import DeviceRemap, NodeChange
+from gpusnap.runtime import devcgroup, livedev
 from gpusnap.waits import Bound, WaitExpired
 
 
@@ -77,3 +80,134 @@ def test_ctrl_c_in_the_parent_waits_for_the_child_then_is_raised(tmp_path):
 
 def test_what_the_action_returns_comes_back():
     assert livedev._in_mount_ns(os.getpid(), lambda: b"found") == b"found"
+
+
+# --- the nodes: made one by one, undone from wherever a change was cut -----------------
+
+needs_mknod = pytest.mark.skipif(os.geteuid() != 0, reason="mknod: needs root (make test runs as root)")
+
+
+def _mknod(path: Path, numbers: tuple[int, int], mode: int = 0o666, uid: int = 0, gid: int = 0) -> None:
+    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(*numbers))
+    os.chown(path, uid, gid)
+    os.chmod(path, mode)
+
+
+def _listing(dev: Path) -> dict[str, tuple]:
+    """Each entry of ``dev``: a node's numbers, mode and owner, or "file"."""
+    out = {}
+    for entry in sorted(dev.iterdir()):
+        st = entry.lstat()
+        out[entry.name] = (os.major(st.st_rdev), os.minor(st.st_rdev), stat.S_IMODE(st.st_mode),
+                           st.st_uid, st.st_gid) if stat.S_ISCHR(st.st_mode) else "file"
+    return out
+
+
+@pytest.fixture
+def dev(tmp_path, monkeypatch):
+    """A /dev of our own mount namespace and a cgroup v1 folder the rules are written to."""
+    (tmp_path / "cgroup").mkdir()
+    monkeypatch.setattr(livedev, "device_cgroup", lambda pid: (tmp_path / "cgroup", 1))
+    (tmp_path / "dev").mkdir()
+    return tmp_path / "dev"
+
+
+def _plan(dev: Path, moves: list[tuple[str, str, tuple[int, int], tuple[int, int]]]):
+    spec = {"linux": {"devices": [{"path": str(dev / old), "type": "c", "major": o[0], "minor": o[1]}
+                                  for old, _, o, _ in moves]}}
+    remap = DeviceRemap(nodes=tuple(NodeChange(str(dev / old), str(dev / new), o, n)
+                                    for old, new, o, n in moves))
+    return livedev.plan_live(os.getpid(), spec, remap)
+
+
+@needs_mknod
+def test_a_move_and_its_undo_keep_each_nodes_mode_and_owner(dev):
+    _mknod(dev / "nvidia0", (1, 3), 0o666, 1000, 44)
+    live = _plan(dev, [("nvidia0", "nvidia1", (1, 3), (1, 5))])
+    umask = os.umask(0o022)  # the CLI's: mknod's mode would lose the group's and others' write
+    try:
+        live.apply()
+        assert _listing(dev) == {"nvidia1": (1, 5, 0o666, 1000, 44)}
+        live.undo()
+    finally:
+        os.umask(umask)
+    assert _listing(dev) == {"nvidia0": (1, 3, 0o666, 1000, 44)}
+
+
+@needs_mknod
+def test_a_swap_of_two_nodes_keeps_both_paths_and_undoes(dev):
+    _mknod(dev / "nvidia0", (1, 3), 0o666)
+    _mknod(dev / "nvidia1", (1, 5), 0o660, 0, 44)
+    was = _listing(dev)
+    live = _plan(dev, [("nvidia0", "nvidia1", (1, 3), (1, 5)), ("nvidia1", "nvidia0", (1, 5), (1, 3))])
+    live.apply()
+    assert _listing(dev) == {"nvidia0": (1, 3, 0o660, 0, 44), "nvidia1": (1, 5, 0o666, 0, 0)}
+    live.undo()
+    assert _listing(dev) == was
+
+
+CHAIN = [("nvidia0", "nvidia1", (1, 3), (1, 5)), ("nvidia1", "nvidia2", (1, 5), (1, 7))]
+
+
+def _cut_at(call: str, nth: int, kill: bool):
+    """``os.<call>`` failing at its ``nth`` call, or the child killed there."""
+    real = getattr(os, call)
+    seen = [0]
+
+    def cut(*args, **kwargs):
+        seen[0] += 1
+        if seen[0] == nth:
+            if kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(28, "No space left on device", str(args[0]))
+        return real(*args, **kwargs)
+    return cut
+
+
+@needs_mknod
+@pytest.mark.parametrize("call,nth", [("mknod", 1), ("mknod", 2), ("rename", 1), ("rename", 2),
+                                      ("unlink", 3), ("unlink", 4)])
+@pytest.mark.parametrize("kill", [False, True], ids=["failed", "killed"])
+def test_an_undo_puts_every_node_back_from_wherever_the_change_was_cut(dev, monkeypatch, call,
+                                                                       nth, kill):
+    _mknod(dev / "nvidia0", (1, 3))
+    _mknod(dev / "nvidia1", (1, 5), 0o660)
+    was = _listing(dev)
+    live = _plan(dev, CHAIN)
+    with monkeypatch.context() as m:
+        m.setattr(os, call, _cut_at(call, nth, kill))
+        with pytest.raises(livedev.GpusnapError, match="cannot change the container's device nodes"):
+            live.apply()
+    live.undo()
+    assert _listing(dev) == was
+    live.undo()  # again: the same step, nothing left to do
+    assert _listing(dev) == was
+
+
+@needs_mknod
+def test_a_node_that_is_no_device_is_refused_before_anything_changes(dev):
+    (dev / "nvidia0").write_text("")
+    with pytest.raises(livedev.GpusnapError, match="nvidia0: not a character device"):
+        _plan(dev, [("nvidia0", "nvidia1", (1, 3), (1, 5))])
+
+
+def test_a_cgroup_v2_undo_without_runcs_program_puts_one_built_from_the_rules_back(tmp_path,
+                                                                                    monkeypatch):
+    # a change marked before it starts, or one doctor undoes for a killed move:
+    # runc's program was not kept, so the rules before make one
+    before = devcgroup.container_rules({"linux": {"devices": [
+        {"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]}})
+    after = devcgroup.container_rules({"linux": {"devices": [
+        {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1}]}})
+    loaded, replaced = [], []
+
+    def load(insns: bytes) -> int:
+        loaded.append(insns)
+        return os.open("/dev/null", os.O_RDONLY)
+    monkeypatch.setattr(devcgroup, "attached", lambda fd: ([7], 2))
+    monkeypatch.setattr(devcgroup, "program_fd", lambda prog_id: os.open("/dev/null", os.O_RDONLY))
+    monkeypatch.setattr(devcgroup, "load_program", load)
+    monkeypatch.setattr(devcgroup, "replace_program",
+                        lambda fd, new, old, flags: replaced.append((new, old, flags)))
+    devcgroup.DeviceAccess(1, tmp_path, 2, before, after).undo()
+    assert loaded == [devcgroup.device_program(before)] and len(replaced) == 1
