@@ -27,7 +27,7 @@ def _human(r: dict) -> None:
 
 @click.command("doctor")
 @click.option("--fix", is_flag=True, help="Restore and unlock GPU processes an interrupted "
-              "checkpoint left behind.")
+              "checkpoint left behind; undo an interrupted `gpusnap move`.")
 @json_option
 @handle_errors
 def doctor_cmd(fix: bool, as_json: bool) -> None:

@@ -21,7 +21,7 @@ from gpusnap.criu.version import (INET_SOCKETS_LOG, criu_version, cuda_plugin_pa
                                   inet_sockets_problem, require_supported)
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.inventory import read_inventory
-from gpusnap.ops import frozen
+from gpusnap.ops import frozen, moving
 from gpusnap.ops.gpu_state import ensure_running
 from gpusnap.ops.snapshot_files import unrestorable
 from gpusnap.ops.preconditions import has_checkpoint, require_running
@@ -91,6 +91,8 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
     # a frozen one's GPU memory is in its processes' host memory, and its manifest
     # would name no GPU: nothing a restore could check or place
     frozen.refuse(container.name, cuda, "be checkpointed: its GPU state is not on a GPU")
+    if cuda:  # a move cut off: its processes off their GPUs, its nodes maybe half-changed
+        moving.refuse(container.pid, container.name, "be checkpointed")
     if cuda and not runs_action_script(container.runtime) and cuda_plugin_path() is None:
         raise GpusnapError(f"{container.name} has CUDA processes and runs under "
                            f"{container.runtime}: {why_not(container.runtime)} and its GPU "

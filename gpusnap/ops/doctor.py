@@ -21,7 +21,7 @@ from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.quiesce import QuiesceError, refused_for_good, resume, states
 from gpusnap.gpu import turn
-from gpusnap.ops import frozen, leftovers
+from gpusnap.ops import frozen, leftovers, moving
 from gpusnap.pages import prepared_pages
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.procs import PROC, gpu_use, process_tree, stopped
@@ -158,7 +158,9 @@ def stuck_processes() -> list[dict]:
     Stopped ones are not asked about (the driver would wait until they run), nor
     frozen ones (a dump in progress, or a paused container: not left by one)."""
     candidates = []
-    on_purpose = frozen.frozen()  # `gpusnap freeze`'s, until `gpusnap thaw`
+    # `gpusnap freeze`'s, until `gpusnap thaw`; a move's, until its own undo (which
+    # puts the old nodes back first: resumed before it, they would not reach their GPU)
+    on_purpose = {**frozen.frozen(), **moving.moving()}
     for entry in PROC.iterdir():
         if entry.name.isdigit():
             use = gpu_use(int(entry.name), PROC)
@@ -236,6 +238,46 @@ def _gpu_processes_check(fix: bool) -> tuple[Check, list[dict], list[int]]:
     return Check("gpu processes", not left, detail, hint), stuck, fixed
 
 
+def _moves_check(fix: bool) -> tuple[Check, list[dict]]:
+    """Moves cut off (`gpusnap move` killed between its quiesce and its end): the
+    processes are off their GPUs and the container's nodes and rule may name the
+    new ones. ``fix`` undoes each as the move would have (ops/moving.py), under
+    its container's turn: a move still at work holds it, and is left alone."""
+    found = moving.under_way()
+    driver = load_driver() if found and fix else None
+    said: list[dict] = []
+    for move in found:
+        said.append({"container": move.container, "init_pid": move.init_pid,
+                     "pids": move.running(), "phase": move.phase,
+                     "state": _undo_move(move, driver, fix)})
+    left = [m for m in said if m["state"] not in ("undone", "at work")]
+    detail = "; ".join(f"{m['container']} (pids {', '.join(map(str, m['pids'])) or 'none'}): "
+                       f"{m['state']}" for m in said) or "none cut off"
+    hint = "run `gpusnap doctor --fix` to put back their old GPU nodes and device rule and " \
+        "resume them on their old GPUs" if left else ""
+    return Check("interrupted moves", not left, detail, hint), said
+
+
+def _undo_move(move: moving.Move, driver, fix: bool) -> str:
+    """What became of one cut move, in words: undone, at work, cut off, or why not undone."""
+    try:
+        held = turn.try_take(move.init_pid, "doctor --fix" if fix else "doctor")
+    except OSError:  # a state folder this user cannot write: nothing to fix from here
+        return f"cut off {move.where()}"
+    if held is None:
+        return "at work"  # the move itself, or another verb under its turn
+    with held:
+        if driver is None:
+            return f"cut off {move.where()}" + ("; the NVIDIA driver is not available" if fix else "")
+        try:
+            moving.undo_recorded(move, driver)
+        except Exception as exc:  # noqa: BLE001 -- said in the check; the record stays
+            journal.record("doctor-move-undo-failed", container=move.container, error=str(exc))
+            return f"not undone: {exc}"
+    journal.record("doctor-move-undone", container=move.container, pids=move.running())
+    return "undone"
+
+
 def _kept_aside_check(graph_root: Path | None, stuck: list[dict], fix: bool) -> Check:
     """Local checkpoints a restore kept where its GPU state did not come back
     (runtime/kept_checkpoint.py): the way back for a container whose processes
@@ -298,12 +340,14 @@ def run(fix: bool) -> dict:
     # kept, podman.host_facts) waits for every container's lock, which a restore
     # holds until its end; read after it, a restore's processes would be seen
     # only once it is over, and a stuck one resumed only then.
+    # a cut move's undo first: the processes it resumes are none of the stuck ones
+    moves_check, moves = _moves_check(fix)
     gpu_check, stuck, fixed = _gpu_processes_check(fix)
     checks = _criu_checks() + _integration_checks() + _gpu_checks() + [_pages_check(),
                                                                         _prepared_check()]
     checks.append(Check("kernel", True, f"{platform.release()} {platform.machine()}",
                         required=False))
-    checks += [gpu_check, _kept_aside_check(storage_root(), stuck, fix)]
+    checks += [moves_check, gpu_check, _kept_aside_check(storage_root(), stuck, fix)]
     ok = all(c.ok for c in checks if c.required)
     left = leftovers.find()
     removed = leftovers.remove(left) if fix else []
@@ -324,5 +368,5 @@ def run(fix: bool) -> dict:
     return {"ok": ok, "checks": [{**asdict(c), "level": c.level} for c in checks],
             "errors": sum(c.level == "error" for c in checks),
             "warnings": sum(c.level == "warning" for c in checks),
-            "stuck": stuck, "fixed": fixed,
+            "stuck": stuck, "fixed": fixed, "moves": moves,
             "leftovers": [str(p) for p in left], "removed": removed, "kept": kept}

@@ -16,7 +16,7 @@ from gpusnap.gpu.inventory import Inventory, read_inventory
 from gpusnap.gpu.plan import gib
 from gpusnap.gpu.quiesce import Driver, QuiesceError, Timing, quiesce, refused_for_good, resume
 from gpusnap.gpu.turn import wait_turn
-from gpusnap.ops import frozen
+from gpusnap.ops import frozen, moving
 from gpusnap.ops.gpu_state import load_driver
 from gpusnap.ops.preconditions import require_running
 from gpusnap.procs import cuda_processes
@@ -52,6 +52,8 @@ def gpu_turn(name: str, verb: str, command: str) -> Iterator[tuple]:
             # a freeze again would record no pids (doctor would then restore them); a
             # move would resume them onto the new GPU: a thaw behind the user's back
             frozen.refuse(ctr.name, procs, verb)
+        # a move cut off: only its undo knows which GPUs the processes belong on
+        moving.refuse(ctr.pid, ctr.name, verb)
         yield ctr, procs, driver
 
 

@@ -5,25 +5,28 @@ same planner and checks as a restore) -> act (quiesce: GPU memory to host
 memory; swap the container's GPU nodes and device cgroup rule; driver restore
 onto the new GPUs) -> record. The processes keep their pids throughout. Any
 failure after the quiesce puts the nodes and the rule back and resumes the
-processes on their old GPUs.
+processes on their old GPUs; a move killed on the way is undone the same way
+by `gpusnap doctor --fix`, from the record it writes first (ops/moving.py).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from typing import NoReturn
 
 from gpusnap import journal
 from gpusnap.criu.version import criu_version
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest
 from gpusnap.gpu.inventory import read_inventory
-from gpusnap.gpu.quiesce import Driver, QuiesceError, Timing, quiesce, resume, resume_onto
+from gpusnap.gpu.quiesce import Driver, QuiesceError, Timing, quiesce, resume_onto
 from gpusnap.oci.spec import SpecError, rewrite_spec
+from gpusnap.ops import moving
 from gpusnap.ops.freeze import gpu_turn
 from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.runtime import podman
-from gpusnap.runtime.livedev import plan_live
+from gpusnap.runtime.livedev import LiveDevices, plan_live
 
 
 def gpu_map_for(index: int | None, gpu_map: str | None, used: list[dict]) -> str:
@@ -66,19 +69,7 @@ def _move(ctr: podman.Container, procs: list, driver: Driver, index: int | None,
     pids = [p.pid for p in procs]
     timing = Timing()
     start = time.monotonic()
-    try:
-        quiesce(driver, pids, lock_timeout_ms, timing)
-    except QuiesceError as exc:
-        raise GpusnapError(f"could not stop {ctr.name}'s GPU work, nothing was changed: {exc}",
-                           "a process may be in a long kernel; retry with a longer --timeout") \
-            from None
-    try:
-        live.apply()
-        label, _, refused = resume_onto(driver, pids, plan.pair_choices(), timing)
-    except BaseException as exc:  # Ctrl-C included: never leave the container off its GPU
-        _back(ctr.name, live, driver, pids, exc)
-    finally:
-        live.close()
+    label, refused = _act(ctr, pids, driver, live, plan.pair_choices(), lock_timeout_ms, timing)
     seconds = time.monotonic() - start
     journal.record("moved", container=ctr.id, pids=pids, moves=plan.describe(), gpu_pairs=label,
                    failed_first=refused, timing=timing.phases, seconds=round(seconds, 3))
@@ -86,15 +77,44 @@ def _move(ctr: podman.Container, procs: list, driver: Driver, index: int | None,
             "seconds": round(seconds, 3)}
 
 
-def _back(name: str, live, driver, pids: list[int], exc: BaseException) -> None:
-    """Undo a half-done move: old nodes and rule, processes resumed on their old GPUs."""
+def _act(ctr: podman.Container, pids: list[int], driver: Driver, live: LiveDevices,
+         choices: list, lock_timeout_ms: int, timing: Timing) -> tuple[str, list[str]]:
+    """Quiesce, change the devices, resume onto the new GPUs: (the pair choice
+    the driver took, what it refused first). Undone on any failure."""
+    # before anything changes: a move killed anywhere is undone from it (doctor --fix)
+    record = moving.begin(ctr.pid, ctr.name, pids, live, choices)
     try:
-        live.undo()
-        resume(driver, pids)
-    except Exception as undo_exc:  # noqa: BLE001 -- both reported
+        quiesce(driver, pids, lock_timeout_ms, timing)
+    except BaseException as exc:
+        moving.end(ctr.pid)  # the nodes untouched; the driver's state rolled back (else doctor's)
+        if isinstance(exc, QuiesceError):
+            raise GpusnapError(f"could not stop {ctr.name}'s GPU work, nothing was changed: {exc}",
+                               "a process may be in a long kernel; retry with a longer --timeout") \
+                from None
+        raise
+    try:
+        record.advance(moving.DEVICES)
+        live.apply()
+        label, _, refused = resume_onto(driver, pids, choices, timing)
+    except BaseException as exc:  # Ctrl-C included: never leave the container off its GPU
+        _back(ctr.name, record, live, driver, exc)
+    finally:
+        live.close()
+    moving.end(ctr.pid)
+    return label, refused
+
+
+def _back(name: str, record: moving.Move, live: LiveDevices, driver: Driver,
+          exc: BaseException) -> NoReturn:
+    """Undo a half-done move (moving.put_back): the processes off the new GPUs,
+    the old nodes and rule, the processes resumed on their old GPUs."""
+    try:
+        moving.put_back(record, live, driver)
+    except Exception as undo_exc:  # noqa: BLE001 -- both reported; the record is kept for doctor
         journal.record("move-undo-failed", container=name, error=str(exc), undo=str(undo_exc))
-        raise GpusnapError(f"moving {name} failed ({exc}) and so did putting it back ({undo_exc})",
-                           "`gpusnap doctor --fix` unlocks its GPU processes") from None
+        raise GpusnapError(f"moving {name} failed ({exc}), and putting it back did not finish: "
+                           f"{undo_exc}", "`gpusnap doctor --fix` puts it back on its old GPUs") \
+            from None
     journal.record("move-undone", container=name, error=str(exc))
     if isinstance(exc, KeyboardInterrupt):
         raise exc

@@ -17,13 +17,14 @@ import signal
 import stat
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.nodes import DeviceRemap
 from gpusnap.oci.spec.cgroup import remap_cgroup_rules
 from gpusnap.oci.spec.devices import remap_devices
-from gpusnap.runtime.devcgroup import DeviceAccess, container_rules, device_cgroup
+from gpusnap.runtime.devcgroup import DeviceAccess, Rule, container_rules, device_cgroup
 from gpusnap.waits import Bound
 
 _CLONE_NEWNS = 0x00020000
@@ -219,6 +220,25 @@ class LiveDevices:
 
     def close(self) -> None:
         self.access.close()
+
+    def to_dict(self) -> dict:
+        """What an undo needs, for a record that outlives this process (ops/moving.py)."""
+        return {"pid": self.pid, "cgroup": str(self.access.cgroup),
+                "cgroup_version": self.access.version,
+                "rules_before": [asdict(r) for r in self.access.before],
+                "rules_after": [asdict(r) for r in self.access.after],
+                "nodes_before": [n.to_dict() for n in self.before],
+                "nodes_after": [n.to_dict() for n in self.after]}
+
+    @classmethod
+    def recorded(cls, d: dict) -> "LiveDevices":
+        """The change ``to_dict`` describes, as a process cut anywhere in it may
+        have left it: ``undo`` puts back both the nodes and the rule."""
+        rules = {k: [Rule(**r) for r in d[k]] for k in ("rules_before", "rules_after")}
+        access = DeviceAccess(int(d["pid"]), Path(d["cgroup"]), int(d["cgroup_version"]),
+                              rules["rules_before"], rules["rules_after"])
+        return cls(access.pid, access, tuple(map(Node.from_dict, d["nodes_before"])),
+                   tuple(map(Node.from_dict, d["nodes_after"])), ["cgroup", "nodes"])
 
 
 def plan_live(pid: int, spec: dict, remap: DeviceRemap) -> LiveDevices:

@@ -3,6 +3,7 @@ is waited for within a bound, and joins the namespace without dlopen."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -211,3 +212,17 @@ def test_a_cgroup_v2_undo_without_runcs_program_puts_one_built_from_the_rules_ba
                         lambda fd, new, old, flags: replaced.append((new, old, flags)))
     devcgroup.DeviceAccess(1, tmp_path, 2, before, after).undo()
     assert loaded == [devcgroup.device_program(before)] and len(replaced) == 1
+
+
+@needs_mknod
+def test_a_recorded_change_is_undone_by_another_process(dev):
+    # doctor --fix, for a move killed once its devices changed: nothing of its
+    # LiveDevices is left but the record
+    _mknod(dev / "nvidia0", (195, 0), 0o666, 1000, 44)
+    live = _plan(dev, [("nvidia0", "nvidia1", (195, 0), (195, 1))])
+    record = json.loads(json.dumps(live.to_dict()))
+    live.apply()
+    livedev.LiveDevices.recorded(record).undo()
+    assert _listing(dev) == {"nvidia0": (195, 0, 0o666, 1000, 44)}
+    assert (dev.parent / "cgroup" / "devices.allow").read_text() == "c 195:0 rwm"
+    assert (dev.parent / "cgroup" / "devices.deny").read_text() == "c 195:1 rwm"

@@ -1,0 +1,165 @@
+"""Moves `gpusnap move` has under way, recorded so that one cut anywhere can be undone.
+
+A move's processes are CHECKPOINTED in the driver while the container's
+/dev nodes and device cgroup rule change under them. A move killed there
+(SIGTERM, SIGKILL) left no word of it, and `gpusnap doctor --fix` took its
+processes for a checkpoint's: it restored them onto their old GPUs, which
+the container's nodes and rule no longer named. So a move writes a record
+before anything changes: its container (init pid and start time), its
+processes with their start times (a record outliving them names nothing),
+the nodes and rules before and after, the GPU pairs it offered the driver,
+and how far it got. ``put_back`` undoes it from there, for the move itself
+and for doctor alike, and removes the record once the processes run on
+their old GPUs again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gpusnap import journal
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu.quiesce import Driver, QuiesceError, resume
+from gpusnap.private import write_private
+from gpusnap.procs import start_time
+from gpusnap.runtime.livedev import LiveDevices
+
+# How far a move got, each written before its step starts:
+QUIESCE = "quiesce"  # processes leaving their old GPUs; the devices untouched
+DEVICES = "devices"  # nodes and rule may be changed
+UNDONE = "undone"  # nodes and rule as before
+_PHASES = {QUIESCE: "while leaving its old GPUs", DEVICES: "with its GPU nodes and device rule "
+           "changed or changing", UNDONE: "on its way back to its old GPUs"}
+
+Pairs = list[tuple[str, str]] | None
+
+
+class BackError(Exception):
+    """A step of putting a move back failed; its record is kept for doctor."""
+
+
+@dataclass
+class Move:
+    """One move's record, as written under the state folder's moves/."""
+
+    init_pid: int
+    init_start: int | None
+    container: str
+    pids: dict[int, int | None]  # pid -> start time
+    devices: dict  # LiveDevices.to_dict()
+    choices: list[tuple[str, Pairs]]  # the GPU UUID pairs offered the driver, old -> new
+    phase: str = QUIESCE
+
+    def where(self) -> str:
+        """How far it got, in words."""
+        return _PHASES[self.phase]
+
+    def running(self) -> list[int]:
+        """The move's processes that still run (the same start time)."""
+        return [p for p, born in self.pids.items() if born is not None and start_time(p) == born]
+
+    def advance(self, phase: str) -> None:
+        self.phase = phase
+        self.save()
+
+    def save(self) -> None:
+        data = {**asdict(self), "pids": {str(p): t for p, t in self.pids.items()}}
+        write_private(_path(self.init_pid), json.dumps(data))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Move":
+        if d.get("phase", QUIESCE) not in _PHASES:
+            raise ValueError(f"phase {d.get('phase')!r}")
+        return cls(int(d["init_pid"]), d.get("init_start"), str(d.get("container") or "?"),
+                   {int(p): t for p, t in d["pids"].items()}, dict(d["devices"]),
+                   [(str(label), [tuple(p) for p in pairs] if pairs else None)
+                    for label, pairs in d["choices"]],
+                   d.get("phase", QUIESCE))
+
+
+def _folder() -> Path:
+    return journal.state_subdir("moves")
+
+
+def _path(init_pid: int) -> Path:
+    return _folder() / f"{init_pid}.json"
+
+
+def begin(init_pid: int, name: str, pids: list[int], live: LiveDevices,
+          choices: list[tuple[str, Pairs]]) -> Move:
+    """The record of a move about to start, written before anything changes
+    (``refuse`` kept the move of a container whose last one was cut off from
+    getting here: this would write over its record)."""
+    move = Move(init_pid, start_time(init_pid), name, {p: start_time(p) for p in pids},
+                live.to_dict(), [(label, list(pairs) if pairs else None) for label, pairs in choices])
+    try:
+        move.save()
+    except OSError as exc:
+        raise GpusnapError(f"cannot record the move of {name} ({exc.strerror}); nothing was "
+                           "changed", f"free space under {journal.state_dir()}, then move again") \
+            from None
+    return move
+
+
+def refuse(init_pid: int, name: str, verb: str) -> None:
+    """One line where a move of this container was cut off: until its undo, only
+    its record knows which GPUs the processes belong on (and a second move
+    would write over it)."""
+    if any(m.init_pid == init_pid for m in under_way()):
+        raise GpusnapError(f"a move of {name} was cut off and is not undone yet, so it cannot "
+                           f"{verb}; nothing was changed",
+                           "`gpusnap doctor --fix` puts it back on its old GPUs")
+
+
+def end(init_pid: int) -> None:
+    _path(init_pid).unlink(missing_ok=True)
+
+
+def under_way() -> list[Move]:
+    """Recorded moves whose container still runs (its init, the same start time):
+    cut off, or at work where their container's turn is held."""
+    found = []
+    for record in sorted(_folder().glob("*.json")):
+        try:
+            move = Move.from_dict(json.loads(record.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if move.init_start is not None and start_time(move.init_pid) == move.init_start:
+            found.append(move)
+    return found
+
+
+def moving() -> dict[int, str]:
+    """pid -> the container a recorded move took it off its GPU in: only that
+    move's undo brings it back (onto the GPUs its container's nodes name)."""
+    return {pid: m.container for m in under_way() for pid in m.running()}
+
+
+def undo_recorded(move: Move, driver: Driver) -> None:
+    """``put_back`` for a move whose process is gone (`gpusnap doctor --fix`)."""
+    live = LiveDevices.recorded(move.devices)
+    try:
+        put_back(move, live, driver)
+    finally:
+        live.close()
+
+
+def put_back(move: Move, live: LiveDevices, driver: Driver) -> None:
+    """Undo ``move`` from wherever it got to: the old nodes and rule put back,
+    every process resumed on its old GPUs; the record removed once done.
+    BackError (the record kept) where a step failed."""
+    pids = move.running()
+    if move.phase == DEVICES:
+        try:
+            live.undo()
+        except Exception as exc:  # noqa: BLE001 -- any failure: doctor finishes it
+            raise BackError(f"the old GPU nodes and device rule could not be put back ({exc})") \
+                from exc
+        move.advance(UNDONE)
+    try:
+        resume(driver, pids)
+    except QuiesceError as exc:
+        raise BackError(f"the processes could not be resumed on their old GPUs ({exc})") from exc
+    end(move.init_pid)

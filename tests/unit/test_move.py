@@ -1,0 +1,183 @@
+"""`gpusnap move`'s record and its undo (ops/move.py, ops/moving.py): a move cut
+anywhere, by a failure or a kill, ends with every process on its old GPUs
+behind the old nodes and rule, from the move itself or from doctor --fix."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+
+from gpusnap.errors import GpusnapError
+from gpusnap.gpu import turn
+from gpusnap.gpu.cuda import ProcessState
+from gpusnap.gpu.quiesce import Timing, quiesce
+from gpusnap.ops import doctor, freeze, move, moving
+from gpusnap.runtime import podman
+from tests.unit.fakes import FakeDriver
+
+R, L, C = ProcessState.RUNNING, ProcessState.LOCKED, ProcessState.CHECKPOINTED
+INIT = 4000
+FORWARD = [("GPU-old", "GPU-new")]
+CHOICES = [("every GPU", FORWARD), ("none", None)]
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    # every pid runs, born at 7 (a record outliving its processes is tested apart)
+    monkeypatch.setattr(moving, "start_time", lambda pid: 7)
+
+
+class FakeLive:
+    """LiveDevices' part a move sees; its apply and undo go into the driver's calls,
+    so that their order against the driver's is checked."""
+
+    def __init__(self, driver: FakeDriver, fail_apply: bool = False) -> None:
+        self.driver, self.fail_apply = driver, fail_apply
+
+    def apply(self) -> None:
+        self.driver.calls.append(("apply", 0))
+        if self.fail_apply:
+            raise GpusnapError("cannot change the container's device nodes (/dev/nvidia1: EIO)")
+
+    def undo(self) -> None:
+        self.driver.calls.append(("undo", 0))
+
+    def close(self) -> None:
+        pass
+
+    def to_dict(self) -> dict:
+        return {"nodes": "as recorded"}
+
+
+CTR = SimpleNamespace(pid=INIT, name="web", id="c0ffee")
+
+
+def _restores(driver: FakeDriver, pid: int) -> list:
+    """The pairs of each restore of ``pid``, in order (FakeDriver keeps the last only)."""
+    return [pairs for call, pairs in driver.restored if call == pid]
+
+
+def _driver(states: dict, refuse_forward: set[int] = frozenset()) -> FakeDriver:
+    """A driver that refuses the forward pairs' restore of the ``refuse_forward`` pids."""
+    driver = FakeDriver(states)
+    driver.restored = []
+
+    def on_call(call: str, pid: int) -> None:
+        if call != "restore":
+            return
+        driver.restored.append((pid, driver.gpu_pairs[pid]))
+        if pid in refuse_forward and driver.gpu_pairs[pid] == FORWARD:
+            driver.fail[("restore", pid)] = "CUDA_ERROR_OUT_OF_MEMORY"
+        else:
+            driver.fail.pop(("restore", pid), None)
+    driver.on_call = on_call
+    return driver
+
+
+def _act(driver: FakeDriver, live: FakeLive, choices=None):
+    return move._act(CTR, sorted(driver.states), driver, live, choices or [("every GPU", FORWARD)],
+                     1000, Timing())
+
+
+def test_a_move_is_recorded_before_anything_changes_and_forgotten_once_done():
+    driver = _driver({1: R, 2: R})
+    seen = {}
+
+    class Looking(FakeLive):
+        def apply(self) -> None:
+            seen["record"] = [(m.container, m.phase, sorted(m.pids)) for m in moving.under_way()]
+            seen["states"] = dict(driver.states)
+            super().apply()
+    assert _act(driver, Looking(driver)) == ("every GPU", [])
+    assert seen == {"record": [("web", moving.DEVICES, [1, 2])], "states": {1: C, 2: C}}
+    assert moving.under_way() == [] and driver.states == {1: R, 2: R}
+
+
+def test_a_quiesce_that_fails_leaves_no_record():
+    driver = _driver({1: R})
+    driver.fail[("lock", 1)] = "CUDA_ERROR_TIMEOUT"
+    with pytest.raises(GpusnapError, match="could not stop web's GPU work, nothing was changed"):
+        _act(driver, FakeLive(driver))
+    assert moving.under_way() == [] and ("apply", 0) not in driver.calls
+
+
+def _cut_after_the_swap(driver: FakeDriver, restored: list[int] = ()) -> None:
+    """A move killed (SIGKILL) once its devices changed, ``restored`` already
+    restored onto the new GPUs: its record, as it left it."""
+    pids = sorted(driver.states)
+    record = moving.begin(INIT, "web", pids, FakeLive(driver), CHOICES)
+    quiesce(driver, pids)
+    record.advance(moving.DEVICES)
+    driver.calls.append(("apply", 0))
+    for pid in restored:
+        driver.restore(pid, FORWARD)
+
+
+@pytest.fixture
+def doctor_here(monkeypatch):
+    """doctor with a fake driver, a fake /proc of CUDA processes and recorded
+    devices that log their undo into the driver's calls."""
+    def use(driver: FakeDriver, proc) -> None:
+        for pid in driver.states:
+            (proc / str(pid)).mkdir(parents=True)
+        monkeypatch.setattr(doctor, "PROC", proc)
+        monkeypatch.setattr(doctor, "gpu_use", lambda pid, root: SimpleNamespace(
+            pid=pid, comm="python", maps_libcuda=True))
+        monkeypatch.setattr(doctor, "stopped", lambda pid: False)
+        monkeypatch.setattr(doctor, "is_frozen", lambda pid: False)
+        monkeypatch.setattr(doctor, "load_driver", lambda: driver)
+        monkeypatch.setattr(moving.LiveDevices, "recorded", staticmethod(lambda d: FakeLive(driver)))
+    return use
+
+
+def test_doctor_undoes_a_killed_move_before_its_generic_fix_can_resume_the_processes(
+        tmp_path, doctor_here):
+    driver = _driver({1: R, 2: R})
+    _cut_after_the_swap(driver)
+    doctor_here(driver, tmp_path / "proc")
+    assert doctor.stuck_processes() == []  # the move's own: never resumed onto the old nodes' GPU
+    check, said = doctor._moves_check(fix=False)
+    assert not check.ok and check.level == "error" and "gpusnap doctor --fix" in check.fix
+    assert "web (pids 1, 2): cut off with its GPU nodes and device rule changed" in check.detail
+    check, said = doctor._moves_check(fix=True)
+    assert check.ok and said[0]["state"] == "undone", said
+    gpu_check, stuck, fixed = doctor._gpu_processes_check(fix=True)
+    assert gpu_check.ok and stuck == [] and fixed == []
+    undone_at = driver.calls.index(("undo", 0))
+    assert all(driver.calls.index(("restore", p)) > undone_at for p in (1, 2))
+    assert driver.states == {1: R, 2: R} and moving.under_way() == []
+
+
+def test_doctor_leaves_a_move_at_work_alone(doctor_here, tmp_path):
+    driver = _driver({1: R})
+    _cut_after_the_swap(driver)
+    doctor_here(driver, tmp_path / "proc")
+    with turn.try_take(INIT, "move"):  # the move itself, still at work
+        check, said = doctor._moves_check(fix=True)
+    assert check.ok and said[0]["state"] == "at work"
+    assert ("undo", 0) not in driver.calls and driver.states == {1: C}
+
+
+def test_a_record_outliving_its_container_names_nothing(monkeypatch):
+    driver = _driver({1: R})
+    _cut_after_the_swap(driver)
+    monkeypatch.setattr(moving, "start_time", lambda pid: 8)  # pids reused by other processes
+    assert moving.under_way() == [] and moving.moving() == {}
+
+
+@pytest.mark.parametrize("command,verb", [("move", "be moved"), ("freeze", "be frozen"),
+                                          ("thaw", "be thawed")])
+def test_a_container_with_a_cut_move_is_refused_until_doctor_undoes_it(monkeypatch, command, verb):
+    _cut_after_the_swap(_driver({1: R}))
+    ctr = podman.Container(id="c0ffee", name="web", status="running", pid=INIT, image="img",
+                           checkpointed=False, userdata=podman.Path("/nonexistent"), devices=[])
+    monkeypatch.setattr(podman, "inspect", lambda name: ctr)
+    monkeypatch.setattr(freeze, "wait_turn", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(freeze, "cuda_of", lambda *a: ([SimpleNamespace(pid=1)], object()))
+    with pytest.raises(GpusnapError, match=f"a move of web was cut off .* cannot {verb}") as info:
+        with freeze.gpu_turn("web", verb, command):
+            pass
+    assert info.value.hint == "`gpusnap doctor --fix` puts it back on its old GPUs"
