@@ -16,20 +16,21 @@ their old GPUs again.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.errors import GpusnapError
-from gpusnap.gpu.quiesce import Driver, QuiesceError, resume
+from gpusnap.gpu.cuda import ProcessState
+from gpusnap.gpu.quiesce import Driver, QuiesceError, quiesce, resume, resume_onto, states
 from gpusnap.private import write_private
 from gpusnap.procs import start_time
 from gpusnap.runtime.livedev import LiveDevices
 
 # How far a move got, each written before its step starts:
 QUIESCE = "quiesce"  # processes leaving their old GPUs; the devices untouched
-DEVICES = "devices"  # nodes and rule may be changed
-UNDONE = "undone"  # nodes and rule as before
+DEVICES = "devices"  # nodes and rule may be changed; a process not CHECKPOINTED is on the new GPUs
+UNDONE = "undone"  # nodes and rule as before; those of on_new were CHECKPOINTED off the new GPUs
 _PHASES = {QUIESCE: "while leaving its old GPUs", DEVICES: "with its GPU nodes and device rule "
            "changed or changing", UNDONE: "on its way back to its old GPUs"}
 
@@ -51,6 +52,7 @@ class Move:
     devices: dict  # LiveDevices.to_dict()
     choices: list[tuple[str, Pairs]]  # the GPU UUID pairs offered the driver, old -> new
     phase: str = QUIESCE
+    on_new: list[int] = field(default_factory=list)  # checkpointed again off the new GPUs
 
     def where(self) -> str:
         """How far it got, in words."""
@@ -60,13 +62,20 @@ class Move:
         """The move's processes that still run (the same start time)."""
         return [p for p, born in self.pids.items() if born is not None and start_time(p) == born]
 
-    def advance(self, phase: str) -> None:
+    def advance(self, phase: str, on_new: list[int] | None = None) -> None:
         self.phase = phase
+        if on_new is not None:
+            self.on_new = on_new
         self.save()
 
     def save(self) -> None:
         data = {**asdict(self), "pids": {str(p): t for p, t in self.pids.items()}}
         write_private(_path(self.init_pid), json.dumps(data))
+
+    def back_choices(self) -> list[tuple[str, Pairs]]:
+        """The pairs that take a process checkpointed on the new GPUs back to the old."""
+        return [(f"{label}, back", [(new, old) for old, new in pairs] if pairs else None)
+                for label, pairs in self.choices]
 
     @classmethod
     def from_dict(cls, d: dict) -> "Move":
@@ -76,7 +85,7 @@ class Move:
                    {int(p): t for p, t in d["pids"].items()}, dict(d["devices"]),
                    [(str(label), [tuple(p) for p in pairs] if pairs else None)
                     for label, pairs in d["choices"]],
-                   d.get("phase", QUIESCE))
+                   d.get("phase", QUIESCE), [int(p) for p in d.get("on_new", [])])
 
 
 def _folder() -> Path:
@@ -147,19 +156,44 @@ def undo_recorded(move: Move, driver: Driver) -> None:
 
 
 def put_back(move: Move, live: LiveDevices, driver: Driver) -> None:
-    """Undo ``move`` from wherever it got to: the old nodes and rule put back,
-    every process resumed on its old GPUs; the record removed once done.
-    BackError (the record kept) where a step failed."""
+    """Undo ``move`` from wherever it got to: the processes restored onto the new
+    GPUs checkpointed again, the old nodes and rule put back, every process
+    resumed on its old GPUs; the record removed once done. BackError (the
+    record kept) where a step failed."""
     pids = move.running()
     if move.phase == DEVICES:
+        _off_new(move, driver, pids)
         try:
             live.undo()
         except Exception as exc:  # noqa: BLE001 -- any failure: doctor finishes it
             raise BackError(f"the old GPU nodes and device rule could not be put back ({exc})") \
                 from exc
         move.advance(UNDONE)
+    _resume_old(move, driver, pids)
+    end(move.init_pid)
+
+
+def _off_new(move: Move, driver: Driver, pids: list[int]) -> None:
+    """Checkpoint again the processes a resume restored onto the new GPUs: the
+    old nodes would leave them there, split from the rest."""
+    now = states(driver, pids)
+    on_new = sorted(set(move.on_new) | {p for p, s in now.items() if s != ProcessState.CHECKPOINTED})
+    move.advance(DEVICES, on_new)  # first: a cut meanwhile still knows which were on the new GPUs
     try:
-        resume(driver, pids)
+        quiesce(driver, on_new)
+    except QuiesceError as exc:
+        raise BackError(f"process(es) restored onto the new GPUs could not be checkpointed "
+                        f"again ({exc})") from exc
+
+
+def _resume_old(move: Move, driver: Driver, pids: list[int]) -> None:
+    """Every process back to RUNNING on its old GPUs: those checkpointed on the
+    new ones with the pairs back, the others as they were checkpointed."""
+    now = states(driver, pids)
+    from_new = [p for p in move.on_new if now.get(p) == ProcessState.CHECKPOINTED]
+    try:
+        if from_new:
+            resume_onto(driver, from_new, move.back_choices())
+        resume(driver, [p for p in pids if p not in from_new])
     except QuiesceError as exc:
         raise BackError(f"the processes could not be resumed on their old GPUs ({exc})") from exc
-    end(move.init_pid)

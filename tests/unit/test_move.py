@@ -21,6 +21,7 @@ R, L, C = ProcessState.RUNNING, ProcessState.LOCKED, ProcessState.CHECKPOINTED
 INIT = 4000
 FORWARD = [("GPU-old", "GPU-new")]
 CHOICES = [("every GPU", FORWARD), ("none", None)]
+BACK = [("GPU-new", "GPU-old")]
 
 
 @pytest.fixture(autouse=True)
@@ -181,3 +182,67 @@ def test_a_container_with_a_cut_move_is_refused_until_doctor_undoes_it(monkeypat
         with freeze.gpu_turn("web", verb, command):
             pass
     assert info.value.hint == "`gpusnap doctor --fix` puts it back on its old GPUs"
+
+
+# --- a resume that half succeeded: none left on the new GPUs behind the old nodes ------
+
+def test_a_resume_that_half_succeeded_is_checkpointed_again_then_resumed_on_the_old_gpus():
+    # pid 1 restored onto the new GPU, pid 2 refused there: the old nodes back,
+    # pid 1 would have stayed on the new GPU, split from pid 2
+    driver = _driver({1: R, 2: R}, refuse_forward={2})
+    with pytest.raises(GpusnapError, match="moving web failed, it runs on its old GPUs again"):
+        _act(driver, FakeLive(driver))
+    checkpoints = [i for i, call in enumerate(driver.calls) if call == ("checkpoint", 1)]
+    assert len(checkpoints) == 2 and checkpoints[1] < driver.calls.index(("undo", 0))
+    assert _restores(driver, 1) == [FORWARD, BACK]  # checkpointed on the new GPU: paired back
+    assert _restores(driver, 2) == [FORWARD, None]  # checkpointed on the old one: as it was
+    assert driver.states == {1: R, 2: R} and moving.under_way() == []
+
+
+def test_a_failed_checkpoint_off_the_new_gpus_says_doctor_and_keeps_the_record(
+        tmp_path, doctor_here):
+    driver = _driver({1: R, 2: R}, refuse_forward={2})
+    restore = driver.on_call
+
+    def no_second_checkpoint(call: str, pid: int) -> None:
+        restore(call, pid)
+        if (call, pid) == ("restore", 1):  # on the new GPU now: its checkpoint fails
+            driver.fail[("checkpoint", 1)] = "CUDA_ERROR_TIMEOUT"
+    driver.on_call = no_second_checkpoint
+    with pytest.raises(GpusnapError) as info:
+        _act(driver, FakeLive(driver))
+    said = str(info.value)
+    assert "putting it back did not finish: process(es) restored onto the new GPUs could " \
+           "not be checkpointed again" in said and "\n" not in said, said
+    assert info.value.hint == "`gpusnap doctor --fix` puts it back on its old GPUs"
+    assert ("undo", 0) not in driver.calls
+    [record] = moving.under_way()
+    assert (record.phase, record.on_new) == (moving.DEVICES, [1])
+    driver.fail.pop(("checkpoint", 1))
+    driver.on_call = restore
+    doctor_here(driver, tmp_path / "proc")
+    check, _ = doctor._moves_check(fix=True)
+    assert check.ok, check.detail
+    assert _restores(driver, 1) == [FORWARD, BACK] and driver.states == {1: R, 2: R}
+
+
+def test_doctor_finishes_a_move_killed_on_its_way_back(tmp_path, doctor_here):
+    driver = _driver({1: R, 2: R})
+    _cut_after_the_swap(driver, restored=[1])
+    [record] = moving.under_way()
+    quiesce(driver, [1])  # the move's undo, killed once it had resumed pid 2 alone
+    record.advance(moving.DEVICES, [1])
+    driver.calls.append(("undo", 0))
+    record.advance(moving.UNDONE)
+    driver.restore(2)
+    doctor_here(driver, tmp_path / "proc")
+    check, _ = doctor._moves_check(fix=True)
+    assert check.ok, check.detail
+    assert driver.calls.count(("undo", 0)) == 1  # the nodes were back already
+    assert _restores(driver, 1) == [FORWARD, BACK] and _restores(driver, 2) == [None]
+    assert driver.states == {1: R, 2: R}
+
+
+def test_the_pairs_back_are_each_choice_the_other_way_round():
+    record = moving.Move(INIT, 7, "web", {1: 7}, {}, CHOICES)
+    assert record.back_choices() == [("every GPU, back", BACK), ("none, back", None)]
