@@ -20,7 +20,7 @@ import pytest
 from gpusnap.gpu.nodes import DeviceRemap, NodeChange
 from gpusnap.runtime import devcgroup
 from gpusnap.errors import GpusnapError
-from gpusnap.runtime.livedev import _in_mount_ns, plan_live, set_nodes, survey
+from gpusnap.runtime.livedev import LiveDevices, _in_mount_ns, plan_live, set_nodes, survey
 from tests.conftest import DEMO_IMAGE, assert_one_line_error, gpusnap, podman
 
 KMSG_TO_LOOP = DeviceRemap(nodes=(NodeChange("/dev/kmsg", "/dev/loop-control", (1, 11), (10, 237)),))
@@ -72,6 +72,29 @@ def test_live_device_move_and_undo_in_a_running_container(name, remap):
     _mknod(pid, "/tmp/new", 10, 237)
     assert not _opens(name, "/tmp/new")
     assert podman("exec", name, "ls", "/dev/dri", check=False).returncode != 0  # none made
+
+
+def test_a_recorded_change_is_undone_by_another_process(name):
+    """doctor --fix's undo of a killed move (ops/moving.py): runc's device program
+    went with the move's process, so one built from the rules before replaces
+    the move's, and the nodes are made from the record."""
+    podman("run", "-d", "--name", name, "--network", "none", "--device", "/dev/kmsg",
+           DEMO_IMAGE, "sleep", "600")
+    pid = int(podman("inspect", name, "--format", "{{.State.Pid}}").stdout)
+    spec = json.loads(Path(podman("inspect", name, "--format", "{{.OCIConfigPath}}").stdout.strip())
+                      .read_text())
+    live = plan_live(pid, spec, KMSG_TO_LOOP)
+    record = json.loads(json.dumps(live.to_dict()))
+    live.apply()
+    live.close()  # the move's process killed: runc's program is no longer held
+    assert _opens(name, "/dev/loop-control")
+    LiveDevices.recorded(record).undo()
+    LiveDevices.recorded(record).undo()  # doctor run twice: the same state
+    assert _numbers(name, "/dev/kmsg") == ["1,", "11"]
+    assert _opens(name, "/dev/kmsg")
+    assert podman("exec", name, "ls", "/dev/loop-control", check=False).returncode != 0
+    _mknod(pid, "/tmp/new", 10, 237)
+    assert not _opens(name, "/tmp/new")
 
 
 def test_a_change_cut_mid_way_is_undone_node_by_node(name):
