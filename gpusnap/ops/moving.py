@@ -192,8 +192,10 @@ def _resume_old(move: Move, driver: Driver, pids: list[int]) -> None:
     now = states(driver, pids)
     from_new = [p for p in move.on_new if now.get(p) == ProcessState.CHECKPOINTED]
     try:
-        if from_new:
-            resume_onto(driver, from_new, move.back_choices())
+        if from_new:  # which pairs the driver took back: for the record, as a move's way there
+            label, _, refused = resume_onto(driver, from_new, move.back_choices())
+            journal.record("move-resumed-back", container=move.container, pids=from_new,
+                           gpu_pairs=label, failed_first=refused)
         resume(driver, [p for p in pids if p not in from_new])
     except QuiesceError as exc:
         raise BackError(f"the processes could not be resumed on their old GPUs ({exc})") from exc

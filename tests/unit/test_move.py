@@ -5,10 +5,12 @@ behind the old nodes and rule, from the move itself or from doctor --fix."""
 from __future__ import annotations
 
 import contextlib
+import json
 from types import SimpleNamespace
 
 import pytest
 
+from gpusnap import journal
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu import turn
 from gpusnap.gpu.cuda import ProcessState
@@ -246,3 +248,13 @@ def test_doctor_finishes_a_move_killed_on_its_way_back(tmp_path, doctor_here):
 def test_the_pairs_back_are_each_choice_the_other_way_round():
     record = moving.Move(INIT, 7, "web", {1: 7}, {}, CHOICES)
     assert record.back_choices() == [("every GPU, back", BACK), ("none, back", None)]
+
+
+def test_the_pairs_the_driver_took_back_are_journaled():
+    driver = _driver({1: R, 2: R}, refuse_forward={2})
+    with pytest.raises(GpusnapError):
+        _act(driver, FakeLive(driver))
+    lines = [json.loads(line) for line in (journal.state_dir() / "journal.jsonl").read_text()
+             .splitlines()]
+    [back] = [line for line in lines if line["event"] == "move-resumed-back"]
+    assert (back["pids"], back["gpu_pairs"]) == ([1], "every GPU, back")
