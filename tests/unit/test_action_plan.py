@@ -135,6 +135,44 @@ def test_the_criu_action_wrapper_starts_python_for_the_actions_with_work_only(tm
     assert reached() == set(action.ACTIONS)
 
 
+def test_the_criu_action_wrapper_runs_post_dump_where_memory_was_read_ahead(tmp_path):
+    """pre-dump took memory read ahead out of the processes (actions/<CRIU pid>-ahead.json):
+    post-dump must run to put it back into the images, or fail the dump, even
+    where the push's request is gone; skipped, the dump would end with holes."""
+    import os
+    import subprocess
+
+    script = _wrapper_with_probe(tmp_path)
+    actions = tmp_path / "state" / "actions"
+    actions.mkdir(parents=True)
+    env = {"GPUSNAP_STATE_DIR": str(tmp_path / "state"), "CRTOOLS_INIT_PID": "4242",
+           "CRTOOLS_SCRIPT_ACTION": "post-dump"}
+
+    def reached() -> bool:
+        return subprocess.run(["bash", str(script)], env=env, capture_output=True,
+                              text=True).stdout.strip() == "reached"
+    (actions / f"{os.getpid() + 1}-ahead.json").write_text("[]")  # another CRIU's
+    assert not reached()
+    (actions / f"{os.getpid()}-ahead.json").write_text("[]")  # this CRIU's ($PPID)
+    assert reached()
+
+
+def test_post_dump_fails_the_dump_where_memory_read_ahead_has_no_request(tmp_path, monkeypatch):
+    """What the wrapper starts Python for: without the push's request the memory
+    read ahead cannot be put back, so the dump fails (CRIU resumes the tree and
+    the guardian writes that memory back), in one line."""
+    import os
+
+    from gpusnap.action import step_state
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("CRTOOLS_INIT_PID", "4242")
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(tmp_path))
+    step_state.ahead(os.getpid()).write_text("[]")
+    assert action._run("post-dump", os.getpid()) == 1
+    assert not step_state.ahead(os.getpid()).exists()
+
+
 def test_the_criu_action_wrapper_never_takes_a_dead_crius_files_for_its_own(tmp_path):
     """Names in actions/ start with CRIU's pid, which the host reuses: a step's
     answer or a fill plan that a CRIU left when it died must not pass for a
