@@ -27,8 +27,8 @@ from gpusnap.errors import GpusnapError
 from gpusnap.gpu import manifest as gpu_manifest, staging
 from gpusnap.gpu.inventory import read_inventory
 from gpusnap.gpu.turn import Turn, wait_turn
-from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, Timing, quiesce, refuse_unmanaged,
-                                  refuse_unsupported, require_driver)
+from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, QuiesceError, Timing, quiesce,
+                                  refuse_unmanaged, refuse_unsupported, require_driver, resume)
 from gpusnap.private import write_private
 from gpusnap.procs import alive, cuda_processes, ns_pid, process_tree
 
@@ -47,13 +47,28 @@ def lock_timeout_ms(init_pid: int) -> int:
 
 
 def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
+    """GpusnapError where the dump must not go on. An OSError (a full disk, a
+    read-only or missing folder) is one too, in the words of the other
+    refusals, never a traceback: CRIU stops the dump before it freezes
+    anything, and any GPU taken comes back (the guardian, else
+    _guardian_or_give_back)."""
     try:
         _pre_dump_steps(init_pid, image_dir, criu_pid)
+    except OSError as exc:
+        raise _cannot_prepare(exc) from None
     finally:  # round 1's kept pages the read-ahead did not write over: CRIU needs the memory
         reuse = requests.peek(init_pid, "pages").get("reuse")
         if reuse:
             from gpusnap.pages import kept_pages  # a final round only: not every step's start-up
             kept_pages.release([str(p) for p in reuse])
+
+
+def _cannot_prepare(exc: OSError) -> GpusnapError:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return GpusnapError(f"could not prepare the dump: {exc.strerror or exc}{where}; "
+                        "nothing was dumped",
+                        "fix the cause it names, then checkpoint again; `gpusnap doctor` "
+                        "checks the host")
 
 
 def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int) -> None:
@@ -109,7 +124,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
         free_at = round(time.time(), 3)  # before the read-ahead below, which takes seconds at GBs
         manifest.timing = timing.phases
         held = _held(dump_ahead, changed, before)
-        guardian = _start_guardian(criu_pid, changed, init_pid, turn)
+        guardian = _guardian_or_give_back(driver, criu_pid, changed, init_pid, turn)
         if image_dir:  # for a restore that maps these instead of writing them: not needed
             try:
                 staging.record(image_dir, held)
@@ -286,6 +301,21 @@ def _compose_ahead(init_pid: int, image_dir: str, criu_pid: int, request: dict) 
         state.unlink(missing_ok=True)
     journal.record("pages-composed", init_pid=init_pid, tasks=len(tasks), how=ways,
                    seconds=round(time.monotonic() - started, 3))
+
+
+def _guardian_or_give_back(driver, criu_pid: int, pids: list[int], init_pid: int,
+                          turn: Turn | None) -> socket.socket | None:
+    """_start_guardian of the processes just quiesced; where it cannot start
+    (OSError: no memory, no process slot), they are given back their GPUs here
+    before the OSError goes on: CRIU stops the dump, and no one else would."""
+    try:
+        return _start_guardian(criu_pid, pids, init_pid, turn)
+    except OSError:
+        try:
+            resume(driver, pids)
+        except (QuiesceError, RuntimeError) as exc:  # the OSError stays the line
+            journal.record("resume-failed", init_pid=init_pid, pids=pids, error=str(exc))
+        raise
 
 
 def _start_guardian(criu_pid: int, pids: list[int], init_pid: int, turn: Turn | None,
