@@ -369,7 +369,6 @@ def _run(action: str, criu_pid: int | None = None, by: str = "script", driver=No
         image_dir = os.environ["CRTOOLS_IMAGE_DIR"]
         if action == "pre-dump":
             from gpusnap.action.action_dump import pre_dump  # see the imports above
-            kept_checkpoint.before_dump(os.path.realpath(image_dir))
             pre_dump(init_pid, image_dir, criu_pid)
         elif action == "post-restore":
             post_restore(init_pid, criu_pid, by)

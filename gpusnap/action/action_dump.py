@@ -31,6 +31,7 @@ from gpusnap.gpu.quiesce import (DEFAULT_LOCK_TIMEOUT_MS, QuiesceError, Timing, 
                                   refuse_unmanaged, refuse_unsupported, require_driver, resume)
 from gpusnap.private import write_private
 from gpusnap.procs import alive, cuda_processes, ns_pid, process_tree
+from gpusnap.runtime import kept_checkpoint
 
 
 def lock_timeout_ms(init_pid: int) -> int:
@@ -76,10 +77,6 @@ def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int) -> None:
         from gpusnap.pages import pages_aside  # pre-dump only: not every step's start-up
         pages_aside.drop_stale_parent(Path(image_dir))
     step_state.ahead(criu_pid).unlink(missing_ok=True)  # never another dump's (a CRIU pid reused)
-    if image_dir:  # a folder Podman kept from an earlier dump: never its staging record,
-        staging.forget(image_dir)
-        for name in (MANIFEST_NAME, PLAN_NAME):  # its GPU manifest or a restore's plan
-            (Path(image_dir) / name).unlink(missing_ok=True)  # (this dump writes its own)
     if _quiesced_before_the_pause(init_pid, image_dir):  # its client holds the turn
         return
     # The shim holds the task for its client, and an earlier try's guardian
@@ -103,6 +100,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
     ahead = bool(push.get("read_ahead")) and bool(image_dir)
     procs = cuda_processes(init_pid)
     if not procs:
+        _earlier_dump_goes(image_dir)
         if ahead and push.get("ahead_test_min"):
             _read_ahead_test(init_pid, criu_pid, push, turn)
         return
@@ -125,6 +123,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
         manifest.timing = timing.phases
         held = _held(dump_ahead, changed, before)
         guardian = _guardian_or_give_back(driver, criu_pid, changed, init_pid, turn)
+        _earlier_dump_goes(image_dir)
         if image_dir:  # for a restore that maps these instead of writing them: not needed
             try:
                 staging.record(image_dir, held)
@@ -133,10 +132,12 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
         held = {pid: ranges for (pid, _), ranges in held.items()}
         if ahead and guardian is not None:
             _read_ahead(criu_pid, guardian, push, held)
-    elif turn is not None:  # the plugin quiesces and resumes inside CRIU: held till it exits
-        guardian = _start_guardian(criu_pid, [], init_pid, turn, force=True)
-        if guardian is not None:
-            guardian.close()
+    else:
+        _earlier_dump_goes(image_dir)
+        if turn is not None:  # the plugin quiesces and resumes inside CRIU: held till it exits
+            guardian = _start_guardian(criu_pid, [], init_pid, turn, force=True)
+            if guardian is not None:
+                guardian.close()
     if image_dir:  # CRIU always names one; never the working folder
         gpu_manifest.write(manifest, image_dir)
     # ``at``: when the GPU was free (none where CRIU's plugin quiesces, later, inside CRIU)
@@ -145,6 +146,20 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
                    **({"at": free_at} if free_at is not None else {}),
                    turn_waited_s=turn.waited_s if turn is not None else None,
                    guardian=guardian is not None)
+
+
+def _earlier_dump_goes(image_dir: str) -> None:
+    """This dump goes on: what an earlier one left in a folder Podman kept goes
+    (its GPU manifest, a restore's plan, its staging record: this dump writes
+    its own), and so does a kept copy sharing its files, which CRIU is about to
+    rewrite (runtime/kept_checkpoint.py). Never sooner: a dump pre-dump refuses
+    leaves that earlier checkpoint whole, and it may be the only way back."""
+    if not image_dir:  # CRIU always names one; never the working folder
+        return
+    kept_checkpoint.before_dump(os.path.realpath(image_dir))
+    staging.forget(image_dir)
+    for name in (MANIFEST_NAME, PLAN_NAME):
+        (Path(image_dir) / name).unlink(missing_ok=True)
 
 
 def _mapped(read, pid: int) -> list[tuple[int, int]] | None:
@@ -183,6 +198,7 @@ def _quiesced_before_the_pause(init_pid: int, image_dir: str) -> bool:
         raise GpusnapError(f"{who} took the GPU after gpusnap had quiesced the "
                            "container's GPU processes; nothing was dumped",
                            "checkpoint again")
+    _earlier_dump_goes(image_dir)
     if image_dir:
         gpu_manifest.write(gpu_manifest.Manifest.from_dict(first["manifest"]), image_dir)
     journal.record("gpu-manifest-written", init_pid=init_pid, pids=first.get("pids", []),

@@ -5,11 +5,13 @@ The real path runs on a GPU (tests/gpu/); here the driver is faked."""
 from __future__ import annotations
 
 import errno
+import json
 
 import pytest
 
-from gpusnap import journal
+from gpusnap import MANIFEST_NAME, PLAN_NAME, journal
 from gpusnap.action import action, action_dump
+from gpusnap.gpu import staging
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.procs import ProcessGpuUse
 from tests.unit.fakes import UUID0, FakeDriver, gpu, inventory
@@ -82,3 +84,83 @@ def test_a_guardian_that_cannot_start_gives_the_gpu_back_before_pre_dump_fails(
     assert ("checkpoint", INIT) in driver.calls and ("unlock", INIT) in driver.calls
     assert capsys.readouterr().err.startswith(
         "gpusnap: pre-dump: could not prepare the dump: Resource temporarily unavailable;")
+
+
+# --- an earlier checkpoint in the folder stays whole until the dump goes on -----------------
+
+@pytest.fixture
+def kept_folder(tmp_path, monkeypatch):
+    """Podman's checkpoint folder of a running container, kept from an earlier
+    GPU dump (--keep): its manifest, a restore's plan, its staging record, and a
+    copy kept aside sharing its files (runtime/kept_checkpoint.py)."""
+    from gpusnap.runtime import kept_checkpoint
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    userdata = tmp_path / "storage/overlay-containers/c0ffee/userdata"
+    folder = userdata / "checkpoint"
+    folder.mkdir(parents=True)
+    (userdata / "config.json").write_text("{}")
+    (folder / "inventory.img").write_bytes(b"inv")
+    (folder / MANIFEST_NAME).write_text('{"earlier": true}')
+    (folder / PLAN_NAME).write_text('{"moves": []}')
+    staging.record(folder, {(INIT, 1): [(0x1000, 0x2000)]})
+    assert kept_checkpoint.keep_aside(folder, "refused") is not None
+    monkeypatch.setenv("CRTOOLS_INIT_PID", str(INIT))
+    monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(folder))
+    return folder
+
+
+def _earlier_left(folder) -> list[str]:
+    """What of the earlier dump is still there."""
+    from gpusnap.runtime import kept_checkpoint
+
+    left = [n for n in (PLAN_NAME, staging.NAME) if (folder / n).exists()]
+    if (folder / MANIFEST_NAME).exists() and "earlier" in (folder / MANIFEST_NAME).read_text():
+        left.append(MANIFEST_NAME)
+    return left + (["kept copy"] if kept_checkpoint.why_kept(folder.parent) else [])
+
+
+def _refused_by(how: str, monkeypatch) -> None:
+    from gpusnap import requests
+    from gpusnap.errors import GpusnapError
+    from gpusnap.gpu import manifest as gpu_manifest
+
+    if how == "late GPU user":  # the containerd client quiesced; a process took the GPU since
+        monkeypatch.setattr(requests, "start_time", lambda pid: 1000)
+        built = gpu_manifest.build([ProcessGpuUse(pid=INIT, comm="python3")],
+                                   inventory(gpu(0, UUID0)), "4.2.1", "gpusnap")
+        requests.put_bound(INIT, requests.QUIESCED, manifest=json.loads(built.to_json()),
+                           pids=[INIT])
+        monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [ProcessGpuUse(
+            pid=705, comm="python3", gpu_minors=[0], opens_nvidia=True, maps_nvidia=True)])
+        return
+    driver = _on_gpu0(monkeypatch)
+    if how == "unsupported":
+        def refuse(procs, inventory):
+            raise GpusnapError("the driver cannot checkpoint this GPU")
+        monkeypatch.setattr(action_dump, "refuse_unsupported", refuse)
+    else:  # the driver's lock times out: quiesce rolls back
+        driver.fail[("lock", INIT)] = "CUDA_ERROR_TIMEOUT"
+
+
+@pytest.mark.parametrize("how", ["unsupported", "lock timeout", "late GPU user"])
+def test_a_refused_dump_leaves_the_earlier_checkpoint_in_the_folder_whole(kept_folder, how,
+                                                                         monkeypatch):
+    """pre-dump said no, so CRIU writes nothing: the earlier checkpoint Podman
+    kept, and the copy kept aside (maybe the only way back), must stay as they
+    were; before, they went as pre-dump started."""
+    _refused_by(how, monkeypatch)
+    assert action._run("pre-dump", CRIU) == 1
+    assert _failed()["init_pid"] == str(INIT)
+    assert sorted(_earlier_left(kept_folder)) == sorted(
+        [PLAN_NAME, staging.NAME, MANIFEST_NAME, "kept copy"])
+
+
+@pytest.mark.parametrize("cuda", [True, False], ids=["GPU", "CPU"])
+def test_a_dump_that_goes_on_leaves_nothing_of_the_earlier_one(kept_folder, cuda, monkeypatch):
+    _on_gpu0(monkeypatch)
+    monkeypatch.setattr(action_dump, "_start_guardian", lambda *a, **k: None)
+    if not cuda:
+        monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [])
+    assert action._run("pre-dump", CRIU) == 0
+    assert _earlier_left(kept_folder) == []
