@@ -176,6 +176,15 @@ def start_time(pid: int) -> int | None:
     return None if fields is None else int(fields[19])
 
 
+def runs_as(pid: int, started: int | None) -> bool:
+    """Whether ``pid`` is still the process that started at ``started``
+    (start_time) and has not exited: a zombie, killed but not yet reaped by its
+    parent, does no more work."""
+    fields = _stat_after_comm(pid)
+    return fields is not None and started is not None and fields[0] not in ("Z", "X") \
+        and int(fields[19]) == started
+
+
 def ns_pid(pid: int) -> int:
     """The pid of a process in its own pid namespace (the container's): CRIU's images use it."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

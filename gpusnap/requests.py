@@ -3,15 +3,25 @@
 Podman runs runc with a scrubbed environment, so `gpusnap checkpoint` writes
 its options to /run/gpusnap/requests/<init pid>.json; the action script
 takes (reads and removes) that file.
+
+A CLI killed before its dump (SIGKILL, a reboot of nothing but the CLI) leaves
+its requests behind, and the file names a container, not a dump: the next
+dump of that container (a plain `podman container checkpoint`, another
+command's) would obey options it never asked for. So the CLI's requests name
+their writer, which waits for its dump, and the init they are for
+(``put_for_dump``); pre-dump drops, unobeyed, one whose writer is gone
+(``for_dump``). containerd's bound requests (``put_bound``) are the shim's and
+its client's, bound to the init's start time instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
-from gpusnap.journal import state_subdir
+from gpusnap import journal
 from gpusnap.private import write_private
-from gpusnap.procs import start_time
+from gpusnap.procs import runs_as, start_time
 
 
 # Bound requests (put_bound) about one containerd task, by its init's pid:
@@ -29,7 +39,7 @@ HELD = "held"
 
 def _path(init_pid: int, kind: str = ""):
     """``kind``: a request for another step than pre-dump ("pages": post-dump's)."""
-    return state_subdir("requests") / f"{init_pid}{'.' + kind if kind else ''}.json"
+    return journal.state_subdir("requests") / f"{init_pid}{'.' + kind if kind else ''}.json"
 
 
 def put(init_pid: int, kind: str = "", **options) -> None:
@@ -57,6 +67,52 @@ def peek(init_pid: int, kind: str = "") -> dict:
 
 def drop(init_pid: int, kind: str = "") -> None:
     _path(init_pid, kind).unlink(missing_ok=True)
+
+
+def put_for_dump(init_pid: int, kind: str = "", **options) -> None:
+    """A request for the next dump of the container whose init is ``init_pid``,
+    named for its writer (this process, which waits for that dump) and for that
+    init (start times both): pre-dump obeys it only while both are (for_dump)."""
+    me = os.getpid()
+    put(init_pid, kind, writer=me, writer_started=start_time(me),
+        init_started=start_time(init_pid), **options)
+
+
+def stale(init_pid: int, request: dict, images: str = "") -> str | None:
+    """Why a put_for_dump ``request`` is not the current dump's, in words;
+    None where it is. ``images``: that dump's folder, where the request names
+    one (a pages request: its ``images``)."""
+    writer = request.get("writer")
+    if not isinstance(writer, int):
+        return "it names no writer"
+    if not runs_as(writer, request.get("writer_started")):
+        return f"its writer (pid {writer}) is gone: killed before this dump"
+    if request.get("init_started") != start_time(init_pid):
+        return "it is for an earlier process under the init's pid"
+    if images and request.get("images") and not _same_folder(images, request["images"]):
+        return f"it is for a dump into {request['images']}"
+    return None
+
+
+def _same_folder(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def for_dump(init_pid: int, kind: str = "", images: str = "") -> dict:
+    """A put_for_dump request of the current dump, left for its step to take;
+    {} where there is none, or it is ``stale`` (dropped then, journaled: no
+    later dump may obey it either)."""
+    found = peek(init_pid, kind)
+    why = stale(init_pid, found, images) if found else None
+    if why is None:
+        return found
+    drop(init_pid, kind)
+    journal.record("request-dropped", init_pid=init_pid, kind=kind or "options", why=why,
+                   writer=found.get("writer"))
+    return {}
 
 
 def put_bound(init_pid: int, kind: str, **data) -> None:

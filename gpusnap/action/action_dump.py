@@ -53,12 +53,17 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     refusals, never a traceback: CRIU stops the dump before it freezes
     anything, and any GPU taken comes back (the guardian, else
     _guardian_or_give_back)."""
+    push: dict = {}
     try:
-        _pre_dump_steps(init_pid, image_dir, criu_pid)
+        # The CLI's requests, where their writer still waits for this dump: one
+        # a CLI killed before its dump left is dropped, never obeyed
+        requests.for_dump(init_pid)  # pre-dump's options, taken by lock_timeout_ms
+        push = requests.for_dump(init_pid, "pages", image_dir)
+        _pre_dump_steps(init_pid, image_dir, criu_pid, push)
     except OSError as exc:
         raise _cannot_prepare(exc) from None
     finally:  # round 1's kept pages the read-ahead did not write over: CRIU needs the memory
-        reuse = requests.peek(init_pid, "pages").get("reuse")
+        reuse = push.get("reuse")
         if reuse:
             from gpusnap.pages import kept_pages  # a final round only: not every step's start-up
             kept_pages.release([str(p) for p in reuse])
@@ -72,7 +77,7 @@ def _cannot_prepare(exc: OSError) -> GpusnapError:
                         "checks the host")
 
 
-def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int) -> None:
+def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int, push: dict) -> None:
     if image_dir:
         from gpusnap.pages import pages_aside  # pre-dump only: not every step's start-up
         pages_aside.drop_stale_parent(Path(image_dir))
@@ -87,20 +92,21 @@ def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int) -> None:
                      "pre-dump", go_on=lambda pid, role: role == "guardian-held" and
                      pid is not None and alive(pid) and requests.held(init_pid))
     if turn is None:
-        _pre_dump(init_pid, image_dir, criu_pid, None)
+        _pre_dump(init_pid, image_dir, criu_pid, None, push)
         return
     with turn:
-        _pre_dump(init_pid, image_dir, criu_pid, turn)
+        _pre_dump(init_pid, image_dir, criu_pid, turn, push)
 
 
-def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -> None:
+def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None,
+              push: dict) -> None:
     """Quiesce and write the manifest; a guardian started here holds ``turn``
-    on, through CRIU, until the GPUs are back."""
-    push = requests.peek(init_pid, "pages")
+    on, through CRIU, until the GPUs are back. ``push``: the pages request of
+    this dump ({} for none)."""
     ahead = bool(push.get("read_ahead")) and bool(image_dir)
     procs = cuda_processes(init_pid)
     if not procs:
-        _earlier_dump_goes(image_dir)
+        _earlier_dump_goes(image_dir, push)
         if ahead and push.get("ahead_test_min"):
             _read_ahead_test(init_pid, criu_pid, push, turn)
         return
@@ -123,7 +129,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
         manifest.timing = timing.phases
         held = _held(dump_ahead, changed, before)
         guardian = _guardian_or_give_back(driver, criu_pid, changed, init_pid, turn)
-        _earlier_dump_goes(image_dir)
+        _earlier_dump_goes(image_dir, push)
         if image_dir:  # for a restore that maps these instead of writing them: not needed
             try:
                 staging.record(image_dir, held)
@@ -133,7 +139,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
         if ahead and guardian is not None:
             _read_ahead(criu_pid, guardian, push, held)
     else:
-        _earlier_dump_goes(image_dir)
+        _earlier_dump_goes(image_dir, push)
         if turn is not None:  # the plugin quiesces and resumes inside CRIU: held till it exits
             guardian = _start_guardian(criu_pid, [], init_pid, turn, force=True)
             if guardian is not None:
@@ -148,7 +154,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None) -
                    guardian=guardian is not None)
 
 
-def _earlier_dump_goes(image_dir: str) -> None:
+def _earlier_dump_goes(image_dir: str, push: dict) -> None:
     """This dump goes on: what an earlier one left in a folder Podman kept goes
     (its GPU manifest, a restore's plan, its staging record: this dump writes
     its own), and so does a kept copy sharing its files, which CRIU is about to
@@ -198,7 +204,7 @@ def _quiesced_before_the_pause(init_pid: int, image_dir: str) -> bool:
         raise GpusnapError(f"{who} took the GPU after gpusnap had quiesced the "
                            "container's GPU processes; nothing was dumped",
                            "checkpoint again")
-    _earlier_dump_goes(image_dir)
+    _earlier_dump_goes(image_dir, {})
     if image_dir:
         gpu_manifest.write(gpu_manifest.Manifest.from_dict(first["manifest"]), image_dir)
     journal.record("gpu-manifest-written", init_pid=init_pid, pids=first.get("pids", []),

@@ -391,11 +391,13 @@ def _gave_up(p: CheckpointPlan, last: TakeAgain | None, changed: list[str]) -> N
 
 def _run_once(p: CheckpointPlan) -> dict:
     start, started_at = time.monotonic(), time.time()
+    # named for this process, which waits for the dump: killed before it, they
+    # are dropped by the next dump's pre-dump, not obeyed (requests.for_dump)
     if p.cuda:
-        requests.put(p.container.pid, lock_timeout_ms=p.lock_timeout_ms)
+        requests.put_for_dump(p.container.pid, lock_timeout_ms=p.lock_timeout_ms)
     if p.pages_aside is not None:
-        requests.put(p.container.pid, "pages", images=str(p.container.checkpoint_dir),
-                     aside=str(p.pages_aside), **_read_ahead(p))
+        requests.put_for_dump(p.container.pid, "pages", images=str(p.container.checkpoint_dir),
+                              aside=str(p.pages_aside), **_read_ahead(p))
         if p.pages_prelinked:
             p.container.checkpoint_dir.mkdir(mode=0o700, exist_ok=True)
             # A few links per task: each task's memory and each shared segment

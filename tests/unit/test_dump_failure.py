@@ -184,3 +184,32 @@ def test_an_earlier_dumps_refusal_is_not_this_dumps_words(tmp_path, monkeypatch)
     message, hint, _, _ = checkpoint._why_dump_failed(p, said, "free space", None,
                                                       time.time() + 5)
     assert (message, hint) == (said, "free space")
+
+
+def test_the_requests_a_checkpoint_leaves_name_it_and_the_init_they_are_for(tmp_path,
+                                                                           monkeypatch):
+    """The action script obeys them only while this process waits for its dump
+    (requests.for_dump): killed before it, its requests are no later dump's."""
+    import os
+
+    from gpusnap import requests
+    from gpusnap.procs import ProcessGpuUse, start_time
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    p = _plan(tmp_path, None)
+    p.cuda, p.pages_aside = [ProcessGpuUse(pid=INIT, comm="train")], tmp_path / "aside"
+    seen = {}
+
+    def dump(plan):
+        seen.update(options=requests.peek(INIT), pages=requests.peek(INIT, "pages"))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "_dump", dump)
+    monkeypatch.setattr(podman, "exists", lambda name: False)
+    monkeypatch.setattr(checkpoint, "ensure_running", lambda init, pids: [])
+    with pytest.raises(GpusnapError):
+        checkpoint._run_once(p)
+    for request in seen.values():
+        assert (request["writer"], request["writer_started"], request["init_started"]) == (
+            os.getpid(), start_time(os.getpid()), start_time(INIT))
+    assert seen["options"]["lock_timeout_ms"] == 10_000
+    assert seen["pages"]["aside"] == str(tmp_path / "aside")

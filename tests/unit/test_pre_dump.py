@@ -164,3 +164,34 @@ def test_a_dump_that_goes_on_leaves_nothing_of_the_earlier_one(kept_folder, cuda
         monkeypatch.setattr(action_dump, "cuda_processes", lambda pid: [])
     assert action._run("pre-dump", CRIU) == 0
     assert _earlier_left(kept_folder) == []
+
+
+# --- what a push killed before its dump left is not the next dump's ------------------------
+
+def _left_by_a_killed_push(state, images, aside) -> None:
+    """A push's requests, its process gone before Podman's dump
+    (tests/unit/test_requests.py's writer)."""
+    from tests.unit.test_requests import _writer
+
+    _writer(state, INIT, lock_timeout_ms=1)
+    _writer(state, INIT, "pages", images=str(images), aside=str(aside), read_ahead=True)
+
+
+def test_a_dump_after_a_push_killed_before_its_own_obeys_none_of_what_it_left(
+        images, tmp_path, monkeypatch):
+    """A plain `podman container checkpoint` after a push SIGKILLed before its
+    dump: that push's lock timeout is not used, its memory is not read ahead
+    into its folder, and post-dump finds no request to set pages aside for."""
+    from gpusnap import requests
+    from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
+
+    aside = tmp_path / ".gpusnap-push-killed"
+    _left_by_a_killed_push(tmp_path / "state", images, aside)
+    driver = _on_gpu0(monkeypatch)
+    monkeypatch.setattr(action_dump, "_start_guardian", lambda *a, **k: object())
+    monkeypatch.setattr(action_dump, "_read_ahead", lambda *a: pytest.fail("not this dump's"))
+    assert action._run("pre-dump", CRIU) == 0
+    assert driver.lock_timeouts == {INIT: DEFAULT_LOCK_TIMEOUT_MS}
+    assert requests.peek(INIT) == {} and requests.peek(INIT, "pages") == {}  # post-dump: none
+    said = {e["event"]: e for e in journal.read()}
+    assert said["request-dropped"]["why"].startswith("its writer")

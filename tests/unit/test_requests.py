@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from gpusnap import requests
+from gpusnap import journal, procs, requests
 
 
 @pytest.fixture
@@ -67,3 +72,68 @@ def test_drop_forgets_a_request(state_dir):
     requests.drop(6)
     assert requests.take(6) == {}
     requests.drop(6)  # dropping twice is fine
+
+
+# --- a CLI's requests name their writer: one killed before its dump is obeyed by no dump ------
+
+def _writer(state_dir: Path, init_pid: int, kind: str = "", wait: bool = True,
+            **options) -> subprocess.Popen:
+    """Another process that puts a request for ``init_pid``'s next dump and
+    exits, as a `gpusnap push` killed before its dump; reaped unless ``wait``
+    is False (a zombie then, its parent not yet told)."""
+    code = ("import json, sys; from gpusnap import requests; "
+            "requests.put_for_dump(int(sys.argv[1]), sys.argv[2], **json.loads(sys.argv[3]))")
+    child = subprocess.Popen([sys.executable, "-c", code, str(init_pid), kind,
+                              json.dumps(options)],
+                             env={**os.environ, "GPUSNAP_STATE_DIR": str(state_dir),
+                                  "PYTHONPATH": str(Path(__file__).parents[2])})
+    if wait:
+        assert child.wait(timeout=60) == 0
+    else:  # exited, not reaped: its request is there once it is a zombie
+        deadline = time.monotonic() + 60
+        while not requests.peek(init_pid, kind) or procs.runs_as(child.pid,
+                                                                 procs.start_time(child.pid)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    return child
+
+
+def test_a_request_whose_writer_waits_for_the_dump_is_obeyed(state_dir):
+    requests.put_for_dump(os.getpid(), lock_timeout_ms=2500)  # this process: alive
+    found = requests.for_dump(os.getpid())
+    assert found["lock_timeout_ms"] == 2500 and found["writer"] == os.getpid()
+    assert requests.take(os.getpid())["lock_timeout_ms"] == 2500  # left for its step
+
+
+def test_a_request_whose_writer_was_killed_before_the_dump_is_dropped_not_obeyed(state_dir):
+    _writer(state_dir, os.getpid(), "pages", images="/x", aside="/y")
+    assert requests.peek(os.getpid(), "pages")["aside"] == "/y"
+    assert requests.for_dump(os.getpid(), "pages") == {}
+    assert requests.peek(os.getpid(), "pages") == {}  # no later dump finds it either
+    said = journal.read()[-1]
+    assert said["event"] == "request-dropped" and said["kind"] == "pages"
+    assert "is gone: killed before this dump" in said["why"]
+
+
+def test_a_writer_killed_but_not_yet_reaped_is_gone_too(state_dir):
+    child = _writer(state_dir, os.getpid(), wait=False, lock_timeout_ms=1)
+    try:
+        assert requests.for_dump(os.getpid()) == {}
+    finally:
+        child.wait(timeout=60)
+
+
+@pytest.mark.parametrize("left", ["no writer", "an earlier init", "another folder"])
+def test_a_request_of_no_writer_or_of_another_dump_is_dropped(state_dir, tmp_path, left):
+    images = tmp_path / "images"
+    images.mkdir()
+    if left == "no writer":  # a plain put: no one says it waits for this dump
+        requests.put(os.getpid(), "pages", images=str(images))
+    else:
+        requests.put_for_dump(os.getpid(), "pages", images=str(
+            images if left != "another folder" else tmp_path))
+    if left == "an earlier init":  # the container restarted: its init took the pid anew
+        data = requests.peek(os.getpid(), "pages")
+        requests.put(os.getpid(), "pages", **{**data, "init_started": -1})
+    assert requests.for_dump(os.getpid(), "pages", str(images)) == {}
+    assert requests.peek(os.getpid(), "pages") == {}
