@@ -159,13 +159,21 @@ def _earlier_dump_goes(image_dir: str, push: dict) -> None:
     (its GPU manifest, a restore's plan, its staging record: this dump writes
     its own), and so does a kept copy sharing its files, which CRIU is about to
     rewrite (runtime/kept_checkpoint.py). Never sooner: a dump pre-dump refuses
-    leaves that earlier checkpoint whole, and it may be the only way back."""
+    leaves that earlier checkpoint whole, and it may be the only way back.
+    Links CRIU would write its pages through go too, but for ``push``'s own
+    (pages_aside.drop_others)."""
     if not image_dir:  # CRIU always names one; never the working folder
         return
+    from gpusnap.pages import pages_aside  # pre-dump only: not every step's start-up
     kept_checkpoint.before_dump(os.path.realpath(image_dir))
     staging.forget(image_dir)
     for name in (MANIFEST_NAME, PLAN_NAME):
         (Path(image_dir) / name).unlink(missing_ok=True)
+    aside = Path(push["aside"]) if push.get("aside") else None
+    dropped = pages_aside.drop_others(Path(image_dir), aside)
+    if dropped:
+        journal.record("pages-links-dropped", folder=image_dir, links=dropped,
+                       why="not this dump's: CRIU would write its pages through them")
 
 
 def _mapped(read, pid: int) -> list[tuple[int, int]] | None:

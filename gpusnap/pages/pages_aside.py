@@ -25,7 +25,9 @@ where the pages must outlive their folder: a failed push's local checkpoint).
 Pages in RAM (pages/memory.py): where the host can spare the memory, the push
 links every ``pages-N.img`` CRIU may write into a folder on /dev/shm before the
 dump (``prelink``), so CRIU writes them there at memory speed instead of to
-the disk; post-dump only drops the links CRIU did not use. Podman's own import
+the disk; post-dump only drops the links CRIU did not use. Links a push
+killed before its dump left are no later dump's: pre-dump drops every link
+but its own push's (``drop_others``). Podman's own import
 refuses a relative link that leaves its folder, so the tars keep absolute ones.
 """
 
@@ -84,6 +86,21 @@ def drop_links(images: Path, aside: Path) -> int:
         if _prelinked(path, aside):
             path.unlink()
             dropped += 1
+    return dropped
+
+
+def drop_others(images: Path, aside: Path | None) -> list[str]:
+    """Before a dump: every pages or pagemap link of ``images`` but those into
+    ``aside`` (the dump's own push folder: prelink's), removed. CRIU opens its
+    images with O_TRUNC, through any link: one a push killed before its dump
+    left (into its folder, maybe still in RAM) or a restore's (bring_back's,
+    into a pull's folder) would have it write this dump's memory into files
+    that are not this dump's. The names removed."""
+    dropped = []
+    for path in sorted(images.glob(PATTERN)) + sorted(images.glob(PAGEMAP_PATTERN)):
+        if path.is_symlink() and not (aside is not None and _prelinked(path, aside)):
+            path.unlink()
+            dropped.append(path.name)
     return dropped
 
 

@@ -245,3 +245,23 @@ def test_a_copy_back_that_meets_a_full_disk_leaves_the_link_and_the_pages(tmp_pa
     assert os.readlink(images / "pages-1.img") == str(aside / "pages-1.img")
     assert (aside / "pages-1.img").read_bytes() == b"p" * 4096
     assert not (images / ".pages-1.img.copy").exists()
+
+
+def test_before_a_dump_every_pages_link_but_the_dumps_own_goes(tmp_path):
+    """CRIU writes its images through any link (O_TRUNC): links a push killed
+    before its dump left, or a restore left into a pull's folder, must not
+    take this dump's memory; the dump's own push links stay."""
+    images = tmp_path / "checkpoint"
+    images.mkdir()
+    mine, killed = tmp_path / ".gpusnap-push-mine", tmp_path / ".gpusnap-push-killed"
+    pages_aside.prelink(images, killed, 4)
+    for name in ("pages-1.img", "pages-2.img"):  # this push links those names anew
+        (images / name).unlink()
+    pages_aside.prelink(images, mine, 2)
+    (images / "pagemap-1.img").symlink_to("../pull/pagemap-1.img")  # a restore's, relative
+    (images / "pages-9.img").write_bytes(b"a file, not a link")
+    assert pages_aside.drop_others(images, mine) == ["pages-3.img", "pages-4.img",
+                                                     "pagemap-1.img"]
+    assert sorted(p.name for p in images.iterdir()) == ["pages-1.img", "pages-2.img",
+                                                        "pages-9.img"]
+    assert pages_aside.drop_others(images, None) == ["pages-1.img", "pages-2.img"]

@@ -91,8 +91,9 @@ def test_a_guardian_that_cannot_start_gives_the_gpu_back_before_pre_dump_fails(
 @pytest.fixture
 def kept_folder(tmp_path, monkeypatch):
     """Podman's checkpoint folder of a running container, kept from an earlier
-    GPU dump (--keep): its manifest, a restore's plan, its staging record, and a
-    copy kept aside sharing its files (runtime/kept_checkpoint.py)."""
+    GPU dump (--keep): its manifest, a restore's plan, its staging record, a
+    pages link a restore left, and a copy kept aside sharing its files
+    (runtime/kept_checkpoint.py)."""
     from gpusnap.runtime import kept_checkpoint
 
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
@@ -104,6 +105,7 @@ def kept_folder(tmp_path, monkeypatch):
     (folder / MANIFEST_NAME).write_text('{"earlier": true}')
     (folder / PLAN_NAME).write_text('{"moves": []}')
     staging.record(folder, {(INIT, 1): [(0x1000, 0x2000)]})
+    (folder / "pages-1.img").symlink_to(tmp_path / ".gpusnap-pull-x" / "pages-1.img")
     assert kept_checkpoint.keep_aside(folder, "refused") is not None
     monkeypatch.setenv("CRTOOLS_INIT_PID", str(INIT))
     monkeypatch.setenv("CRTOOLS_IMAGE_DIR", str(folder))
@@ -115,6 +117,7 @@ def _earlier_left(folder) -> list[str]:
     from gpusnap.runtime import kept_checkpoint
 
     left = [n for n in (PLAN_NAME, staging.NAME) if (folder / n).exists()]
+    left += ["pages link"] if (folder / "pages-1.img").is_symlink() else []
     if (folder / MANIFEST_NAME).exists() and "earlier" in (folder / MANIFEST_NAME).read_text():
         left.append(MANIFEST_NAME)
     return left + (["kept copy"] if kept_checkpoint.why_kept(folder.parent) else [])
@@ -153,7 +156,7 @@ def test_a_refused_dump_leaves_the_earlier_checkpoint_in_the_folder_whole(kept_f
     assert action._run("pre-dump", CRIU) == 1
     assert _failed()["init_pid"] == str(INIT)
     assert sorted(_earlier_left(kept_folder)) == sorted(
-        [PLAN_NAME, staging.NAME, MANIFEST_NAME, "kept copy"])
+        [PLAN_NAME, staging.NAME, MANIFEST_NAME, "pages link", "kept copy"])
 
 
 @pytest.mark.parametrize("cuda", [True, False], ids=["GPU", "CPU"])
@@ -169,19 +172,28 @@ def test_a_dump_that_goes_on_leaves_nothing_of_the_earlier_one(kept_folder, cuda
 # --- what a push killed before its dump left is not the next dump's ------------------------
 
 def _left_by_a_killed_push(state, images, aside) -> None:
-    """A push's requests, its process gone before Podman's dump
+    """A push's requests and page links, its process gone before Podman's dump
     (tests/unit/test_requests.py's writer)."""
     from tests.unit.test_requests import _writer
 
     _writer(state, INIT, lock_timeout_ms=1)
     _writer(state, INIT, "pages", images=str(images), aside=str(aside), read_ahead=True)
+    _prelink(images, aside)
+
+
+def _prelink(images, aside) -> None:
+    from gpusnap.pages import pages_aside
+
+    aside.mkdir()
+    assert pages_aside.prelink(images, aside, 3) == 3
 
 
 def test_a_dump_after_a_push_killed_before_its_own_obeys_none_of_what_it_left(
         images, tmp_path, monkeypatch):
     """A plain `podman container checkpoint` after a push SIGKILLed before its
     dump: that push's lock timeout is not used, its memory is not read ahead
-    into its folder, and post-dump finds no request to set pages aside for."""
+    into its folder, and CRIU writes no page through its links (into a folder
+    no one will read: the checkpoint would lack that memory)."""
     from gpusnap import requests
     from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
 
@@ -193,5 +205,27 @@ def test_a_dump_after_a_push_killed_before_its_own_obeys_none_of_what_it_left(
     assert action._run("pre-dump", CRIU) == 0
     assert driver.lock_timeouts == {INIT: DEFAULT_LOCK_TIMEOUT_MS}
     assert requests.peek(INIT) == {} and requests.peek(INIT, "pages") == {}  # post-dump: none
+    assert not [p for p in images.iterdir() if p.is_symlink()]
     said = {e["event"]: e for e in journal.read()}
     assert said["request-dropped"]["why"].startswith("its writer")
+    assert said["pages-links-dropped"]["links"] == ["pages-1.img", "pages-2.img", "pages-3.img"]
+
+
+def test_the_requests_and_links_of_a_push_that_waits_for_this_dump_are_obeyed(
+        images, tmp_path, monkeypatch):
+    """This very process is the push: its options are used and its links kept;
+    a link into any other folder (a push killed before, a restore's) goes."""
+    from gpusnap import requests
+
+    aside = tmp_path / ".gpusnap-push-mine"
+    _prelink(images, aside)
+    (images / "pages-9.img").symlink_to(tmp_path / ".gpusnap-push-killed" / "pages-9.img")
+    requests.put_for_dump(INIT, lock_timeout_ms=1234)
+    requests.put_for_dump(INIT, "pages", images=str(images), aside=str(aside))
+    driver = _on_gpu0(monkeypatch)
+    monkeypatch.setattr(action_dump, "_start_guardian", lambda *a, **k: None)
+    assert action._run("pre-dump", CRIU) == 0
+    assert driver.lock_timeouts == {INIT: 1234}
+    assert requests.peek(INIT, "pages")["aside"] == str(aside)  # for post-dump
+    assert sorted(p.name for p in images.iterdir() if p.is_symlink()) == [
+        "pages-1.img", "pages-2.img", "pages-3.img"]
