@@ -4,7 +4,7 @@ Podman runs runc with a scrubbed environment, so `gpusnap checkpoint` writes
 its options to /run/gpusnap/requests/<init pid>.json; the action script
 takes (reads and removes) that file.
 
-A CLI killed before its dump (SIGKILL, a reboot of nothing but the CLI) leaves
+A CLI killed before its dump (SIGKILL, the OOM killer) leaves
 its requests behind, and the file names a container, not a dump: the next
 dump of that container (a plain `podman container checkpoint`, another
 command's) would obey options it never asked for. So the CLI's requests name

@@ -7,6 +7,11 @@ brings back any process that survived the dump (--leave-running, or a dump
 that failed). For a push that asks, the driver's copy of the GPU memory is
 read out on many threads before CRIU would (dump_ahead.py), and post-dump
 puts it back into the images.
+
+What a CLI killed before its dump left for it (its options, a push's pages
+request: requests.for_dump) is dropped, not obeyed, and CRIU writes through
+no pages link but this dump's own push's. What an earlier dump left in the
+folder goes only once this dump goes on: a refused one leaves it whole.
 """
 
 from __future__ import annotations
