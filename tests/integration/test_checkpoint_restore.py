@@ -285,3 +285,39 @@ def test_a_restore_does_not_wait_for_another_containers_checkpoint(counter, tmp_
                 os.kill(runtime, signal.SIGCONT)
         held.communicate(timeout=300)
         run(["podman", "rm", "-f", "-t", "0", other])
+
+
+def test_what_a_cli_killed_before_its_dump_left_is_not_obeyed_by_the_next_dump(counter, tmp_path):
+    """A `gpusnap push` killed after it wrote its requests and linked the pages
+    CRIU will write into its own folder, before its dump: a plain `podman
+    container checkpoint` next obeys neither (requests.for_dump), and CRIU
+    writes this dump's memory into the checkpoint, not through the dead push's
+    link (pages_aside.drop_others)."""
+    from gpusnap import requests
+    from gpusnap.procs import start_time
+
+    token = born(counter)
+    ctr = rt_podman.inspect(counter)
+    writer = subprocess.Popen(["sleep", "60"])
+    writer_started = start_time(writer.pid)
+    writer.kill()
+    writer.wait()
+    aside = tmp_path / "dead-push"
+    aside.mkdir()
+    ctr.checkpoint_dir.mkdir(mode=0o700, exist_ok=True)
+    (ctr.checkpoint_dir / "pages-1.img").symlink_to(aside / "pages-1.img")
+    dead = {"writer": writer.pid, "writer_started": writer_started,
+            "init_started": start_time(ctr.pid)}
+    requests.put(ctr.pid, lock_timeout_ms=1, **dead)
+    requests.put(ctr.pid, "pages", images=str(ctr.checkpoint_dir), aside=str(aside), **dead)
+    mark = journal_mark()
+    podman("container", "checkpoint", "--leave-running", "--keep", counter)
+    pages = ctr.checkpoint_dir / "pages-1.img"
+    assert pages.is_file() and not pages.is_symlink() and pages.stat().st_size > 0
+    assert not (aside / "pages-1.img").exists()
+    events = journal_since(mark)
+    assert sorted(e["kind"] for e in events if e["event"] == "request-dropped") == \
+        ["options", "pages"], events
+    assert [e["links"] for e in events if e["event"] == "pages-links-dropped"] == [["pages-1.img"]]
+    assert rt_podman.inspect(counter).running and born(counter) == token
+    wait_counter(counter, read_counter(counter))
