@@ -216,6 +216,21 @@ class DeviceAccess:
     after: list[Rule]
     _old_fd: int | None = None
 
+    def check(self) -> None:
+        """What ``apply`` and ``undo`` need, before anything changes: on cgroup v2
+        the one program runc attached, and the new rules loadable as a program.
+        Refused here, a move quiesces nothing; found in ``apply``, the undo
+        would fail the same way and leave the processes off their GPUs."""
+        if self.version == 1:
+            return
+        fd = os.open(self.cgroup, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            _one_program(self.cgroup, attached(fd)[0])
+        finally:
+            os.close(fd)
+        for rules in (self.after, self.before):
+            os.close(load_program(device_program(rules)))
+
     def apply(self) -> None:
         self._set(self.before, self.after, forward=True)
 
@@ -229,10 +244,7 @@ class DeviceAccess:
         fd = os.open(self.cgroup, os.O_RDONLY | os.O_DIRECTORY)
         try:
             ids, flags = attached(fd)
-            if len(ids) != 1:
-                raise GpusnapError(f"the container's cgroup {self.cgroup} has {len(ids)} device "
-                                   "programs, not the one runc attaches; its devices were left as "
-                                   "they were")
+            _one_program(self.cgroup, ids)
             attached_now = program_fd(ids[0])
             if forward:
                 new = load_program(device_program(wanted))
@@ -265,6 +277,12 @@ class DeviceAccess:
         if self._old_fd is not None:
             os.close(self._old_fd)
             self._old_fd = None
+
+
+def _one_program(cgroup: Path, ids: list[int]) -> None:
+    if len(ids) != 1:
+        raise GpusnapError(f"the container's cgroup {cgroup} has {len(ids)} device programs, "
+                           "not the one runc attaches; its devices were left as they were")
 
 
 def _v1_write(cgroup: Path, current: list[Rule], wanted: list[Rule]) -> None:

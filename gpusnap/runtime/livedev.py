@@ -15,10 +15,11 @@ import os
 import select
 import signal
 import stat
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Iterator, NoReturn, Sequence
 
 from gpusnap.errors import GpusnapError
 from gpusnap.gpu.nodes import DeviceRemap
@@ -40,15 +41,16 @@ def _in_mount_ns(pid: int, action: Callable[[], bytes | None], doing: str = "cha
     setns = ctypes.CDLL(None, use_errno=True).setns
     ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
     r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        _child(ns, r, w, setns, action)
-    os.close(w)
-    os.close(ns)
-    try:
-        said, status = _reap(child, r, Bound.of("DEVICES"))
-    finally:
-        os.close(r)
+    with _ctrl_c_after():
+        child = os.fork()
+        if child == 0:
+            _child(ns, r, w, setns, action)
+        os.close(w)
+        os.close(ns)
+        try:
+            said, status = _reap(child, r, Bound.of("DEVICES"))
+        finally:
+            os.close(r)
     if status != 0:
         raise GpusnapError(f"cannot {doing} the container's device nodes ({said.decode().strip()})")
     return said
@@ -75,25 +77,36 @@ def _child(ns: int, r: int, w: int, setns, action: Callable[[], bytes | None]) -
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _ctrl_c_after() -> Iterator[None]:
+    """A Ctrl-C from the fork until the child is reaped is held, then delivered:
+    the child finishes its change, and an undo begun meanwhile would race it.
+    (A handler, not a signal mask: the parent's other threads, libcuda's, would
+    take a masked signal for it. Only the main thread may set one; another
+    thread never gets a Ctrl-C.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if held and callable(before):
+        before(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
+    elif held and before == signal.SIG_DFL:
+        raise KeyboardInterrupt
+
+
 def _reap(child: int, r: int, bound: Bound) -> tuple[bytes, int]:
     """(what the child wrote to ``r``, its wait status), within ``bound``: past
-    it the child is killed. A Ctrl-C meanwhile is raised once the child has
-    exited: it finishes its change, and an undo begun meanwhile would race it."""
+    it the child is killed."""
     deadline = time.monotonic() + bound.seconds
     said: list[bytes] = []
-    interrupted: KeyboardInterrupt | None = None
     status: int | None = None
     while status is None:
-        try:
-            status = _reap_step(child, r, deadline, bound, said)
-        except KeyboardInterrupt as exc:
-            interrupted = exc
-        except ChildProcessError:
-            if interrupted is None:
-                raise
-            status = -1  # reaped just as the Ctrl-C came: it is raised below
-    if interrupted is not None:
-        raise interrupted
+        status = _reap_step(child, r, deadline, bound, said)
     return b"".join(said), status
 
 
@@ -205,9 +218,13 @@ class LiveDevices:
     _applied: list[str] = field(default_factory=list)
 
     def apply(self) -> None:
-        # each marked before it starts: one cut mid-way is undone too
-        self._applied.append("cgroup")
+        # each marked before it starts, so one cut mid-way is undone too; but for
+        # cgroup v2's program, swapped in one step: a swap that failed changed nothing
+        if self.access.version == 1:
+            self._applied.append("cgroup")
         self.access.apply()
+        if "cgroup" not in self._applied:
+            self._applied.append("cgroup")
         self._applied.append("nodes")
         set_nodes(self.pid, self.after, _only_in(self.before, self.after))
 
@@ -247,6 +264,7 @@ def plan_live(pid: int, spec: dict, remap: DeviceRemap) -> LiveDevices:
     spec_after = remap_cgroup_rules(remap_devices(spec, remap), remap)
     cgroup, version = device_cgroup(pid)
     access = DeviceAccess(pid, cgroup, version, container_rules(spec), container_rules(spec_after))
+    access.check()
     # A remap names every node of a moved GPU (its DRM card and render nodes where
     # both hosts have them); a container given /dev/nvidiaN alone has only those.
     given = {d.get("path") for d in (spec.get("linux") or {}).get("devices") or []}

@@ -226,3 +226,31 @@ def test_a_recorded_change_is_undone_by_another_process(dev):
     assert _listing(dev) == {"nvidia0": (195, 0, 0o666, 1000, 44)}
     assert (dev.parent / "cgroup" / "devices.allow").read_text() == "c 195:0 rwm"
     assert (dev.parent / "cgroup" / "devices.deny").read_text() == "c 195:1 rwm"
+
+
+def test_a_cgroup_v2_the_move_could_not_undo_is_refused_before_anything_changes(tmp_path, monkeypatch):
+    """systemd's own device program beside runc's: apply would refuse it after
+    the quiesce, and so would the undo, leaving the processes off their GPUs."""
+    from gpusnap.errors import GpusnapError
+    monkeypatch.setattr(devcgroup, "attached", lambda fd: ([7, 8], 0))
+    access = devcgroup.DeviceAccess(1, tmp_path, 2, [], [])
+    with pytest.raises(GpusnapError, match="has 2 device programs"):
+        access.check()
+
+
+def test_a_cgroup_v2_swap_that_failed_is_not_undone(tmp_path, monkeypatch):
+    """The program is swapped in one step: one that failed changed nothing, and
+    an undo (which would fail the same way) is not asked for."""
+    class Access:
+        version, undone = 2, []
+
+        def apply(self):
+            raise OSError(1, "bpf")
+
+        def undo(self):
+            self.undone.append(True)
+    live = livedev.LiveDevices(1, Access())
+    with pytest.raises(OSError):
+        live.apply()
+    live.undo()
+    assert Access.undone == []
