@@ -92,7 +92,7 @@ def plan(name: str, export: str | None, leave_running: bool, tcp_established: bo
     # would name no GPU: nothing a restore could check or place
     frozen.refuse(container.name, cuda, "be checkpointed: its GPU state is not on a GPU")
     if cuda:  # a move cut off: its processes off their GPUs, its nodes maybe half-changed
-        moving.refuse(container.pid, container.name, "be checkpointed")
+        moving.refuse(container.pid, container.name, "be checkpointed", holding_turn=False)
     if cuda and not runs_action_script(container.runtime) and cuda_plugin_path() is None:
         raise GpusnapError(f"{container.name} has CUDA processes and runs under "
                            f"{container.runtime}: {why_not(container.runtime)} and its GPU "

@@ -93,7 +93,7 @@ def _act(ctr: podman.Container, pids: list[int], driver: Driver, live: LiveDevic
                 from None
         raise
     try:
-        record.advance(moving.DEVICES)
+        moving.step(record, moving.DEVICES)
         live.apply()
         label, _, refused = resume_onto(driver, pids, choices, timing)
     except BaseException as exc:  # Ctrl-C included: never leave the container off its GPU
@@ -118,5 +118,8 @@ def _back(name: str, record: moving.Move, live: LiveDevices, driver: Driver,
     journal.record("move-undone", container=name, error=str(exc))
     if isinstance(exc, KeyboardInterrupt):
         raise exc
-    raise GpusnapError(f"moving {name} failed, it runs on its old GPUs again: {exc}",
-                       "`gpusnap gpus` shows the target's free memory") from None
+    said, hint = str(exc), "`gpusnap gpus` shows the target's free memory"
+    if isinstance(exc, GpusnapError) and exc.hint:  # its own advice, said once
+        said, hint = exc.message, exc.hint
+    raise GpusnapError(f"moving {name} failed, it runs on its old GPUs again: {said}", hint) \
+        from None

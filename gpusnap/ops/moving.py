@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gpusnap import journal
 from gpusnap.errors import GpusnapError
+from gpusnap.gpu import turn
 from gpusnap.gpu.cuda import ProcessState
 from gpusnap.gpu.quiesce import Driver, QuiesceError, quiesce, resume, resume_onto, states
 from gpusnap.private import write_private
@@ -72,6 +73,15 @@ class Move:
         data = {**asdict(self), "pids": {str(p): t for p, t in self.pids.items()}}
         write_private(_path(self.init_pid), json.dumps(data))
 
+    def note(self, phase: str, on_new: list[int] | None = None) -> None:
+        """``advance`` on the way back: a record that cannot be written (a full or
+        read-only state folder) must not stop the undo that is under way."""
+        try:
+            self.advance(phase, on_new)
+        except OSError as exc:
+            journal.record("move-record-unsaved", container=self.container, phase=phase,
+                           error=str(exc))
+
     def back_choices(self) -> list[tuple[str, Pairs]]:
         """The pairs that take a process checkpointed on the new GPUs back to the old."""
         return [(f"{label}, back", [(new, old) for old, new in pairs] if pairs else None)
@@ -112,14 +122,42 @@ def begin(init_pid: int, name: str, pids: list[int], live: LiveDevices,
     return move
 
 
-def refuse(init_pid: int, name: str, verb: str) -> None:
+def step(move: Move, phase: str) -> None:
+    """``advance`` on the way there: a step the record cannot say is not taken."""
+    try:
+        move.advance(phase)
+    except OSError as exc:
+        raise GpusnapError(f"cannot record the move's progress under {journal.state_dir()} "
+                           f"({exc.strerror})",
+                           f"free space under {journal.state_dir()}, then move again") from None
+
+
+def refuse(init_pid: int, name: str, verb: str, holding_turn: bool = True) -> None:
     """One line where a move of this container was cut off: until its undo, only
     its record knows which GPUs the processes belong on (and a second move
-    would write over it)."""
-    if any(m.init_pid == init_pid for m in under_way()):
-        raise GpusnapError(f"a move of {name} was cut off and is not undone yet, so it cannot "
-                           f"{verb}; nothing was changed",
-                           "`gpusnap doctor --fix` puts it back on its old GPUs")
+    would write over it). ``holding_turn``: the caller holds the container's
+    turn, so no move is at work; else a record whose turn is held is a move
+    still at work, which doctor would leave alone."""
+    if not any(m.init_pid == init_pid for m in under_way()):
+        return
+    if not holding_turn and _at_work(init_pid):
+        raise GpusnapError(f"{name} is being moved (`gpusnap move`), so it cannot {verb} now; "
+                           "nothing was changed", "run it again once the move is done")
+    raise GpusnapError(f"a move of {name} was cut off and is not undone yet, so it cannot "
+                       f"{verb}; nothing was changed",
+                       "`gpusnap doctor --fix` puts it back on its old GPUs")
+
+
+def _at_work(init_pid: int) -> bool:
+    """Whether someone holds the container's turn now (a move holds it throughout)."""
+    try:
+        held = turn.try_take(init_pid, "check")
+    except OSError:  # a state folder this process cannot use: no word either way
+        return False
+    if held is None:
+        return True
+    held.release()
+    return False
 
 
 def end(init_pid: int) -> None:
@@ -168,7 +206,7 @@ def put_back(move: Move, live: LiveDevices, driver: Driver) -> None:
         except Exception as exc:  # noqa: BLE001 -- any failure: doctor finishes it
             raise BackError(f"the old GPU nodes and device rule could not be put back ({exc})") \
                 from exc
-        move.advance(UNDONE)
+        move.note(UNDONE)
     _resume_old(move, driver, pids)
     end(move.init_pid)
 
@@ -178,7 +216,7 @@ def _off_new(move: Move, driver: Driver, pids: list[int]) -> None:
     old nodes would leave them there, split from the rest."""
     now = states(driver, pids)
     on_new = sorted(set(move.on_new) | {p for p, s in now.items() if s != ProcessState.CHECKPOINTED})
-    move.advance(DEVICES, on_new)  # first: a cut meanwhile still knows which were on the new GPUs
+    move.note(DEVICES, on_new)  # first: a cut meanwhile still knows which were on the new GPUs
     try:
         quiesce(driver, on_new)
     except QuiesceError as exc:

@@ -107,6 +107,26 @@ def test_a_quiesce_that_fails_leaves_no_record():
     assert moving.under_way() == [] and ("apply", 0) not in driver.calls
 
 
+def test_a_record_that_cannot_be_written_on_the_way_does_not_stop_the_undo(monkeypatch):
+    # the state folder filled up after the record was begun: the move fails at its
+    # next step and puts itself back all the same, its processes on their old GPUs
+    driver = _driver({1: R, 2: R})
+    begun = moving.Move.save
+
+    def full(self):
+        if self.phase != moving.QUIESCE:
+            raise OSError(28, "No space left on device")
+        begun(self)
+    monkeypatch.setattr(moving.Move, "save", full)
+    with pytest.raises(GpusnapError, match="moving web failed, it runs on its old GPUs again: "
+                       "cannot record the move's progress .*No space left") as info:
+        _act(driver, FakeLive(driver))
+    assert info.value.hint.startswith("free space under ")
+    assert driver.states == {1: R, 2: R} and ("apply", 0) not in driver.calls
+    assert [e["phase"] for e in journal.read(50) if e["event"] == "move-record-unsaved"] == \
+        [moving.DEVICES, moving.UNDONE]
+
+
 def _cut_after_the_swap(driver: FakeDriver, restored: list[int] = ()) -> None:
     """A move killed (SIGKILL) once its devices changed, ``restored`` already
     restored onto the new GPUs: its record, as it left it."""
@@ -184,6 +204,18 @@ def test_a_container_with_a_cut_move_is_refused_until_doctor_undoes_it(monkeypat
         with freeze.gpu_turn("web", verb, command):
             pass
     assert info.value.hint == "`gpusnap doctor --fix` puts it back on its old GPUs"
+
+
+def test_a_checkpoint_during_a_move_at_work_is_told_to_wait_not_sent_to_doctor():
+    # checkpoint.plan asks outside the turn: a record whose turn is held is a move
+    # at work, which doctor --fix would leave alone (the advice would do nothing)
+    _cut_after_the_swap(_driver({1: R}))
+    with turn.try_take(INIT, "move"):
+        with pytest.raises(GpusnapError, match="web is being moved") as info:
+            moving.refuse(INIT, "web", "be checkpointed", holding_turn=False)
+    assert info.value.hint == "run it again once the move is done"
+    with pytest.raises(GpusnapError, match="a move of web was cut off"):
+        moving.refuse(INIT, "web", "be checkpointed", holding_turn=False)
 
 
 # --- a resume that half succeeded: none left on the new GPUs behind the old nodes ------
