@@ -74,10 +74,17 @@ def checkpoint_cmd(container: str, export: str | None, leave_running: bool,
               f"{human_bytes(plan.estimate_bytes)})...", as_json):
         result = ops.run(plan)
     # Podman is done before the guardian has given the GPUs back
+    interrupted = False
     if gpu_back.expected(plan.leave_running, bool(plan.cuda), plan.container.runtime):
-        with step(f"Giving {plan.container.name} its GPUs back...", as_json):
-            result.update(gpu_back.wait(plan.container.pid, plan.container.name, since).fields())
+        try:
+            with step(f"Giving {plan.container.name} its GPUs back...", as_json):
+                back = gpu_back.wait(plan.container.pid, plan.container.name, since)
+        except KeyboardInterrupt:  # the checkpoint is done: said, not hidden behind Ctrl-C
+            back, interrupted = gpu_back.not_waited(plan.container.name), True
+        result.update(back.fields())
     emit(as_json, result, _human)
+    if interrupted:
+        sys.exit(130)
     if result.get("gpu_back") is False:  # the checkpoint is kept; the container is off its GPUs
         sys.exit(1)
 

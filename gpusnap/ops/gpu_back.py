@@ -68,6 +68,13 @@ def wait(init_pid: int, name: str, since: float, bound: Bound | None = None) -> 
     return verdict(init_pid, name, since, round(time.monotonic() - started, 3))
 
 
+def not_waited(name: str) -> GpuBack:
+    """Ctrl-C during the wait: the checkpoint is complete; the guardian goes on."""
+    return GpuBack(None, 0.0, f"the checkpoint of {name} is complete; its GPUs were not "
+                   "waited for (Ctrl-C): gpusnap's guardian goes on giving them back",
+                   "`gpusnap doctor` says once they are back")
+
+
 def _still_coming(init_pid: int, name: str, waited: float) -> GpuBack:
     who, _ = holder(init_pid)
     return GpuBack(None, waited, (
@@ -103,9 +110,9 @@ def verdict(init_pid: int, name: str, since: float, waited: float) -> GpuBack:
         return GpuBack(False, waited, f"the checkpoint of {name} is complete and kept, but "
                        "gpusnap's guardian ended before it said its GPUs were back (killed?)",
                        f"`gpusnap doctor` shows whether they are; {FIX}")
-    return GpuBack(None, waited, f"the checkpoint of {name} is complete; whether its GPUs "
-                   "are back could not be told (no record of its quiesce in gpusnap's journal)",
-                   f"`gpusnap doctor` tells; {FIX}")
+    # no quiesce recorded and no verdict: its CUDA processes ended before the dump,
+    # so nothing was taken from a GPU and there is nothing to say
+    return GpuBack(None, waited)
 
 
 def _not_back(name: str, waited: float, why: str) -> GpuBack:

@@ -150,3 +150,20 @@ def test_a_later_command_holding_the_turn_is_not_waited_for():
         started = time.monotonic()
         assert gpu_back.wait(INIT, "web", time.time() - 5, Bound("GPU_TURN", 5)).back is True
         assert time.monotonic() - started < 2
+
+
+def test_processes_that_ended_before_the_dump_leave_nothing_to_say():
+    # no quiesce recorded and no verdict: nothing was taken from a GPU
+    back = gpu_back.wait(INIT, "web", time.time() - 5, Bound("GPU_TURN", 5))
+    assert back.back is None and back.fields() == {"gpu_back": None, "gpu_back_seconds": back.seconds}
+
+
+def test_ctrl_c_during_the_wait_still_says_the_checkpoint_it_took(monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gpu_back, "wait", interrupted)
+    res = _checkpoint(monkeypatch, "-R", "--json")
+    assert res.exit_code == 130, res.output
+    out = json.loads(res.output)
+    assert out["container"]["name"] == "web" and out["gpu_back"] is None
+    assert "not waited for (Ctrl-C)" in out["gpu_back_detail"]
