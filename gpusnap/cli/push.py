@@ -104,7 +104,8 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
             again = "push again: chunks the registry already has are not sent again"
             raise GpusnapError(exc.message,
                                f"{exc.hint}; then {again}" if exc.hint else again) from None
-    return advice.after_push(r, registry(), trust, here, leave_running, pre_checkpoint)
+    return advice.after_push(r, registry(), trust, here, leave_running, pre_checkpoint,
+                             containerd_address)
 
 
 def checkpoint_options(fn: Callable) -> Callable:

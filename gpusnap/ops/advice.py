@@ -90,9 +90,10 @@ def name_args(name: str | None) -> list[str]:
 
 
 def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
-                    here: bool) -> tuple[str, str | None]:
+                    here: bool, containerd_address: str | None = None) -> tuple[str, str | None]:
     """The command that restores what was pushed, flags included; ``here``: on
-    this host as it is now (a name in use gets --name). Also the name it avoided."""
+    this host as it is now (a name in use gets --name); ``containerd_address``:
+    the push's, where it named one. Also the name it avoided."""
     if r.get("format") == "podman":  # Podman restores it, with Podman's flags
         from gpusnap.ops.restore import free_name  # start-up: CRIU and GPU code, for this line only
 
@@ -108,6 +109,8 @@ def restore_command(r: dict, opts: RegistryOptions, trust: TrustOptions | None,
     renamed = None
     if notes.get("io.gpusnap.engine") == "containerd":  # into containerd: say where
         args += ["--to", _containerd_target(r.get("source") or "", name, here)]
+        if containerd_address:  # the push's own containerd (k3s's, say), not the default socket
+            args += ["--containerd-address", containerd_address]
     elif here and (other := name_args(name)):
         renamed = name
         args += other
@@ -151,13 +154,15 @@ def restore_refusal(r: dict, opts: RegistryOptions) -> dict | None:
 
 
 def after_push(r: dict, opts: RegistryOptions, trust: TrustOptions | None, here: bool,
-               leave_running: bool, pre_checkpoint: bool) -> dict:
+               leave_running: bool, pre_checkpoint: bool,
+               containerd_address: str | None = None) -> dict:
     """``r`` (a push's result) with what to tell the user: the container's state,
     the restore command (``here``: on this host; else on another one), the
     prefetch command after a pre-copy round, and this host's trust verdict."""
     r["container_state"] = container_state(r, leave_running or pre_checkpoint, pre_checkpoint,
                                            migrate=not here)
-    r["restore_command"], r["restore_renamed"] = restore_command(r, opts, trust, here)
+    r["restore_command"], r["restore_renamed"] = restore_command(r, opts, trust, here,
+                                                                 containerd_address)
     if pre_checkpoint:
         r["prefetch_command"] = gpusnap_command(["pull", "--prefetch", r["pinned"]], opts)
     r["restore_refused"] = restore_refusal(r, opts)

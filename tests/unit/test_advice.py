@@ -24,6 +24,11 @@ def test_an_encrypted_checkpoint_asks_for_the_key_and_containerd_says_where():
     assert line.endswith("--decrypt-key KEY --to containerd://ml/job")
     line, _ = advice.restore_command(r, RegistryOptions(), None, here=True)  # job is still here
     assert line.endswith("--to containerd://ml/job-2")
+    # pushed from k3s's containerd: restored into it, not the default socket's
+    line, _ = advice.restore_command(r, RegistryOptions(), None, here=True,
+                                     containerd_address="/run/k3s/containerd/containerd.sock")
+    assert line.endswith("--to containerd://ml/job-2 "
+                         "--containerd-address /run/k3s/containerd/containerd.sock")
 
 
 def test_the_container_state_says_what_the_verb_did():
