@@ -250,9 +250,14 @@ def checkpoint_to_dir(c: Client, container_id: str, dest: Path, exit_after: bool
     return descs
 
 
+def host_arch() -> str:
+    """This host's architecture as OCI names it (GOARCH): amd64, arm64."""
+    return {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+
+
 def _write_index(c: Client, ctr: Any, descs: list[Any]):
     """The checkpoint's OCI index, as containerd's client writes it (image, checkpoint, spec)."""
-    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+    arch = host_arch()
     manifests = [{"mediaType": d.media_type, "digest": d.digest, "size": d.size,
                   "platform": {"os": "linux", "architecture": arch}} for d in descs]
     annotations = {}

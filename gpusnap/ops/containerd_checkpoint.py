@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import platform
 import shutil
 import tempfile
 import uuid
@@ -37,8 +36,8 @@ from google.protobuf import any_pb2
 
 from gpusnap.criu.log import SEIZE_TRIES, UNSEIZABLE_MARK
 from gpusnap.ops.containerd_api import (
-    CHECKPOINT_CONFIG_MEDIA, CHECKPOINT_MEDIA, Client, ContainerdError, extract_tar, restore_from_dir,
-    runc_checkpoint_options)
+    CHECKPOINT_CONFIG_MEDIA, CHECKPOINT_MEDIA, Client, ContainerdError, extract_tar, host_arch,
+    restore_from_dir, runc_checkpoint_options)
 from gpusnap.ops.containerd_gpu import quiesced_first
 from gpusnap.private import open_private, write_private
 from gpusnap.waits import Bound
@@ -161,7 +160,7 @@ def _checkpoint_paused(c: Client, ctr: Any, container_id: str, image: str, exit_
 
 def _write_checkpoint_index(c: Client, ctr: Any, descs: list[Any]) -> Any:
     """The index `ctr c checkpoint` writes: its blobs, and the image, runtime and snapshotter as annotations."""
-    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+    arch = host_arch()
     manifests = [{"mediaType": d.media_type, "digest": d.digest, "size": d.size,
                   "platform": {"os": "linux", "architecture": arch}} for d in descs]
     annotations = {"org.opencontainers.image.ref.name": ctr.image,
@@ -201,13 +200,14 @@ def _chain_id(diff_ids: list[str]) -> str:
     return chain
 
 
-def _image_chain_id(c: Client, image: str, arch: str = "amd64") -> str:
+def _image_chain_id(c: Client, image: str, arch: str | None = None) -> str:
     try:
         desc = c.call("images", "Images", "Get", name=image).image.target
     except ContainerdError:
         raise ContainerdError(f"image {image} is not in namespace {c.namespace}: "
                               f"pull or import it there first") from None
     doc = _json_blob(c, desc.digest)
+    arch = arch or host_arch()  # the manifest containerd pulled the layers of: this host's
     if desc.media_type in _INDEX_TYPES:
         found = [m for m in doc["manifests"] if (m.get("platform") or {}).get("architecture", arch) == arch]
         if not found:

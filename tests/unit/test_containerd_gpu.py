@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -429,3 +430,22 @@ def test_a_held_mark_whose_shim_died_is_no_hold(host):
     assert requests.held(INIT)
     del born[4321]  # that shim is gone: no Resume will ever drop it
     assert not requests.held(INIT) and requests.peek(INIT, requests.HELD) == {}
+
+
+def test_a_restore_reads_the_image_manifest_of_this_hosts_architecture(monkeypatch):
+    # on an arm64 host (GH200) containerd pulled the arm64 layers: the amd64
+    # manifest's would name a snapshot that is not there
+    from gpusnap.ops import containerd_checkpoint as cc
+    blobs = {"sha256:index": {"manifests": [
+        {"digest": "sha256:amd", "platform": {"os": "linux", "architecture": "amd64"}},
+        {"digest": "sha256:arm", "platform": {"os": "linux", "architecture": "arm64"}}]},
+        "sha256:amd": {"config": {"digest": "sha256:amdcfg"}},
+        "sha256:arm": {"config": {"digest": "sha256:armcfg"}},
+        "sha256:amdcfg": {"rootfs": {"diff_ids": ["sha256:" + "a" * 64]}},
+        "sha256:armcfg": {"rootfs": {"diff_ids": ["sha256:" + "b" * 64]}}}
+    target = SimpleNamespace(digest="sha256:index", media_type=cc._INDEX_TYPES[0])
+    client = SimpleNamespace(call=lambda *a, **k: SimpleNamespace(image=SimpleNamespace(target=target)),
+                             namespace="default")
+    monkeypatch.setattr(cc, "_json_blob", lambda c, digest: blobs[digest])
+    monkeypatch.setattr(cc, "host_arch", lambda: "arm64")
+    assert cc._image_chain_id(client, "img") == "sha256:" + "b" * 64
