@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpusnap.shim.stdio import Paths, ProcessIO
@@ -48,6 +49,15 @@ class Proc:
         self.exit_status, self.exited_at_ns = status, at_ns
         self.status = "stopped"
         self.exited.set()
+
+    def wait_exit(self, caller_active: Callable[[], bool], slice_s: float = 1.0) -> bool:
+        """Wait for the exit while CALLER_ACTIVE(): False once the caller has gone
+        (Ctrl-C, a client timeout, containerd restarting), which frees the worker
+        thread: abandoned waits would otherwise use up the server's fixed pool."""
+        while not self.exited.wait(slice_s):
+            if not caller_active():
+                return False
+        return True
 
     def file_stem(self) -> str:
         # exec ids are the client's strings: keep them out of file names

@@ -49,7 +49,7 @@ def serve(namespace: str, containerd_address: str, socket_path: str, ready_fd: i
             return 1
         stop = server.stop
     else:
-        # Wait() holds a worker until its process exits: keep plenty of them.
+        # Wait() holds a worker until its process exits or its caller leaves: keep plenty.
         grpc_server = grpc.server(ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"))
         grpc_server.add_generic_rpc_handlers((generic_handler(task, service),))
         # 0600: containerd connects as root; nobody else may drive this shim's containers.

@@ -352,7 +352,8 @@ class TaskService:
     @rpc
     def Wait(self, req, context):
         p = self._container(req.id).process(req.exec_id)
-        p.exited.wait()
+        if not p.wait_exit(context.is_active):
+            raise ShimError("CANCELLED", f"wait for {p.id}: the caller went away")  # nobody reads it
         return self.pb.shim.WaitResponse(exit_status=p.exit_status, exited_at=_timestamp(p.exited_at_ns))
 
     # --- queries -----------------------------------------------------------------
@@ -462,8 +463,7 @@ class TaskService:
     def _runs_after_all(self, c: Container, p: Proc) -> None:
         """A task that was not paused again and did not exit runs: said so."""
         with self.lock:
-            runs = p.status == "paused" and not p.exited.is_set() and \
-                os.path.exists(f"/proc/{p.pid}")
+            runs = p.status == "paused" and not p.exited.is_set() and os.path.exists(f"/proc/{p.pid}")
             if runs:
                 p.status = "running"
         if runs:

@@ -10,8 +10,9 @@ PROTOCOL.md): frames of a 10-byte header -- length (uint32, big-endian),
 stream id (uint32, odd, client-chosen), type (1 request, 2 response, 3 data),
 flags -- then a ttrpc.Request or ttrpc.Response. Only unary calls: the task
 service has no streams. Each request runs in a worker of its own (Wait holds
-one until its process exits); responses on one connection are written under
-a lock.
+one until its process exits, or its connection closes, or its timeout_nano
+passes: ttrpc has no cancel message); responses on one connection are
+written under a lock.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,10 +47,20 @@ class _Aborted(Exception):
 
 
 class _Context:
-    """The part of grpc.ServicerContext the task service uses: abort()."""
+    """The part of grpc.ServicerContext the task service uses: abort(), is_active().
+    CLOSED is set when the call's connection ends; TIMEOUT_NANO is the request's
+    (the client's deadline; 0 for none)."""
+
+    def __init__(self, closed: threading.Event, timeout_nano: int = 0) -> None:
+        self.closed = closed
+        self.deadline = time.monotonic() + timeout_nano / 1e9 if timeout_nano else None
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise _Aborted(code, details)
+
+    def is_active(self) -> bool:
+        """False once nobody can read the answer: its connection closed or its deadline passed."""
+        return not self.closed.is_set() and (self.deadline is None or time.monotonic() < self.deadline)
 
 
 class TtrpcServer:
@@ -103,7 +115,7 @@ class TtrpcServer:
             threading.Thread(target=self._serve, args=(conn,), name="ttrpc-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        lock = threading.Lock()
+        lock, closed = threading.Lock(), threading.Event()
         try:
             while True:
                 head = _read(conn, HEADER.size)
@@ -117,16 +129,18 @@ class TtrpcServer:
                 if body is None:
                     return
                 if kind == REQUEST:
-                    self.pool.submit(self._call, conn, lock, stream, body)
+                    self.pool.submit(self._call, conn, lock, stream, body, closed)
                 # data frames belong to streams, which the task service has none of
         finally:
+            closed.set()  # its calls' answers have nowhere to go: a Wait gives its worker up
             try:
                 self.conns.remove(conn)
             except ValueError:
                 pass
             conn.close()
 
-    def _call(self, conn: socket.socket, lock: threading.Lock, stream: int, body: bytes) -> None:
+    def _call(self, conn: socket.socket, lock: threading.Lock, stream: int, body: bytes,
+              closed: threading.Event) -> None:
         pb = self.pb
         status, payload = pb.Status(code=0), b""
         try:
@@ -134,7 +148,7 @@ class TtrpcServer:
             if req.service != self.name or req.method not in self.methods:
                 raise _Aborted(grpc.StatusCode.UNIMPLEMENTED, f"{req.service}.{req.method} is not served")
             fn, cls = self.methods[req.method]
-            payload = fn(cls.FromString(req.payload), _Context()).SerializeToString()
+            payload = fn(cls.FromString(req.payload), _Context(closed, req.timeout_nano)).SerializeToString()
         except _Aborted as exc:
             status = pb.Status(code=exc.code.value[0], message=exc.message)
         except Exception as exc:  # the servicer maps its own errors; this is a last resort
