@@ -10,7 +10,10 @@ the CRIU action script keeps at pre-restore.
 
 Everything is computed before anything is written, so a refusal changes
 nothing; the originals are copied into BUNDLE/gpusnap-restore/ first, and
-`undo` puts them back after a failed restore.
+`undo` puts them back after a failed restore, or a failed `apply`. A backup is
+never deleted while it may hold the only originals: `apply` puts an earlier
+one back first, and the backup counts as whole only once its image-dir file
+(written last) is there.
 """
 
 from __future__ import annotations
@@ -125,12 +128,12 @@ def apply(bundle: str | Path, image_dir: str | Path, edits: Edits) -> None:
     """Copy the originals into BUNDLE/gpusnap-restore/, then put the edited files in place."""
     bundle, image_dir = Path(bundle), Path(image_dir)
     backup = bundle / BACKUP
-    shutil.rmtree(backup, ignore_errors=True)
+    undo(bundle)  # an earlier apply's backup may hold the only originals: put back, not deleted
     backup.mkdir(mode=0o700)
     shutil.copy2(bundle / "config.json", backup / "config.json")
     if edits.dev_image is not None:
         shutil.copy2(edits.dev_image, backup / edits.dev_image.name)
-    (backup / "image-dir").write_text(str(image_dir))
+    _replace(backup / "image-dir", str(image_dir).encode())  # last, whole: the backup is complete
     _replace(bundle / "config.json", json.dumps(edits.spec).encode())
     if edits.dev_image is not None and edits.dev_data is not None:
         _replace(edits.dev_image, edits.dev_data)
@@ -139,10 +142,11 @@ def apply(bundle: str | Path, image_dir: str | Path, edits: Edits) -> None:
 
 
 def undo(bundle: str | Path) -> None:
-    """Put back what `apply` changed (after a failed restore); nothing when it changed nothing."""
+    """Put back what `apply` changed (after a failed restore or apply); nothing when it changed nothing."""
     bundle = Path(bundle)
     backup = bundle / BACKUP
-    if not (backup / "config.json").exists():
+    if not (backup / "image-dir").exists():
+        shutil.rmtree(backup, ignore_errors=True)  # cut short before any edit: the originals are in place
         return
     image_dir = Path((backup / "image-dir").read_text())
     for saved in backup.iterdir():

@@ -223,6 +223,7 @@ class TaskService:
     def _restore(self, c: Container, runc: Runc) -> None:
         p = c.init
         assert p.io is not None
+        p.restoring = True  # first: a Delete meanwhile would unmount the rootfs under the edits and CRIU
         if c.criu_work:
             os.makedirs(c.criu_work, exist_ok=True)  # the caller's folder, the caller's mode
         work = c.criu_work or str(private_dir(os.path.join(c.bundle, "criu-work")))  # CRIU's logs
@@ -232,23 +233,20 @@ class TaskService:
 
         try:
             edits = remap.plan_edits(c.bundle, c.checkpoint)
-        except GpusnapError as e:
-            raise precondition(str(e)) from None
-        if edits is not None:
-            remap.apply(c.bundle, c.checkpoint, edits)
-        p.restoring = True  # a Delete meanwhile would unmount the rootfs under CRIU
-        try:
+            if edits is not None:
+                remap.apply(c.bundle, c.checkpoint, edits)  # may fail half-way (ENOSPC): undone below
             runc.restore(c.id, c.bundle, c.pid_file(p), p.io.stdio, c.checkpoint, work, console, c.no_pivot,
                          c.parent_checkpoint)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(RuncError):  # runc killed leaves its state: "exists" next time
                 runc.delete(c.id, force=True)
-            if edits is not None:
-                remap.undo(c.bundle)
+            remap.undo(c.bundle)  # nothing when nothing was edited; a retry plans on the originals
             # a CRIU killed late leaves its cgroup yard in `work`, which containerd's removal
             # of the bundle would walk into (the host's cgroups); imported here, as remap is
             from gpusnap.criu import yard
             yard.release(work)
+            if isinstance(e, GpusnapError):  # the plan's refusal (one line, with its hint)
+                raise precondition(str(e)) from None
             raise
         p.io.started()
         p.pid = read_pid(c.pid_file(p))
