@@ -70,6 +70,10 @@ def dump(runc: Runc, cid: str, opts: CheckpointOpts, dump_log: str, frozen_by_cl
             runc.checkpoint(cid, opts)
             return
         except RuncError as e:
+            try:  # an earlier failure's log is not this one's (runc may fail before CRIU runs)
+                os.unlink(dump_log)
+            except FileNotFoundError:
+                pass
             try:
                 with open(os.path.join(opts.work_path, "dump.log"), "rb") as src, \
                         open_private(dump_log, "wb") as dst:
@@ -78,7 +82,7 @@ def dump(runc: Runc, cid: str, opts: CheckpointOpts, dump_log: str, frozen_by_cl
                 pass
             pid = seize_blocked(Path(dump_log))
             if pid is None:
-                raise RuncError(f"{e} (CRIU log: {dump_log})") from None
+                raise RuncError(f"{e} (CRIU log: {dump_log})" if os.path.exists(dump_log) else str(e)) from None
             if frozen_by_client or attempt == SEIZE_TRIES:
                 again = ("checkpoint again (the task stays paused as it was caught until "
                          "resumed)" if frozen_by_client else f"{SEIZE_TRIES} tries; checkpoint again")

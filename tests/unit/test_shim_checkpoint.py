@@ -54,3 +54,23 @@ def test_other_failures_and_a_third_miss_are_raised(tmp_path):
         _dump(tmp_path, ["(0.1) Error (criu/files.c:1): no\n"], frozen_by_client=False)
     with pytest.raises(RuncError, match="3 tries; checkpoint again"):
         _dump(tmp_path, [SEIZE] * 3, frozen_by_client=False)
+
+
+class EarlyFailingRunc:
+    """runc checkpoint failing before CRIU ran: no work/dump.log."""
+
+    calls = 0
+
+    def checkpoint(self, cid: str, opts: CheckpointOpts) -> None:
+        self.calls += 1
+        raise RuncError("runc checkpoint: container is not running")
+
+
+def test_an_earlier_failures_log_is_not_this_ones(tmp_path):
+    (tmp_path / "criu-dump.log").write_text(SEIZE)  # an earlier dump's
+    runc = EarlyFailingRunc()
+    with pytest.raises(RuncError, match="container is not running") as err:
+        checkpoint.dump(runc, "c1", CheckpointOpts(image_path=str(tmp_path / "img"),  # type: ignore[arg-type]
+                        work_path=str(tmp_path / "work")), str(tmp_path / "criu-dump.log"), False)
+    assert runc.calls == 1 and str(err.value) == "runc checkpoint: container is not running"  # no log named
+    assert not (tmp_path / "criu-dump.log").exists()
