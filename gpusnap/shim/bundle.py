@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 from gpusnap.proto.wire import varint
 
@@ -39,6 +40,14 @@ def clear_state(bundle: str) -> None:
         os.unlink(os.path.join(bundle, SHIM_STATE))
     except FileNotFoundError:
         pass
+
+
+def drop_unpacked_checkpoint(checkpoint: str) -> None:
+    """Remove CHECKPOINT where containerd unpacked it for this one restore: containerd
+    1.7 unpacks it into a temporary ctrd-checkpoint* directory (Tasks.Create) and
+    never removes it; a GPU checkpoint there holds GBs."""
+    if checkpoint and os.path.basename(checkpoint.rstrip("/")).startswith("ctrd-checkpoint"):
+        shutil.rmtree(checkpoint, ignore_errors=True)
 
 
 def delete_response(exit_status: int, exited_at_ns: int) -> bytes:

@@ -149,15 +149,11 @@ class TaskService:
         with self.lock:
             if req.id in self.containers:
                 raise ShimError("ALREADY_EXISTS", f"container {req.id} already exists")
-            opts = _unpack(req.options, RUNC_OPTIONS, self.pb.runc_options.Options)
-            runc = Runc(self.reaper, bundle_state.runc_root(opts.root, self.namespace),
-                        os.path.join(req.bundle, "log.json"), opts.binary_name or "runc")
-            bundle_state.write_state(req.bundle, runc.root, runc.binary)
-            paths = Paths(req.stdin, req.stdout, req.stderr, req.terminal)
-            c = Container(req.id, req.bundle, Proc(req.id, paths), checkpoint=req.checkpoint,
-                          parent_checkpoint=req.parent_checkpoint, no_pivot=opts.no_pivot_root,
-                          no_new_keyring=opts.no_new_keyring, criu_work=opts.criu_work_path)
-            self._create(c, runc, list(req.rootfs))
+            try:
+                c, runc = self._new_container(req)
+            except BaseException:
+                bundle_state.drop_unpacked_checkpoint(req.checkpoint)  # never registered: no Delete will
+                raise
             self.containers[c.id] = c
             self.runcs[c.id] = runc
         self._publish("TaskCreate", container_id=c.id, bundle=c.bundle, rootfs=req.rootfs,
@@ -165,6 +161,18 @@ class TaskService:
                                                     terminal=req.terminal),
                       checkpoint=req.checkpoint, pid=c.init.pid)
         return self.pb.shim.CreateTaskResponse(pid=c.init.pid)
+
+    def _new_container(self, req) -> tuple[Container, Runc]:
+        opts = _unpack(req.options, RUNC_OPTIONS, self.pb.runc_options.Options)
+        runc = Runc(self.reaper, bundle_state.runc_root(opts.root, self.namespace),
+                    os.path.join(req.bundle, "log.json"), opts.binary_name or "runc")
+        bundle_state.write_state(req.bundle, runc.root, runc.binary)
+        paths = Paths(req.stdin, req.stdout, req.stderr, req.terminal)
+        c = Container(req.id, req.bundle, Proc(req.id, paths), checkpoint=req.checkpoint,
+                      parent_checkpoint=req.parent_checkpoint, no_pivot=opts.no_pivot_root,
+                      no_new_keyring=opts.no_new_keyring, criu_work=opts.criu_work_path)
+        self._create(c, runc, list(req.rootfs))
+        return c, runc
 
     def _create(self, c: Container, runc: Runc, rootfs: list) -> None:
         if rootfs:
@@ -241,9 +249,8 @@ class TaskService:
             with contextlib.suppress(RuncError):  # runc killed leaves its state: "exists" next time
                 runc.delete(c.id, force=True)
             remap.undo(c.bundle)  # nothing when nothing was edited; a retry plans on the originals
-            # a CRIU killed late leaves its cgroup yard in `work`, which containerd's removal
-            # of the bundle would walk into (the host's cgroups); imported here, as remap is
-            from gpusnap.criu import yard
+            # a CRIU killed late leaves its cgroup yard (host cgroups) in `work`, which containerd removes
+            from gpusnap.criu import yard  # imported here, as remap is
             yard.release(work)
             if isinstance(e, GpusnapError):  # the plan's refusal (one line, with its hint)
                 raise precondition(str(e)) from None
@@ -315,10 +322,7 @@ class TaskService:
             p.io.close()
         if c.rootfs:
             mounts.unmount_all(c.rootfs)
-        if c.checkpoint and os.path.basename(c.checkpoint.rstrip("/")).startswith("ctrd-checkpoint"):
-            # containerd 1.7 unpacks a restore's checkpoint into a temporary directory
-            # (Tasks.Create) and never removes it; a GPU checkpoint there holds GBs.
-            shutil.rmtree(c.checkpoint, ignore_errors=True)
+        bundle_state.drop_unpacked_checkpoint(c.checkpoint)
         bundle_state.clear_state(c.bundle)
         with self.lock:
             self.containers.pop(c.id, None)
@@ -431,17 +435,15 @@ class TaskService:
         work = o.work_path or os.path.join(c.bundle, "criu-work")
         runc = self._runc(c)
         t0 = time.monotonic()
-        # ctr and nerdctl pause the task first, but the driver's lock (pre-dump) needs
-        # a CUDA task running: thawed for the dump, held, paused again after it
-        # (shim/checkpoint.py). gpusnap's own client quiesces the GPU before its
-        # pause (requests.QUIESCED): that task stays paused throughout.
+        # ctr and nerdctl pause the task first, but the driver's lock (pre-dump) needs a CUDA task
+        # running: thawed for the dump, held, paused again after it (shim/checkpoint.py). gpusnap's
+        # own client quiesces the GPU before its pause (requests.QUIESCED): that one stays paused.
         thawed, dumped, c.dumping = False, False, True
         try:
             if shim_checkpoint.thaw_for_the_driver(p.status, p.pid):
                 shim_checkpoint.thaw_held(runc, c.id, p.pid)
                 thawed = True
-            # The CRIU action script (/etc/criu/runc.conf) quiesces CUDA processes
-            # and writes the GPU manifest into req.path before CRIU dumps.
+            # The CRIU action script (/etc/criu/runc.conf) quiesces CUDA and writes the GPU manifest.
             shim_checkpoint.dump(runc, c.id, CheckpointOpts(
                 image_path=req.path, work_path=work, leave_running=not o.exit, tcp_established=o.open_tcp,
                 ext_unix_sk=o.external_unix_sockets, shell_job=o.terminal, file_locks=o.file_locks,
