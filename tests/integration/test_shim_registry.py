@@ -84,8 +84,10 @@ def test_container_pushed_then_restored_in_another_namespace_counts_on(container
     assert pushed["source_kind"] == "containerd-container" and pushed["container"] == "rg1"
     assert pushed["annotations"]["io.gpusnap.engine"] == "containerd"
     assert pushed["annotations"]["io.gpusnap.runtime"] == RUNTIME
-    # on this host, where rg1 is still a container: its namespace, another id
-    assert pushed["restore_command"].endswith(f"--to containerd://{c.namespace}/rg1-2"), pushed
+    # on this host, where rg1 is still a container: its namespace, another id, and
+    # this containerd (a private one here), not the default socket's
+    assert pushed["restore_command"].endswith(
+        f"--to containerd://{c.namespace}/rg1-2 --containerd-address {c.address}"), pushed
     assert tasks(c)["rg1"][1] == "STOPPED"  # a move: the source is stopped
     assert not Path(f"/proc/{pid}").exists()
     assert "gpusnap-checkpoint" not in c.ctr("images", "ls", "-q").stdout  # its checkpoint image is gone again
