@@ -129,7 +129,7 @@ class TtrpcServer:
                 if body is None:
                     return
                 if kind == REQUEST:
-                    self.pool.submit(self._call, conn, lock, stream, body, closed)
+                    self._dispatch(conn, lock, stream, body, closed)
                 # data frames belong to streams, which the task service has none of
         finally:
             closed.set()  # its calls' answers have nowhere to go: a Wait gives its worker up
@@ -138,6 +138,19 @@ class TtrpcServer:
             except ValueError:
                 pass
             conn.close()
+
+    def _dispatch(self, conn: socket.socket, lock: threading.Lock, stream: int, body: bytes,
+                  closed: threading.Event) -> None:
+        """A Wait on a thread of its own, the rest on the pool: ttrpc sends no
+        cancel, and containerd keeps its connection when a `ctr task wait` is
+        stopped, so an abandoned Wait lasts until its task exits; in the pool,
+        64 of them would leave State, Kill and Delete queued for good (Go's
+        ttrpc server runs every call on a goroutine of its own)."""
+        args = (conn, lock, stream, body, closed)
+        if _method(self.pb, body) == "Wait":
+            threading.Thread(target=self._call, args=args, name="ttrpc-wait", daemon=True).start()
+        else:
+            self.pool.submit(self._call, *args)
 
     def _call(self, conn: socket.socket, lock: threading.Lock, stream: int, body: bytes,
               closed: threading.Event) -> None:
@@ -160,6 +173,14 @@ class TtrpcServer:
                 conn.sendall(HEADER.pack(len(out), stream, RESPONSE, 0) + out)
             except OSError:
                 pass  # containerd went away; it reconnects and asks again
+
+
+def _method(pb: Any, body: bytes) -> str:
+    """The method a request names ("" where it does not parse: _call answers it)."""
+    try:
+        return pb.Request.FromString(body).method
+    except Exception:  # noqa: BLE001 -- protobuf's DecodeError and the like
+        return ""
 
 
 def _read(conn: socket.socket, n: int) -> bytes | None:

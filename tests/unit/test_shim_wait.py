@@ -85,3 +85,26 @@ def test_an_abandoned_wait_frees_its_ttrpc_worker(svc, tmp_path, left):
     finally:
         svc.containers["c1"].init.set_exited(0, 1)  # a Wait still held lets go
         srv.stop()
+
+
+def test_many_abandoned_waits_on_a_live_connection_leave_the_pool_free(svc, tmp_path):
+    # containerd 2.x keeps its connection when `ctr task wait` is stopped and ttrpc
+    # sends no cancel: each Wait runs on a thread of its own, never the pool's
+    shim = load().shim
+    service = shim.DESCRIPTOR.services_by_name["Task"]
+    srv = ttrpc.TtrpcServer(service, svc, max_workers=1)
+    path = str(tmp_path / "s.sock")
+    assert srv.listen(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        for stream in range(1, 8, 2):
+            _send(s, service, stream, "Wait", shim.WaitRequest(id="c1"))
+        time.sleep(0.2)
+        resp = ttrpc.call(path, service.full_name, "State", shim.StateRequest(id="c1"),
+                          shim.StateResponse, timeout=5)
+        assert resp.pid == 4242
+    finally:
+        svc.containers["c1"].init.set_exited(0, 1)
+        s.close()
+        srv.stop()
