@@ -488,7 +488,7 @@ class TaskService:
     def CloseIO(self, req, context):
         p = self._container(req.id).process(req.exec_id)
         if req.stdin and p.io is not None:
-            p.io.close_stdin()
+            p.io.close_io()
         return empty_pb2.Empty()
 
     @rpc

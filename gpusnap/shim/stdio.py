@@ -74,6 +74,10 @@ class ProcessIO:
         self.logger: BinaryLogger | None = None
         self._lock = threading.Lock()
         self._stdin_w: int | None = None
+        # The shim's own writer on the stdin FIFO, as containerd's shim keeps one:
+        # the copy sees EOF only once CloseIO drops it and every client closed,
+        # after what is still in the FIFO reached the process
+        self._stdin_keep: int | None = None
         self._child_ends: list[int] = []
         self._threads: list[threading.Thread] = []
         self.stdio = Stdio()
@@ -152,6 +156,8 @@ class ProcessIO:
         for fd in self._child_ends:
             os.close(fd)
         self._child_ends = []
+        if self.paths.stdin:
+            self._keep_stdin_open()
         if self.paths.terminal:
             try:
                 self.console = self._receive_master()
@@ -190,7 +196,24 @@ class ProcessIO:
             if console is None:
                 self.close_stdin()
 
+    def _keep_stdin_open(self) -> None:
+        try:  # O_RDWR: a FIFO's open that never waits for the other end (Linux)
+            self._stdin_keep = os.open(self.paths.stdin, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:  # CloseIO then closes the process's stdin at once, as before
+            log.debug("stdin %s: %s", self.paths.stdin, e)
+
+    def close_io(self) -> None:
+        """CloseIO: the client has sent all it will. The process's stdin closes
+        once the copy has drained the FIFO (and no client holds it open)."""
+        with self._lock:
+            keep, self._stdin_keep = self._stdin_keep, None
+        if keep is not None:
+            os.close(keep)
+        else:
+            self.close_stdin()
+
     def close_stdin(self) -> None:
+        """The process's end of stdin closed (the copy's end, or a delete)."""
         with self._lock:
             if self._stdin_w is not None:
                 os.close(self._stdin_w)
@@ -221,6 +244,7 @@ class ProcessIO:
         if self._console_out is not None:
             os.close(self._console_out)
             self._console_out = None
+        self.close_io()
         self.close_stdin()
         self._close_console_socket()
         if self.logger is not None:
