@@ -85,6 +85,15 @@ def test_run_rm_stdio_exit_code_and_events(containerd):
     assert seen["/tasks/start"]["pid"] == seen["/tasks/exit"]["pid"] > 0
 
 
+def test_stdin_piped_in_reaches_the_process_whole(containerd):
+    # ctr sends CloseIO once its own stdin is at EOF, with a pipe's worth still in
+    # the FIFO: the process must read all of it (983,040 of 1,000,000 before)
+    data = "x" * 999_999 + "\n"
+    res = containerd.ctr("run", "--rm", "--runtime", RUNTIME, DEMO_IMAGE, "io2", "busybox", "wc", "-c",
+                         input=data)
+    assert res.stdout.split() == ["1000000"], res
+
+
 def test_terminal(containerd):
     # ctr sends its window size (ResizePty) only after Start: wait for it in the container.
     script = "tty; n=0; until busybox stty -a 2>/dev/null | grep -q \"rows [1-9]\" || [ $n -gt 50 ]; do " \
