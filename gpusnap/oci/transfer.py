@@ -308,8 +308,14 @@ class Downloader(_Pool):
             while pending:
                 yield self._next(pending)
         finally:
-            for _, f in pending:
-                f.cancel()
+            # a fetch that failed (or was closed) gives back what its pending
+            # chunks took: a worker fetching another blob with this budget would
+            # otherwise wait for bytes nothing will release (a pull that hangs)
+            for size, f in pending:
+                if f.cancel():
+                    self.budget.release(size)
+                else:  # running: its bytes are in use until it ends
+                    f.add_done_callback(lambda _, n=size: self.budget.release(n))
 
     def _next(self, pending: deque[tuple[int, Future]]) -> bytes:
         size, future = pending.popleft()

@@ -99,3 +99,26 @@ def test_a_failed_first_fetch_fails_the_pull_without_hanging(layout):
     del reg.blobs[chunks[0].blob]
     with pytest.raises(KeyError):
         pull(reg, chunks)
+
+
+def test_a_failed_fetch_gives_its_budget_back_for_the_next_one(layout):
+    """A pull worker keeps one Downloader for every segment it serves: a blob
+    the registry lost must not leave the next segment's chunks waiting for
+    bytes no one will release (the pull hung, the CLI with it)."""
+    reg, chunks, _ = layout
+    broken = reg.add(b"gone" * 1000)
+    del reg.blobs[broken.blob]
+    d = transfer.Downloader(reg, None, 4)
+    d.budget = transfer.ByteBudget(3 * chunks[1].size)
+    try:
+        with pytest.raises(KeyError):
+            list(d.fetch([broken, *chunks[1:7]]))
+        deadline = time.monotonic() + 5
+        while d.budget.used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert d.budget.used == 0
+        done = threading.Event()
+        threading.Thread(target=lambda: (list(d.fetch(chunks[1:7])), done.set()), daemon=True).start()
+        assert done.wait(10), "the next fetch waited for bytes the failed one kept"
+    finally:
+        d.close()
