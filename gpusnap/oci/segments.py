@@ -29,6 +29,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 from collections import deque
 # BrokenExecutor, not concurrent.futures.process's BrokenProcessPool: that module
 # imports multiprocessing (~13 ms), which only a push or pull with workers needs.
@@ -164,7 +165,25 @@ def _process_pool(workers: int, initializer: Callable, initargs: tuple) -> Execu
     from concurrent.futures import ProcessPoolExecutor
 
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=initializer, initargs=initargs)
+                               initializer=_worker_start, initargs=(initializer, initargs))
+
+
+def _worker_start(initializer: Callable, initargs: tuple) -> None:
+    """A worker's start: Ctrl-C is the CLI's to handle (it shuts the pool down;
+    each worker printed a KeyboardInterrupt traceback beside its one line), and
+    a worker whose CLI was killed leaves rather than wait on its queue forever."""
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def orphaned() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=orphaned, name="parent-watch", daemon=True).start()
+    initializer(*initargs)
 
 
 class SegmentPool:

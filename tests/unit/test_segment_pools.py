@@ -82,3 +82,38 @@ def test_a_worker_takes_a_known_chunk_where_its_cut_lands_on_one(tmp_path, monke
     assert result.chunks[2] == taken and result.chunks[4] != wrong
     assert len(result.chunks) == len(cuts) and len(up.hashed) == len(cuts) - 1
     assert sum(c.size for c in result.chunks) == len(data)
+
+
+def _sigint_ignored() -> bool:
+    import signal
+    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def _noop() -> None:
+    pass
+
+
+def test_a_pool_worker_leaves_ctrl_c_to_the_cli_and_dies_with_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from gpusnap.oci import segments
+
+    pool = segments._process_pool(1, _noop, ())
+    try:
+        assert pool.submit(_sigint_ignored).result(60)
+    finally:
+        pool.shutdown()
+    # a CLI killed (SIGKILL) with its pool up: the worker does not wait on its queue forever
+    script = ("import os, sys; from gpusnap.oci import segments; from tests.unit import test_segment_pools as t; "
+              "p = segments._process_pool(1, t._noop, ()); p.submit(t._noop).result(60); "
+              "print(*[q.pid for q in p._processes.values()], flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    worker = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{worker}"), "the worker outlived its CLI"
