@@ -359,14 +359,14 @@ class FetchPool:
         try:
             return self._pool.submit(_fetch, segment)
         except BrokenExecutor:  # a worker died before this segment was handed out
-            raise worker_died("pull") from None
+            raise worker_died("pull", self._initargs[2] is not None) from None
 
     def _done(self, future: Future) -> None:
         """A segment's counts, once it is fetched; a dead worker in one line."""
         try:
             self._count(future.result())
         except BrokenExecutor:
-            raise worker_died("pull") from None
+            raise worker_died("pull", self._initargs[2] is not None) from None
 
     def write_file(self, chunks: list[Chunk], path: Path,
                    check: Callable[[], None] = lambda: None, mapped: bool = False) -> int:
@@ -410,14 +410,16 @@ class FetchPool:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def worker_died(verb: str) -> GpusnapError:
+def worker_died(verb: str, cached: bool = True) -> GpusnapError:
     """A worker process killed (the OOM killer's way), in one line: ``verb``
-    push or pull; what is done already is not done again."""
+    push or pull; what is done already is not done again (a pull's, where it
+    has a chunk cache)."""
     if verb == "push":
         return GpusnapError("a push worker process died (out of memory?)",
                             "push again: chunks already sent are skipped")
     return GpusnapError("a download worker process died (out of memory?)",
-                        "run the command again: chunks already fetched are in the cache")
+                        "run the command again: chunks already fetched are in the cache"
+                        if cached else "run the command again")
 
 
 # A killed pull leaves its scratch (RAM, on /dev/shm): `gpusnap doctor --fix` finds it by this

@@ -120,6 +120,10 @@ def linked_from_checkpoints() -> set[Path]:
                 folder = pages_aside.staging_folder(target)
                 if folder is not None:
                     found.add(folder)
+        for parent in (userdata / "checkpoint" / pages_aside.PARENT,
+                       userdata / KEPT_NAME / "checkpoint" / pages_aside.PARENT):
+            if parent.is_symlink():  # a final round's pages its pagemap leaves to round 1's
+                found.add(Path(os.path.normpath(userdata / "checkpoint" / os.readlink(parent))))
     return found
 
 

@@ -164,10 +164,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         if job is None:
             raise
         futures_wait([job])
-        cause = job.exception()
-        if isinstance(cause, GpusnapError) and not isinstance(cause, ReaderStopped):
-            raise cause from None  # the download's failure is why Podman failed
-        raise exc
+        raise _why_it_failed(job.exception(), exc) from None
     finally:
         if agent is not None:
             agent.done()
@@ -178,17 +175,29 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
             kept = _keep_pages(remote, pages, result)  # written anew: the next replica links them
         if pages is not None and kept is None and not _held_by_a_kept_checkpoint(pages, restored):
             discard(pages, pages.parent)  # restored (or not needed): in the background
-        prepared_pages.release(prepared)
+        if prepared is None or not _held_by_a_kept_checkpoint(prepared.claimed, restored):
+            prepared_pages.release(prepared)  # spent, unless a kept checkpoint's parent
     ref = remote.client.ref
     prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}", where)
     return result, {**job.result(), "streamed": True, "pages_prepared_skipped": why,
                     "pages_kept": kept}
 
 
-def _held_by_a_kept_checkpoint(pages: Path, restored: bool) -> bool:
+def _why_it_failed(cause: BaseException | None, seen: BaseException) -> BaseException:
+    """What a streamed restore that failed says: the download's failure where it
+    had one (Podman then failed on the stream it cut), else what was ``seen``."""
+    if isinstance(cause, GpusnapError) and not isinstance(cause, ReaderStopped):
+        return cause
+    if isinstance(cause, OSError) and not isinstance(cause, BrokenPipeError):
+        return cause  # a full disk writing the pages: said, not Podman's "killed"
+    return seen
+
+
+def _held_by_a_kept_checkpoint(pages: Path | None, restored: bool) -> bool:
     """Whether the checkpoint a failed restore's last step kept (for `gpusnap
-    restore NAME`: runtime/kept_checkpoint.py) links into ``pages``: then they stay."""
-    if restored:
+    restore NAME`: runtime/kept_checkpoint.py) links into ``pages`` (its pages,
+    or round 1's folder as its parent): then they stay."""
+    if restored or pages is None:
         return False
     from gpusnap.ops.leftovers import linked_from_checkpoints  # a failed restore only
 

@@ -287,3 +287,15 @@ def test_a_failed_restore_ref_leaves_the_pages_its_kept_checkpoint_links_to(tmp_
     assert not restore_ref._held_by_a_kept_checkpoint(staging, restored=True)
     assert not restore_ref._held_by_a_kept_checkpoint(tmp_path / "storage" / ".gpusnap-pull-x",
                                                       restored=False)
+
+
+def test_leftovers_keep_round_ones_folder_a_kept_final_round_names_as_its_parent(
+        tmp_path, userdata, monkeypatch):
+    # a pre-copy's final round restored onto round 1's claimed folder (CRIU's
+    # parent): kept for `gpusnap restore NAME`, it needs that folder's pages too
+    claimed = tmp_path / "storage" / "gpusnap-prepared-claimed"
+    claimed.mkdir()
+    (userdata / "checkpoint" / "parent").symlink_to(claimed)
+    kc.keep_aside(userdata / "checkpoint", "refused")
+    monkeypatch.setattr(leftovers, "storage_root", lambda: tmp_path / "storage")
+    assert claimed in leftovers.linked_from_checkpoints()

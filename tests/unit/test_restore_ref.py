@@ -61,3 +61,18 @@ def test_a_claimed_prepared_folder_is_let_go_where_the_restore_fails_before_podm
         restore_ref._restore_streaming(remote, {}, 0, None, None, False, False, facts,
                                        use_cache=False)
     assert not list(tmp_path.glob("*claimed*"))
+
+
+def test_a_streamed_restore_says_the_downloads_own_failure():
+    # Podman fails on the stream the download cut: its words hide the cause
+    from gpusnap.errors import GpusnapError
+    from gpusnap.oci.tarfiles import ReaderStopped
+    from gpusnap.ops.restore_ref import _why_it_failed
+    podman_said = GpusnapError("podman container restore was killed")
+    full = OSError(28, "No space left on device", "/run/gpusnap/ram/.gpusnap-pull-x/pages-1.img")
+    assert _why_it_failed(full, podman_said) is full
+    gone = GpusnapError("cannot reach registry reg.io")
+    assert _why_it_failed(gone, podman_said) is gone
+    assert _why_it_failed(BrokenPipeError(32, "Broken pipe"), podman_said) is podman_said
+    assert _why_it_failed(ReaderStopped("Podman stopped reading"), podman_said) is podman_said
+    assert _why_it_failed(None, podman_said) is podman_said

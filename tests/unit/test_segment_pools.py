@@ -117,3 +117,9 @@ def test_a_pool_worker_leaves_ctrl_c_to_the_cli_and_dies_with_it(tmp_path):
     while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{worker}"), "the worker outlived its CLI"
+
+
+def test_a_dead_download_worker_points_at_the_cache_only_where_there_is_one():
+    from gpusnap.oci import segments
+    assert segments.worker_died("pull").hint.endswith("are in the cache")
+    assert segments.worker_died("pull", cached=False).hint == "run the command again"
