@@ -25,6 +25,7 @@ class _BrokenPool:
 def test_a_pull_that_finds_its_pool_broken_when_handing_out_a_segment(tmp_path):
     pool = object.__new__(segments.FetchPool)
     pool._pool, pool.window, pool.dir, pool._n = _BrokenPool(), 2, tmp_path, 0
+    pool._initargs = ("reg.io/ckpt/app:v1", None, str(tmp_path / "cache"))
     pool._count = lambda counts: None
     with pytest.raises(GpusnapError, match="download worker process died"):
         list(pool.pieces([Chunk("sha256:a", 10, "sha256:b", 5)]))
