@@ -20,6 +20,7 @@ from gpusnap.shim import remap
 from gpusnap.shim.process import Container, Proc
 from gpusnap.shim.service import TaskService
 from gpusnap.shim.stdio import Paths
+from tests.unit.test_shim_restore import _IO, Context
 
 ORIGINAL = {"ociVersion": "1.0.2", "linux": {"devices": ["/dev/nvidia0"]}}
 EDITED = {"ociVersion": "1.0.2", "linux": {"devices": ["/dev/nvidia1"]}}
@@ -34,27 +35,6 @@ class Runc:
 
     def delete(self, cid: str, force: bool = False) -> None:
         self.calls.append("delete")
-
-
-class Context:
-    def abort(self, code, details):
-        raise grpc.RpcError(f"{code}: {details}")
-
-
-class _IO:
-    stdio = None
-
-    def console_socket(self, bundle):
-        return None
-
-    def started(self) -> None:
-        pass
-
-    def wait(self, s) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _edits(images: Path) -> remap.Edits:
