@@ -169,13 +169,14 @@ def _process_pool(workers: int, initializer: Callable, initargs: tuple) -> Execu
 
 
 def _worker_start(initializer: Callable, initargs: tuple) -> None:
-    """A worker's start: Ctrl-C is the CLI's to handle (it shuts the pool down;
-    each worker printed a KeyboardInterrupt traceback beside its one line), and
-    a worker whose CLI was killed leaves rather than wait on its queue forever."""
+    """A worker's start: Ctrl-C ends it at once and quietly (each printed a
+    KeyboardInterrupt traceback beside the CLI's one line; ignored, the CLI's
+    pool close waited for segments of 256 MiB to finish), and a worker whose
+    CLI was killed leaves rather than wait on its queue forever."""
     import signal
     import threading
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
     parent = os.getppid()
 
     def orphaned() -> None:
