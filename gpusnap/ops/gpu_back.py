@@ -110,9 +110,11 @@ def verdict(init_pid: int, name: str, since: float, waited: float) -> GpuBack:
         return GpuBack(False, waited, f"the checkpoint of {name} is complete and kept, but "
                        "gpusnap's guardian ended before it said its GPUs were back (killed?)",
                        f"`gpusnap doctor` shows whether they are; {FIX}")
-    # no quiesce recorded and no verdict: its CUDA processes ended before the dump,
-    # so nothing was taken from a GPU and there is nothing to say
-    return GpuBack(None, waited)
+    # no quiesce and no verdict: its CUDA processes ended before the dump (nothing
+    # taken), or the journal could not be written (a full state folder): not known
+    return GpuBack(None, waited, f"the checkpoint of {name} is complete; whether its GPUs "
+                   "are back could not be told (gpusnap's journal holds no record of its "
+                   "quiesce)", "`gpusnap doctor` tells")
 
 
 def _not_back(name: str, waited: float, why: str) -> GpuBack:

@@ -152,10 +152,11 @@ def test_a_later_command_holding_the_turn_is_not_waited_for():
         assert time.monotonic() - started < 2
 
 
-def test_processes_that_ended_before_the_dump_leave_nothing_to_say():
-    # no quiesce recorded and no verdict: nothing was taken from a GPU
+def test_no_record_of_the_quiesce_is_said_as_not_known_never_as_back():
+    # processes that ended before the dump, or a journal that could not be written
     back = gpu_back.wait(INIT, "web", time.time() - 5, Bound("GPU_TURN", 5))
-    assert back.back is None and back.fields() == {"gpu_back": None, "gpu_back_seconds": back.seconds}
+    assert back.back is None and "could not be told" in back.detail
+    assert back.hint == "`gpusnap doctor` tells"
 
 
 def test_ctrl_c_during_the_wait_still_says_the_checkpoint_it_took(monkeypatch):
