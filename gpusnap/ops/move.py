@@ -26,7 +26,7 @@ from gpusnap.ops import moving
 from gpusnap.ops.freeze import gpu_turn
 from gpusnap.ops.gpu_plan import plan_here
 from gpusnap.runtime import podman
-from gpusnap.runtime.livedev import LiveDevices, plan_live
+from gpusnap.runtime.livedev import LiveDevices, ctrl_c_held, plan_live
 
 
 def gpu_map_for(index: int | None, gpu_map: str | None, used: list[dict]) -> str:
@@ -109,7 +109,10 @@ def _back(name: str, record: moving.Move, live: LiveDevices, driver: Driver,
     """Undo a half-done move (moving.put_back): the processes off the new GPUs,
     the old nodes and rule, the processes resumed on their old GPUs."""
     try:
-        moving.put_back(record, live, driver)
+        with ctrl_c_held():  # a Ctrl-C now would leave it half put back: after, it is said
+            moving.put_back(record, live, driver)
+    except KeyboardInterrupt as stopped:  # held until the undo was done
+        exc = stopped
     except Exception as undo_exc:  # noqa: BLE001 -- both reported; the record is kept for doctor
         journal.record("move-undo-failed", container=name, error=str(exc), undo=str(undo_exc))
         raise GpusnapError(f"moving {name} failed ({exc}), and putting it back did not finish: "

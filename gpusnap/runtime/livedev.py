@@ -41,7 +41,7 @@ def _in_mount_ns(pid: int, action: Callable[[], bytes | None], doing: str = "cha
     setns = ctypes.CDLL(None, use_errno=True).setns
     ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
     r, w = os.pipe()
-    with _ctrl_c_after():
+    with ctrl_c_held():
         child = os.fork()
         if child == 0:
             _child(ns, r, w, setns, action)
@@ -78,9 +78,9 @@ def _child(ns: int, r: int, w: int, setns, action: Callable[[], bytes | None]) -
 
 
 @contextlib.contextmanager
-def _ctrl_c_after() -> Iterator[None]:
-    """A Ctrl-C from the fork until the child is reaped is held, then delivered:
-    the child finishes its change, and an undo begun meanwhile would race it.
+def ctrl_c_held() -> Iterator[None]:
+    """A Ctrl-C inside is held, then delivered: the node-changing child finishes
+    its change (an undo begun meanwhile would race it), and an undo finishes.
     (A handler, not a signal mask: the parent's other threads, libcuda's, would
     take a masked signal for it. Only the main thread may set one; another
     thread never gets a Ctrl-C.)"""
@@ -218,13 +218,10 @@ class LiveDevices:
     _applied: list[str] = field(default_factory=list)
 
     def apply(self) -> None:
-        # each marked before it starts, so one cut mid-way is undone too; but for
-        # cgroup v2's program, swapped in one step: a swap that failed changed nothing
-        if self.access.version == 1:
-            self._applied.append("cgroup")
+        # each marked before it starts, so one cut mid-way (a Ctrl-C just after v2's
+        # swap) is undone too: plan_live checked that the undo can always be made
+        self._applied.append("cgroup")
         self.access.apply()
-        if "cgroup" not in self._applied:
-            self._applied.append("cgroup")
         self._applied.append("nodes")
         set_nodes(self.pid, self.after, _only_in(self.before, self.after))
 

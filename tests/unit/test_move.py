@@ -290,3 +290,18 @@ def test_the_pairs_the_driver_took_back_are_journaled():
              .splitlines()]
     [back] = [line for line in lines if line["event"] == "move-resumed-back"]
     assert (back["pids"], back["gpu_pairs"]) == ([1], "every GPU, back")
+
+
+def test_a_ctrl_c_during_the_undo_waits_until_the_move_is_put_back():
+    import os
+    import signal
+    driver = _driver({1: R, 2: R}, refuse_forward={2})
+
+    class Interrupted(FakeLive):
+        def undo(self) -> None:
+            os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, mid-undo
+            super().undo()
+    with pytest.raises(KeyboardInterrupt):
+        _act(driver, Interrupted(driver))
+    assert driver.states == {1: R, 2: R} and moving.under_way() == []
+    assert [e["event"] for e in journal.read(20)][-1] == "move-undone"
