@@ -141,6 +141,16 @@ def apply(bundle: str | Path, image_dir: str | Path, edits: Edits) -> None:
     log.info("restore of %s moves %s", bundle.name, edits.describe())
 
 
+def undo_after_failure(bundle: str | Path) -> None:
+    """``undo`` after a failed restore: its own failure (a full disk, the very
+    case it is there for) is logged, never said in place of the restore's; the
+    backup stays for the next Start's ``apply`` to put back."""
+    try:
+        undo(bundle)
+    except OSError as exc:
+        log.error("restore in %s: putting back the original spec failed: %s", bundle, exc)
+
+
 def undo(bundle: str | Path) -> None:
     """Put back what `apply` changed (after a failed restore or apply); nothing when it changed nothing."""
     bundle = Path(bundle)

@@ -248,7 +248,7 @@ class TaskService:
         except BaseException as e:
             with contextlib.suppress(RuncError):  # runc killed leaves its state: "exists" next time
                 runc.delete(c.id, force=True)
-            remap.undo(c.bundle)  # nothing when nothing was edited; a retry plans on the originals
+            remap.undo_after_failure(c.bundle)  # a retry plans on the originals
             # a CRIU killed late leaves its cgroup yard (host cgroups) in `work`, which containerd removes
             from gpusnap.criu import yard  # imported here, as remap is
             yard.release(work)

@@ -187,6 +187,7 @@ class ProcessIO:
         except OSError as e:
             log.debug("stdin %s: %s", self.paths.stdin, e)
             return
+        self._keep_writer_only()
         try:
             dst = console if console is not None else self._stdin_w
             if dst is not None:
@@ -201,6 +202,21 @@ class ProcessIO:
             self._stdin_keep = os.open(self.paths.stdin, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:  # CloseIO then closes the process's stdin at once, as before
             log.debug("stdin %s: %s", self.paths.stdin, e)
+
+    def _keep_writer_only(self) -> None:
+        """The copy's reader is open: the shim's handle becomes a writer alone, so
+        that once the copy ends a client still writing gets EPIPE, not a FIFO
+        that fills and blocks it."""
+        with self._lock:
+            if self._stdin_keep is None:
+                return
+            try:
+                writer = os.open(self.paths.stdin, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as e:
+                log.debug("stdin %s: %s", self.paths.stdin, e)
+                return
+            os.close(self._stdin_keep)
+            self._stdin_keep = writer
 
     def close_io(self) -> None:
         """CloseIO: the client has sent all it will. The process's stdin closes

@@ -137,7 +137,8 @@ class TtrpcServer:
                 self.conns.remove(conn)
             except ValueError:
                 pass
-            conn.close()
+            with lock:  # never under a Wait thread's sendall
+                conn.close()
 
     def _dispatch(self, conn: socket.socket, lock: threading.Lock, stream: int, body: bytes,
                   closed: threading.Event) -> None:

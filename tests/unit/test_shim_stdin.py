@@ -6,8 +6,10 @@ shim keeps a writer of its own on the FIFO for this)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
+import time
 
 from gpusnap.shim.stdio import Paths, ProcessIO
 
@@ -31,4 +33,20 @@ def test_close_io_lets_the_fifo_drain_before_the_process_sees_eof(tmp_path):
         io.close_io()  # up to a pipe's worth not yet read from the FIFO
     reader.join(10)
     assert not reader.is_alive() and got == [data]
+    io.close()
+
+
+def test_the_shims_own_handle_on_the_fifo_reads_nothing(tmp_path):
+    # a reader of its own would keep a client writing after the copy ended
+    # blocked on a full FIFO instead of getting EPIPE
+    fifo = str(tmp_path / "stdin")
+    os.mkfifo(fifo)
+    io = ProcessIO(Paths(stdin=fifo))
+    io.started()
+    deadline = time.monotonic() + 5  # the copy thread swaps it once its reader is open
+    while fcntl.fcntl(io._stdin_keep, fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY and \
+            time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fcntl.fcntl(io._stdin_keep, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY
+    io.close_io()
     io.close()

@@ -82,6 +82,12 @@ def test_an_abandoned_wait_frees_its_ttrpc_worker(svc, tmp_path, left):
                           timeout=5)
         assert resp.pid == 4242 and time.monotonic() - t0 < 3
         s.close()
+        # and the Wait itself gave up: its thread (its own, not the pool's) ends
+        deadline = time.monotonic() + 5
+        while any(t.name == "ttrpc-wait" for t in threading.enumerate()) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(t.name == "ttrpc-wait" for t in threading.enumerate())
     finally:
         svc.containers["c1"].init.set_exited(0, 1)  # a Wait still held lets go
         srv.stop()
