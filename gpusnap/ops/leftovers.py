@@ -15,6 +15,7 @@ kept in RAM (pages/kept_pages.py) are listed once older than their bound.
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import shutil
 import tempfile
@@ -122,8 +123,11 @@ def linked_from_checkpoints() -> set[Path]:
                     found.add(folder)
         for parent in (userdata / "checkpoint" / pages_aside.PARENT,
                        userdata / KEPT_NAME / "checkpoint" / pages_aside.PARENT):
-            if parent.is_symlink():  # a final round's pages its pagemap leaves to round 1's
-                found.add(Path(os.path.normpath(userdata / "checkpoint" / os.readlink(parent))))
+            # a final round's pages its pagemap leaves to round 1's folder: a link
+            # made in userdata/checkpoint (the kept copy's too) between real paths
+            with contextlib.suppress(OSError):  # gone meanwhile
+                target = userdata / "checkpoint" / os.readlink(parent)
+                found.add(Path(os.path.realpath(target)))
     return found
 
 

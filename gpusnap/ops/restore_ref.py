@@ -201,7 +201,8 @@ def _held_by_a_kept_checkpoint(pages: Path | None, restored: bool) -> bool:
         return False
     from gpusnap.ops.leftovers import linked_from_checkpoints  # a failed restore only
 
-    if pages not in linked_from_checkpoints():
+    linked = linked_from_checkpoints()
+    if pages not in linked and Path(os.path.realpath(pages)) not in linked:
         return False
     journal.record("pages-kept", folder=str(pages), why="a kept checkpoint links into them")
     return True

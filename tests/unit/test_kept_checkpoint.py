@@ -293,9 +293,14 @@ def test_leftovers_keep_round_ones_folder_a_kept_final_round_names_as_its_parent
         tmp_path, userdata, monkeypatch):
     # a pre-copy's final round restored onto round 1's claimed folder (CRIU's
     # parent): kept for `gpusnap restore NAME`, it needs that folder's pages too
-    claimed = tmp_path / "storage" / "gpusnap-prepared-claimed"
+    real = tmp_path / "ram"
+    real.mkdir()
+    (tmp_path / "storage" / "ram").symlink_to(real)  # the storage path through a link
+    claimed = real / "gpusnap-prepared-claimed"
     claimed.mkdir()
-    (userdata / "checkpoint" / "parent").symlink_to(claimed)
+    # relative between real paths, made in userdata/checkpoint (pages_aside.relative_link)
+    rel = os.path.relpath(claimed, os.path.realpath(userdata / "checkpoint"))
+    (userdata / "checkpoint" / "parent").symlink_to(rel)
     kc.keep_aside(userdata / "checkpoint", "refused")
     monkeypatch.setattr(leftovers, "storage_root", lambda: tmp_path / "storage")
     assert claimed in leftovers.linked_from_checkpoints()
