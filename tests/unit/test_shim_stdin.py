@@ -43,10 +43,12 @@ def test_the_shims_own_handle_on_the_fifo_reads_nothing(tmp_path):
     os.mkfifo(fifo)
     io = ProcessIO(Paths(stdin=fifo))
     io.started()
-    deadline = time.monotonic() + 5  # the copy thread swaps it once its reader is open
-    while fcntl.fcntl(io._stdin_keep, fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY and \
-            time.monotonic() < deadline:
+    def mode() -> int:
+        with io._lock:  # the copy thread swaps the handle under it
+            return fcntl.fcntl(io._stdin_keep, fcntl.F_GETFL) & os.O_ACCMODE
+    deadline = time.monotonic() + 5  # swapped once the copy's reader is open
+    while mode() != os.O_WRONLY and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert fcntl.fcntl(io._stdin_keep, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY
+    assert mode() == os.O_WRONLY
     io.close_io()
     io.close()
