@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from gpusnap.procs import process_tree
 from gpusnap.runtime import kept_checkpoint, podman as rt_podman
 from tests.conftest import (DEMO_IMAGE, GPUSNAP, RENAMING_HOLDER, assert_continued,
@@ -294,10 +296,15 @@ def test_what_a_cli_killed_before_its_dump_left_is_not_obeyed_by_the_next_dump(c
     writes this dump's memory into the checkpoint, not through the dead push's
     link (pages_aside.drop_others)."""
     from gpusnap import requests
+    from gpusnap.criu.runtimes import runs_action_script
     from gpusnap.procs import start_time
 
     token = born(counter)
     ctr = rt_podman.inspect(counter)
+    if not runs_action_script(ctr.runtime):  # e.g. trixie's crun (the version matrix)
+        # its CRIU runs no pre-dump of gpusnap's, and so gpusnap never leaves a
+        # request or a pages link under it (podman_source: nothing set aside)
+        pytest.skip(f"{ctr.runtime} runs no CRIU action script: no push leaves requests there")
     writer = subprocess.Popen(["sleep", "60"])
     writer_started = start_time(writer.pid)
     writer.kill()
