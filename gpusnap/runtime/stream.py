@@ -17,6 +17,7 @@ partial file that is renamed only when every byte is in.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -291,7 +292,9 @@ def decompression_failed(proc: subprocess.Popen, bound_s: float = 60.0) -> str |
         _, err = proc.communicate(timeout=bound_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate()
+        # SIGKILLed it ends at once; its stderr is ours alone (it forks no child)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=5)
         return f"{Path(proc.args[0]).name} did not end within {bound_s:.0f} s of its output"
     if proc.returncode == 0:
         return None
