@@ -19,6 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def in_netns(name: str, argv: list[str]) -> list[str]:
+    """ARGV run inside network namespace NAME by nsenter (util-linux), not by a
+    setns in subprocess's preexec_fn: that is unsafe in a process with threads
+    (pytest's, by then), where the child can deadlock before its exec: a
+    registry that never started, with an empty log, once in CI133."""
+    from pyroute2.netns import NETNS_RUN_DIR
+
+    return ["nsenter", f"--net={NETNS_RUN_DIR}/{name}", "--", *argv]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,15 +56,9 @@ class PlainRegistry:
 
     def start(self) -> "PlainRegistry":
         log = open(self.root / "registry.log", "ab")
-        enter = None
-        if self.netns:
-            from pyroute2 import netns as ns
-
-            name = self.netns
-            enter = lambda: ns.setns(name)  # noqa: E731 -- in the child, before exec
-        self.proc = subprocess.Popen(["docker-registry", "serve", str(self.root / "config.yml")],
-                                     stdout=log, stderr=log, start_new_session=True,
-                                     preexec_fn=enter)
+        argv = ["docker-registry", "serve", str(self.root / "config.yml")]
+        self.proc = subprocess.Popen(in_netns(self.netns, argv) if self.netns else argv,
+                                     stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 60  # a loaded CI host: 15 s ran out once (CI127)
         while time.monotonic() < deadline:
             try:
@@ -152,14 +156,11 @@ class VethLink:
         """Drop ``percent`` of the packets the registry host receives and of those
         it sends, at random (iptables' statistic match in its namespace): a
         lossy link, where a down one drops everything. Entered as the registry
-        is (pyroute2's setns in the child): no ip(8) needed."""
-        from pyroute2 import netns as ns
-
-        name = self.netns
+        is (in_netns)."""
         for chain in ("INPUT", "OUTPUT"):
-            subprocess.run(["iptables", "-A", chain, "-m", "statistic", "--mode", "random",
-                            "--probability", f"{percent / 100:.4f}", "-j", "DROP"],
-                           check=True, timeout=30, preexec_fn=lambda: ns.setns(name))
+            subprocess.run(in_netns(self.netns, [
+                "iptables", "-A", chain, "-m", "statistic", "--mode", "random",
+                "--probability", f"{percent / 100:.4f}", "-j", "DROP"]), check=True, timeout=30)
 
     def remove(self) -> None:
         from pyroute2 import IPRoute, netns
