@@ -7,7 +7,7 @@ import time
 
 import click
 
-from gpusnap.cli.output import (console, emit, err_console, handle_errors, human_bytes,
+from gpusnap.cli.output import (console, emit, gpu_back_note, handle_errors, human_bytes,
                                 json_option, step)
 from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.ops import advice, gpu_back
@@ -33,11 +33,7 @@ def _human(r: dict) -> None:
         console.print("  the container keeps running" + _on_gpus(r))
     if retaken := advice.retaken(r):
         console.print(f"  {retaken}")
-    if r.get("gpu_back_detail"):  # not back (yet): on stderr, as an error is
-        from rich.markup import escape  # start-up: rich only where there is this to say
-        mark = "[bold red]Error:[/]" if r["gpu_back"] is False else "[bold yellow]Note:[/]"
-        err_console.print(f"{mark} {escape(r['gpu_back_detail'])}")
-        err_console.print(f"  [dim]->[/] {escape(r['gpu_back_hint'])}")
+    gpu_back_note(r)
 
 
 def _on_gpus(r: dict) -> str:

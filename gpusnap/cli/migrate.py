@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import click
@@ -62,6 +63,10 @@ def migrate_cmd(container: str, ref: str, leave_running: bool, pre_checkpoint: b
                         here=False, pre_checkpoint=pre_checkpoint, tracker=tracker)
     result = bg.background(upload_state, push) if upload_state else push()
     emit(as_json, result, _human)
+    if result.get("gpu_back_interrupted"):  # pushed; Ctrl-C cut the wait for its GPUs
+        sys.exit(130)
+    if result.get("gpu_back") is False:  # pushed, but the container is off its GPUs
+        sys.exit(1)
 
 
 COMMANDS = [migrate_cmd]

@@ -195,3 +195,12 @@ def _note_interrupts() -> list[bool]:
     with contextlib.suppress(ValueError):  # not the main thread (a test's caller)
         signal.signal(signal.SIGINT, on_sigint)
     return seen
+
+
+def gpu_back_note(r: dict) -> None:
+    """A leave-running checkpoint's GPUs not given back (yet): on stderr, as an error is."""
+    if r.get("gpu_back_detail"):
+        from rich.markup import escape  # start-up: rich only where there is this to say
+        mark = "[bold red]Error:[/]" if r["gpu_back"] is False else "[bold yellow]Note:[/]"
+        err_console.print(f"{mark} {escape(r['gpu_back_detail'])}")
+        err_console.print(f"  [dim]->[/] {escape(r['gpu_back_hint'])}")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import click
 
 from gpusnap.cli import containerd
 from gpusnap.cli import detach as bg
-from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
+from gpusnap.cli.output import console, emit, gpu_back_note, handle_errors, human_bytes, json_option
 from gpusnap.cli.registry_options import registry_options, transfer_progress
 from gpusnap.cli.trust_options import trust_options
 from gpusnap.errors import GpusnapError
@@ -49,6 +50,7 @@ def human_push(r: dict, target: bool = False) -> None:
         console.print(f"  container {state['name']}: {state['says']}")
     if retaken := advice.retaken(r):
         console.print(f"  {retaken}")
+    gpu_back_note(r)
     if r.get("pre_checkpoint"):
         console.print(f"[bold]On the target host, warm its chunk cache now:[/]\n"
                       f"  {r['prefetch_command']}\n"
@@ -178,6 +180,10 @@ def push_cmd(source: str, ref: str, stop: bool, leave_running: bool, level: int,
                         trust, containerd_address, tracker=tracker)
     result = bg.background(upload_state, push) if upload_state else push()
     emit(as_json, result, human_push)
+    if result.get("gpu_back_interrupted"):  # pushed; Ctrl-C cut the wait for its GPUs
+        sys.exit(130)
+    if result.get("gpu_back") is False:  # pushed, but the container is off its GPUs
+        sys.exit(1)
 
 
 COMMANDS = [push_cmd]

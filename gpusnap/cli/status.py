@@ -7,7 +7,7 @@ import time
 
 import click
 
-from gpusnap.cli.output import console, emit, handle_errors, human_bytes, json_option
+from gpusnap.cli.output import console, emit, gpu_back_note, handle_errors, human_bytes, json_option
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import uploads
 
@@ -65,6 +65,7 @@ def _details(s: dict) -> None:
     if result.get("restore_command"):
         where = "on the target host" if s["command"] == "migrate" else "restore with"
         console.print(f"  {where}: {result['restore_command']}")
+    gpu_back_note(result)  # pushed, its container left running: its GPUs not back (yet)
     if s["phase"] == "failed":
         console.print(f"  [bold red]Error:[/] {s.get('error')}")
         if s.get("hint"):
@@ -83,7 +84,7 @@ def _one(upload_id: str) -> dict:
 @click.command("status")
 @click.argument("upload_id", metavar="[ID]", required=False)
 @click.option("--wait", is_flag=True, help="Wait until the upload is done or failed "
-              "(exit status 1 when it failed).")
+              "(exit status 1 when it failed, or its container did not get its GPUs back).")
 @json_option
 @handle_errors
 def status_cmd(upload_id: str | None, wait: bool, as_json: bool) -> None:
@@ -102,7 +103,7 @@ def status_cmd(upload_id: str | None, wait: bool, as_json: bool) -> None:
     if wait and state["phase"] == "failed" and not as_json:
         raise GpusnapError(state.get("error") or "the upload failed", state.get("hint"))
     emit(as_json, state, _details)
-    if wait and state["phase"] == "failed":
+    if wait and (state["phase"] == "failed" or (state.get("result") or {}).get("gpu_back") is False):
         sys.exit(1)
 
 

@@ -30,12 +30,15 @@ class GpuBack:
     seconds: float  # waited for the guardian's turn once Podman was done
     detail: str | None = None  # where not back: what happened, in one line
     hint: str | None = None
+    interrupted: bool = False  # Ctrl-C in the wait: the command exits 130 once it has said this
 
     def fields(self) -> dict:
         """For the checkpoint's result (and --json)."""
         out: dict = {"gpu_back": self.back, "gpu_back_seconds": self.seconds}
         if self.detail:
             out.update(gpu_back_detail=self.detail, gpu_back_hint=self.hint)
+        if self.interrupted:
+            out["gpu_back_interrupted"] = True
         return out
 
 
@@ -72,7 +75,7 @@ def not_waited(name: str) -> GpuBack:
     """Ctrl-C during the wait: the checkpoint is complete; the guardian goes on."""
     return GpuBack(None, 0.0, f"the checkpoint of {name} is complete; its GPUs were not "
                    "waited for (Ctrl-C): gpusnap's guardian goes on giving them back",
-                   "`gpusnap doctor` says once they are back")
+                   "`gpusnap doctor` says once they are back", interrupted=True)
 
 
 def _still_coming(init_pid: int, name: str, waited: float) -> GpuBack:

@@ -13,6 +13,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.criu.runtimes import runs_action_script
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import checkpoint as ops_checkpoint
+from gpusnap.ops import gpu_back
 from gpusnap.pages import early_pages, kept_pages, prefetch, prepared_pages
 from gpusnap.ops.push_source import (PushSource, cause, kept_error, mark_only_copy,
                                      push_again_words)
@@ -37,15 +39,26 @@ from gpusnap.runtime.stream import tar_member
 
 
 def _push_source(plan: ops_checkpoint.CheckpointPlan, export: Path, job: Future, stream: bool,
-                 pages_aside_in_ram: Path | None) -> PushSource:
+                 pages_aside_in_ram: Path | None, since: float) -> PushSource:
     """The export as the push reads it: followed while Podman writes it (``stream``)."""
+    back = gpu_back.expected(plan.leave_running, bool(plan.cuda), plan.container.runtime)
     return PushSource("container", export, plan.estimate_bytes, plan.estimate_bytes,
                       container=plan.container.name,
                       follow=(lambda: follow([partial_path(export), export], job.done,
                                              head=_manifest_member(plan))) if stream else None,
                       finish=job.result,
                       userdata=plan.container.userdata if stream else None,
-                      writer_done=job.done, pages_aside=pages_aside_in_ram)
+                      writer_done=job.done, pages_aside=pages_aside_in_ram,
+                      gpu_back=(lambda: _gpu_back(plan, since)) if back else None)
+
+
+def _gpu_back(plan: ops_checkpoint.CheckpointPlan, since: float) -> dict:
+    """The guardian's verdict on a leave-running push's GPUs (long given back, by
+    the end of an upload, but said: a failure was in the journal only)."""
+    try:
+        return gpu_back.wait(plan.container.pid, plan.container.name, since).fields()
+    except KeyboardInterrupt:  # the push is done: said, not lost behind Ctrl-C
+        return gpu_back.not_waited(plan.container.name).fields()
 
 
 @contextmanager
@@ -94,14 +107,14 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
             on_checkpoint(plan.container.name)
         if stream:
             _clear_stale(plan.container)
-        job = pool.submit(ops_checkpoint.run, plan)
+        since, job = time.time(), pool.submit(ops_checkpoint.run, plan)  # since: for the give-back's verdict
         if on_checkpointed:
             job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside,
                                                      {"again": again, "back": back_now}))
         if not stream:
             job.result()
         try:
-            yield _push_source(plan, export, job, stream, aside if stream and in_ram else None)
+            yield _push_source(plan, export, job, stream, aside if stream and in_ram else None, since)
         except BaseException:
             # The dump goes on to its end whatever the upload did: what is left
             # of the container decides what to say.

@@ -465,6 +465,7 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
         digest = job.client.put_manifest(manifest, fmt.OCI_MANIFEST, job.ref.target)
         signed_by = job.sealing.sign(job.client, digest, len(manifest))
         at["manifest"] = time.monotonic()
+        back = src.gpu_back() if src.gpu_back else {}
     if job.cache:
         job.cache.prune()
     seconds = time.monotonic() - job.start
@@ -488,4 +489,4 @@ def _push_once(job: _PushJob, progress: Progress) -> dict:
             "throughput_mb_s": round(b.total_bytes / seconds / 1e6, 1) if seconds else None,
             "gpu": b.summary.get("gpu") is not None, "annotations": notes,
             "pre_checkpoint": job.pre_checkpoint,
-            "trust": job.sealing.facts(signed_by)}
+            "trust": job.sealing.facts(signed_by), **back}

@@ -38,6 +38,9 @@ class PushSource:
     # The push's folder in RAM that CRIU's pages go to, where pre-dump leaves
     # the memory it read ahead of CRIU (pages/dump_ahead.py) with a note once read.
     pages_aside: Path | None = None
+    # A leave-running GPU checkpoint: waits for its guardian's verdict on the GPUs
+    # (ops/gpu_back.py) once the push is done, as the result's gpu_back fields.
+    gpu_back: Callable[[], dict] | None = None
 
 
 def dir_size(root: Path) -> int:

@@ -43,6 +43,8 @@ def test_migrate_reads_gpu_memory_ahead_and_the_restored_copy_has_it(cuda_ctr, r
               input=PASSWORD + "\n", env=env)
     assert res.returncode == 0, (res.stdout, res.stderr)
     assert "pages-read-ahead" not in [e["event"] for e in journal_since(mark)]
+    pushed = json.loads(res.stdout)  # a leave-running push says its GPUs came back, as checkpoint -R does
+    assert pushed["gpu_back"] is True and pushed["gpu_back_seconds"] >= 0, pushed
     cuda_ctr.wait_running(above=its)
     cuda_ctr.verify()
 
