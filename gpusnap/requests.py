@@ -21,7 +21,7 @@ import os
 
 from gpusnap import journal
 from gpusnap.private import write_private
-from gpusnap.procs import runs_as, start_time
+from gpusnap.procs import parent_of, runs_as, start_time
 
 
 # Bound requests (put_bound) about one containerd task, by its init's pid:
@@ -87,11 +87,30 @@ def stale(init_pid: int, request: dict, images: str = "") -> str | None:
         return "it names no writer"
     if not runs_as(writer, request.get("writer_started")):
         return f"its writer (pid {writer}) is gone: killed before this dump"
+    if not _started_by(writer):
+        return f"its writer (pid {writer}) {NOT_THIS_DUMP}"
     if request.get("init_started") != start_time(init_pid):
         return "it is for an earlier process under the init's pid"
     if images and request.get("images") and not _same_folder(images, request["images"]):
         return f"it is for a dump into {request['images']}"
     return None
+
+
+NOT_THIS_DUMP = "waits for a dump of its own, not this one"  # its request stays for that dump
+
+
+def _started_by(writer: int) -> bool:
+    """Whether this process (pre-dump: CRIU's action script) descends from
+    ``writer``: the CLI's Podman runs the runtime, which runs CRIU. A plain
+    `podman container checkpoint` run meanwhile by someone else does not."""
+    pid: int | None = os.getpid()
+    for _ in range(64):  # a chain that long is no CLI's
+        if pid == writer:
+            return True
+        if pid is None or pid <= 1:
+            return False
+        pid = parent_of(pid)
+    return False
 
 
 def _same_folder(a: str, b: str) -> bool:
@@ -109,6 +128,10 @@ def for_dump(init_pid: int, kind: str = "", images: str = "") -> dict:
     why = stale(init_pid, found, images) if found else None
     if why is None:
         return found
+    if why.endswith(NOT_THIS_DUMP):  # someone's plain checkpoint took Podman's lock first
+        journal.record("request-left", init_pid=init_pid, kind=kind or "options", why=why,
+                       writer=found.get("writer"))
+        return {}
     drop(init_pid, kind)
     journal.record("request-dropped", init_pid=init_pid, kind=kind or "options", why=why,
                    writer=found.get("writer"))

@@ -289,6 +289,35 @@ def test_a_restore_does_not_wait_for_another_containers_checkpoint(counter, tmp_
         run(["podman", "rm", "-f", "-t", "0", other])
 
 
+def test_a_plain_checkpoint_run_while_a_cli_waits_for_its_own_leaves_that_clis_requests(counter):
+    """A `gpusnap checkpoint` waiting on Podman's lock while someone's plain
+    `podman container checkpoint` holds it: that dump's pre-dump (no
+    descendant of the CLI) neither obeys the CLI's requests nor drops them."""
+    from gpusnap import requests
+    from gpusnap.criu.runtimes import runs_action_script
+    from gpusnap.procs import start_time
+
+    ctr = rt_podman.inspect(counter)
+    if not runs_action_script(ctr.runtime):
+        pytest.skip(f"{ctr.runtime} runs no CRIU action script: no pre-dump reads requests there")
+    waiting = subprocess.Popen(["sleep", "120"])  # the CLI, alive, not this dump's ancestor
+    try:
+        mine = {"writer": waiting.pid, "writer_started": start_time(waiting.pid),
+                "init_started": start_time(ctr.pid)}
+        requests.put(ctr.pid, lock_timeout_ms=1, **mine)
+        mark = journal_mark()
+        podman("container", "checkpoint", "--leave-running", "--keep", counter)
+        events = journal_since(mark)
+        assert [e["kind"] for e in events if e["event"] == "request-left"] == ["options"], events
+        assert not [e for e in events if e["event"] == "request-dropped"], events
+        assert requests.peek(ctr.pid)["writer"] == waiting.pid  # there for the CLI's own dump
+        assert rt_podman.inspect(counter).running
+    finally:
+        waiting.kill()
+        waiting.wait()
+        requests.drop(ctr.pid)
+
+
 def test_what_a_cli_killed_before_its_dump_left_is_not_obeyed_by_the_next_dump(counter, tmp_path):
     """A `gpusnap push` killed after it wrote its requests and linked the pages
     CRIU will write into its own folder, before its dump: a plain `podman

@@ -137,3 +137,42 @@ def test_a_request_of_no_writer_or_of_another_dump_is_dropped(state_dir, tmp_pat
         requests.put(os.getpid(), "pages", **{**data, "init_started": -1})
     assert requests.for_dump(os.getpid(), "pages", str(images)) == {}
     assert requests.peek(os.getpid(), "pages") == {}
+
+
+def test_a_live_writer_that_did_not_start_this_dump_is_not_obeyed(state_dir):
+    # gpusnap's CLI still waits for its own dump when someone runs a plain
+    # `podman container checkpoint` of the container: that dump's pre-dump
+    # (no descendant of the CLI) leaves the CLI's request alone.
+    code = ("import json, sys, time; from gpusnap import requests; "
+            "requests.put_for_dump(int(sys.argv[1]), 'pages', images='/x', aside='/y'); "
+            "print('put', flush=True); sys.stdin.read()")
+    other = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "GPUSNAP_STATE_DIR": str(state_dir),
+                                  "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        assert other.stdout.readline().strip() == "put"
+        found = requests.peek(os.getpid(), "pages")
+        assert requests.stale(os.getpid(), found, "") == (
+            f"its writer (pid {other.pid}) waits for a dump of its own, not this one")
+        assert requests.for_dump(os.getpid(), "pages") == {}  # not obeyed here...
+        assert requests.peek(os.getpid(), "pages") == found  # ...and left for the CLI's own dump
+    finally:
+        other.communicate("", timeout=30)
+    requests.put_for_dump(os.getpid(), "pages", images="/x")  # this process's own: obeyed
+    assert requests.stale(os.getpid(), requests.peek(os.getpid(), "pages"), "") is None
+
+
+def test_a_request_is_obeyed_by_a_pre_dump_its_writer_started_generations_down(state_dir):
+    # the CLI (writer) -> Podman -> runc/crun -> CRIU -> the action script: here
+    # this test, a child and its child, which takes the request as pre-dump does
+    requests.put_for_dump(os.getpid(), "pages", images="/x", aside="/y")
+    take = ("import json, sys; from gpusnap import requests; "
+            "print(json.dumps(requests.for_dump(int(sys.argv[1]), 'pages')))")
+    middle = "import subprocess, sys; subprocess.run(sys.argv[1:], check=True)"
+    res = subprocess.run([sys.executable, "-c", middle, sys.executable, "-c", take, str(os.getpid())],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "GPUSNAP_STATE_DIR": str(state_dir),
+                              "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["aside"] == "/y"
