@@ -42,6 +42,7 @@ def _push_source(plan: ops_checkpoint.CheckpointPlan, export: Path, job: Future,
                  pages_aside_in_ram: Path | None, since: float) -> PushSource:
     """The export as the push reads it: followed while Podman writes it (``stream``)."""
     back = gpu_back.expected(plan.leave_running, bool(plan.cuda), plan.container.runtime)
+    job.add_done_callback(lambda _: memory.let_go())  # dumped: its pages are in RAM or not at all
     return PushSource("container", export, plan.estimate_bytes, plan.estimate_bytes,
                       container=plan.container.name,
                       follow=(lambda: follow([partial_path(export), export], job.done,
@@ -198,7 +199,7 @@ def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
         ram = prepared_pages.evict_for(max(1 << 20, plan.estimate_bytes - kept_bytes),
                                        held_too=plan.gpu_bytes)
         if claimed is not None and ram is not None and os.path.samefile(ram, claimed.parent):
-            plan.pages_reuse = reuse
+            plan.pages_reuse = reuse  # (not named for the hold: round 1's pages move into it)
             return claimed, True
     except BaseException:
         if claimed is not None:  # not yet the push's: nothing else would remove it
@@ -207,7 +208,9 @@ def _pages_folder(plan, work: Path, root: Path) -> tuple[Path | None, bool]:
     if claimed is not None:  # of no use here: the memory goes back now
         shutil.rmtree(claimed, ignore_errors=True)
     if ram is not None:
-        return Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=ram)), True
+        folder = Path(tempfile.mkdtemp(prefix=PUSH_PREFIX, dir=ram))
+        memory.hold_folder(folder)
+        return folder, True
     if _same_fs(root, plan.container.userdata):
         (work / "pages").mkdir(mode=0o700)
         return work / "pages", False

@@ -38,6 +38,7 @@ from gpusnap.ops.engines import refuse_engine
 from gpusnap.ops.pull import (PULL_MISSING, OnTrusted, Remote, fetch_small, open_remote,
                               write_archive, write_files)
 from gpusnap.pages import fill_plan, prepared_pages
+from gpusnap.pages import memory
 from gpusnap.pages.memory import pages_dir
 from gpusnap.runtime import podman, retarget, step_agent
 from gpusnap.runtime import stream as stream_module
@@ -143,8 +144,7 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
             prepared_pages.parent_plans(prepared, remote.bundle,
                                         fetch_small(remote, prepared_pages.pagemaps(remote.bundle),
                                                     cache))
-        pages = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=_pages_root(remote, prepared))) \
-            if aside else None
+        pages = _pages_folder(remote, prepared) if aside else None
         agent = _early_agent(remote) if scripted else None
         if agent is not None:  # the images name it: CRIU's pre-restore asks it
             kw["edits"] = {**kw.get("edits", {}), **agent.member()}
@@ -176,7 +176,8 @@ def _restore_streaming(remote: Remote, files: dict[str, bytes], opens: int, plan
         if pages is not None and kept is None and not _held_by_a_kept_checkpoint(pages, restored):
             discard(pages, pages.parent)  # restored (or not needed): in the background
         if prepared is None or not _held_by_a_kept_checkpoint(prepared.claimed, restored):
-            prepared_pages.release(prepared)  # spent, unless a kept checkpoint's parent
+            prepared_pages.release(prepared, untouched=job is None)  # spent, unless a kept checkpoint's parent
+        memory.let_go()  # restored or not: what it took is in MemAvailable now
     ref = remote.client.ref
     prepared_pages.drop_rounds(f"{ref.registry}/{ref.repository}", where)
     return result, {**job.result(), "streamed": True, "pages_prepared_skipped": why,
@@ -258,13 +259,18 @@ def _maybe_still_mapped(init_pid: int) -> bool:
     return restore_check.staging_in_doubt(init_pid)
 
 
-def _pages_root(remote: Remote, prepared: prepared_pages.Match | None) -> Path:
+def _pages_folder(remote: Remote, prepared: prepared_pages.Match | None) -> Path:
     """Where a restore writes CRIU's pages: beside the prepared files it links or
     moves (the same filesystem), else RAM (prepared files of other checkpoints
     give way there: prepared_pages.evict_for), else pages_dir's disk."""
-    if prepared is not None:
-        return prepared.root
-    return pages_dir(remote.bundle.total_bytes, prepared_pages.evict_for)
+    root = prepared.root if prepared is not None else \
+        pages_dir(remote.bundle.total_bytes, prepared_pages.evict_for)
+    folder = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=root))
+    if prepared is None:
+        memory.hold_folder(folder)  # RAM held for it narrows as its pages come in
+    elif memory.in_ram(root):  # no check chose it: the process CRIU restores is held, whole
+        memory.hold_only(remote.bundle.total_bytes)
+    return folder
 
 
 def _restoring_runtime(files: dict[str, bytes], default: str) -> str:

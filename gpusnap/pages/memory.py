@@ -27,14 +27,13 @@ GPUSNAP_PAGES_HUGE=0 uses /dev/shm.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Callable
 
+from gpusnap.pages import holds
 from gpusnap.runtime.storage import staging_dir, storage_root
 
 RAM_ROOT = Path("/dev/shm")
@@ -91,26 +90,73 @@ def reserve(total: int) -> int:
 
 
 def ram_dir(size: int, held_too: int = 0, info: dict[str, int] | None = None,
-            root: Path | None = None) -> Path | None:
+            root: Path | None = None, hold: bool = True) -> Path | None:
     """``root`` (default: ram_root()) for ``size`` bytes of pages, where it has
     the room and the host can hold them and ``held_too`` more bytes at once
-    with its reserve left; None: the disk."""
+    with its reserve left, beside what other gpusnap processes chose RAM for
+    and have not written yet (holds.py); None: the disk. ``hold``: this
+    process's choice is held for it until it lets go or exits (hold_folder
+    narrows it)."""
+    root = ram_root() if root is None else root
+    if shortfall(size, held_too, info, root, hold) != 0:
+        return None
+    return root
+
+
+def shortfall(size: int, held_too: int = 0, info: dict[str, int] | None = None,
+              root: Path | None = None, hold: bool = False) -> int | None:
+    """Bytes ``root`` (default: ram_root()) lacks for ram_dir's ``size`` and
+    ``held_too``: 0 where they fit (then held, with ``hold``), None where RAM is
+    out of the question (switched off, no such folder, the ledger unusable)."""
     mode = os.environ.get(ENV, "auto")
     if mode == "0" or size <= 0:
         return None
     root = ram_root() if root is None else root
     try:
-        if not root.is_dir() or shutil.disk_usage(root).free < size + (64 << 20):
+        if not root.is_dir():
             return None
+        short = max(0, size + (64 << 20) - shutil.disk_usage(root).free)
     except OSError:
         return None
     if mode == "1":
-        return root
-    info = meminfo() if info is None else info
-    total, available = info.get("MemTotal", 0), info.get("MemAvailable", 0)
-    if not total or available < size + held_too + reserve(total):
-        return None
-    return root
+        return short
+    with holds.ledger() as ledger:
+        if ledger is None:
+            return None  # nothing known of the others' holds: the disk is the safe side
+        info = meminfo() if info is None else info
+        total, available = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+        if not total:
+            return None
+        short = max(short, size + held_too + reserve(total) - (available - ledger.others()))
+        if hold and short == 0:
+            ledger.hold(size + held_too)
+    return short
+
+
+def hold_folder(folder: Path) -> None:
+    """The pages this process chose RAM for go into ``folder``, written there
+    anew: what it holds there counts in MemAvailable as it comes, so other
+    processes' checks count only the rest of this one's hold. (Not for a
+    folder that links or moves in pages already in RAM: those would count as
+    written.)"""
+    if in_ram(folder):
+        with holds.ledger() as ledger:
+            if ledger is not None:
+                ledger.name_folder(folder)
+
+
+def hold_only(size: int) -> None:
+    """Hold ``size`` bytes for this process without a check: memory it will
+    take whatever a check would say (a restore from pages prepared in RAM: the
+    process CRIU restores from them)."""
+    with holds.ledger() as ledger:
+        if ledger is not None:
+            ledger.hold(size)
+
+
+def let_go() -> None:
+    """This process's hold ends: its step is done (what it took is in MemAvailable now)."""
+    holds.let_go()
 
 
 def ram_root() -> Path:
@@ -138,19 +184,6 @@ def huge_mounted(point: Path = HUGE_ROOT, mountinfo: Path = Path("/proc/self/mou
     return False
 
 
-def _locked(fd: int, seconds: float) -> bool:
-    """flock(LOCK_EX) on ``fd`` within ``seconds``: a holder only ever mounts."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-
-
 def mount_huge(point: Path) -> bool:
     """Mount gpusnap's huge-page tmpfs at ``point`` unless it is there; False
     where it cannot be (not root, no mount(8), tmpfs without huge pages).
@@ -162,7 +195,7 @@ def mount_huge(point: Path) -> bool:
     try:
         point.mkdir(mode=0o700, parents=True, exist_ok=True)
         with open(point.parent / f".{point.name}.lock", "w") as lock:
-            if not _locked(lock.fileno(), MOUNT_S * 2):
+            if not holds.locked(lock.fileno(), MOUNT_S * 2):
                 return False  # a holder stopped (Ctrl-Z) or stuck: RAM without huge pages
             if huge_mounted(point):
                 return True

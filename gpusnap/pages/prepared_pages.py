@@ -317,10 +317,20 @@ def drop_rounds(repository: str, where: list[Path] | None = None) -> list[Path]:
     return dropped
 
 
-def release(match: Match | None) -> None:
-    """After the restore: a claimed folder is spent (what is left of it goes)."""
-    if match is not None and match.claimed is not None:
-        shutil.rmtree(match.claimed, ignore_errors=True)
+def release(match: Match | None, untouched: bool = False) -> None:
+    """After the restore: a claimed folder is spent (what is left of it goes).
+    ``untouched``: the restore failed before any of its files moved (the
+    registry unreachable, say): it goes back under its name for the next try."""
+    if match is None or match.claimed is None:
+        return
+    if untouched:
+        try:
+            os.rename(match.claimed, match.folder)
+            match.claimed = None
+            return
+        except OSError:
+            pass  # its name taken again meanwhile: spent after all
+    shutil.rmtree(match.claimed, ignore_errors=True)
 
 
 def evict_for(size: int, held_too: int = 0) -> Path | None:
@@ -332,7 +342,11 @@ def evict_for(size: int, held_too: int = 0) -> Path | None:
     if ram is not None or os.environ.get(memory.ENV) == "0":
         return ram
     in_ram = [r for r in memory.roots() if r.is_dir()]
-    for folder in sorted(folders(in_ram) + kept_pages.folders(tuple(in_ram)), key=_age):
+    evictable = sorted(folders(in_ram) + kept_pages.folders(tuple(in_ram)), key=_age)
+    short = memory.shortfall(size, held_too)
+    if short is None or short > sum(memory.folder_bytes(f) for f in evictable):
+        return None  # dropping them all would not make the room (others' holds, say): all kept
+    for folder in evictable:
         freed = memory.folder_bytes(folder)
         shutil.rmtree(folder, ignore_errors=True)
         journal.record("prepared-evicted", folder=str(folder), bytes=freed)
@@ -367,6 +381,7 @@ def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None, 
     start = time.monotonic()
     work = root / f"{PULL_PREFIX}{name}-{os.getpid()}"
     work.mkdir(mode=0o700)
+    memory.hold_folder(work)
     try:
         mapped = memory.in_ram(work)
         for f in entries:
@@ -380,12 +395,27 @@ def prepare(bundle: Bundle, digest: str, fetch_pool, where: Path | None = None, 
             "digest": digest, "created": time.time(), "repository": repository,
             "pre_checkpoint": pre_checkpoint,
             "files": {f.path: [[c.digest, c.size] for c in f.chunks] for f in entries}}))
+        if not mapped:
+            _sync(work)  # on the disk before its name says it is whole (a crash: holes read as zeros)
         os.rename(work, root / name)
+        if not mapped:
+            _sync(root, files=False)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return {"folder": str(root / name), "bytes": size, "in_ram": memory.in_ram(root),
             "seconds": round(time.monotonic() - start, 3)}
+
+
+def _sync(folder: Path, files: bool = True) -> None:
+    """fsync ``folder``'s regular files (``files``), then the folder itself."""
+    paths = [p for p in folder.iterdir() if p.is_file() and not p.is_symlink()] if files else []
+    for path in (*paths, folder):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 KEEP_ENV = "GPUSNAP_KEEP_PAGES"  # auto (default): within KEEP_SHARE of RAM; 0: never; 1: if it fits
@@ -416,7 +446,7 @@ def keep(bundle: Bundle, digest: str, folder: Path, *, repository: str = "",
     held = sum(memory.folder_bytes(f) for f in folders([r for r in memory.roots() if r.is_dir()]))
     if mode != "1" and (held + size) * KEEP_SHARE > info.get("MemTotal", 0):
         return None
-    if memory.ram_dir(size, info=info, root=folder.parent) is None:
+    if memory.ram_dir(size, info=info, root=folder.parent, hold=False) is None:  # the pages are in it already
         return None
     for other in folder.iterdir():  # only the pages files a replica links
         if other in paths.values():

@@ -175,6 +175,25 @@ def test_a_patch_claims_the_folder_resizes_and_leaves_nothing(tmp_path):
     assert not list(tmp_path.glob("*claimed*"))
 
 
+def test_a_restore_that_failed_before_its_files_moved_gives_the_claimed_folder_back(tmp_path):
+    # round 1's pages (GBs) are not spent by a final round's restore that failed
+    # before its download began (the registry unreachable): the next try patches them
+    old = pages(quarters("a", "b", "c", "d"))
+    new = pages([*quarters("a", "b", "c"), chunk("e", SIZE // 4)])
+    folder = make_folder(tmp_path, "pre", old)
+    match = pp.best(bundle(new), [tmp_path])
+    assert pp.claim(match) and not folder.exists()
+    pp.release(match, untouched=True)
+    assert folder.is_dir() and (folder / "pages-1.img").stat().st_size == old.size
+    assert not list(tmp_path.glob("*claimed*"))
+    again = pp.best(bundle(new), [tmp_path])
+    assert again is not None and again.folder == folder and pp.claim(again)
+    folder.mkdir()
+    (folder / "another").write_bytes(b"x")  # its name taken meanwhile: spent after all
+    pp.release(again, untouched=True)
+    assert not list(tmp_path.glob("*claimed*")) and [p.name for p in folder.iterdir()] == ["another"]
+
+
 def test_a_file_a_replica_linked_is_never_patched(tmp_path):
     """A replica's restore linked the prepared file before a patch claimed the
     folder: its CRIU, fill or mapped staging may still read those bytes."""
@@ -216,9 +235,19 @@ def test_eviction_drops_prepared_folders_in_ram_oldest_first(tmp_path, monkeypat
     monkeypatch.setattr(pp.memory, "roots", lambda: (tmp_path,))
     room = iter([None, tmp_path])  # refused once, then there is room
     monkeypatch.setattr(pp.memory, "ram_dir", lambda size, held_too=0: next(room))
+    monkeypatch.setattr(pp.memory, "shortfall", lambda size, held_too=0: SIZE)  # one folder's worth
     monkeypatch.setattr(pp.journal, "record", lambda *a, **k: None)
     assert pp.evict_for(SIZE) == tmp_path
     assert not old.exists() and new.exists()
+
+
+def test_nothing_is_evicted_where_dropping_all_would_not_make_the_room(tmp_path, monkeypatch):
+    # other restores' holds stand in the way: the folders would go and the pages to the disk anyway
+    kept = [make_folder(tmp_path, n, pages(quarters("a", "b", "c", "d"))) for n in ("x", "y")]
+    monkeypatch.setattr(pp.memory, "roots", lambda: (tmp_path,))
+    monkeypatch.setattr(pp.memory, "ram_dir", lambda size, held_too=0: None)
+    monkeypatch.setattr(pp.memory, "shortfall", lambda size, held_too=0: 3 * SIZE)
+    assert pp.evict_for(SIZE) is None and all(k.exists() for k in kept)
 
 
 @pytest.mark.parametrize("env", ["0"])
@@ -301,8 +330,13 @@ class _Pool:
         return sum(c.size for c in chunks)
 
 
-def test_a_prepared_folder_keeps_the_pagemaps_of_the_tasks_whose_pages_it_holds(tmp_path):
+def test_a_prepared_folder_keeps_the_pagemaps_of_the_tasks_whose_pages_it_holds(tmp_path, monkeypatch):
     from gpusnap.criu import pagemap as pm
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(pp.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or real_fsync(fd))
 
     q = SIZE // 4
     body = {f"sha256:{n}": bytes([ord(n)]) * q for n in "abcd"}
@@ -316,6 +350,9 @@ def test_a_prepared_folder_keeps_the_pagemaps_of_the_tasks_whose_pages_it_holds(
     # open them in the parent folder and find no pages file there
     assert sorted(p.name for p in folder.iterdir()) == ["index.json", "pagemap-1.img",
                                                         "pages-1.img"]
+    # on a disk, its files and folder synced before the rename names it whole, then the rename
+    assert sorted(Path(p).name for p in synced[:3]) == ["index.json", "pagemap-1.img", "pages-1.img"]
+    assert Path(synced[3]).name.startswith(".gpusnap-pull-") and synced[4:] == [str(tmp_path)]
 
 
 def test_a_shifted_file_becomes_the_parent_and_only_the_new_pages_are_written(tmp_path):
@@ -374,7 +411,7 @@ def _written(tmp_path: Path, monkeypatch, entry: FileEntry, name: str = "x") -> 
     """A restore's pull folder in a stand-in RAM root, with ``entry``'s file written whole."""
     monkeypatch.setenv(pp.KEEP_ENV, "auto")  # the test session turns it off (tests/conftest.py)
     monkeypatch.setattr(pp.memory, "roots", lambda: (tmp_path,))
-    monkeypatch.setattr(pp.memory, "ram_dir", lambda size, info=None, root=None:
+    monkeypatch.setattr(pp.memory, "ram_dir", lambda size, info=None, root=None, hold=True:
                         root if info["MemAvailable"] >= 2 * size else None)
     monkeypatch.setattr(pp.journal, "record", lambda *a, **k: None)
     folder = tmp_path / f".gpusnap-pull-{name}"
