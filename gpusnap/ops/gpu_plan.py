@@ -74,21 +74,26 @@ def with_host_numbers(plan: Plan, spec: dict | None, root: str | Path = "/") -> 
     devices = (spec.get("linux") or {}).get("devices") or []
     paths = [d["path"] for d in devices if _SHARED_NODE.match(str(d.get("path") or ""))]
     host = read_host_numbers(paths, root)
-    if any("nvidia-uvm" in p and p not in host for p in paths) and _load_uvm():
-        host = read_host_numbers(paths, root)  # a host booted since no CUDA ran: now it has it
+    if any("nvidia-uvm" in p and p not in host for p in paths):
+        _load_uvm()
+        host = read_host_numbers(paths, root)  # a host booted since no CUDA ran: now it may have it
     changes = shared_node_changes(spec, host)
     if not changes:
         return plan
     return replace(plan, remap=replace(plan.remap, nodes=plan.remap.nodes + changes))
 
 
-def _load_uvm() -> bool:
+def _load_uvm() -> None:
     """nvidia-uvm loaded and its nodes made, as libcuda has it done at its first
-    use (nvidia-modprobe, setuid, as nvidia-container-toolkit runs it)."""
+    use (nvidia-modprobe, setuid, as nvidia-container-toolkit runs it).
+
+    Its exit status is not read: in the containerd shim the reaper's
+    waitpid(-1) can take it first (subprocess then says 0); the nodes read
+    again after it are the answer."""
     tool = shutil.which("nvidia-modprobe")
     if tool is None:
-        return False
+        return
     try:
-        return subprocess.run([tool, "-u", "-c=0"], capture_output=True, timeout=10).returncode == 0
+        subprocess.run([tool, "-u", "-c=0"], capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
-        return False
+        pass
