@@ -23,7 +23,10 @@ import google.protobuf
 
 SRC = Path(__file__).resolve().parent / "src"
 PACKAGE = "gpusnap_pb"
-PROTOS = ("mount", "task_types", "shim", "task_events", "events_service", "runc_options", "ttrpc",
+PROTOS = ("mount", "task_types", "shim", "task_events", "events_service", "runc_options", "runtimeoptions",
+          "ttrpc",
+          # the metrics a shim's Stats answers (ctr task metrics, nerdctl stats, CRI): gpusnap.shim.stats
+          "cgroups_v1", "cgroups_v2",
           # containerd's client API (checkpoint clients: tests, gpusnap.ops.containerd_api)
           "descriptor", "containers", "tasks", "content", "images", "leases", "snapshots", "diff",
           # Kubernetes' CRI (runtime.v1), the kubelet's calls: gpusnap.runtime.cri

@@ -161,13 +161,18 @@ def delete(flags: dict[str, str]) -> int:
     state = bundle_state.read_state(bundle)
     if state is not None:  # the shim died with its container created
         try:
-            res = subprocess.run([state.get("runc", "runc"), "--root", state["runc_root"], "delete",
-                                  "--force", cid], capture_output=True, text=True, timeout=120)
+            argv = bundle_state.runc_argv(state.get("runc", ""), state["runc_root"],
+                                          state.get("systemd_cgroup", False))
+            res = subprocess.run([*argv, "delete", "--force", cid],
+                                 capture_output=True, text=True, timeout=120)
             if res.returncode != 0 and "does not exist" not in res.stderr:
                 print(f"containerd-shim-gpusnap-v1 delete: runc: {res.stderr.strip()}", file=sys.stderr)
         except subprocess.TimeoutExpired:
             print("containerd-shim-gpusnap-v1 delete: runc delete did not finish within 120 s",
                   file=sys.stderr)
+        # died mid-restore: a CRIU killed with it leaves its yard (host cgroups) in its folder
+        bundle_state.drop_criu_work(state.get("criu_work", ""), cid)
+        bundle_state.drop_unpacked_checkpoint(state.get("checkpoint", ""))
         rootfs = os.path.join(bundle, "rootfs")
         if os.path.ismount(rootfs):
             from gpusnap.shim import mounts  # start-up: containerd waits on start/delete

@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from gpusnap.procs import process_tree
+from gpusnap.shim.bundle import runc_argv
 from gpusnap.shim.reaper import Reaper
 from gpusnap.waits import Bound, raise_words
 
@@ -61,15 +62,18 @@ def _kill_tree(pid: int) -> None:
 
 
 class Runc:
-    def __init__(self, reaper: Reaper, root: str, log_path: str, binary: str = "runc") -> None:
+    def __init__(self, reaper: Reaper, root: str, log_path: str, binary: str = "runc",
+                 systemd_cgroup: bool = False) -> None:
         self.reaper = reaper
         self.root = root
         self.log_path = log_path
         self.binary = binary
+        self.systemd_cgroup = systemd_cgroup  # containerd's SystemdCgroup: a slice:prefix:name cgroupsPath
 
     def _run(self, args: list[str], stdio: Stdio | None = None, want_output: bool = False) -> str:
         t0 = time.monotonic()
-        argv = [self.binary, "--root", self.root, "--log", self.log_path, "--log-format", "json", *args]
+        argv = [*runc_argv(self.binary, self.root, self.systemd_cgroup),
+                "--log", self.log_path, "--log-format", "json", *args]
         try:
             start_at = os.path.getsize(self.log_path)
         except OSError:
@@ -185,6 +189,19 @@ class Runc:
 
     def ps(self, cid: str) -> list[int]:
         return [int(p) for p in json.loads(self._run(["ps", "--format", "json", cid], want_output=True) or "[]")]
+
+    def stats(self, cid: str) -> dict:
+        """One reading of the container's cgroup (runc's types.Stats, as JSON): runc finds the
+        cgroup itself, v1, v2 or systemd's, so the shim never looks for its path."""
+        out = self._run(["events", "--stats", cid], want_output=True)
+        for line in out.splitlines():  # stdout and stderr share the pipe: skip a stray line
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("type") == "stats" and isinstance(event.get("data"), dict):
+                return event["data"]
+        raise RuncError(f"runc events --stats {cid}: no stats in its output: {out.strip()[:200]!r}")
 
     def update(self, cid: str, resources_json: bytes) -> None:
         with tempfile.NamedTemporaryFile(prefix="runc-update-", suffix=".json") as f:

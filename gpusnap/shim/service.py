@@ -26,9 +26,10 @@ from gpusnap.private import open_private, private_dir
 from gpusnap.proto import load
 from gpusnap.shim import bundle as bundle_state
 from gpusnap.shim import checkpoint as shim_checkpoint
-from gpusnap.shim import mounts
+from gpusnap.shim import mounts, stats
 from gpusnap.shim.events import Publisher
 from gpusnap.shim.logbinary import BinaryLogger, LoggerError
+from gpusnap.shim.options import checkpoint_options, runc_options
 from gpusnap.shim.process import Container, Proc, ShimError, not_found, precondition, read_pid
 from gpusnap.shim.reaper import Exit, Reaper
 from gpusnap.shim.runc import CheckpointOpts, Runc, RuncError
@@ -36,9 +37,8 @@ from gpusnap.shim.stdio import Paths, ProcessIO
 
 log = logging.getLogger("gpusnap.shim")
 
-RUNC_OPTIONS = "containerd.runc.v1.Options"
-RUNC_CHECKPOINT_OPTIONS = "containerd.runc.v1.CheckpointOptions"
 _IO_DRAIN = 5.0  # seconds Delete waits for output to reach the FIFOs
+_GONE = ("container not running", "no such process", "does not exist")  # runc's kill, as containerd reads it
 
 
 def _timestamp(ns: int) -> timestamp_pb2.Timestamp | None:
@@ -47,14 +47,6 @@ def _timestamp(ns: int) -> timestamp_pb2.Timestamp | None:
     ts = timestamp_pb2.Timestamp()
     ts.FromNanoseconds(ns)
     return ts
-
-
-def _unpack(anyv: any_pb2.Any, name: str, cls):
-    """The message in ANY when it is NAME, else a default one."""
-    msg = cls()
-    if anyv is not None and anyv.value and anyv.type_url.rsplit("/", 1)[-1] == name:
-        msg.ParseFromString(anyv.value)
-    return msg
 
 
 def rpc(fn: Callable) -> Callable:
@@ -163,14 +155,15 @@ class TaskService:
         return self.pb.shim.CreateTaskResponse(pid=c.init.pid)
 
     def _new_container(self, req) -> tuple[Container, Runc]:
-        opts = _unpack(req.options, RUNC_OPTIONS, self.pb.runc_options.Options)
+        opts = runc_options(self.pb, req.options)
         runc = Runc(self.reaper, bundle_state.runc_root(opts.root, self.namespace),
-                    os.path.join(req.bundle, "log.json"), opts.binary_name or "runc")
-        bundle_state.write_state(req.bundle, runc.root, runc.binary)
+                    os.path.join(req.bundle, "log.json"), opts.binary_name or "runc", opts.systemd_cgroup)
+        work = bundle_state.criu_work(req.bundle, opts.criu_work_path, f"{self.namespace}+{req.id}")
+        bundle_state.write_state(req.bundle, runc.root, runc.binary, runc.systemd_cgroup, req.checkpoint, work)
         paths = Paths(req.stdin, req.stdout, req.stderr, req.terminal)
         c = Container(req.id, req.bundle, Proc(req.id, paths), checkpoint=req.checkpoint,
                       parent_checkpoint=req.parent_checkpoint, no_pivot=opts.no_pivot_root,
-                      no_new_keyring=opts.no_new_keyring, criu_work=opts.criu_work_path)
+                      no_new_keyring=opts.no_new_keyring, criu_work=work if opts.criu_work_path else "")
         self._create(c, runc, list(req.rootfs))
         return c, runc
 
@@ -232,9 +225,7 @@ class TaskService:
         p = c.init
         assert p.io is not None
         p.restoring = True  # first: a Delete meanwhile would unmount the rootfs under the edits and CRIU
-        if c.criu_work:
-            os.makedirs(c.criu_work, exist_ok=True)  # the caller's folder, the caller's mode
-        work = c.criu_work or str(private_dir(os.path.join(c.bundle, "criu-work")))  # CRIU's logs
+        work = str(private_dir(c.criu_work or bundle_state.criu_work(c.bundle)))  # CRIU's logs: root's
         console = p.io.console_socket(c.bundle) if p.paths.terminal else None
         # Imported here: GPU planning is for restores only and stays out of the shim's startup.
         from gpusnap.shim import remap
@@ -258,6 +249,8 @@ class TaskService:
         p.io.started()
         p.pid = read_pid(c.pid_file(p))
         self._watch(c, p)
+        # CRIU has read it: containerd 1.7's unpacked copy (GBs for a GPU task) need not wait for Delete
+        threading.Thread(target=bundle_state.drop_unpacked_checkpoint, args=(c.checkpoint,), daemon=True).start()
 
     def _exec_start(self, c: Container, p: Proc, runc: Runc) -> None:
         spec_path = os.path.join(c.bundle, p.file_stem() + ".json")
@@ -323,6 +316,7 @@ class TaskService:
         if c.rootfs:
             mounts.unmount_all(c.rootfs)
         bundle_state.drop_unpacked_checkpoint(c.checkpoint)
+        bundle_state.drop_criu_work(c.criu_work, c.id, bool(c.checkpoint) and p.pid == 0)  # the bundle's goes with it
         bundle_state.clear_state(c.bundle)
         with self.lock:
             self.containers.pop(c.id, None)
@@ -341,7 +335,12 @@ class TaskService:
                 p.started.set()  # never started: its exit may be published at once
             if c.checkpoint and p.pid == 0:
                 raise precondition(f"container {c.id} is not restored yet")
-            self._runc(c).kill(c.id, req.signal, req.all)
+            try:
+                self._runc(c).kill(c.id, req.signal, req.all)
+            except RuncError as e:  # exited as runc looked: containerd's shim says NotFound
+                if any(w in str(e) for w in _GONE) or p.exited.wait(1.0):
+                    raise not_found(f"process {p.id} already finished") from None
+                raise
         else:
             if p.pid == 0:
                 raise precondition(f"process {p.id} is not started")
@@ -385,8 +384,8 @@ class TaskService:
 
     @rpc
     def Stats(self, req, context):
-        self._container(req.id)
-        return self.pb.shim.StatsResponse()  # no cgroup metrics yet
+        c = self._container(req.id)
+        return self.pb.shim.StatsResponse(stats=stats.read(self.pb, self._runc(c), c, stats.cgroup2_host()))
 
     @rpc
     def Connect(self, req, context):
@@ -431,8 +430,8 @@ class TaskService:
     @rpc
     def Checkpoint(self, req, context):
         c, p = self._running_init(req.id)
-        o = _unpack(req.options, RUNC_CHECKPOINT_OPTIONS, self.pb.runc_options.CheckpointOptions)
-        work = o.work_path or os.path.join(c.bundle, "criu-work")
+        o = checkpoint_options(self.pb, req.options)
+        work = o.work_path or bundle_state.criu_work(c.bundle)
         runc = self._runc(c)
         t0 = time.monotonic()
         # ctr and nerdctl pause the task first, but the driver's lock (pre-dump) needs a CUDA task

@@ -21,6 +21,12 @@ if [ -f "$cfg" ] && ! grep -q 'conf.d' "$cfg"; then
   echo "  imports = [\"/etc/containerd/conf.d/*.toml\"]  to its top" >&2
   exit 1
 fi
+# A node whose runc handler uses systemd's cgroups (kubeadm's default, as its
+# kubelet does) gets the same for gpusnap's: runc needs --systemd-cgroup there.
+if grep -Eqs '^[[:space:]]*SystemdCgroup[[:space:]]*=[[:space:]]*true' "$cfg" "$HOST"/etc/containerd/conf.d/*.toml; then
+  printf '%s\n' "  [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.gpusnap.options]" \
+    "    SystemdCgroup = true" >> "$HOST/etc/containerd/conf.d/gpusnap.toml"
+fi
 if chroot "$HOST" systemctl is-active -q containerd 2>/dev/null; then
   chroot "$HOST" systemctl restart containerd
 fi

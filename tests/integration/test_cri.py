@@ -79,6 +79,12 @@ state = "{self.dir}/state"
     default_runtime_name = "runc"
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+    # gpusnap's handler with a runc option, written as runc's handler takes it:
+    # the CRI sends it as runtimeoptions.v1.Options (TOML), not runc's message.
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{HANDLER}-opts]
+      runtime_type = "io.containerd.gpusnap.v1"
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{HANDLER}-opts.options]
+        Root = "{self.dir}/runc-opts"
     # A RuntimeClass whose shim is not installed on this node.
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{HANDLER}-missing]
       runtime_type = "io.containerd.gpusnapmissing.v1"
@@ -128,11 +134,11 @@ state = "{self.dir}/state"
     def pods(self) -> list[str]:
         return sorted({c.pod_sandbox_id for c in self.cri.containers()} | set(self.made))
 
-    def pod(self, name: str) -> tuple[str, object]:
+    def pod(self, name: str, handler: str = HANDLER) -> tuple[str, object]:
         config = self.cri.sandbox_config(name, "default", uuid.uuid4().hex,
                                          log_directory=str(self.dir / "logs" / name))
         (self.dir / "logs" / name).mkdir(parents=True, exist_ok=True)
-        pod_id = self.cri.run_pod(config, HANDLER)
+        pod_id = self.cri.run_pod(config, handler)
         self.made.append(pod_id)
         return pod_id, config
 
@@ -237,6 +243,22 @@ def test_cri_checkpoint_pushed_and_restored_into_a_new_pod_counts_on(containerd,
     assert first >= at_checkpoint, (first, at_checkpoint)  # not a cold start from 1
     assert containerd.wait_count(ctr_b, first) > first
     assert containerd.wait_count(ctr_a, containerd.count(ctr_a)) > 0  # the source still runs
+
+
+def test_a_handlers_runc_options_reach_the_shims_runc(containerd, registry):
+    # A handler written as runc's (`SystemdCgroup = true` on kubeadm nodes): its
+    # options reach runc; Root here, which the test host can show.
+    reg, host = registry
+    cri = containerd.cri
+    image = f"{host}/demo:1"
+    pod, config = containerd.pod("opts", handler=f"{HANDLER}-opts")
+    cri.pull(image, config)
+    ctr = cri.create(pod, config, "counter", image, ["sh", "-c", COUNTER], log_path="counter.log")
+    cri.start(ctr)
+    containerd.wait_count(ctr, 1)
+    listed = subprocess.run(["runc", "--root", str(containerd.dir / "runc-opts" / "k8s.io"), "list", "-q"],
+                            capture_output=True, text=True, timeout=30)
+    assert ctr in listed.stdout.split() and pod in listed.stdout.split(), (listed.stdout, listed.stderr)
 
 
 def test_a_runtime_class_whose_shim_is_missing_is_one_line(containerd, registry):

@@ -211,6 +211,33 @@ def test_killed_shim_is_cleaned_up_by_delete(containerd):
     c.ctr("containers", "delete", "dead1")
 
 
+def test_task_metrics_are_the_containers_own_cgroup_counters(containerd):
+    """`ctr task metrics` (nerdctl stats, the CRI's stats) decodes the shim's
+    Stats: this task's cgroup, its memory limit as `ctr run` set it."""
+    c = containerd
+    c.ctr("run", "-d", "--memory-limit", str(64 << 20), "--runtime", RUNTIME, DEMO_IMAGE, "met1",
+          "sh", "-c", "while :; do i=$((i+1)); done")
+    try:
+        time.sleep(0.5)  # its loop has run a while: CPU time to see
+        first = json.loads(c.ctr("tasks", "metrics", "--format", "json", "met1").stdout)
+        time.sleep(0.5)
+        later = json.loads(c.ctr("tasks", "metrics", "--format", "json", "met1").stdout)
+        table = c.ctr("tasks", "metrics", "met1").stdout
+    finally:
+        remove(c, "met1")
+    memory = first["memory"]
+    if "usage_limit" in memory:  # cgroup v2
+        assert memory["usage_limit"] == 64 << 20 and memory["usage"] > 0, first
+        assert later["cpu"]["usage_usec"] > first["cpu"]["usage_usec"] > 0, (first, later)
+    else:
+        assert memory["usage"]["limit"] == 64 << 20 and memory["usage"]["usage"] > 0, first
+        assert later["cpu"]["usage"]["total"] > first["cpu"]["usage"]["total"] > 0, (first, later)
+        assert f"memory.limit_in_bytes    {64 << 20}" in table, table
+    assert first["pids"]["current"] >= 1
+    res = c.ctr("tasks", "metrics", "met1", check=False)  # gone: said, no traceback
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+
+
 def test_bad_invocation_is_one_line():
     res = run([f"{VENV_BIN}/{SHIM}", "-namespace", "x", "frobnicate"])
     assert res.returncode == 2
@@ -227,6 +254,52 @@ def test_delete_of_an_empty_bundle_answers_a_delete_response(tmp_path):
     msg = load().shim.DeleteResponse.FromString(res.stdout)
     assert msg.exit_status == 137
     assert abs(msg.exited_at.ToNanoseconds() - time.time_ns()) < 10e9
+
+
+def test_delete_after_a_shim_died_mid_restore_releases_criu_s_yard_and_the_unpacked_checkpoint(tmp_path):
+    """A shim SIGKILLed while runc restored leaves CRIU's cgroup yard mounted
+    in its work folder and containerd 1.7's ctrd-checkpoint* copy: `SHIM
+    delete` (containerd runs it for a dead shim) takes both away, and asks
+    runc as the shim ran it (SystemdCgroup: --systemd-cgroup)."""
+    from gpusnap.shim import bundle as bundle_state
+
+    bundle, work = tmp_path / "bundle", tmp_path / "bundle" / "criu-work"
+    yard = work / ".criu.cgyard.AbC123"
+    yard.mkdir(parents=True)
+    unpacked = tmp_path / "ctrd-checkpoint123"
+    (unpacked / "criu").mkdir(parents=True)
+    (unpacked / "criu" / "pages-1.img").write_bytes(b"x" * 4096)
+    runc_args = tmp_path / "runc-args"
+    fake_runc = tmp_path / "runc"
+    fake_runc.write_text(f'#!/bin/sh\necho "$@" > {runc_args}\n')
+    fake_runc.chmod(0o755)
+    bundle_state.write_state(str(bundle), "/run/r/ns", str(fake_runc), True, str(unpacked), str(work))
+    try:
+        run(["mount", "-t", "tmpfs", "yard", str(yard)], check=True)
+        (yard / "unified").mkdir()
+        run(["mount", "-t", "tmpfs", "cg", str(yard / "unified")], check=True)  # as CRIU stacks host cgroups
+        (work / "restore.log").write_text("Error (criu/cr-restore.c:1): the restore's own words\n")
+        state = tmp_path / "state"
+        res = subprocess.run([f"{VENV_BIN}/{SHIM}", "-namespace", "ns", "-id", "r1", "-bundle", str(bundle),
+                              "delete"], capture_output=True, timeout=60,
+                             env={**os.environ, "GPUSNAP_STATE_DIR": str(state)})
+        assert res.returncode == 0, res.stderr
+        kept = list((state / "logs").glob("restore-r1-*.log"))  # runc's error named it: kept, not lost
+        assert len(kept) == 1 and "the restore's own words" in kept[0].read_text(), kept
+        assert not work.exists()
+        assert runc_args.read_text().split() == ["--root", "/run/r/ns", "--systemd-cgroup", "delete", "--force", "r1"]
+        assert not os.path.ismount(yard) and not yard.exists()
+        assert not unpacked.exists()
+        assert _delete_status(res.stdout) == 137
+    finally:
+        for point in (yard / "unified", yard):
+            if os.path.ismount(point):
+                run(["umount", "-l", str(point)])
+
+
+def _delete_status(out: bytes) -> int:
+    from gpusnap.proto import load
+    return load().shim.DeleteResponse.FromString(out).exit_status
 
 
 def test_zygote_forks_later_shims_and_retires_on_code_change(containerd):

@@ -92,3 +92,49 @@ def _try(fn, req):
         return fn(req, Context())
     except Exception as exc:  # noqa: BLE001 -- the test looks at it
         return exc
+
+
+def test_containerds_systemd_cgroup_option_reaches_every_runc_command(tmp_path):
+    # SystemdCgroup = true (kubeadm's default): the cgroupsPath is slice:prefix:name,
+    # which runc reads only with --systemd-cgroup, on create, kill, delete and the rest.
+    from concurrent.futures import Future
+
+    from gpusnap.shim.reaper import Exit
+    from gpusnap.shim.runc import Runc as RealRunc
+
+    seen: list[list[str]] = []
+
+    def spawn(argv, **fds):
+        seen.append(argv)
+        done: Future = Future()
+        done.set_result(Exit(1, 0, 0))
+        return 1, done
+
+    reaper = SimpleNamespace(spawn=spawn)
+    for systemd in (True, False):
+        RealRunc(reaper, "/run/r", str(tmp_path / "log.json"), "runc", systemd).kill("c1", 9)  # type: ignore[arg-type]
+    assert seen[0][:4] == ["runc", "--root", "/run/r", "--systemd-cgroup"] and seen[0][-3:] == ["kill", "c1", "9"]
+    assert "--systemd-cgroup" not in seen[1]
+
+
+@pytest.mark.parametrize("exits, says, code", [
+    (True, "signal refused", "NOT_FOUND"),  # the reaper's word, a moment later
+    (False, "container not running", "NOT_FOUND"),  # runc's, as containerd's checkKillError reads it
+    (False, "signal refused", "UNKNOWN")])
+def test_a_kill_of_an_init_that_exits_as_runc_looks_is_not_found(tmp_path, exits, says, code):
+    # containerd's Delete(WithProcessKill) takes NOT_FOUND ("already finished") as done;
+    # runc's "container not running" as UNKNOWN failed it.
+    svc = TaskService("ns", SimpleNamespace(publish=lambda e: None), None, lambda: None)
+    p = Proc(id="k1", paths=Paths(), pid=4242, status="running")
+    svc.containers["k1"] = Container(id="k1", bundle=str(tmp_path), init=p)
+
+    class Gone:
+        def kill(self, cid, sig, all_procs=False):
+            if exits:
+                threading.Timer(0.1, p.set_exited, (137, 1)).start()  # the reaper, a moment later
+            raise RuncError(says)
+
+    svc.runcs["k1"] = Gone()  # type: ignore[assignment]
+    with pytest.raises(grpc.RpcError) as e:
+        svc.Kill(SimpleNamespace(id="k1", exec_id="", signal=9, all=False), Context())
+    assert str(e.value.args[0]).startswith(f"StatusCode.{code}"), e.value
