@@ -227,6 +227,12 @@ def child():
         c.close()
 
 
+def _slept_whole(child) -> bool:
+    """Its 0.3 s sleep was not cut short (a remote call's EINTR); a loaded host
+    may make it longer."""
+    return 0.3 <= float(child.ask(b"sleep")) < 5
+
+
 needs_ptrace = pytest.mark.skipif(not remote_syscall.supported(), reason="x86-64 only")
 
 
@@ -237,7 +243,7 @@ def test_a_remote_madvise_drops_pages_and_the_blocked_call_goes_on(child):
     assert not child.present(10) and child.present(7) and child.present(24)
     # the read(2) it was blocked in was made again, not failed with EINTR: it answers
     assert child.ask(b"sum").split()[0] == str(sum(range(64)) - sum(range(8, 24)))
-    assert child.ask(b"sleep") == "0.3"
+    assert _slept_whole(child)
 
 
 @needs_ptrace
@@ -245,7 +251,7 @@ def test_a_refused_remote_call_says_why_and_leaves_the_process_running(child):
     with pytest.raises(remote_syscall.RemoteSyscallError) as err:
         remote_syscall.madvise_dontneed(child.proc.pid, [(child.addr + 1, PAGE)])  # unaligned
     assert err.value.errno == errno.EINVAL
-    assert child.present(0) and child.ask(b"sleep") == "0.3"
+    assert child.present(0) and _slept_whole(child)
 
 
 @needs_ptrace
@@ -273,7 +279,7 @@ def test_a_thread_that_does_not_stop_is_given_up_at_the_bound_and_runs_on(child,
     os.waitpid(tracer, 0)
     assert said.startswith(f"{errno.ETIMEDOUT} ") and "did not stop within" in said, said
     assert child.present(8)  # nothing was dropped
-    assert child.ask(b"sleep") == "0.3"  # and it answers: detached by the tracer's exit
+    assert _slept_whole(child)  # and it answers: detached by the tracer's exit
 
 
 def test_pagescan_finds_what_criu_dumps_and_holds_still_across_vector_sizes(monkeypatch):
@@ -493,6 +499,6 @@ def test_a_drop_on_several_threads_frees_every_range(tmp_path):
                                                                            200 * PAGE)], threads=4)
         assert not any(c.present(p) for p in (0, 100, 255, 300, 499))
         assert c.present(260) and c.present(510)
-        assert c.ask(b"sleep") == "0.3"  # it runs on
+        assert _slept_whole(c)  # it runs on
     finally:
         c.close()
