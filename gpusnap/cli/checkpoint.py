@@ -69,12 +69,12 @@ def checkpoint_cmd(container: str, export: str | None, leave_running: bool,
     with step(f"Checkpointing {plan.container.name} ({what}, up to "
               f"{human_bytes(plan.estimate_bytes)})...", as_json):
         result = ops.run(plan)
-    # Podman is done before the guardian has given the GPUs back
+    until = time.time()  # Podman is done before the guardian has given the GPUs back
     interrupted = False
     if gpu_back.expected(plan.leave_running, bool(plan.cuda), plan.container.runtime):
         try:
             with step(f"Giving {plan.container.name} its GPUs back...", as_json):
-                back = gpu_back.wait(plan.container.pid, plan.container.name, since)
+                back = gpu_back.wait(plan.container.pid, plan.container.name, since, until)
         except KeyboardInterrupt:  # the checkpoint is done: said, not hidden behind Ctrl-C
             back, interrupted = gpu_back.not_waited(plan.container.name), True
         result.update(back.fields())

@@ -54,8 +54,10 @@ def _another_took_it(pid: int | None, role: str) -> bool:
     return bool(role) and role not in GUARDING
 
 
-def wait(init_pid: int, name: str, since: float, bound: Bound | None = None) -> GpuBack:
-    """The guardian's verdict on ``name``'s GPUs, once it has let go of the turn."""
+def wait(init_pid: int, name: str, since: float, until: float,
+         bound: Bound | None = None) -> GpuBack:
+    """The guardian's verdict on ``name``'s GPUs, once it has let go of the turn:
+    of the dump between ``since`` and ``until`` (when Podman was done)."""
     bound = bound or Bound.of("GPU_TURN")
     started = time.monotonic()
     try:
@@ -68,7 +70,7 @@ def wait(init_pid: int, name: str, since: float, bound: Bound | None = None) -> 
                        f"are back could not be told ({exc})", f"`gpusnap doctor` tells; {FIX}")
     if turn is not None:
         turn.release()
-    return verdict(init_pid, name, since, round(time.monotonic() - started, 3))
+    return verdict(init_pid, name, since, until, round(time.monotonic() - started, 3))
 
 
 def not_waited(name: str) -> GpuBack:
@@ -87,18 +89,27 @@ def _still_coming(init_pid: int, name: str, waited: float) -> GpuBack:
         f"guardian\" meanwhile); a host that is just slow: {raise_words('GPU_TURN')}")
 
 
-def _mine(init_pid: int, since: float) -> list[dict]:
-    """This container's journal events since ``since``, from its last quiesce on
-    (a retaken checkpoint quiesced once a try)."""
+def _mine(init_pid: int, since: float, until: float) -> list[dict]:
+    """This container's journal events since ``since``, from the last quiesce
+    before ``until`` (a retaken checkpoint quiesced once a try) to the next one:
+    another command's checkpoint of it, which waited on Podman's lock, comes
+    after, and its guardian's verdict is not this one's."""
     events = [e for e in journal.read(1000) if str(e.get("init_pid")) == str(init_pid)
               and isinstance(e.get("at"), (int, float)) and e["at"] >= since - 1]
     starts = [i for i, e in enumerate(events) if e.get("event") == "quiesced"]
-    return events[starts[-1]:] if starts else events
+    if not starts:
+        return events
+    mine = [i for i in starts if events[i]["at"] <= until + 0.001]  # "at": to the millisecond
+    if not mine:  # this dump quiesced nothing: the quiesces are others'
+        return events[:starts[0]]
+    first = mine[-1]
+    later = [i for i in starts if i > first]
+    return events[first:later[0]] if later else events[first:]
 
 
-def verdict(init_pid: int, name: str, since: float, waited: float) -> GpuBack:
+def verdict(init_pid: int, name: str, since: float, until: float, waited: float) -> GpuBack:
     """What the guardian journaled (turn.DONE, and its failure's words)."""
-    events = _mine(init_pid, since)
+    events = _mine(init_pid, since, until)
     done = [e for e in events if e.get("event") == DONE]
     quiesced = events[0] if events and events[0].get("event") == "quiesced" else None
     if done and done[-1].get("ok"):

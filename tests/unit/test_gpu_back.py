@@ -120,14 +120,14 @@ def test_a_checkpoint_without_a_guardian_to_wait_for_does_not_wait(monkeypatch, 
 
 def test_a_guardian_gone_without_a_word_is_not_taken_for_gpus_back():
     journal.record("quiesced", init_pid=INIT, pids=[INIT + 1], guardian=True)
-    back = gpu_back.wait(INIT, "web", time.time() - 5, Bound("GPU_TURN", 5))
+    back = gpu_back.wait(INIT, "web", time.time() - 5, time.time(), Bound("GPU_TURN", 5))
     assert back.back is False and "ended before it said its GPUs were back" in back.detail
     assert "`gpusnap doctor --fix`" in back.hint
 
 
 def test_gpus_nothing_took_away_are_back():
     journal.record("quiesced", init_pid=INIT, pids=[INIT + 1], guardian=False)
-    assert gpu_back.wait(INIT, "web", time.time() - 5, Bound("GPU_TURN", 5)).back is True
+    assert gpu_back.wait(INIT, "web", time.time() - 5, time.time(), Bound("GPU_TURN", 5)).back is True
 
 
 def test_an_earlier_trys_verdict_is_not_this_ones():
@@ -138,8 +138,35 @@ def test_an_earlier_trys_verdict_is_not_this_ones():
     journal.record("quiesced", init_pid=INIT, pids=[INIT + 1], guardian=True)
     journal.record("guardian-failed", init_pid=INIT + 7, error="another container's")
     journal.record(turns.DONE, init_pid=INIT, ok=False)
-    back = gpu_back.verdict(INIT, "web", time.time() - 5, 0.1)
+    back = gpu_back.verdict(INIT, "web", time.time() - 5, time.time(), 0.1)
     assert back.back is False and "the journal says no more" in back.detail
+
+
+def test_a_second_checkpoint_run_at_once_is_not_taken_for_this_ones():
+    """Two `checkpoint -R` of one container: Podman's lock runs this one's dump
+    first; the other's quiesce and verdict come after this one's Podman was
+    done, and are not this one's."""
+    since = time.time() - 5
+    journal.record("quiesced", init_pid=INIT, pids=[INIT + 1], guardian=True)
+    journal.record(turns.DONE, init_pid=INIT, ok=True)
+    until = time.time()
+    time.sleep(0.05)
+    journal.record("quiesced", init_pid=INIT, pids=[INIT + 1], guardian=True)  # the other's
+    assert gpu_back.verdict(INIT, "web", since, until, 0.1).back is True
+    journal.record("guardian-failed", init_pid=INIT, error="the other's give-back failed")
+    journal.record(turns.DONE, init_pid=INIT, ok=False)
+    assert gpu_back.verdict(INIT, "web", since, until, 0.1).back is True
+    other = gpu_back.verdict(INIT, "web", since, time.time(), 0.1)  # the other's own verdict
+    assert other.back is False and "the other's give-back failed" in other.detail
+
+
+def test_a_dump_that_quiesced_nothing_is_not_given_anothers_quiesce():
+    since = time.time() - 5
+    until = time.time()
+    time.sleep(0.05)
+    journal.record("quiesced", init_pid=INIT, pids=[INIT + 1], guardian=True)
+    journal.record(turns.DONE, init_pid=INIT, ok=False)
+    assert gpu_back.verdict(INIT, "web", since, until, 0.1).back is None
 
 
 def test_a_later_command_holding_the_turn_is_not_waited_for():
@@ -148,13 +175,13 @@ def test_a_later_command_holding_the_turn_is_not_waited_for():
     journal.record(turns.DONE, init_pid=INIT, ok=True)
     with turn_holder.holding(INIT, "freeze"):
         started = time.monotonic()
-        assert gpu_back.wait(INIT, "web", time.time() - 5, Bound("GPU_TURN", 5)).back is True
+        assert gpu_back.wait(INIT, "web", time.time() - 5, time.time(), Bound("GPU_TURN", 5)).back is True
         assert time.monotonic() - started < 2
 
 
 def test_no_record_of_the_quiesce_is_said_as_not_known_never_as_back():
     # processes that ended before the dump, or a journal that could not be written
-    back = gpu_back.wait(INIT, "web", time.time() - 5, Bound("GPU_TURN", 5))
+    back = gpu_back.wait(INIT, "web", time.time() - 5, time.time(), Bound("GPU_TURN", 5))
     assert back.back is None and "could not be told" in back.detail
     assert back.hint == "`gpusnap doctor` tells"
 
