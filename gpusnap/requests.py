@@ -87,16 +87,11 @@ def stale(init_pid: int, request: dict, images: str = "") -> str | None:
         return "it names no writer"
     if not runs_as(writer, request.get("writer_started")):
         return f"its writer (pid {writer}) is gone: killed before this dump"
-    if not _started_by(writer):
-        return f"its writer (pid {writer}) {NOT_THIS_DUMP}"
     if request.get("init_started") != start_time(init_pid):
         return "it is for an earlier process under the init's pid"
     if images and request.get("images") and not _same_folder(images, request["images"]):
         return f"it is for a dump into {request['images']}"
     return None
-
-
-NOT_THIS_DUMP = "waits for a dump of its own, not this one"  # its request stays for that dump
 
 
 def _started_by(writer: int) -> bool:
@@ -125,13 +120,18 @@ def for_dump(init_pid: int, kind: str = "", images: str = "") -> dict:
     {} where there is none, or it is ``stale`` (dropped then, journaled: no
     later dump may obey it either)."""
     found = peek(init_pid, kind)
-    why = stale(init_pid, found, images) if found else None
+    if not found:
+        return {}
+    why = stale(init_pid, found, images)
+    if why is None and not _started_by(found["writer"]):
+        # someone's plain checkpoint took Podman's lock first: the request
+        # stays for the dump its writer waits for
+        journal.record("request-left", init_pid=init_pid, kind=kind or "options",
+                       why=f"its writer (pid {found['writer']}) waits for a dump of its own, "
+                       "not this one", writer=found["writer"])
+        return {}
     if why is None:
         return found
-    if why.endswith(NOT_THIS_DUMP):  # someone's plain checkpoint took Podman's lock first
-        journal.record("request-left", init_pid=init_pid, kind=kind or "options", why=why,
-                       writer=found.get("writer"))
-        return {}
     drop(init_pid, kind)
     journal.record("request-dropped", init_pid=init_pid, kind=kind or "options", why=why,
                    writer=found.get("writer"))

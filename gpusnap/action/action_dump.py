@@ -39,13 +39,12 @@ from gpusnap.procs import alive, cuda_processes, ns_pid, process_tree
 from gpusnap.runtime import kept_checkpoint
 
 
-def lock_timeout_ms(init_pid: int) -> int:
-    """A `gpusnap checkpoint --lock-timeout` request for this container, else the default.
+def lock_timeout_ms(request: dict) -> int:
+    """A `gpusnap checkpoint --lock-timeout` request's, else the default.
 
     Podman hands runc (and so CRIU and this script) a scrubbed environment, so
     the CLI leaves its options in a request file keyed by the init pid.
     """
-    request = requests.take(init_pid)
     try:
         return int(request.get("lock_timeout_ms", DEFAULT_LOCK_TIMEOUT_MS))
     except (TypeError, ValueError):
@@ -62,9 +61,11 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     try:
         # The CLI's requests, where their writer still waits for this dump: one
         # a CLI killed before its dump left is dropped, never obeyed
-        requests.for_dump(init_pid)  # pre-dump's options, taken by lock_timeout_ms
+        options = requests.for_dump(init_pid)
+        if options:
+            requests.drop(init_pid)  # taken: this dump's
         push = requests.for_dump(init_pid, "pages", image_dir)
-        _pre_dump_steps(init_pid, image_dir, criu_pid, push)
+        _pre_dump_steps(init_pid, image_dir, criu_pid, push, lock_timeout_ms(options))
     except OSError as exc:
         raise _cannot_prepare(exc) from None
     finally:  # round 1's kept pages the read-ahead did not write over: CRIU needs the memory
@@ -82,7 +83,8 @@ def _cannot_prepare(exc: OSError) -> GpusnapError:
                         "checks the host")
 
 
-def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int, push: dict) -> None:
+def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int, push: dict,
+                    lock_ms: int) -> None:
     if image_dir:
         from gpusnap.pages import pages_aside  # pre-dump only: not every step's start-up
         pages_aside.drop_stale_parent(Path(image_dir))
@@ -97,14 +99,14 @@ def _pre_dump_steps(init_pid: int, image_dir: str, criu_pid: int, push: dict) ->
                      "pre-dump", go_on=lambda pid, role: role == "guardian-held" and
                      pid is not None and alive(pid) and requests.held(init_pid))
     if turn is None:
-        _pre_dump(init_pid, image_dir, criu_pid, None, push)
+        _pre_dump(init_pid, image_dir, criu_pid, None, push, lock_ms)
         return
     with turn:
-        _pre_dump(init_pid, image_dir, criu_pid, turn, push)
+        _pre_dump(init_pid, image_dir, criu_pid, turn, push, lock_ms)
 
 
 def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None,
-              push: dict) -> None:
+              push: dict, lock_ms: int) -> None:
     """Quiesce and write the manifest; a guardian started here holds ``turn``
     on, through CRIU, until the GPUs are back. ``push``: the pages request of
     this dump ({} for none)."""
@@ -129,7 +131,7 @@ def _pre_dump(init_pid: int, image_dir: str, criu_pid: int, turn: Turn | None,
         timing = Timing()
         driver = require_driver()
         refuse_unmanaged(driver, procs)
-        changed = quiesce(driver, pids, lock_timeout_ms(init_pid), timing)
+        changed = quiesce(driver, pids, lock_ms, timing)
         free_at = round(time.time(), 3)  # before the read-ahead below, which takes seconds at GBs
         manifest.timing = timing.phases
         held = _held(dump_ahead, changed, before)
@@ -179,6 +181,13 @@ def _earlier_dump_goes(image_dir: str, push: dict) -> None:
     if dropped:
         journal.record("pages-links-dropped", folder=image_dir, links=dropped,
                        why="not this dump's: CRIU would write its pages through them")
+    links = push.get("prelink")
+    if aside is not None and isinstance(links, int) and links > 0 and aside.is_dir():
+        # The CLI linked them before it waited on Podman's lock; a dump run
+        # meanwhile (someone's plain checkpoint) dropped them as not its own
+        made = pages_aside.prelink(Path(image_dir), aside, links)
+        if made:
+            journal.record("pages-links-made-again", folder=image_dir, links=made)
 
 
 def _mapped(read, pid: int) -> list[tuple[int, int]] | None:
@@ -295,7 +304,10 @@ def post_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     """A push asked for the memory pages out of Podman's export (pages_aside.py):
     moved beside it, a symlink left in their place. The tree is still frozen.
     Memory pre-dump read ahead goes back into the images first."""
-    request = requests.take(init_pid, "pages")
+    # this dump's own: one left for a CLI that waits for its own dump stays
+    request = requests.for_dump(init_pid, "pages", image_dir)
+    if request:
+        requests.drop(init_pid, "pages")
     _compose_ahead(init_pid, image_dir, criu_pid, request)
     if not request:
         return

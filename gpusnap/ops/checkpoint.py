@@ -396,14 +396,16 @@ def _run_once(p: CheckpointPlan) -> dict:
     if p.cuda:
         requests.put_for_dump(p.container.pid, lock_timeout_ms=p.lock_timeout_ms)
     if p.pages_aside is not None:
+        # A few links per task: each task's memory and each shared segment
+        # takes one pages image; names past these are written to the disk.
+        links = 4 * len(process_tree(p.container.pid)) + 32 if p.pages_prelinked else 0
+        # ``prelink``: pre-dump makes them again where another's dump, run
+        # while this one waited on Podman's lock, dropped them
         requests.put_for_dump(p.container.pid, "pages", images=str(p.container.checkpoint_dir),
-                              aside=str(p.pages_aside), **_read_ahead(p))
-        if p.pages_prelinked:
+                              aside=str(p.pages_aside), prelink=links, **_read_ahead(p))
+        if links:
             p.container.checkpoint_dir.mkdir(mode=0o700, exist_ok=True)
-            # A few links per task: each task's memory and each shared segment
-            # takes one pages image; names past these are written to the disk.
-            pages_aside.prelink(p.container.checkpoint_dir, p.pages_aside,
-                                4 * len(process_tree(p.container.pid)) + 32)
+            pages_aside.prelink(p.container.checkpoint_dir, p.pages_aside, links)
     try:
         _dump(p)
     except KeyboardInterrupt:  # the same clean-up as a failure's, and its words

@@ -255,6 +255,50 @@ def _stop_runtime_under(held: subprocess.Popen, timeout: float = 120.0) -> int:
             continue
 
 
+def test_a_clis_pages_links_dropped_by_a_plain_checkpoint_meanwhile_are_made_again(counter, tmp_path):
+    """This process plays the CLI: its pages request and links are in place
+    when someone's plain `podman container checkpoint` (not run by it) takes
+    Podman's lock first. That dump drops the links and leaves the request;
+    the CLI's own dump links them again and CRIU writes its pages aside."""
+    from gpusnap import requests
+    from gpusnap.criu.runtimes import runs_action_script
+    from gpusnap.pages import pages_aside
+
+    ctr = rt_podman.inspect(counter)
+    if not runs_action_script(ctr.runtime):
+        pytest.skip(f"{ctr.runtime} runs no CRIU action script: no pre-dump reads requests there")
+    aside, images = tmp_path / "aside", ctr.checkpoint_dir
+    aside.mkdir(mode=0o700)
+    images.mkdir(mode=0o700, exist_ok=True)
+    try:
+        requests.put_for_dump(ctr.pid, "pages", images=str(images), aside=str(aside), prelink=8)
+        assert pages_aside.prelink(images, aside, 8) == 8
+        mark = journal_mark()
+        done = tmp_path / "plain.rc"
+        # reparented to init at once: this process is not its ancestor
+        subprocess.run(["sh", "-c", f"(podman container checkpoint --leave-running --keep {counter}"
+                        f" >{tmp_path}/plain.log 2>&1; echo $? >{done}) &"], check=True)
+        deadline = time.monotonic() + 120
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert done.read_text().strip() == "0", (tmp_path / "plain.log").read_text()
+        plain = journal_since(mark)
+        assert [e["kind"] for e in plain if e["event"] == "request-left"] == ["pages"], plain
+        assert any(e["event"] == "pages-links-dropped" for e in plain), plain
+        assert not any(p.is_symlink() for p in images.glob("pages-*.img"))
+        mark = journal_mark()
+        podman("container", "checkpoint", "--leave-running", "--keep", counter)  # the CLI's own
+        mine = journal_since(mark)
+        assert [e["links"] for e in mine if e["event"] == "pages-links-made-again"], mine
+        aside_said = [e for e in mine if e["event"] == "pages-aside"]
+        assert aside_said and aside_said[0]["bytes"] > 0, mine
+        assert sum(f.stat().st_size for f in aside.glob("pages-*.img")) > 0
+        assert rt_podman.inspect(counter).running
+    finally:
+        pages_aside.drop_links(images, aside)  # no link left into a folder that goes
+        requests.drop(ctr.pid, "pages")
+
+
 def test_a_restore_does_not_wait_for_another_containers_checkpoint(counter, tmp_path):
     """`podman info` counts containers by state, taking each one's lock, which a
     checkpoint holds until it ends: a restore that asked it each time waited for

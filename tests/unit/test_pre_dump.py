@@ -229,3 +229,72 @@ def test_the_requests_and_links_of_a_push_that_waits_for_this_dump_are_obeyed(
     assert requests.peek(INIT, "pages")["aside"] == str(aside)  # for post-dump
     assert sorted(p.name for p in images.iterdir() if p.is_symlink()) == [
         "pages-1.img", "pages-2.img", "pages-3.img"]
+
+
+def test_links_a_dump_run_meanwhile_dropped_are_made_again_for_the_push_that_waited(
+        images, tmp_path, monkeypatch):
+    """The push linked its pages and waited on Podman's lock; someone's plain
+    checkpoint ran first and dropped the links as not its own. The push's own
+    dump links them again (its ``prelink`` count), leaving names in use alone."""
+    from gpusnap import requests
+
+    aside = tmp_path / ".gpusnap-push-mine"
+    aside.mkdir()
+    (images / "pages-2.img").write_bytes(b"written by the plain dump")
+    requests.put_for_dump(INIT, "pages", images=str(images), aside=str(aside), prelink=4)
+    _on_gpu0(monkeypatch)
+    monkeypatch.setattr(action_dump, "_start_guardian", lambda *a, **k: None)
+    assert action._run("pre-dump", CRIU) == 0
+    links = {p.name: p.readlink() for p in images.iterdir() if p.is_symlink()}
+    assert links == {n: aside / n for n in ("pages-1.img", "pages-3.img", "pages-4.img")}
+    said = [e for e in journal.read() if e["event"] == "pages-links-made-again"]
+    assert [e["links"] for e in said] == [3]
+
+
+def test_no_links_are_made_into_a_push_folder_that_is_gone(images, tmp_path, monkeypatch):
+    """CRIU creates the file a link names: a folder gone would fail the dump."""
+    from gpusnap import requests
+
+    requests.put_for_dump(INIT, "pages", images=str(images), aside=str(tmp_path / "gone"),
+                          prelink=4)
+    _on_gpu0(monkeypatch)
+    monkeypatch.setattr(action_dump, "_start_guardian", lambda *a, **k: None)
+    assert action._run("pre-dump", CRIU) == 0
+    assert not [p for p in images.iterdir() if p.is_symlink()]
+
+
+def test_a_plain_dumps_steps_take_nothing_of_a_cli_that_waits_for_its_own(
+        images, tmp_path, monkeypatch):
+    """Another process (the waiting CLI) wrote the requests: this dump's pre-dump
+    neither uses its lock timeout nor consumes it, and post-dump moves no page
+    into its folder; both requests stay for the CLI's own dump."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gpusnap import requests
+    from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
+
+    aside = tmp_path / ".gpusnap-push-waiting"
+    aside.mkdir()
+    code = ("import sys; from gpusnap import requests; "
+            f"requests.put_for_dump({INIT}, lock_timeout_ms=4321); "
+            f"requests.put_for_dump({INIT}, 'pages', images=sys.argv[1], aside=sys.argv[2]); "
+            "print('put', flush=True); sys.stdin.read()")
+    cli = subprocess.Popen([sys.executable, "-c", code, str(images), str(aside)],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        assert cli.stdout.readline().strip() == "put"
+        driver = _on_gpu0(monkeypatch)
+        monkeypatch.setattr(action_dump, "_start_guardian", lambda *a, **k: None)
+        assert action._run("pre-dump", CRIU) == 0
+        assert driver.lock_timeouts == {INIT: DEFAULT_LOCK_TIMEOUT_MS}
+        (images / "pages-1.img").write_bytes(b"the plain dump's memory")
+        assert action._run("post-dump", CRIU) == 0
+        assert not (images / "pages-1.img").is_symlink() and not list(aside.iterdir())
+        assert requests.peek(INIT)["lock_timeout_ms"] == 4321
+        assert requests.peek(INIT, "pages")["aside"] == str(aside)
+    finally:
+        cli.communicate("", timeout=30)

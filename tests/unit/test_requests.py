@@ -153,14 +153,16 @@ def test_a_live_writer_that_did_not_start_this_dump_is_not_obeyed(state_dir):
     try:
         assert other.stdout.readline().strip() == "put"
         found = requests.peek(os.getpid(), "pages")
-        assert requests.stale(os.getpid(), found, "") == (
-            f"its writer (pid {other.pid}) waits for a dump of its own, not this one")
+        assert requests.stale(os.getpid(), found, "") is None  # a live writer's, for this init
         assert requests.for_dump(os.getpid(), "pages") == {}  # not obeyed here...
         assert requests.peek(os.getpid(), "pages") == found  # ...and left for the CLI's own dump
+        left = [e for e in journal.read() if e["event"] == "request-left"]
+        assert [e["why"] for e in left] == [
+            f"its writer (pid {other.pid}) waits for a dump of its own, not this one"]
     finally:
         other.communicate("", timeout=30)
     requests.put_for_dump(os.getpid(), "pages", images="/x")  # this process's own: obeyed
-    assert requests.stale(os.getpid(), requests.peek(os.getpid(), "pages"), "") is None
+    assert requests.for_dump(os.getpid(), "pages")["images"] == "/x"
 
 
 def test_a_request_is_obeyed_by_a_pre_dump_its_writer_started_generations_down(state_dir):
