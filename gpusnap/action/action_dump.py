@@ -185,9 +185,16 @@ def _earlier_dump_goes(image_dir: str, push: dict) -> None:
     if aside is not None and isinstance(links, int) and links > 0 and aside.is_dir():
         # The CLI linked them before it waited on Podman's lock; a dump run
         # meanwhile (someone's plain checkpoint) dropped them as not its own
+        # and left its pages in their place, which CRIU would write over
+        # there: they go (this dump replaces them), and the links come back
+        earlier = [f for f in Path(image_dir).glob(pages_aside.PATTERN)
+                   if f.is_file() and not f.is_symlink()]
+        for f in earlier:
+            f.unlink()
         made = pages_aside.prelink(Path(image_dir), aside, links)
         if made:
-            journal.record("pages-links-made-again", folder=image_dir, links=made)
+            journal.record("pages-links-made-again", folder=image_dir, links=made,
+                           replaced=sorted(f.name for f in earlier))
 
 
 def _mapped(read, pid: int) -> list[tuple[int, int]] | None:

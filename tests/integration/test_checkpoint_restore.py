@@ -258,8 +258,9 @@ def _stop_runtime_under(held: subprocess.Popen, timeout: float = 120.0) -> int:
 def test_a_clis_pages_links_dropped_by_a_plain_checkpoint_meanwhile_are_made_again(counter, tmp_path):
     """This process plays the CLI: its pages request and links are in place
     when someone's plain `podman container checkpoint` (not run by it) takes
-    Podman's lock first. That dump drops the links and leaves the request;
-    the CLI's own dump links them again and CRIU writes its pages aside."""
+    Podman's lock first. That dump drops the links, leaves the request and
+    keeps its own pages there; the CLI's own dump replaces those by its links
+    again and CRIU writes its pages aside."""
     from gpusnap import requests
     from gpusnap.criu.runtimes import runs_action_script
     from gpusnap.pages import pages_aside
@@ -289,7 +290,9 @@ def test_a_clis_pages_links_dropped_by_a_plain_checkpoint_meanwhile_are_made_aga
         mark = journal_mark()
         podman("container", "checkpoint", "--leave-running", "--keep", counter)  # the CLI's own
         mine = journal_since(mark)
-        assert [e["links"] for e in mine if e["event"] == "pages-links-made-again"], mine
+        made = [e for e in mine if e["event"] == "pages-links-made-again"]
+        # the plain dump's own pages, which CRIU would have written over in place, gone first
+        assert made and made[0]["links"] == 8 and made[0]["replaced"], mine
         aside_said = [e for e in mine if e["event"] == "pages-aside"]
         assert aside_said and aside_said[0]["bytes"] > 0, mine
         assert sum(f.stat().st_size for f in aside.glob("pages-*.img")) > 0

@@ -234,8 +234,9 @@ def test_the_requests_and_links_of_a_push_that_waits_for_this_dump_are_obeyed(
 def test_links_a_dump_run_meanwhile_dropped_are_made_again_for_the_push_that_waited(
         images, tmp_path, monkeypatch):
     """The push linked its pages and waited on Podman's lock; someone's plain
-    checkpoint ran first and dropped the links as not its own. The push's own
-    dump links them again (its ``prelink`` count), leaving names in use alone."""
+    checkpoint ran first, dropped the links as not its own and left its pages
+    in their place. The push's own dump links them all again (its
+    ``prelink`` count): CRIU would write over that dump's files in place."""
     from gpusnap import requests
 
     aside = tmp_path / ".gpusnap-push-mine"
@@ -246,9 +247,9 @@ def test_links_a_dump_run_meanwhile_dropped_are_made_again_for_the_push_that_wai
     monkeypatch.setattr(action_dump, "_start_guardian", lambda *a, **k: None)
     assert action._run("pre-dump", CRIU) == 0
     links = {p.name: p.readlink() for p in images.iterdir() if p.is_symlink()}
-    assert links == {n: aside / n for n in ("pages-1.img", "pages-3.img", "pages-4.img")}
+    assert links == {f"pages-{n}.img": aside / f"pages-{n}.img" for n in range(1, 5)}
     said = [e for e in journal.read() if e["event"] == "pages-links-made-again"]
-    assert [e["links"] for e in said] == [3]
+    assert [(e["links"], e["replaced"]) for e in said] == [(4, ["pages-2.img"])]
 
 
 def test_no_links_are_made_into_a_push_folder_that_is_gone(images, tmp_path, monkeypatch):
