@@ -69,6 +69,13 @@ def drop(init_pid: int, kind: str = "") -> None:
     _path(init_pid, kind).unlink(missing_ok=True)
 
 
+def drop_own(init_pid: int, kind: str = "") -> None:
+    """This process's put_for_dump request, dropped; another command's, which
+    replaced it while both waited on Podman's lock, stays for its dump."""
+    if peek(init_pid, kind).get("writer") == os.getpid():
+        drop(init_pid, kind)
+
+
 def put_for_dump(init_pid: int, kind: str = "", **options) -> None:
     """A request for the next dump of the container whose init is ``init_pid``,
     named for its writer (this process, which waits for that dump) and for that

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import click
 
@@ -65,16 +64,15 @@ def checkpoint_cmd(container: str, export: str | None, leave_running: bool,
     plan = ops.plan(container, export, leave_running, tcp_established, lock_timeout_ms,
                     skip_space_check)
     what = f"{len(plan.cuda)} CUDA process(es)" if plan.cuda else "no GPU"
-    since = time.time()
     with step(f"Checkpointing {plan.container.name} ({what}, up to "
               f"{human_bytes(plan.estimate_bytes)})...", as_json):
         result = ops.run(plan)
-    until = time.time()  # Podman is done before the guardian has given the GPUs back
+    # Podman is done before the guardian has given the GPUs back
     interrupted = False
     if gpu_back.expected(plan.leave_running, bool(plan.cuda), plan.container.runtime):
         try:
             with step(f"Giving {plan.container.name} its GPUs back...", as_json):
-                back = gpu_back.wait(plan.container.pid, plan.container.name, since, until)
+                back = gpu_back.wait(plan.container.pid, plan.container.name, *plan.dumped)
         except KeyboardInterrupt:  # the checkpoint is done: said, not hidden behind Ctrl-C
             back, interrupted = gpu_back.not_waited(plan.container.name), True
         result.update(back.fields())

@@ -63,6 +63,9 @@ class CheckpointPlan:
     # A pre-copy round only warms the target's cache, and is never restored:
     # its open files need no check.
     check_files: bool = True
+    # When the last try began and Podman was done with it: the guardian's
+    # verdict on this dump is told from a later one's by them (ops/gpu_back.py).
+    dumped: tuple[float, float] | None = None
 
 
 def _free_bytes(path: Path) -> int:
@@ -354,8 +357,8 @@ def _after_failure(p: CheckpointPlan, started_at: float) -> tuple[str, list[int]
     dropped, a cgroup CRIU left frozen thawed, the GPU state given back, a stale
     dump's files and links dropped where the container runs. (its state, the
     pids resumed here)"""
-    requests.drop(p.container.pid)
-    requests.drop(p.container.pid, "pages")
+    requests.drop_own(p.container.pid)
+    requests.drop_own(p.container.pid, "pages")
     state = podman.inspect(p.container.id).status if podman.exists(p.container.id) else "gone"
     if state == "running" and thaw(p.container.pid):
         # a CRIU killed mid-dump leaves the cgroup frozen, and the runtime does not thaw it
@@ -427,7 +430,9 @@ def _run_once(p: CheckpointPlan) -> dict:
         if blocked is not None:
             raise SeizeBlocked(p.container.name, blocked, kept) from None
         raise GpusnapError(f"{message}; {where}", (hint or "").rstrip("; ") or None) from None
-    requests.drop(p.container.pid, "pages")  # not taken: no action script ran post-dump
+    p.dumped = (started_at, time.time())
+    requests.drop_own(p.container.pid)  # not taken where no action script ran
+    requests.drop_own(p.container.pid, "pages")
     stale = _stale_files(p)
     if stale:
         raise _Stale(stale)

@@ -13,7 +13,6 @@ import os
 import shutil
 import tarfile
 import tempfile
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
@@ -39,7 +38,7 @@ from gpusnap.runtime.stream import tar_member
 
 
 def _push_source(plan: ops_checkpoint.CheckpointPlan, export: Path, job: Future, stream: bool,
-                 pages_aside_in_ram: Path | None, dumped: list[float]) -> PushSource:
+                 pages_aside_in_ram: Path | None) -> PushSource:
     """The export as the push reads it: followed while Podman writes it (``stream``)."""
     back = gpu_back.expected(plan.leave_running, bool(plan.cuda), plan.container.runtime)
     job.add_done_callback(lambda _: memory.let_go())  # dumped: its pages are in RAM or not at all
@@ -50,27 +49,16 @@ def _push_source(plan: ops_checkpoint.CheckpointPlan, export: Path, job: Future,
                       finish=job.result,
                       userdata=plan.container.userdata if stream else None,
                       writer_done=job.done, pages_aside=pages_aside_in_ram,
-                      gpu_back=(lambda: _gpu_back(plan, dumped[0], dumped[-1])) if back else None)
+                      gpu_back=(lambda: _gpu_back(plan)) if back else None)
 
 
-def _gpu_back(plan: ops_checkpoint.CheckpointPlan, since: float, until: float) -> dict:
+def _gpu_back(plan: ops_checkpoint.CheckpointPlan) -> dict:
     """The guardian's verdict on a leave-running push's GPUs (long given back, by
     the end of an upload, but said: a failure was in the journal only)."""
     try:
-        return gpu_back.wait(plan.container.pid, plan.container.name, since, until).fields()
+        return gpu_back.wait(plan.container.pid, plan.container.name, *plan.dumped).fields()
     except KeyboardInterrupt:  # the push is done: said, not lost behind Ctrl-C
         return gpu_back.not_waited(plan.container.name).fields()
-
-
-
-def _timed(run: Callable[[ops_checkpoint.CheckpointPlan], dict],
-           plan: ops_checkpoint.CheckpointPlan, times: list[float]) -> dict:
-    """``run(plan)``, the moment it ended appended to ``times`` (after the one it
-    began): the give-back of this dump is told from another's by them."""
-    try:
-        return run(plan)
-    finally:
-        times.append(time.time())
 
 
 @contextmanager
@@ -119,14 +107,14 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
             on_checkpoint(plan.container.name)
         if stream:
             _clear_stale(plan.container)
-        job = pool.submit(_timed, ops_checkpoint.run, plan, dumped := [time.time()])  # began, ended
+        job = pool.submit(ops_checkpoint.run, plan)
         if on_checkpointed:
             job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside,
                                                      {"again": again, "back": back_now}))
         if not stream:
             job.result()
         try:
-            yield _push_source(plan, export, job, stream, aside if stream and in_ram else None, dumped)
+            yield _push_source(plan, export, job, stream, aside if stream and in_ram else None)
         except BaseException:
             # The dump goes on to its end whatever the upload did: what is left
             # of the container decides what to say.

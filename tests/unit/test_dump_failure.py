@@ -156,7 +156,7 @@ def test_ctrl_c_in_the_dump_gets_the_failures_clean_up_and_says_where_the_contai
 
     monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
     p = _plan(tmp_path, None)
-    requests.put(INIT, lock_timeout_ms=1)
+    requests.put_for_dump(INIT, lock_timeout_ms=1)  # as the CLI puts it: its own
     thawed = []
 
     def interrupted(plan):

@@ -38,7 +38,10 @@ def _checkpoint(monkeypatch, *args: str, cuda: bool = True, leave_running: bool 
               "leave_running": leave_running, "seconds": 1.0, "export_bytes": None,
               "criu": {"processes": 2, "memory_pages_bytes": 1 << 20}, "gpu": None}
     monkeypatch.setattr(cli.ops, "plan", lambda *a, **k: plan)
-    monkeypatch.setattr(cli.ops, "run", lambda p: dict(result))
+    def run(p):
+        p.dumped = (time.time() - 1, time.time())  # as ops.checkpoint stamps it: Podman done
+        return dict(result)
+    monkeypatch.setattr(cli.ops, "run", run)
     return CliRunner().invoke(cli.checkpoint_cmd, ["web", *args])
 
 

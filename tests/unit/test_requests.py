@@ -178,3 +178,14 @@ def test_a_request_is_obeyed_by_a_pre_dump_its_writer_started_generations_down(s
                               "PYTHONPATH": str(Path(__file__).parents[2])})
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["aside"] == "/y"
+
+
+def test_a_cli_drops_its_own_request_not_one_another_cli_put_in_its_place(state_dir):
+    # two commands on one container wait on Podman's lock: the second's request
+    # replaced the first's, and the first's clean-up must not take it away
+    requests.put(77, "pages", writer=os.getpid() + 1, images="/theirs")
+    requests.drop_own(77, "pages")
+    assert requests.peek(77, "pages")["images"] == "/theirs"
+    requests.put_for_dump(77, "pages", images="/mine")
+    requests.drop_own(77, "pages")
+    assert requests.peek(77, "pages") == {}
