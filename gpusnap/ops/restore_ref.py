@@ -268,8 +268,9 @@ def _pages_folder(remote: Remote, prepared: prepared_pages.Match | None) -> Path
     folder = Path(tempfile.mkdtemp(prefix=PULL_PREFIX, dir=root))
     if prepared is None:
         memory.hold_folder(folder)  # RAM held for it narrows as its pages come in
-    elif memory.in_ram(root):  # no check chose it: the process CRIU restores is held, whole
-        memory.hold_only(remote.bundle.total_bytes)
+    elif memory.in_ram(root):  # no check chose it: the process CRIU restores is held, whole,
+        total = remote.bundle.total_bytes  # and a patched folder's pages not prepared, written anew
+        memory.hold_only(total + (0 if prepared.exact else max(0, total - prepared.same_bytes)))
     return folder
 
 

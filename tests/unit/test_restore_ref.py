@@ -76,3 +76,23 @@ def test_a_streamed_restore_says_the_downloads_own_failure():
     assert _why_it_failed(BrokenPipeError(32, "Broken pipe"), podman_said) is podman_said
     assert _why_it_failed(ReaderStopped("Podman stopped reading"), podman_said) is podman_said
     assert _why_it_failed(None, podman_said) is podman_said
+
+
+@pytest.mark.parametrize("exact, held", [(True, 8 << 30), (False, (8 + 6) << 30)])
+def test_a_restore_from_pages_prepared_in_ram_holds_the_process_and_what_it_writes_anew(
+        tmp_path, monkeypatch, exact, held):
+    """No check chose that RAM: the hold says what this restore will take of it,
+    the restored process and, patching a near match, the pages not prepared."""
+    from types import SimpleNamespace
+
+    from gpusnap.ops import restore_ref
+    from gpusnap.pages import memory
+    from gpusnap.pages.prepared_pages import Match
+
+    said = []
+    monkeypatch.setattr(memory, "in_ram", lambda path: True)
+    monkeypatch.setattr(memory, "hold_only", said.append)
+    prepared = Match(tmp_path / "prepared", exact, {}, same_bytes=2 << 30)
+    remote = SimpleNamespace(bundle=SimpleNamespace(total_bytes=8 << 30))
+    folder = restore_ref._pages_folder(remote, prepared)
+    assert folder.parent == tmp_path and said == [held]
