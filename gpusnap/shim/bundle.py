@@ -79,6 +79,16 @@ def read_state(bundle: str) -> dict | None:
         return None
 
 
+def mark_restored(bundle: str) -> None:
+    """The restore succeeded: a `SHIM delete` after this shim dies then files
+    no restore.log as a failed restore's (its CRIU folder still goes)."""
+    state = read_state(bundle)
+    if state is not None and not state.get("restored"):
+        from gpusnap.private import write_private  # as write_state
+
+        write_private(os.path.join(bundle, SHIM_STATE), json.dumps({**state, "restored": True}))
+
+
 def clear_state(bundle: str) -> None:
     try:
         os.unlink(os.path.join(bundle, SHIM_STATE))

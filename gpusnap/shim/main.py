@@ -171,7 +171,7 @@ def delete(flags: dict[str, str]) -> int:
             print("containerd-shim-gpusnap-v1 delete: runc delete did not finish within 120 s",
                   file=sys.stderr)
         # died mid-restore: a CRIU killed with it leaves its yard (host cgroups) in its folder
-        bundle_state.drop_criu_work(state.get("criu_work", ""), cid)
+        bundle_state.drop_criu_work(state.get("criu_work", ""), cid, not state.get("restored"))
         bundle_state.drop_unpacked_checkpoint(state.get("checkpoint", ""))
         rootfs = os.path.join(bundle, "rootfs")
         if os.path.ismount(rootfs):

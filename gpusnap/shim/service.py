@@ -249,6 +249,7 @@ class TaskService:
         p.io.started()
         p.pid = read_pid(c.pid_file(p))
         self._watch(c, p)
+        bundle_state.mark_restored(c.bundle)
         # CRIU has read it: containerd 1.7's unpacked copy (GBs for a GPU task) need not wait for Delete
         threading.Thread(target=bundle_state.drop_unpacked_checkpoint, args=(c.checkpoint,), daemon=True).start()
 

@@ -138,3 +138,28 @@ def test_a_kill_of_an_init_that_exits_as_runc_looks_is_not_found(tmp_path, exits
     with pytest.raises(grpc.RpcError) as e:
         svc.Kill(SimpleNamespace(id="k1", exec_id="", signal=9, all=False), Context())
     assert str(e.value.args[0]).startswith(f"StatusCode.{code}"), e.value
+
+
+@pytest.mark.parametrize("restored", [False, True])
+def test_shim_delete_keeps_the_log_of_a_restore_only_where_it_did_not_succeed(
+        tmp_path, monkeypatch, capfdbinary, restored):  # delete writes its answer's bytes
+    """`SHIM delete` after a dead shim: a restore that died with it left its
+    log (runc's error names it), kept; one that succeeded before the shim died
+    is no failure to file. CRIU's folder goes either way."""
+    from gpusnap.shim import bundle as bundle_state
+    from gpusnap.shim import main as shim_main
+
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    bundle, work = tmp_path / "bundle", tmp_path / "bundle" / "criu-work"
+    work.mkdir(parents=True)
+    (work / "restore.log").write_text("Error (criu/cr-restore.c:1): the restore's own words\n")
+    fake_runc = tmp_path / "runc"
+    fake_runc.write_text("#!/bin/sh\nexit 0\n")
+    fake_runc.chmod(0o755)
+    bundle_state.write_state(str(bundle), "/run/r/ns", str(fake_runc), False, "/ckpt", str(work))
+    if restored:
+        bundle_state.mark_restored(str(bundle))
+    assert bundle_state.read_state(str(bundle))["criu_work"] == str(work)
+    shim_main.delete({"namespace": "ns", "id": "r1", "bundle": str(bundle)})
+    kept = list((tmp_path / "state" / "logs").glob("restore-r1-*.log"))
+    assert len(kept) == (0 if restored else 1) and not work.exists()
