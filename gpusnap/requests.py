@@ -129,14 +129,16 @@ def for_dump(init_pid: int, kind: str = "", images: str = "") -> dict:
     found = peek(init_pid, kind)
     if not found:
         return {}
-    why = stale(init_pid, found, images)
-    if why is None and not _started_by(found["writer"]):
-        # someone's plain checkpoint took Podman's lock first: the request
-        # stays for the dump its writer waits for
+    writer = found.get("writer")
+    if isinstance(writer, int) and runs_as(writer, found.get("writer_started")) \
+            and not _started_by(writer):
+        # someone's plain checkpoint took Podman's lock first (into this folder
+        # or another: -P's): the request stays for the dump its writer waits for
         journal.record("request-left", init_pid=init_pid, kind=kind or "options",
-                       why=f"its writer (pid {found['writer']}) waits for a dump of its own, "
-                       "not this one", writer=found["writer"])
+                       why=f"its writer (pid {writer}) waits for a dump of its own, "
+                       "not this one", writer=writer)
         return {}
+    why = stale(init_pid, found, images)
     if why is None:
         return found
     drop(init_pid, kind)

@@ -6,6 +6,7 @@ it in every `ctr run --rm`), so it imports only this module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -81,12 +82,14 @@ def read_state(bundle: str) -> dict | None:
 
 def mark_restored(bundle: str) -> None:
     """The restore succeeded: a `SHIM delete` after this shim dies then files
-    no restore.log as a failed restore's (its CRIU folder still goes)."""
+    no restore.log as a failed restore's (its CRIU folder still goes). Not
+    written (a full /run): the restore stands all the same."""
     state = read_state(bundle)
     if state is not None and not state.get("restored"):
         from gpusnap.private import write_private  # as write_state
 
-        write_private(os.path.join(bundle, SHIM_STATE), json.dumps({**state, "restored": True}))
+        with contextlib.suppress(OSError):
+            write_private(os.path.join(bundle, SHIM_STATE), json.dumps({**state, "restored": True}))
 
 
 def clear_state(bundle: str) -> None:

@@ -156,8 +156,11 @@ def test_a_live_writer_that_did_not_start_this_dump_is_not_obeyed(state_dir):
         assert requests.stale(os.getpid(), found, "") is None  # a live writer's, for this init
         assert requests.for_dump(os.getpid(), "pages") == {}  # not obeyed here...
         assert requests.peek(os.getpid(), "pages") == found  # ...and left for the CLI's own dump
+        # nor dropped by a dump into another folder (someone's `checkpoint -P`)
+        assert requests.for_dump(os.getpid(), "pages", str(state_dir)) == {}
+        assert requests.peek(os.getpid(), "pages") == found
         left = [e for e in journal.read() if e["event"] == "request-left"]
-        assert [e["why"] for e in left] == [
+        assert [e["why"] for e in left] == 2 * [
             f"its writer (pid {other.pid}) waits for a dump of its own, not this one"]
     finally:
         other.communicate("", timeout=30)
