@@ -10,6 +10,7 @@ from gpusnap.cli.output import (console, emit, gpu_back_note, handle_errors, hum
                                 json_option, step)
 from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.ops import advice, gpu_back
+from gpusnap.ops.container_busy import only_command
 from gpusnap.ops import checkpoint as ops
 
 
@@ -63,24 +64,33 @@ def checkpoint_cmd(container: str, export: str | None, leave_running: bool,
     """Checkpoint a running CONTAINER, its GPU memory included."""
     plan = ops.plan(container, export, leave_running, tcp_established, lock_timeout_ms,
                     skip_space_check)
-    what = f"{len(plan.cuda)} CUDA process(es)" if plan.cuda else "no GPU"
-    with step(f"Checkpointing {plan.container.name} ({what}, up to "
-              f"{human_bytes(plan.estimate_bytes)})...", as_json):
-        result = ops.run(plan)
-    # Podman is done before the guardian has given the GPUs back
-    interrupted = False
-    if gpu_back.expected(plan.leave_running, bool(plan.cuda), plan.container.runtime):
-        try:
-            with step(f"Giving {plan.container.name} its GPUs back...", as_json):
-                back = gpu_back.wait(plan.container.pid, plan.container.name, *plan.dumped)
-        except KeyboardInterrupt:  # the checkpoint is done: said, not hidden behind Ctrl-C
-            back, interrupted = gpu_back.not_waited(plan.container.name), True
-        result.update(back.fields())
+    with only_command(plan.container.id, plan.container.name, "gpusnap checkpoint"):
+        result, interrupted = _checkpoint(plan, as_json)
     emit(as_json, result, _human)
     if interrupted:
         sys.exit(130)
     if result.get("gpu_back") is False:  # the checkpoint is kept; the container is off its GPUs
         sys.exit(1)
+
+
+def _checkpoint(plan: ops.CheckpointPlan, as_json: bool) -> tuple[dict, bool]:
+    """The dump, then (a CUDA container left running) its GPUs' give-back;
+    whether Ctrl-C cut that wait."""
+    what = f"{len(plan.cuda)} CUDA process(es)" if plan.cuda else "no GPU"
+    with step(f"Checkpointing {plan.container.name} ({what}, up to "
+              f"{human_bytes(plan.estimate_bytes)})...", as_json):
+        result = ops.run(plan)
+    # Podman is done before the guardian has given the GPUs back
+    if not gpu_back.expected(plan.leave_running, bool(plan.cuda), plan.container.runtime):
+        return result, False
+    try:
+        with step(f"Giving {plan.container.name} its GPUs back...", as_json):
+            back, interrupted = gpu_back.wait(plan.container.pid, plan.container.name,
+                                              *plan.dumped), False
+    except KeyboardInterrupt:  # the checkpoint is done: said, not hidden behind Ctrl-C
+        back, interrupted = gpu_back.not_waited(plan.container.name), True
+    result.update(back.fields())
+    return result, interrupted
 
 
 COMMANDS = [checkpoint_cmd]

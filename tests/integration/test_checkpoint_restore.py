@@ -302,6 +302,27 @@ def test_a_clis_pages_links_dropped_by_a_plain_checkpoint_meanwhile_are_made_aga
         requests.drop(ctr.pid, "pages")
 
 
+def test_a_second_gpusnap_command_on_a_container_is_refused_and_touches_nothing(counter, tmp_path):
+    """One gpusnap command at a time checkpoints a container: a push holds it
+    (this process, as the push would), and `gpusnap checkpoint` and `gpusnap
+    push` are refused in one line that names it; the container runs on."""
+    from gpusnap.ops.container_busy import only_command
+
+    ctr = rt_podman.inspect(counter)
+    export = tmp_path / "c.tar.zst"
+    with only_command(ctr.id, ctr.name, "gpusnap push (the test)"):
+        for argv in (["checkpoint", "-R", "--export", str(export), counter],
+                     ["push", "-R", counter, "127.0.0.1:1/none/c:1"]):
+            res = gpusnap(*argv)
+            assert res.returncode == 1, (res.stdout, res.stderr)
+            assert f"pid {os.getpid()}: gpusnap push (the test)); nothing was done" in res.stderr
+            assert "Traceback" not in res.stderr
+    assert not export.exists() and rt_podman.inspect(counter).running
+    assert not ctr.checkpoint_dir.exists() or not any(ctr.checkpoint_dir.iterdir())
+    res = gpusnap("checkpoint", "-R", "--export", str(export), counter)  # let go: it runs
+    assert res.returncode == 0, (res.stdout, res.stderr)
+
+
 def test_a_restore_does_not_wait_for_another_containers_checkpoint(counter, tmp_path):
     """`podman info` counts containers by state, taking each one's lock, which a
     checkpoint holds until it ends: a restore that asked it each time waited for

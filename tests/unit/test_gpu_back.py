@@ -31,7 +31,7 @@ def state(tmp_path, monkeypatch):
 def _checkpoint(monkeypatch, *args: str, cuda: bool = True, leave_running: bool = True,
                 runtime: str = "runc"):
     """`gpusnap checkpoint web ARGS`, its dump faked: done at once."""
-    plan = SimpleNamespace(container=SimpleNamespace(pid=INIT, name="web", runtime=runtime),
+    plan = SimpleNamespace(container=SimpleNamespace(pid=INIT, name="web", runtime=runtime, id="c0ffee"),
                            cuda=[SimpleNamespace(pid=INIT + 1)] if cuda else [],
                            estimate_bytes=1 << 30, leave_running=leave_running)
     result = {"container": {"id": "c0ffee", "name": "web"}, "export": None,

@@ -1,0 +1,51 @@
+"""One gpusnap command at a time checkpoints a container.
+
+Podman's lock runs two checkpoints of one container one after the other, but
+a gpusnap command does more around its dump: requests left for the action
+script (one file per container and kind), pages linked into a RAM folder,
+the guardian's verdict read from the journal, the local checkpoint dropped
+once pushed. Two such commands interleaved there take each other's requests
+and links, or drop the folder the other's dump is writing. A second command
+is refused at once, in one line, before it touches anything; the lock is an
+flock, so a command killed lets go with its process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+
+from gpusnap.errors import GpusnapError
+from gpusnap.journal import state_subdir
+
+
+@contextlib.contextmanager
+def only_command(container_id: str, name: str, what: str) -> Iterator[None]:
+    """Held for the block; GpusnapError where another gpusnap command holds it."""
+    path = state_subdir("busy") / container_id
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise GpusnapError(f"{name} is being checkpointed by another gpusnap command "
+                               f"({_holder(fd)}); nothing was done",
+                               "wait for it to end (`gpusnap status` lists background "
+                               "uploads), then run this again") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}: {what}".encode(), 0)
+        yield
+    finally:
+        # the file stays: removing it would let a third command lock a new
+        # file while a second still waits on this one
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    try:
+        said = os.pread(fd, 256, 0).decode(errors="replace").strip()
+    except OSError:
+        said = ""
+    return said or "it has not said which yet"

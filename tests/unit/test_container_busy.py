@@ -1,0 +1,52 @@
+"""One gpusnap command at a time checkpoints a container (ops/container_busy.py):
+a second one is refused in one line that names the first; a command killed
+lets go with its process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpusnap.errors import GpusnapError
+from gpusnap.ops.container_busy import only_command
+
+HOLD = ("import sys; from gpusnap.ops.container_busy import only_command\n"
+        "with only_command('c0ffee', 'web', 'gpusnap push'):\n"
+        "    print('held', flush=True); sys.stdin.read()\n")
+
+
+@pytest.fixture
+def holder(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    proc = subprocess.Popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert proc.stdout.readline().strip() == "held"
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_second_command_on_the_container_is_refused_naming_the_first(holder):
+    with pytest.raises(GpusnapError) as err:
+        with only_command("c0ffee", "web", "gpusnap checkpoint"):
+            pytest.fail("ran beside another command")
+    assert err.value.message == (f"web is being checkpointed by another gpusnap command "
+                                 f"(pid {holder.pid}: gpusnap push); nothing was done")
+    assert "then run this again" in err.value.hint
+    with only_command("0ther", "db", "gpusnap checkpoint"):  # another container: no wait
+        pass
+
+
+def test_a_command_killed_lets_go_with_its_process(holder):
+    holder.kill()
+    holder.wait()
+    with only_command("c0ffee", "web", "gpusnap checkpoint"):
+        pass
+    with only_command("c0ffee", "web", "gpusnap checkpoint"):  # and once done, the next
+        pass
