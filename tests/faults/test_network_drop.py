@@ -5,8 +5,9 @@ loses some of its packets all along.
 
 A dead link answers nothing (no reset: a down veth drops what is sent to it,
 as a blackholed route does): a request in flight waits out the client's read
-timeout (120 s in gpusnap/oci/registry.py) before the push gives up, so the
-push's test takes about two and a half minutes. The restore's test shortens
+timeout (120 s in gpusnap/oci/registry.py), and every new connection its
+connect timeout, before the push gives up, so the push's test takes about
+three and a half minutes. The restore's test shortens
 that bound (GPUSNAP_WAIT_REGISTRY) to keep the suite short; the path is the same.
 """
 
@@ -17,13 +18,31 @@ import time
 
 import pytest
 
+from gpusnap.oci.registry_options import RegistryOptions
+from gpusnap.waits import Bound
 from tests.conftest import (assert_continued, assert_one_line_error, born, gpusnap_json, podman,
                             read_counter, wait_counter)
 from tests.faults.conftest import (FILL_MIB, cached_blobs, finished, say, start_cli, status,
                                    tag_exists, unique_repo, when)
 from tests.faults.netreg import VethLink, make_registry, make_veth_link
 
-GIVE_UP_S = 200  # the read timeout, plus the retries' backoff, plus slack
+
+def _one_request_s(first_read: bool) -> float:
+    """How long one registry request tries on a dead link, by gpusnap's own
+    bounds: a request in flight waits out the read bound, then every try
+    waits out the connect bound (the down link drops the SYNs), with backoff."""
+    opts = RegistryOptions()
+    read = Bound.of("REGISTRY").seconds
+    connect = min(10.0, read)  # oci/registry.py's _timeout
+    tries = opts.retries - 1 if first_read else opts.retries
+    backoff = sum(opts.backoff_s * 2 ** i for i in range(opts.retries - 1))
+    return (read if first_read else 0) + tries * connect + backoff
+
+
+# The requests in flight when the link goes down give up first; the chunks
+# queued behind them start then and try in their turn before the push says
+# so (the workers do not stop each other): ~200 s at the default bounds.
+GIVE_UP_S = _one_request_s(True) + _one_request_s(False) + 30  # + slack for a loaded host
 # what the line says the socket met (oci/unreachable.py), never an exception's class
 SAID = re.compile(r"cannot reach registry \S+: (no connection within \d+ s|no answer within "
                   r"\d+ s|network unreachable|no route to host|connection (reset|cut))")
