@@ -284,7 +284,8 @@ def test_a_clis_pages_links_dropped_by_a_plain_checkpoint_meanwhile_are_made_aga
             time.sleep(0.2)
         assert done.read_text().strip() == "0", (tmp_path / "plain.log").read_text()
         plain = journal_since(mark)
-        assert [e["kind"] for e in plain if e["event"] == "request-left"] == ["pages"], plain
+        # left by its pre-dump and its post-dump alike
+        assert [e["kind"] for e in plain if e["event"] == "request-left"] == ["pages"] * 2, plain
         assert any(e["event"] == "pages-links-dropped" for e in plain), plain
         assert not any(p.is_symlink() for p in images.glob("pages-*.img"))
         mark = journal_mark()
@@ -302,18 +303,20 @@ def test_a_clis_pages_links_dropped_by_a_plain_checkpoint_meanwhile_are_made_aga
         requests.drop(ctr.pid, "pages")
 
 
-def test_a_second_gpusnap_command_on_a_container_is_refused_and_touches_nothing(counter, tmp_path):
+def test_a_second_gpusnap_command_on_a_container_is_refused_and_touches_nothing(
+        counter, tmp_path, registry):
     """One gpusnap command at a time checkpoints a container: a push holds it
     (this process, as the push would), and `gpusnap checkpoint` and `gpusnap
     push` are refused in one line that names it; the container runs on."""
     from gpusnap.ops.container_busy import only_command
+    from tests.integration.oci_registry import PASSWORD
 
     ctr = rt_podman.inspect(counter)
     export = tmp_path / "c.tar.zst"
     with only_command(ctr.id, ctr.name, "gpusnap push (the test)"):
-        for argv in (["checkpoint", "-R", "--export", str(export), counter],
-                     ["push", "-R", counter, "127.0.0.1:1/none/c:1"]):
-            res = gpusnap(*argv)
+        for argv in ([GPUSNAP, "checkpoint", "-R", "--export", str(export), counter],
+                     [GPUSNAP, "push", "-R", counter, registry.ref("busy/c:1"), *registry.flags()]):
+            res = run(argv, input=PASSWORD + "\n")
             assert res.returncode == 1, (res.stdout, res.stderr)
             assert f"pid {os.getpid()}: gpusnap push (the test)); nothing was done" in res.stderr
             assert "Traceback" not in res.stderr
