@@ -10,7 +10,7 @@ from gpusnap.cli.output import (console, emit, gpu_back_note, handle_errors, hum
                                 json_option, step)
 from gpusnap.gpu.quiesce import DEFAULT_LOCK_TIMEOUT_MS
 from gpusnap.ops import advice, gpu_back
-from gpusnap.ops.container_busy import only_command
+from gpusnap.ops.container_busy import only_command, refuse_if_busy
 from gpusnap.ops import checkpoint as ops
 
 
@@ -62,6 +62,7 @@ def checkpoint_cmd(container: str, export: str | None, leave_running: bool,
                    tcp_established: bool, lock_timeout_ms: int, skip_space_check: bool,
                    as_json: bool) -> None:
     """Checkpoint a running CONTAINER, its GPU memory included."""
+    refuse_if_busy(container)  # before Podman is asked: it would wait on the other's dump
     plan = ops.plan(container, export, leave_running, tcp_established, lock_timeout_ms,
                     skip_space_check)
     with only_command(plan.container.id, plan.container.name, "gpusnap checkpoint"):

@@ -30,12 +30,10 @@ def only_command(container_id: str, name: str, what: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise GpusnapError(f"{name} is being checkpointed by another gpusnap command "
-                               f"({_holder(fd)}); nothing was done",
-                               "wait for it to end (`gpusnap status` lists background "
-                               "uploads), then run this again") from None
+            raise _busy(name, fd) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}: {what}".encode(), 0)
+        # who, then the names refuse_if_busy knows the container by
+        os.pwrite(fd, f"pid {os.getpid()}: {what}\n{name}\n{container_id}\n".encode(), 0)
         yield
     finally:
         # the file stays: removing it would let a third command lock a new
@@ -43,9 +41,43 @@ def only_command(container_id: str, name: str, what: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _holder(fd: int) -> str:
+def refuse_if_busy(source: str) -> None:
+    """GpusnapError where a gpusnap command holds the container named or
+    (its ID's prefix) numbered ``source``: said before Podman is asked about
+    it, which waits on the container's lock for as long as the other's dump."""
     try:
-        said = os.pread(fd, 256, 0).decode(errors="replace").strip()
+        entries = list(os.scandir(state_subdir("busy")))
     except OSError:
-        said = ""
-    return said or "it has not said which yet"
+        return
+    for entry in entries:
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            lines = _said(fd).splitlines()
+            names = lines[1:3] if len(lines) >= 3 else []
+            if not (source in names or (len(source) >= 12 and names[1:]
+                                        and names[1].startswith(source))):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _busy(source, fd) from None
+        finally:
+            os.close(fd)
+
+
+def _busy(name: str, fd: int) -> GpusnapError:
+    who = _said(fd).splitlines()[:1]
+    return GpusnapError(f"{name} is being checkpointed by another gpusnap command "
+                        f"({who[0] if who else 'it has not said which yet'}); nothing was done",
+                        "wait for it to end (`gpusnap status` lists background uploads), "
+                        "then run this again")
+
+
+def _said(fd: int) -> str:
+    try:
+        return os.pread(fd, 1024, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""

@@ -23,7 +23,7 @@ from gpusnap.oci.cache import ChunkCache
 from gpusnap.oci.registry import RegistryClient, RegistryOptions
 from gpusnap.oci.transfer import Progress, Uploader
 from gpusnap.pages import early_pages, kept_pages, pages_aside, prefetch, same_pages
-from gpusnap.ops import push_podman
+from gpusnap.ops import container_busy, push_podman
 from gpusnap.ops.checkpoint import SNAPSHOT_TRIES, StaleSnapshot, TakeAgain, gave_up
 from gpusnap.ops.advice import push_command
 from gpusnap.ops.push_source import KeptError, PushSource
@@ -379,6 +379,8 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     ref = _target(source, ref_text, image_format)
     # keys first: a wrong key or passphrase fails before a container is checkpointed
     sealing = PushTrust.load(trust, chunked=image_format == "gpusnap")
+    if not source.startswith("containerd://") and not Path(source).exists():
+        container_busy.refuse_if_busy(source)  # before Podman is asked: it would wait on the dump
     container = find_container(source)  # a mistyped name is not reported as the registry's fault
     client = RegistryClient(ref, opts, push=True)
     client.ping()  # wrong credentials fail before a container is checkpointed
@@ -391,7 +393,10 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
                    containerd_address, on_checkpoint, on_checkpointed, total, time.monotonic(),
                    again)
     try:
-        return _push_tries(job, progress, source)
+        # one gpusnap command at a time on a container, every try of it
+        with container_busy.only_command(container.id, container.name, "gpusnap push") \
+                if container is not None else nullcontext():
+            return _push_tries(job, progress, source)
     except KeptError as exc:  # the retry as the user would type it: this push's flags
         raise exc.with_push(again(exc.push_from)) from None
 

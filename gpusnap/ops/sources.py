@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from gpusnap.errors import GpusnapError
-from gpusnap.ops.container_busy import only_command
 from gpusnap.ops.push_source import PushSource, dir_size, push_again_words
 from gpusnap.runtime import podman
 
@@ -66,8 +65,7 @@ def open_source(source: str, leave_running: bool,
         return
     from gpusnap.ops import podman_source  # CRIU/GPU code, only when needed
 
-    ctr = container or find_container(source)
-    with only_command(ctr.id, ctr.name, "gpusnap push"), \
-            podman_source.checkpointed(source, leave_running, on_checkpoint, stream, ctr,
-                                       on_checkpointed, pre_checkpoint, push_again) as src:
+    with podman_source.checkpointed(source, leave_running, on_checkpoint, stream,
+                                    container or find_container(source),
+                                    on_checkpointed, pre_checkpoint, push_again) as src:
         yield src

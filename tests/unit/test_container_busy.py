@@ -1,6 +1,6 @@
 """One gpusnap command at a time checkpoints a container (ops/container_busy.py):
-a second one is refused in one line that names the first; a command killed
-lets go with its process."""
+a second one is refused in one line that names the first, by the container's
+name or ID before Podman is asked; a command killed lets go with its process."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from gpusnap.errors import GpusnapError
-from gpusnap.ops.container_busy import only_command
+from gpusnap.ops.container_busy import only_command, refuse_if_busy
 
+CID = "c0ffee" * 10 + "abcd"
 HOLD = ("import sys; from gpusnap.ops.container_busy import only_command\n"
-        "with only_command('c0ffee', 'web', 'gpusnap push'):\n"
+        f"with only_command('{CID}', 'web', 'gpusnap push'):\n"
         "    print('held', flush=True); sys.stdin.read()\n")
 
 
@@ -32,21 +33,39 @@ def holder(tmp_path, monkeypatch):
         proc.wait()
 
 
+def _words(holder) -> str:
+    return f"is being checkpointed by another gpusnap command (pid {holder.pid}: gpusnap push); " \
+           "nothing was done"
+
+
 def test_a_second_command_on_the_container_is_refused_naming_the_first(holder):
     with pytest.raises(GpusnapError) as err:
-        with only_command("c0ffee", "web", "gpusnap checkpoint"):
+        with only_command(CID, "web", "gpusnap checkpoint"):
             pytest.fail("ran beside another command")
-    assert err.value.message == (f"web is being checkpointed by another gpusnap command "
-                                 f"(pid {holder.pid}: gpusnap push); nothing was done")
+    assert err.value.message == f"web {_words(holder)}"
     assert "then run this again" in err.value.hint
     with only_command("0ther", "db", "gpusnap checkpoint"):  # another container: no wait
         pass
 
 
+@pytest.mark.parametrize("source", ["web", CID, CID[:12]])
+def test_a_busy_container_is_refused_by_name_or_id_before_podman_is_asked(holder, source):
+    with pytest.raises(GpusnapError) as err:
+        refuse_if_busy(source)
+    assert err.value.message == f"{source} {_words(holder)}"
+
+
+@pytest.mark.parametrize("source", ["webserver", "we", CID[:6], "db"])
+def test_another_name_or_a_short_prefix_is_not_taken_for_it(holder, source):
+    refuse_if_busy(source)
+
+
 def test_a_command_killed_lets_go_with_its_process(holder):
     holder.kill()
     holder.wait()
-    with only_command("c0ffee", "web", "gpusnap checkpoint"):
+    refuse_if_busy("web")
+    with only_command(CID, "web", "gpusnap checkpoint"):
         pass
-    with only_command("c0ffee", "web", "gpusnap checkpoint"):  # and once done, the next
+    with only_command(CID, "web", "gpusnap checkpoint"):  # and once done, the next
         pass
+    refuse_if_busy(CID)
