@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,17 +194,25 @@ def ns_pid(pid: int) -> int:
     return pid
 
 
+def ancestors(pid: int) -> Iterator[int]:
+    """``pid``, its parent, and on up while each is there (pid 1's parent is
+    0): at most 64, far deeper than any tree between a task and its
+    container's init, or between gpusnap's CLI and CRIU's action script."""
+    at: int | None = pid
+    for _ in range(64):
+        if not at:
+            return
+        yield at
+        at = parent_of(at)
+
+
 def ns_init(pid: int) -> int | None:
     """The host pid of the first ancestor that is pid 1 of its namespace: a
     container process's init (a host process's is 1). None when it is gone."""
-    for _ in range(64):  # far deeper than any process tree between a task and its init
+    for at in ancestors(pid):
         try:
-            if ns_pid(pid) == 1:
-                return pid
+            if ns_pid(at) == 1:
+                return at
         except OSError:
             return None
-        parent = parent_of(pid)
-        if not parent:
-            return None
-        pid = parent
     return None

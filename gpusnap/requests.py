@@ -21,7 +21,7 @@ import os
 
 from gpusnap import journal
 from gpusnap.private import write_private
-from gpusnap.procs import parent_of, runs_as, start_time
+from gpusnap.procs import ancestors, runs_as, start_time
 
 
 # Bound requests (put_bound) about one containerd task, by its init's pid:
@@ -105,14 +105,7 @@ def _started_by(writer: int) -> bool:
     """Whether this process (pre-dump: CRIU's action script) descends from
     ``writer``: the CLI's Podman runs the runtime, which runs CRIU. A plain
     `podman container checkpoint` run meanwhile by someone else does not."""
-    pid: int | None = os.getpid()
-    for _ in range(64):  # a chain that long is no CLI's
-        if pid == writer:
-            return True
-        if pid is None or pid <= 1:
-            return False
-        pid = parent_of(pid)
-    return False
+    return writer in ancestors(os.getpid())
 
 
 def _same_folder(a: str, b: str) -> bool:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpusnap.journal import state_subdir
-from gpusnap.procs import ns_init, parent_of
+from gpusnap.procs import ancestors, ns_init
 from gpusnap.waits import Bound, raise_words
 
 POLL_S = 0.1
@@ -166,13 +166,11 @@ def key_for(pid: int) -> int:
     """The init pid a turn of ``pid``'s container is keyed by: the nearest
     ancestor (itself included) with a turn file, which pre-dump names by
     runc's init pid whatever the pid namespaces; else that namespace's init."""
-    at: int | None = pid
-    for _ in range(64):  # far deeper than any tree between a task and its container's init
-        if at is None or at <= 1:
+    for at in ancestors(pid):
+        if at <= 1:
             break
         if _path(at).exists():
             return at
-        at = parent_of(at)
     return ns_init(pid) or pid
 
 
