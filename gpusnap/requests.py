@@ -140,6 +140,14 @@ def for_dump(init_pid: int, kind: str = "", images: str = "") -> dict:
     return {}
 
 
+def take_for_dump(init_pid: int, kind: str = "", images: str = "") -> dict:
+    """for_dump's request, taken: the step that obeys it is its last reader."""
+    found = for_dump(init_pid, kind, images)
+    if found:
+        drop(init_pid, kind)
+    return found
+
+
 def put_bound(init_pid: int, kind: str, **data) -> None:
     """A request bound to the process that has ``init_pid`` now (its start time)."""
     put(init_pid, kind, started=start_time(init_pid), **data)

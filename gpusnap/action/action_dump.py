@@ -61,10 +61,8 @@ def pre_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     try:
         # The CLI's requests, where their writer still waits for this dump: one
         # a CLI killed before its dump left is dropped, never obeyed
-        options = requests.for_dump(init_pid)
-        if options:
-            requests.drop(init_pid)  # taken: this dump's
-        push = requests.for_dump(init_pid, "pages", image_dir)
+        options = requests.take_for_dump(init_pid)
+        push = requests.for_dump(init_pid, "pages", image_dir)  # post-dump takes it
         _pre_dump_steps(init_pid, image_dir, criu_pid, push, lock_timeout_ms(options))
     except OSError as exc:
         raise _cannot_prepare(exc) from None
@@ -312,9 +310,7 @@ def post_dump(init_pid: int, image_dir: str, criu_pid: int) -> None:
     moved beside it, a symlink left in their place. The tree is still frozen.
     Memory pre-dump read ahead goes back into the images first."""
     # this dump's own: one left for a CLI that waits for its own dump stays
-    request = requests.for_dump(init_pid, "pages", image_dir)
-    if request:
-        requests.drop(init_pid, "pages")
+    request = requests.take_for_dump(init_pid, "pages", image_dir)
     _compose_ahead(init_pid, image_dir, criu_pid, request)
     if not request:
         return
