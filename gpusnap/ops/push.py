@@ -379,9 +379,8 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     ref = _target(source, ref_text, image_format)
     # keys first: a wrong key or passphrase fails before a container is checkpointed
     sealing = PushTrust.load(trust, chunked=image_format == "gpusnap")
-    if not source.startswith("containerd://") and not Path(source).exists():
-        container_busy.refuse_if_busy(source)  # before Podman is asked: it would wait on the dump
-    container = find_container(source)  # a mistyped name is not reported as the registry's fault
+    # a mistyped name is not reported as the registry's fault, a busy one not as Podman's
+    container = find_container(source)
     client = RegistryClient(ref, opts, push=True)
     client.ping()  # wrong credentials fail before a container is checkpointed
     if processes is None:

@@ -15,15 +15,18 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from gpusnap.errors import GpusnapError
+from gpusnap.ops.container_busy import refuse_if_busy
 from gpusnap.ops.push_source import PushSource, dir_size, push_again_words
 from gpusnap.runtime import podman
 
 
 def find_container(source: str) -> podman.Container | None:
     """The Podman container SOURCE names (None: a file, a directory or containerd's);
-    one that names nothing is refused here, before any registry is asked."""
+    one that names nothing is refused here, before any registry is asked, and so
+    is one another gpusnap command is checkpointing (container_busy.py)."""
     if source.startswith("containerd://") or Path(source).is_dir() or Path(source).is_file():
         return None
+    refuse_if_busy(source)  # before Podman is asked: it would wait on the other's dump
     container = podman.find(source)
     if container is None:
         raise GpusnapError(f"{source}: no such file, directory or container",
