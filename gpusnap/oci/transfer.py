@@ -137,10 +137,12 @@ class Uploader(_Pool):
     def submit(self, data: bytes) -> Future:
         """Queue one chunk; blocks while IN_FLIGHT_BYTES are queued or being sent.
         Future -> Chunk."""
-        if self._error is not None:
-            raise self._error
+        self._give_up_if_failed()
         size = len(data)
         self.budget.acquire(size)
+        if self._error is not None:  # failed while this waited for room
+            self.budget.release(size)
+            raise self._error
         # In a list the worker can take it out of: the pool's work item keeps its
         # arguments until the call returns, which would hold the raw bytes while
         # the compressed blob is uploaded.
@@ -160,9 +162,18 @@ class Uploader(_Pool):
         return done
 
     def _done(self, future: Future, size: int) -> None:
-        self.budget.release(size)
+        # the error first: the budget wakes a submit that must see it
         if not future.cancelled() and future.exception() is not None and self._error is None:
             self._error = future.exception()
+        self.budget.release(size)
+
+    def _give_up_if_failed(self) -> None:
+        """A chunk that failed for good fails the push: the chunks queued behind
+        it are not sent. Each would try the dead registry in its turn, its
+        retries and connect bounds over again (tens of seconds a chunk, the
+        push's one line that much later), for a push that fails anyway."""
+        if self._error is not None:
+            raise self._error
 
     def _has(self, blob: str) -> bool:
         if blob in self._present:
@@ -174,6 +185,7 @@ class Uploader(_Pool):
 
     def _one(self, box: list[bytes]) -> Chunk:
         data = box.pop()
+        self._give_up_if_failed()
         size = len(data)
         raw = sha256(data)
         index = self.cipher.cache_index(raw) if self.cipher else raw
@@ -189,6 +201,7 @@ class Uploader(_Pool):
             blob = self.cipher.seal_chunk(raw, blob)
         digest = sha256(blob)
         sent = 0
+        self._give_up_if_failed()
         if not self._has(digest):
             self.client.put_blob(digest, blob)
             self._present.add(digest)

@@ -7,7 +7,7 @@ A dead link answers nothing (no reset: a down veth drops what is sent to it,
 as a blackholed route does): a request in flight waits out the client's read
 timeout (120 s in gpusnap/oci/registry.py), and every new connection its
 connect timeout, before the push gives up, so the push's test takes about
-three and a half minutes. The restore's test shortens
+three minutes. The restore's test shortens
 that bound (GPUSNAP_WAIT_REGISTRY) to keep the suite short; the path is the same.
 """
 
@@ -39,10 +39,11 @@ def _one_request_s(first_read: bool) -> float:
     return (read if first_read else 0) + tries * connect + backoff
 
 
-# The requests in flight when the link goes down give up first; the chunks
-# queued behind them start then and try in their turn before the push says
-# so (the workers do not stop each other): ~200 s at the default bounds.
-GIVE_UP_S = _one_request_s(True) + _one_request_s(False) + 30  # + slack for a loaded host
+# The requests in flight when the link goes down wait out their bounds; the
+# chunks queued behind them are not sent once one has failed for good
+# (oci/transfer.py): ~155 s at the default bounds, where each queued chunk
+# trying in its turn made it ~200.
+GIVE_UP_S = _one_request_s(True) + 30  # + slack for a loaded host
 # what the line says the socket met (oci/unreachable.py), never an exception's class
 SAID = re.compile(r"cannot reach registry \S+: (no connection within \d+ s|no answer within "
                   r"\d+ s|network unreachable|no route to host|connection (reset|cut))")
