@@ -24,6 +24,7 @@ from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
 from gpusnap.ops import uploads
 from gpusnap.ops.advice import container_state, gpusnap_command
+from gpusnap.ops.container_busy import refuse_if_busy
 
 _FOLLOW_EVERY_S = 0.1
 
@@ -40,11 +41,14 @@ def detach_options(fn: Callable) -> Callable:
 
 def refuse_source(source: str) -> None:
     """Only a Podman container is checkpointed here, then uploaded from its
-    export: a file, a folder or containerd's has no such moment to return at."""
+    export: a file, a folder or containerd's has no such moment to return at.
+    One another gpusnap command checkpoints is refused here too, before an
+    upload record is made (the child's refusal would leave a failed one)."""
     if source.startswith("containerd://") or Path(source).exists():
         raise GpusnapError(f"--detach uploads a Podman container's checkpoint in the background; "
                            f"{source} is not a container",
                            "push it without --detach")
+    refuse_if_busy(source)
 
 
 def child_args(argv: list[str]) -> list[str]:

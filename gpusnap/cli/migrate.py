@@ -51,6 +51,8 @@ def migrate_cmd(container: str, ref: str, leave_running: bool, pre_checkpoint: b
     -d/--detach returns once the container is checkpointed on local storage
     (stopped, its GPU free) and uploads in the background: `gpusnap status ID`
     follows it; run the restore on the target once it says done."""
+    if detach:
+        bg.refuse_source(container)  # before Podman is asked: it waits on the other's dump
     if not podman.exists(container):
         raise GpusnapError(f"no such container: {container}", "list containers with `podman ps`")
     if detach:

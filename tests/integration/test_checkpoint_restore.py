@@ -306,22 +306,28 @@ def test_a_clis_pages_links_dropped_by_a_plain_checkpoint_meanwhile_are_made_aga
 def test_a_second_gpusnap_command_on_a_container_is_refused_and_touches_nothing(
         counter, tmp_path, registry):
     """One gpusnap command at a time checkpoints a container: a push holds it
-    (this process, as the push would), and `gpusnap checkpoint` and `gpusnap
-    push` are refused in one line that names it; the container runs on."""
+    (this process, as the push would), and `gpusnap checkpoint`, `gpusnap
+    push` and the background ones (`--detach`) are refused in one line that
+    names it, leaving no background upload behind; the container runs on."""
     from gpusnap.ops.container_busy import only_command
     from tests.integration.oci_registry import PASSWORD
 
     ctr = rt_podman.inspect(counter)
     export = tmp_path / "c.tar.zst"
+    ref = registry.ref("busy/c:1")
+    uploads_before = gpusnap_json("status")["uploads"]
     with only_command(ctr.id, ctr.name, "gpusnap push (the test)"):
         for argv in ([GPUSNAP, "checkpoint", "-R", "--export", str(export), counter],
-                     [GPUSNAP, "push", "-R", counter, registry.ref("busy/c:1"), *registry.flags()]):
+                     [GPUSNAP, "push", "-R", counter, ref, *registry.flags()],
+                     [GPUSNAP, "push", "-d", counter, ref, *registry.flags()],
+                     [GPUSNAP, "migrate", "-dR", counter, ref, *registry.flags()]):
             res = run(argv, input=PASSWORD + "\n")
             assert res.returncode == 1, (res.stdout, res.stderr)
             assert f"pid {os.getpid()}: gpusnap push (the test)); nothing was done" in res.stderr
             assert "Traceback" not in res.stderr
     assert not export.exists() and rt_podman.inspect(counter).running
     assert not ctr.checkpoint_dir.exists() or not any(ctr.checkpoint_dir.iterdir())
+    assert gpusnap_json("status")["uploads"] == uploads_before, "a refused --detach left one"
     res = gpusnap("checkpoint", "-R", "--export", str(export), counter)  # let go: it runs
     assert res.returncode == 0, (res.stdout, res.stderr)
 
