@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import click
 
 from gpusnap.cli import detach as bg
-from gpusnap.cli.output import emit, handle_errors, json_option
-from gpusnap.cli.push import checkpoint_options, human_push, leave_running_option, run_push
+from gpusnap.cli.output import handle_errors, json_option
+from gpusnap.cli.push import (checkpoint_options, human_push, leave_running_option, report_push,
+                              run_push)
 from gpusnap.cli.registry_options import registry_options
 from gpusnap.cli.trust_options import trust_options
 from gpusnap.errors import GpusnapError
@@ -63,12 +63,7 @@ def migrate_cmd(container: str, ref: str, leave_running: bool, pre_checkpoint: b
     def push(tracker: Tracker | None = None) -> dict:
         return run_push(container, ref, registry, as_json, leave_running, level, trust=trust,
                         here=False, pre_checkpoint=pre_checkpoint, tracker=tracker)
-    result = bg.background(upload_state, push) if upload_state else push()
-    emit(as_json, result, _human)
-    if result.get("gpu_back_interrupted"):  # pushed; Ctrl-C cut the wait for its GPUs
-        sys.exit(130)
-    if result.get("gpu_back") is False:  # pushed, but the container is off its GPUs
-        sys.exit(1)
+    report_push(push, upload_state, as_json, _human)
 
 
 COMMANDS = [migrate_cmd]

@@ -178,8 +178,15 @@ def push_cmd(source: str, ref: str, stop: bool, leave_running: bool, level: int,
     def push(tracker: Tracker | None = None) -> dict:
         return run_push(source, ref, registry, as_json, not stop, level, image_format,
                         trust, containerd_address, tracker=tracker)
-    result = bg.background(upload_state, push) if upload_state else push()
-    emit(as_json, result, human_push)
+    report_push(push, upload_state, as_json, human_push)
+
+
+def report_push(push: Callable[[Tracker | None], dict], upload_state: str | None,
+                as_json: bool, human: Callable[[dict], None]) -> None:
+    """``push`` here, or as the background process of ``upload_state``; its
+    result said, and the exit status a container left off its GPUs gets."""
+    result = bg.background(upload_state, push) if upload_state else push(None)
+    emit(as_json, result, human)
     if result.get("gpu_back_interrupted"):  # pushed; Ctrl-C cut the wait for its GPUs
         sys.exit(130)
     if result.get("gpu_back") is False:  # pushed, but the container is off its GPUs
