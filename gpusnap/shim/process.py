@@ -8,8 +8,12 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpusnap.shim.stdio import Paths, ProcessIO
+
+if TYPE_CHECKING:
+    from gpusnap.shim.oom import OomWatch
 
 
 class ShimError(Exception):
@@ -77,6 +81,7 @@ class Container:
     criu_work: str = ""
     execs: dict[str, Proc] = field(default_factory=dict)
     dumping: bool = False  # a Checkpoint runs: a Resume must wait for its end
+    oom: OomWatch | None = None  # its init's memory cgroup, watched from Start to Delete
 
     def process(self, exec_id: str) -> Proc:
         if not exec_id:

@@ -17,8 +17,7 @@ import threading
 import time
 from typing import Callable
 
-import grpc
-from google.protobuf import any_pb2, empty_pb2, timestamp_pb2
+from google.protobuf import any_pb2, empty_pb2
 
 from gpusnap import requests
 from gpusnap.errors import GpusnapError
@@ -26,9 +25,10 @@ from gpusnap.private import open_private, private_dir
 from gpusnap.proto import load
 from gpusnap.shim import bundle as bundle_state
 from gpusnap.shim import checkpoint as shim_checkpoint
-from gpusnap.shim import mounts, stats
+from gpusnap.shim import mounts, oom, stats
+from gpusnap.shim.answer import rpc, timestamp as _timestamp
 from gpusnap.shim.events import Publisher
-from gpusnap.shim.logbinary import BinaryLogger, LoggerError
+from gpusnap.shim.logbinary import BinaryLogger
 from gpusnap.shim.options import checkpoint_options, runc_options
 from gpusnap.shim.process import Container, Proc, ShimError, not_found, precondition, read_pid
 from gpusnap.shim.reaper import Exit, Reaper
@@ -39,36 +39,6 @@ log = logging.getLogger("gpusnap.shim")
 
 _IO_DRAIN = 5.0  # seconds Delete waits for output to reach the FIFOs
 _GONE = ("container not running", "no such process", "does not exist")  # runc's kill, as containerd reads it
-
-
-def _timestamp(ns: int) -> timestamp_pb2.Timestamp | None:
-    if not ns:
-        return None
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(ns)
-    return ts
-
-
-def rpc(fn: Callable) -> Callable:
-    """Map the shim's errors onto gRPC status codes containerd understands."""
-
-    @functools.wraps(fn)
-    def wrapper(self, request, context):
-        t0 = time.monotonic()
-        try:
-            return fn(self, request, context)
-        except ShimError as e:
-            context.abort(getattr(grpc.StatusCode, e.code), str(e))
-        except (RuncError, mounts.MountError, LoggerError, ValueError) as e:
-            log.error("%s: %s", fn.__name__, e)
-            context.abort(grpc.StatusCode.UNKNOWN, str(e))
-        except Exception as e:
-            log.exception("%s failed", fn.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
-        finally:
-            log.debug("%s %s took %.1f ms", fn.__name__, getattr(request, "id", ""), (time.monotonic() - t0) * 1000)
-
-    return wrapper
 
 
 class TaskService:
@@ -102,6 +72,8 @@ class TaskService:
         self.publisher.publish(getattr(self.pb.task_events, name)(**fields))
 
     def _watch(self, c: Container, p: Proc) -> None:
+        if p is c.init:  # the kernel's OOM kills, said as TaskOOM: CRI's "OOMKilled" (oom.py)
+            c.oom = oom.watch(c.id, p.pid, functools.partial(self._publish, "TaskOOM", container_id=c.id))
         fut = self.reaper.watch(p.pid)
         fut.add_done_callback(lambda f: self._exits.put((c, p, f.result())))
 
@@ -311,6 +283,8 @@ class TaskService:
                     raise
             if p.pid and not p.exited.wait(5):
                 log.warning("init %d of %s not reaped after delete", p.pid, c.id)
+        if c.oom is not None:
+            c.oom.stop()
         if p.io is not None:
             p.io.wait(_IO_DRAIN)
             p.io.close()

@@ -35,7 +35,7 @@ T = TypeVar("T")
 class PrivateContainerd:
     """A containerd of our own: `start()`, `ctr(...)`, `restart()`, `stop()`."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, disabled: tuple[str, ...] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="gst-", dir="/run"))
         self.address = str(self.dir / "c.sock")
         self.namespace = f"gpusnap-test-{uuid.uuid4().hex[:8]}"
@@ -44,7 +44,7 @@ class PrivateContainerd:
         (self.dir / "config.toml").write_text(f"""version = 2
 root = "{self.dir}/root"
 state = "{self.dir}/state"
-disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.tracing", "io.containerd.tracing.processor.v1.otlp"]
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.tracing", "io.containerd.tracing.processor.v1.otlp"{"".join(f', "{d}"' for d in disabled)}]
 [grpc]
   address = "{self.address}"
 [ttrpc]
@@ -175,12 +175,13 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.trac
 
 
 @contextlib.contextmanager
-def private_containerd(image: str = DEMO_IMAGE, env: dict[str, str] | None = None) -> Iterator[PrivateContainerd]:
-    """A started PrivateContainerd (ENV added to its and its shims' environment) with IMAGE
-    imported from Podman, cleaned up afterwards."""
+def private_containerd(image: str = DEMO_IMAGE, env: dict[str, str] | None = None,
+                       disabled: tuple[str, ...] = ()) -> Iterator[PrivateContainerd]:
+    """A started PrivateContainerd (ENV added to its and its shims' environment, the
+    plugins DISABLED left out) with IMAGE imported from Podman, cleaned up afterwards."""
     if shutil.which("containerd") is None or shutil.which(SHIM, path=VENV_BIN) is None:
         raise pytest.UsageError(f"the shim tests need containerd and {SHIM} (`make install`)")
-    c = PrivateContainerd(env)
+    c = PrivateContainerd(env, disabled)
     try:
         c.start()
         c.import_image(image)

@@ -72,17 +72,58 @@ def test_run_rm_stdio_exit_code_and_events(containerd):
     assert "io1" not in containerd.ctr("containers", "ls", "-q").stdout.split()
     containerd.wait_no_shims()  # the shim exited after Shutdown
 
-    # `ctr events` lines: date time zone zone namespace topic json
-    seen = {}
-    for line in out.splitlines():
-        parts = line.split(" ", 6)
-        if len(parts) == 7 and parts[4] == containerd.namespace and parts[5].startswith("/tasks/"):
-            body = json.loads(parts[6])
-            if body.get("container_id") == "io1":
-                seen.setdefault(parts[5], body)
+    seen = _task_events(out.splitlines(), containerd.namespace, "io1")
     assert list(seen) == ["/tasks/create", "/tasks/start", "/tasks/exit", "/tasks/delete"], out
     assert seen["/tasks/exit"]["exit_status"] == 3
     assert seen["/tasks/start"]["pid"] == seen["/tasks/exit"]["pid"] > 0
+
+
+def _task_events(lines: list[str], namespace: str, task: str) -> dict[str, dict]:
+    """The first event of each /tasks/ topic of TASK, from `ctr events`' lines
+    (date time zone zone namespace topic json), in the order they came."""
+    seen: dict[str, dict] = {}
+    for line in lines:
+        parts = line.split(" ", 6)
+        if len(parts) == 7 and parts[4] == namespace and parts[5].startswith("/tasks/"):
+            body = json.loads(parts[6])
+            if body.get("container_id") == task:
+                seen.setdefault(parts[5], body)
+    return seen
+
+
+# containerd's own cgroup v1 monitor says /tasks/oom for every task too (on v2
+# only the shim does): left out, so that what is seen is the shim's.
+CGROUPS_MONITOR = "io.containerd.monitor.v1.cgroups"
+
+
+def test_a_task_the_oom_killer_ends_is_said_as_tasks_oom():
+    """A task over its memory limit is killed by the kernel: the shim says
+    /tasks/oom (CRI's "OOMKilled"), and its exit is 137 (SIGKILL). A task
+    that ends on its own says no such thing (the test above)."""
+    with private_containerd(disabled=(CGROUPS_MONITOR,)) as containerd:
+        _oom_killed_task(containerd)
+
+
+def _oom_killed_task(containerd) -> None:
+    events = subprocess.Popen(["ctr", "--address", containerd.address, "events"], stdout=subprocess.PIPE,
+                              text=True, env=containerd.env)
+    lines = _event_lines(events)
+    try:
+        _until_seen(lines, "/namespaces/update", poke=lambda: containerd.ctr(
+            "namespaces", "label", containerd.namespace, f"probe={time.monotonic_ns()}"))
+        # 512 MiB of string under a 32 MiB limit (no swap counted: memory+swap as tight)
+        res = containerd.ctr("run", "--rm", "--memory-limit", str(32 << 20), "--runtime", RUNTIME,
+                             DEMO_IMAGE, "oom1", "busybox", "awk",
+                             'BEGIN { s = "x"; while (length(s) < 5e8) s = s s; print length(s) }',
+                             check=False, timeout=60)
+        _until_seen(lines, " /tasks/delete ")
+    finally:
+        events.terminate()
+        events.wait(timeout=10)
+    seen = _task_events(lines, containerd.namespace, "oom1")
+    assert res.returncode == 137, (res.returncode, res.stdout, res.stderr)
+    assert "/tasks/oom" in seen, "".join(lines)
+    assert seen["/tasks/exit"]["exit_status"] == 137, seen
 
 
 def test_stdin_piped_in_reaches_the_process_whole(containerd):
