@@ -9,6 +9,7 @@ this containerd, its shims and their zygote.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from google.protobuf import any_pb2
@@ -50,7 +52,9 @@ def _until_seen(lines: list[str], needle: str, poke=None, timeout: float = 15) -
         time.sleep(0.05)
 
 
-def test_run_rm_stdio_exit_code_and_events(containerd):
+@contextlib.contextmanager
+def _events(containerd) -> Iterator[list[str]]:
+    """`ctr events`' lines as they come, subscribed before the block runs."""
     events = subprocess.Popen(["ctr", "--address", containerd.address, "events"], stdout=subprocess.PIPE,
                               text=True, env=containerd.env)
     lines = _event_lines(events)
@@ -58,13 +62,18 @@ def test_run_rm_stdio_exit_code_and_events(containerd):
         # subscribed before the task exists: a label change of the namespace comes back as an event
         _until_seen(lines, "/namespaces/update", poke=lambda: containerd.ctr(
             "namespaces", "label", containerd.namespace, f"probe={time.monotonic_ns()}"))
+        yield lines
+    finally:
+        events.terminate()
+        events.wait(timeout=10)
+
+
+def test_run_rm_stdio_exit_code_and_events(containerd):
+    with _events(containerd) as lines:
         res = containerd.ctr("run", "--rm", "--runtime", RUNTIME, DEMO_IMAGE, "io1",
                              "sh", "-c", "read line; echo out:$line; echo err >&2; exit 3",
                              check=False, input="from-stdin\n")
         _until_seen(lines, " /tasks/delete ")
-    finally:
-        events.terminate()
-        events.wait(timeout=10)
     out = "".join(lines)
     assert res.returncode == 3, res.stderr
     assert res.stdout == "out:from-stdin\n"
@@ -100,26 +109,14 @@ def test_a_task_the_oom_killer_ends_is_said_as_tasks_oom():
     """A task over its memory limit is killed by the kernel: the shim says
     /tasks/oom (CRI's "OOMKilled"), and its exit is 137 (SIGKILL). A task
     that ends on its own says no such thing (the test above)."""
-    with private_containerd(disabled=(CGROUPS_MONITOR,)) as containerd:
-        _oom_killed_task(containerd)
-
-
-def _oom_killed_task(containerd) -> None:
-    events = subprocess.Popen(["ctr", "--address", containerd.address, "events"], stdout=subprocess.PIPE,
-                              text=True, env=containerd.env)
-    lines = _event_lines(events)
-    try:
-        _until_seen(lines, "/namespaces/update", poke=lambda: containerd.ctr(
-            "namespaces", "label", containerd.namespace, f"probe={time.monotonic_ns()}"))
-        # 512 MiB of string under a 32 MiB limit (no swap counted: memory+swap as tight)
+    with private_containerd(disabled=(CGROUPS_MONITOR,)) as containerd, _events(containerd) as lines:
+        # 512 MiB of string under a 32 MiB limit (ctr sets no swap limit: a host with
+        # swap would page it out, and these have none)
         res = containerd.ctr("run", "--rm", "--memory-limit", str(32 << 20), "--runtime", RUNTIME,
                              DEMO_IMAGE, "oom1", "busybox", "awk",
                              'BEGIN { s = "x"; while (length(s) < 5e8) s = s s; print length(s) }',
                              check=False, timeout=60)
         _until_seen(lines, " /tasks/delete ")
-    finally:
-        events.terminate()
-        events.wait(timeout=10)
     seen = _task_events(lines, containerd.namespace, "oom1")
     assert res.returncode == 137, (res.returncode, res.stdout, res.stderr)
     assert "/tasks/oom" in seen, "".join(lines)
