@@ -14,6 +14,7 @@ from gpusnap.cli.registry_options import registry_options
 from gpusnap.cli.trust_options import trust_options
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
+from gpusnap.ops.container_busy import refuse_if_busy
 from gpusnap.ops.uploads import Tracker
 from gpusnap.runtime import podman
 from gpusnap.trust.options import TrustOptions
@@ -51,8 +52,7 @@ def migrate_cmd(container: str, ref: str, leave_running: bool, pre_checkpoint: b
     -d/--detach returns once the container is checkpointed on local storage
     (stopped, its GPU free) and uploads in the background: `gpusnap status ID`
     follows it; run the restore on the target once it says done."""
-    if detach:
-        bg.refuse_source(container)  # before Podman is asked: it waits on the other's dump
+    refuse_if_busy(container)  # before Podman is asked: it would wait on the other's dump
     if not podman.exists(container):
         raise GpusnapError(f"no such container: {container}", "list containers with `podman ps`")
     if detach:
@@ -62,7 +62,8 @@ def migrate_cmd(container: str, ref: str, leave_running: bool, pre_checkpoint: b
 
     def push(tracker: Tracker | None = None) -> dict:
         return run_push(container, ref, registry, as_json, leave_running, level, trust=trust,
-                        here=False, pre_checkpoint=pre_checkpoint, tracker=tracker)
+                        here=False, pre_checkpoint=pre_checkpoint, tracker=tracker,
+                        container_only=True)
     report_push(push, upload_state, as_json, _human)
 
 

@@ -75,10 +75,11 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
              leave_running: bool, level: int, image_format: str = "gpusnap",
              trust: TrustOptions | None = None, containerd_address: str | None = None,
              here: bool = True, pre_checkpoint: bool = False,
-             tracker: Tracker | None = None) -> dict:
+             tracker: Tracker | None = None, container_only: bool = False) -> dict:
     """Push, then say what became of the container and how to restore it
     (``here``: on this host; else on another one). ``tracker``: a background
-    upload's state file, kept up to date (cli/detach.py)."""
+    upload's state file, kept up to date (cli/detach.py). ``container_only``:
+    SOURCE names a container even where a file of its name lies here."""
     from gpusnap.ops import push as ops  # registry code: imported only when used
 
     with transfer_progress(as_json, f"Pushing {source}") as bar:
@@ -101,7 +102,8 @@ def run_push(source: str, ref: str, registry: Callable[[], RegistryOptions], as_
                          progress=advance, total=pushing, on_checkpoint=checkpointing,
                          image_format=image_format, trust=trust,
                          containerd_address=containerd_address, pre_checkpoint=pre_checkpoint,
-                         on_checkpointed=tracker.checkpointed if tracker else None)
+                         on_checkpointed=tracker.checkpointed if tracker else None,
+                         container_only=container_only)
         except TransientError as exc:  # true of push: the registry's blobs are asked first
             again = "push again: chunks the registry already has are not sent again"
             raise GpusnapError(exc.message,

@@ -363,8 +363,10 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
          image_format: str = "gpusnap", trust: TrustOptions | None = None,
          containerd_address: str | None = None, processes: int | None = None,
          pre_checkpoint: bool = False,
-         on_checkpointed: Callable[[dict], None] | None = None) -> dict:
-    """``processes``: worker processes for big files (segments.py); default
+         on_checkpointed: Callable[[dict], None] | None = None,
+         container_only: bool = False) -> dict:
+    """``container_only``: SOURCE is a container, whatever files of its name
+    lie here (migrate's). ``processes``: worker processes for big files (segments.py); default
     segments.default_workers(). ``pre_checkpoint``: the first round of a
     pre-copy migration (the container keeps running; annotated so that a
     restore does not take it for the final round). ``on_checkpointed``: a
@@ -380,7 +382,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     # keys first: a wrong key or passphrase fails before a container is checkpointed
     sealing = PushTrust.load(trust, chunked=image_format == "gpusnap")
     # a mistyped name is not reported as the registry's fault, a busy one not as Podman's
-    container = find_container(source)
+    container = find_container(source, paths=not container_only)
     client = RegistryClient(ref, opts, push=True)
     client.ping()  # wrong credentials fail before a container is checkpointed
     if processes is None:

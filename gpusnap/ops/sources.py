@@ -20,11 +20,13 @@ from gpusnap.ops.push_source import PushSource, dir_size, push_again_words
 from gpusnap.runtime import podman
 
 
-def find_container(source: str) -> podman.Container | None:
-    """The Podman container SOURCE names (None: a file, a directory or containerd's);
+def find_container(source: str, paths: bool = True) -> podman.Container | None:
+    """The Podman container SOURCE names (None: a file, a directory or containerd's;
+    without ``paths``, a container whatever files lie here: migrate's);
     one that names nothing is refused here, before any registry is asked, and so
     is one another gpusnap command is checkpointing (container_busy.py)."""
-    if source.startswith("containerd://") or Path(source).is_dir() or Path(source).is_file():
+    if source.startswith("containerd://") or (paths and (Path(source).is_dir()
+                                                         or Path(source).is_file())):
         return None
     refuse_if_busy(source)  # before Podman is asked: it would wait on the other's dump
     container = podman.find(source)
@@ -50,7 +52,9 @@ def open_source(source: str, leave_running: bool,
     ``pre_checkpoint``: a pre-copy's round 1 (podman_source.checkpointed); a
     Podman container left running otherwise has its checkpoint checked for
     open files that changed before the export (ops/snapshot_files.py).
-    ``push_again``: this push's retry for a path, as doctor prints it."""
+    ``push_again``: this push's retry for a path, as doctor prints it.
+    ``container``: SOURCE's, found already; a file or folder of its name is
+    not read then."""
     if source.startswith("containerd://"):  # a containerd container or checkpoint image
         from gpusnap.ops import containerd_registry  # grpc and containerd's protos: only here
 
@@ -59,11 +63,11 @@ def open_source(source: str, leave_running: bool,
             yield src
         return
     path = Path(source)
-    if path.is_dir():
+    if path.is_dir() and container is None:
         size = dir_size(path)
         yield PushSource("directory", path, size, size)
         return
-    if path.is_file():
+    if path.is_file() and container is None:
         yield PushSource("archive", path, path.stat().st_size * 4)  # zstd -1 packs memory a few times over
         return
     from gpusnap.ops import podman_source  # CRIU/GPU code, only when needed

@@ -128,6 +128,22 @@ def test_push_running_container_then_restore_from_the_registry_continues(registr
     assert not set(_staged()) - earlier, _staged()
 
 
+def test_migrate_takes_the_container_where_a_folder_of_its_name_lies_here(registry, counter,
+                                                                          tmp_path):
+    """`gpusnap push NAME` reads a file or folder NAME before a container of that
+    name; migrate moves containers only: standing beside such a folder, it
+    checkpoints the container (it pushed the folder before)."""
+    (tmp_path / counter).mkdir()
+    (tmp_path / counter / "notes.txt").write_text("not a checkpoint\n")
+    res = gs("migrate", "-R", counter, unique_ref(registry), *registry.flags(), "--json",
+             cwd=tmp_path)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    pushed = json.loads(res.stdout)
+    assert pushed["source_kind"] == "container" and pushed["container"] == counter, pushed
+    assert podman("container", "inspect", counter, "--format",
+                  "{{.State.Status}}").stdout.strip() == "running"
+
+
 def _staged() -> list[Path]:
     """Archives `gpusnap restore REF` staged and did not remove."""
     return [p for d in ("/var/tmp", "/var/lib/containers") for p in Path(d).glob(".gpusnap-pull-*")]
