@@ -359,7 +359,7 @@ def _after_failure(p: CheckpointPlan, started_at: float) -> tuple[str, list[int]
     pids resumed here)"""
     requests.drop_own(p.container.pid)
     requests.drop_own(p.container.pid, "pages")
-    state = podman.inspect(p.container.id).status if podman.exists(p.container.id) else "gone"
+    state = _state(p.container.id)
     if state == "running" and thaw(p.container.pid):
         # a CRIU killed mid-dump leaves the cgroup frozen, and the runtime does not thaw it
         journal.record("thawed", container=p.container.id, why="CRIU ended with it frozen")
@@ -373,6 +373,17 @@ def _after_failure(p: CheckpointPlan, started_at: float) -> tuple[str, list[int]
         if p.pages_prelinked:
             pages_aside.drop_links(p.container.checkpoint_dir, p.pages_aside)
     return state, resumed
+
+
+def _state(container_id: str) -> str:
+    return podman.inspect(container_id).status if podman.exists(container_id) else "gone"
+
+
+def interrupted(p: CheckpointPlan, state: str | None = None) -> GpusnapError:
+    """The line of a dump that a Ctrl-C ended: where the container is (its
+    ``state``, read again where not given) and the way back."""
+    where, hint = _where(p, state or _state(p.container.id), "`gpusnap doctor` checks what is left")
+    return GpusnapError(f"interrupted (Ctrl-C); {where}", hint, exit_code=130)
 
 
 def _where(p: CheckpointPlan, state: str, hint: str | None) -> tuple[str, str | None]:
@@ -413,8 +424,7 @@ def _run_once(p: CheckpointPlan) -> dict:
         _dump(p)
     except KeyboardInterrupt:  # the same clean-up as a failure's, and its words
         state, _ = _after_failure(p, started_at)
-        where, hint = _where(p, state, "`gpusnap doctor` checks what is left")
-        raise GpusnapError(f"interrupted (Ctrl-C); {where}", hint, exit_code=130) from None
+        raise interrupted(p, state) from None
     except GpusnapError as exc:
         state, resumed = _after_failure(p, started_at)
         where, hint = _where(p, state, exc.hint)

@@ -111,15 +111,14 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
         if on_checkpointed:
             job.add_done_callback(_when_checkpointed(on_checkpointed, plan, export, aside,
                                                      {"again": again, "back": back_now}))
-        if not stream:
-            job.result()
         try:
+            if not stream:
+                job.result()
             yield _push_source(plan, export, job, stream, aside if stream and in_ram else None)
-        except BaseException:
+        except BaseException as exc:
             # The dump goes on to its end whatever the upload did: what is left
             # of the container decides what to say.
-            futures_wait([job])
-            job.result()  # a failed checkpoint is the cause: its words
+            _dump_ended(job, plan, isinstance(exc, KeyboardInterrupt) and not leave_running)
             stopped = not leave_running
             raise
         job.result()
@@ -142,6 +141,21 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
             shutil.rmtree(work, ignore_errors=True)
             if in_ram and not needed:
                 shutil.rmtree(aside, ignore_errors=True)
+
+
+def _dump_ended(job: Future, plan, ctrl_c: bool) -> None:
+    """Waits for the dump; a failed one is the cause: its words. Where a Ctrl-C
+    (``ctrl_c``: of a dump that stops the container) ended it too (Podman, in
+    the same process group, gets the SIGINT), the line is the Ctrl-C's (exit
+    130, which the CLI keeps): whether the container runs, or where its
+    checkpoint is and how back; the CLI's bare "Interrupted" said neither."""
+    futures_wait([job])
+    try:
+        job.result()
+    except GpusnapError:
+        if ctrl_c:
+            raise ops_checkpoint.interrupted(plan) from None
+        raise
 
 
 def _pushed(plan, work: Path, aside: Path | None, in_ram: bool, pre_checkpoint: bool) -> None:

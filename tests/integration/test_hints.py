@@ -96,11 +96,14 @@ def test_a_gpu_map_for_a_checkpoint_without_gpus_is_refused(counter, tmp_path):
     assert podman("container", "exists", counter, check=False).returncode == 1
 
 
-def test_ctrl_c_during_a_push_is_said_to_be_the_users(plain_registry, counter):
+@pytest.mark.parametrize("verb", ["push", "migrate"])
+def test_ctrl_c_during_a_push_is_said_to_be_the_users(plain_registry, counter, verb):
     """Ctrl-C reaches the whole process group, Podman with it: the line says the
-    user interrupted, not that Podman failed, and the container runs on."""
+    user interrupted, not that Podman failed. A push's container runs on; a
+    migrate's runs on or is stopped with its checkpoint kept, and the line
+    says which (it said only "Interrupted" before) and its way back works."""
     ref = plain_registry.ref(f"hints/int-{uuid.uuid4().hex[:6]}:v1")
-    proc = subprocess.Popen([GPUSNAP, "push", counter, ref, "--plain-http"], text=True,
+    proc = subprocess.Popen([GPUSNAP, verb, counter, ref, "--plain-http"], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)  # its own group, as a terminal's job
     try:
@@ -114,8 +117,14 @@ def test_ctrl_c_during_a_push_is_said_to_be_the_users(plain_registry, counter):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, (proc.returncode, err)
-    assert "Interrupted (Ctrl-C)" in err and "podman failed" not in err, err
+    assert "interrupted (ctrl-c)" in err.lower() and "podman failed" not in err, err
     assert "Traceback" not in err, err
+    if verb == "migrate":
+        state = podman("container", "inspect", counter, "--format", "{{.State.Status}}").stdout.strip()
+        assert ("still running" in err) == (state == "running"), (state, err)
+        if state != "running":  # stopped by the dump: the line says where it is and how back
+            assert f"gpusnap restore {counter}" in err, err
+            gpusnap_json("restore", counter)
     wait_counter(counter, read_counter(counter))  # it runs on
 
 
