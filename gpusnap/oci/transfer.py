@@ -14,6 +14,7 @@ compressed (push) and each blob as soon as it is decompressed (pull).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import threading
 from collections import Counter, deque
@@ -43,6 +44,18 @@ Progress = Callable[[int, int], None]  # (raw bytes done, bytes that crossed the
 
 def sha256(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _again(exc: BaseException) -> BaseException:
+    """EXC for one more chunk, as a copy: one exception object raised from many
+    threads gathers every raiser's frames on its traceback, and with them the
+    chunk bytes each frame holds."""
+    try:
+        fresh = copy.copy(exc)
+    except Exception:  # noqa: BLE001 -- an exception that does not copy: its words
+        fresh = GpusnapError(str(exc))
+    fresh.__traceback__ = None
+    return fresh
 
 
 @dataclass
@@ -95,6 +108,21 @@ class _Pool:
         self._lock = threading.Lock()
         self._progress = progress
         self._local = threading.local()
+        self._error: BaseException | None = None  # the first chunk that failed for good
+
+    def _note(self, future: Future) -> None:
+        """A done chunk's failure, the first one kept (a done callback)."""
+        if not future.cancelled() and future.exception() is not None and self._error is None:
+            self._error = future.exception()
+
+    def _give_up_if_failed(self) -> None:
+        """A chunk that failed for good fails the transfer: the chunks queued
+        behind it do not go to the registry. Each would try the dead registry
+        in its turn, its retries and connect bounds over again (tens of
+        seconds a chunk, the one line that much later), for a transfer that
+        fails anyway."""
+        if self._error is not None:
+            raise _again(self._error)
 
     def _count(self, raw: int, network: int, cached: int = 0, repeated: int = 0) -> None:
         with self._lock:
@@ -132,7 +160,6 @@ class Uploader(_Pool):
         super().__init__(workers, progress)
         self.client, self.cache, self.level, self.cipher = client, cache, level, cipher
         self._present: set[str] = set()  # blobs known to be in the registry
-        self._error: BaseException | None = None
 
     def submit(self, data: bytes) -> Future:
         """Queue one chunk; blocks while IN_FLIGHT_BYTES are queued or being sent.
@@ -142,7 +169,7 @@ class Uploader(_Pool):
         self.budget.acquire(size)
         if self._error is not None:  # failed while this waited for room
             self.budget.release(size)
-            raise self._error
+            raise _again(self._error)
         # In a list the worker can take it out of: the pool's work item keeps its
         # arguments until the call returns, which would hold the raw bytes while
         # the compressed blob is uploaded.
@@ -162,18 +189,8 @@ class Uploader(_Pool):
         return done
 
     def _done(self, future: Future, size: int) -> None:
-        # the error first: the budget wakes a submit that must see it
-        if not future.cancelled() and future.exception() is not None and self._error is None:
-            self._error = future.exception()
+        self._note(future)  # first: the budget wakes a submit that must see it
         self.budget.release(size)
-
-    def _give_up_if_failed(self) -> None:
-        """A chunk that failed for good fails the push: the chunks queued behind
-        it are not sent. Each would try the dead registry in its turn, its
-        retries and connect bounds over again (tens of seconds a chunk, the
-        push's one line that much later), for a push that fails anyway."""
-        if self._error is not None:
-            raise self._error
 
     def _has(self, blob: str) -> bool:
         if blob in self._present:
@@ -185,7 +202,9 @@ class Uploader(_Pool):
 
     def _one(self, box: list[bytes]) -> Chunk:
         data = box.pop()
-        self._give_up_if_failed()
+        if self._error is not None:
+            del data  # not on the traceback of the error raised here
+            self._give_up_if_failed()
         size = len(data)
         raw = sha256(data)
         index = self.cipher.cache_index(raw) if self.cipher else raw
@@ -201,7 +220,9 @@ class Uploader(_Pool):
             blob = self.cipher.seal_chunk(raw, blob)
         digest = sha256(blob)
         sent = 0
-        self._give_up_if_failed()
+        if self._error is not None:
+            del blob
+            self._give_up_if_failed()
         if not self._has(digest):
             self.client.put_blob(digest, blob)
             self._present.add(digest)
@@ -252,6 +273,7 @@ class Downloader(_Pool):
         blob = self.cache.get_blob(chunk.blob) if self.cache else None
         if blob is not None:
             return blob, "cache"
+        self._give_up_if_failed()
         blob = self.client.get_blob(chunk.blob, chunk.blob_size)
         if self.cache:
             self.cache.put_blob(chunk.blob, blob)
@@ -317,7 +339,9 @@ class Downloader(_Pool):
                                    or not self.budget.fits(chunk.size)):
                     yield self._next(pending)
                 self.budget.acquire(chunk.size)
-                pending.append((chunk.size, self.pool.submit(self._one, chunk)))
+                future = self.pool.submit(self._one, chunk)
+                future.add_done_callback(self._note)
+                pending.append((chunk.size, future))
             while pending:
                 yield self._next(pending)
         finally:

@@ -104,7 +104,9 @@ def test_a_failed_first_fetch_fails_the_pull_without_hanging(layout):
 def test_a_failed_fetch_gives_its_budget_back_for_the_next_one(layout):
     """A pull worker keeps one Downloader for every segment it serves: a blob
     the registry lost must not leave the next segment's chunks waiting for
-    bytes no one will release (the pull hung, the CLI with it)."""
+    bytes no one will release (the pull hung, the CLI with it). That next
+    segment belongs to the pull that failed: it ends at once, with the
+    first failure, and asks the registry nothing."""
     reg, chunks, _ = layout
     broken = reg.add(b"gone" * 1000)
     del reg.blobs[broken.blob]
@@ -117,8 +119,54 @@ def test_a_failed_fetch_gives_its_budget_back_for_the_next_one(layout):
         while d.budget.used and time.monotonic() < deadline:
             time.sleep(0.01)
         assert d.budget.used == 0
-        done = threading.Event()
-        threading.Thread(target=lambda: (list(d.fetch(chunks[1:7])), done.set()), daemon=True).start()
+        done, ended = threading.Event(), []
+
+        def next_segment() -> None:
+            try:
+                list(d.fetch(chunks[1:7]))
+            except KeyError as e:
+                ended.append(e)
+            done.set()
+        gets = dict(reg.gets)
+        threading.Thread(target=next_segment, daemon=True).start()
         assert done.wait(10), "the next fetch waited for bytes the failed one kept"
+        assert ended and reg.gets == gets, (ended, reg.gets, gets)
     finally:
         d.close()
+
+
+class DeadRegistry(DictRegistry):
+    """Every fetch fails after ``seconds`` (its tries and bounds, shortened)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def get_blob(self, digest: str, size: int) -> bytes:
+        with self._lock:
+            self.gets[digest] = self.gets.get(digest, 0) + 1
+        time.sleep(self.seconds)
+        raise transfer.GpusnapError("cannot reach registry reg.io: no connection within 10 s")
+
+
+def test_chunks_queued_behind_a_failed_fetch_do_not_ask_the_registry(layout):
+    """A registry gone dead: the chunks in flight fail; those queued behind
+    them fail at once with the same words, each its own copy of the error."""
+    _, chunks, _ = layout
+    reg = DeadRegistry(0.3)
+    for c in chunks:
+        reg.blobs[c.blob] = b""
+    d = transfer.Downloader(reg, None, 2)
+    d._once = {c.blob: transfer._Once(1) for c in chunks[1:7]}  # as fetch() sets it
+    errors = []
+    try:
+        for chunk in chunks[1:7]:  # six distinct blobs, two workers
+            f = d.pool.submit(d._one, chunk)
+            f.add_done_callback(d._note)
+            errors.append(f)
+        errors = [f.exception(timeout=10) for f in errors]
+    finally:
+        d.close()
+    assert sum(reg.gets.values()) == 2, reg.gets
+    assert all("no connection within 10 s" in str(e) for e in errors), errors
+    assert len({id(e) for e in errors}) == len(errors)  # copies: no traceback gathers them all

@@ -38,6 +38,13 @@ def _failed(future: Future) -> BaseException | None:
     return future.exception(timeout=10)
 
 
+def _depth(exc: BaseException) -> int:
+    tb, n = exc.__traceback__, 0
+    while tb is not None:
+        tb, n = tb.tb_next, n + 1
+    return n
+
+
 def test_chunks_queued_behind_a_failed_one_are_not_sent():
     reg = DeadRegistry(0.3)
     up = transfer.Uploader(reg, None, 1, workers=2)
@@ -49,6 +56,10 @@ def test_chunks_queued_behind_a_failed_one_are_not_sent():
     assert all(isinstance(e, TransientError) for e in errors), errors
     # the two in flight when the registry died tried; the six queued did not
     assert reg.puts == 2, reg.puts
+    # each its own copy, with its own short traceback: one object raised from
+    # every worker gathered all their frames, each holding its chunk's bytes
+    assert len({id(e) for e in errors}) == len(errors)
+    assert all(_depth(e) <= 3 for e in errors), [_depth(e) for e in errors]
     with pytest.raises(TransientError):
         up.submit(b"x" * 4096)
 
