@@ -123,7 +123,7 @@ def checkpointed(source: str, leave_running: bool, on_checkpoint: Callable[[str]
             raise
         job.result()
         stopped = not leave_running
-    except (GpusnapError, KeyboardInterrupt) as exc:
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 -- any: where it is kept
         if not stopped:
             raise
         if aside is not None:  # the export alone must restore anywhere: pages into it

@@ -49,9 +49,11 @@ def dir_size(root: Path) -> int:
 
 
 def cause(exc: BaseException) -> str:
-    """What stopped a push, in the words of its error (Ctrl-C: "interrupted")."""
-    return "interrupted" if isinstance(exc, KeyboardInterrupt) else getattr(exc, "message",
-                                                                            str(exc))
+    """What stopped a push, in the words of its error (Ctrl-C: "interrupted";
+    an error not of gpusnap's, its type too: a bug's is worth reporting)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
 
 
 def mark_only_copy(work: Path, container: str, kept: Path, again: str | None, back: str,

@@ -65,10 +65,9 @@ def test_a_journal_line_from_before_marks_still_keeps_its_export(staging):
     assert work not in leftovers.find()
 
 
-def test_a_second_ctrl_c_while_migrate_waits_for_its_dump_keeps_the_export(tmp_path, monkeypatch):
-    # The first Ctrl-C stops the upload; the push waits for the dump, which
-    # stops the container. A second Ctrl-C in that wait must not let the
-    # clean-up remove the export: it is all that is left of the container.
+def _fake_dump(tmp_path, monkeypatch):
+    """podman_source.checkpointed over a dump that writes Podman's export and
+    stops the container (no Podman): (the staging root, the container)."""
     from types import SimpleNamespace
 
     from gpusnap.ops import checkpoint as ops_checkpoint, podman_source
@@ -95,6 +94,16 @@ def test_a_second_ctrl_c_while_migrate_waits_for_its_dump_keeps_the_export(tmp_p
     monkeypatch.setattr(ops_checkpoint, "require_space", lambda *a: None)
     monkeypatch.setattr(ops_checkpoint, "run", dump)
     monkeypatch.setattr(podman_source, "_push_source", lambda *a: None)
+    return root, container
+
+
+def test_a_second_ctrl_c_while_migrate_waits_for_its_dump_keeps_the_export(tmp_path, monkeypatch):
+    # The first Ctrl-C stops the upload; the push waits for the dump, which
+    # stops the container. A second Ctrl-C in that wait must not let the
+    # clean-up remove the export: it is all that is left of the container.
+    from gpusnap.ops import podman_source
+
+    root, container = _fake_dump(tmp_path, monkeypatch)
 
     def second_ctrl_c(jobs):
         raise KeyboardInterrupt
@@ -104,6 +113,24 @@ def test_a_second_ctrl_c_while_migrate_waits_for_its_dump_keeps_the_export(tmp_p
             raise KeyboardInterrupt  # the first, in the upload
     exports = list(root.glob(f"{PUSH_PREFIX}*/checkpoint.tar"))
     assert [e.read_bytes() for e in exports] == [b"tar"]
+
+
+def test_an_upload_that_fails_not_in_gpusnaps_words_still_says_where_the_export_is(
+        tmp_path, monkeypatch):
+    # An OSError (or a bug) in the upload after the dump stopped the container:
+    # the line says where its checkpoint is kept and how back, as a
+    # GpusnapError's does (it said only the OSError's words before).
+    from gpusnap.ops import podman_source
+    from gpusnap.ops.push_source import KeptError
+
+    root, container = _fake_dump(tmp_path, monkeypatch)
+    with pytest.raises(KeptError) as failed:
+        with podman_source.checkpointed("web", False, None, True, container, None):
+            raise OSError(5, "Input/output error")
+    export = next(root.glob(f"{PUSH_PREFIX}*/checkpoint.tar"))
+    assert export.read_bytes() == b"tar"
+    assert "OSError: [Errno 5] Input/output error" in failed.value.message
+    assert f"checkpoint is kept in {export}" in failed.value.message
 
 
 def test_a_killed_pulls_fetch_scratch_in_ram_is_found(staging, tmp_path, monkeypatch):
