@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from gpusnap import journal
+from gpusnap.errors import GpusnapError
 from gpusnap.ops.push_source import kept_error
 from gpusnap.private import write_private
 
@@ -108,7 +109,7 @@ def killed(state: dict) -> dict:
                 "hint": f"push it again (chunks already sent are skipped); `gpusnap doctor "
                         f"--fix` removes the export it left, {export}"}
 
-    exc = kept_error(Exception("the upload was killed"), ctr, f"in {export}", export,
+    exc = kept_error(GpusnapError("the upload was killed"), ctr, f"in {export}", export,
                      state.get("restore_back") or f"`podman rm {ctr}; gpusnap restore {export}`")
     # the push's own retry (reference, trust and registry flags), recorded at the dump
     return {"error": exc.message,
