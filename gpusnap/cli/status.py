@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -57,7 +58,8 @@ def _details(s: dict) -> None:
     console.print(f"  checkpointed after {_seconds(s.get('checkpointed_after_s'))}; GPU free after "
                   f"{_seconds(s.get('gpu_free_after_s'))}; pushed after "
                   f"{_seconds(s.get('pushed_after_s'))}")
-    if s.get("export") and s["phase"] != "done":
+    # a failed push of a container left running removes its export: not named then
+    if s.get("export") and s["phase"] != "done" and Path(s["export"]).exists():
         console.print(f"  local checkpoint: {s['export']}")
     result = s.get("result") or {}
     if result.get("digest"):

@@ -109,6 +109,11 @@ def killed(state: dict) -> dict:
                 "hint": f"push it again (chunks already sent are skipped); `gpusnap doctor "
                         f"--fix` removes the export it left, {export}"}
 
+    if not Path(export).exists():  # pushed (then dropped), or removed since
+        return {"error": f"the upload was killed after {ctr}'s checkpoint; its export "
+                         f"{export} is gone: pushed, or removed since",
+                "hint": f"`gpusnap inspect {ref}` shows whether the registry has it; `podman "
+                        f"ps -a` what became of {ctr}"}
     exc = kept_error(GpusnapError("the upload was killed"), ctr, f"in {export}", export,
                      state.get("restore_back") or f"`podman rm {ctr}; gpusnap restore {export}`")
     # the push's own retry (reference, trust and registry flags), recorded at the dump

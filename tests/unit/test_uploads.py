@@ -52,20 +52,25 @@ def test_write_is_atomic(state_dir, monkeypatch):
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
-def test_a_running_upload_whose_process_is_gone_is_failed_with_its_export(state_dir):
+def test_a_running_upload_whose_process_is_gone_is_failed_with_its_export(state_dir, tmp_path):
     path = uploads.create("migrate", "web", "reg/app:v1", leave_running=False)
-    state = {**uploads.read(path), "phase": "uploading", "pid": _dead_pid(),
-             "export": "/var/lib/.gpusnap-push-x/checkpoint.tar"}
+    export = tmp_path / ".gpusnap-push-x" / "checkpoint.tar"
+    export.parent.mkdir()
+    export.write_bytes(b"tar")
+    state = {**uploads.read(path), "phase": "uploading", "pid": _dead_pid(), "export": str(export)}
     uploads.write(path, state)
     seen = uploads.find(state["id"])
     assert seen["phase"] == "failed"
     assert seen["error"] == ("the upload was killed; web is checkpointed and stopped, its "
-                             "checkpoint is kept in /var/lib/.gpusnap-push-x/checkpoint.tar")
-    assert "`gpusnap push /var/lib/.gpusnap-push-x/checkpoint.tar reg/app:v1` tries again " \
+                             f"checkpoint is kept in {export}")
+    assert f"`gpusnap push {export} reg/app:v1` tries again " \
            "(chunks already sent are skipped)" in seen["hint"]
-    assert "gpusnap restore /var/lib/.gpusnap-push-x/checkpoint.tar` brings it back here" \
-        in seen["hint"]
+    assert f"gpusnap restore {export}` brings it back here" in seen["hint"]
     assert json.loads(path.read_text())["phase"] == "uploading"  # derived, never rewritten
+    export.unlink()  # killed after its push dropped the export: nothing offers it
+    seen = uploads.find(state["id"])
+    assert "is gone: pushed, or removed since" in seen["error"] and str(export) in seen["error"]
+    assert "gpusnap inspect reg/app:v1" in seen["hint"] and "gpusnap push" not in seen["hint"]
 
 
 def test_a_live_process_is_only_alive_with_the_state_file_on_its_command_line(state_dir):
@@ -146,10 +151,11 @@ def test_child_args_drop_only_detach(argv, expected):
     assert child_args(argv) == expected
 
 
-def test_a_killed_detached_upload_prints_its_own_push_and_restore(state_dir):
+def test_a_killed_detached_upload_prints_its_own_push_and_restore(state_dir, tmp_path):
     path = uploads.create("migrate", "web", "reg/app:v1", leave_running=False)
-    export = "/var/lib/.gpusnap-push-x/checkpoint.tar"
-    state = {**uploads.read(path), "phase": "uploading", "pid": _dead_pid(), "export": export,
+    export = tmp_path / "checkpoint.tar"
+    export.write_bytes(b"tar")
+    state = {**uploads.read(path), "phase": "uploading", "pid": _dead_pid(), "export": str(export),
              "push_again": f"gpusnap push {export} reg/app:v1 --encrypt-to /k/them.pub --plain-http",
              "restore_back": "`gpusnap restore web` (its local checkpoint, whose memory pages lie "
                              "in /run/gpusnap/ram/.gpusnap-push-y)"}
