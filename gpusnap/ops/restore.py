@@ -72,12 +72,21 @@ def name_taken(target: str) -> GpusnapError:
 def free_name(name: str | None) -> str | None:
     """NAME-N, the first no container here has, where a container named ``name``
     exists on this host; None where it does not (or Podman is not installed,
-    so no name is taken): what a printed restore line adds as --name."""
-    if not name or shutil.which("podman") is None or not podman.exists(name):
+    so no name is taken, or does not answer): what a printed restore line adds
+    as --name. Asked after a push or pull is done: a Podman that does not
+    answer in time (another container's dump holds it) costs the line its
+    --name, not the command its success (a restore of a name in use says so)."""
+    if not name or shutil.which("podman") is None:
         return None
-    n = 2
-    while podman.exists(f"{name}-{n}"):
-        n += 1
+    try:
+        if not podman.exists(name):
+            return None
+        n = 2
+        while podman.exists(f"{name}-{n}"):
+            n += 1
+    except GpusnapError as exc:
+        journal.record("restore-line-unnamed", container=name, error=exc.message)
+        return None
     return f"{name}-{n}"
 
 

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
-from gpusnap.ops import advice
+from gpusnap.ops import advice, restore
 
 PINNED = "reg.example.com/jobs/train@sha256:" + "ab" * 32
 
@@ -56,3 +59,28 @@ def test_a_printed_podman_pull_trusts_the_ca_file_the_way_podman_takes_one(tmp_p
     assert RegistryOptions(ca_file=str(ca)).podman_flags() == f" --cert-dir {ca.parent}"
     assert RegistryOptions(ca_file=str(ca), plain_http=True).podman_flags() == \
         " --tls-verify=false"
+
+
+# ops.restore.free_name: the --name a printed restore line adds, asked of Podman
+# after a push or pull is done.
+
+
+@pytest.fixture
+def podman_here(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(restore.shutil, "which", lambda name: f"/usr/bin/{name}")
+
+
+def test_a_taken_name_gets_the_first_free_number(podman_here, monkeypatch):
+    taken = {"web", "web-2"}
+    monkeypatch.setattr(restore.podman, "exists", lambda name: name in taken)
+    assert restore.free_name("web") == "web-3"
+    assert restore.free_name("api") is None
+
+
+def test_a_podman_that_does_not_answer_costs_the_line_its_name_not_the_push(podman_here,
+                                                                             monkeypatch):
+    def held(name):  # another container's dump holds Podman past the query's bound
+        raise GpusnapError("podman container exists: no answer within 120 s")
+    monkeypatch.setattr(restore.podman, "exists", held)
+    assert restore.free_name("web") is None
