@@ -22,6 +22,7 @@ import click
 from gpusnap.cli.output import console, emit, human_bytes
 from gpusnap.errors import GpusnapError
 from gpusnap.oci.registry import RegistryOptions
+from gpusnap.trust.options import TrustOptions
 from gpusnap.ops import uploads
 from gpusnap.ops.advice import container_state, gpusnap_command
 from gpusnap.ops.container_busy import refuse_if_busy
@@ -73,10 +74,16 @@ def child_args(argv: list[str]) -> list[str]:
 
 def start(command: str, container: str, ref: str, leave_running: bool,
           registry: Callable[[], RegistryOptions], as_json: bool,
-          pre_checkpoint: bool = False) -> None:
+          pre_checkpoint: bool = False, trust: TrustOptions | None = None,
+          image_format: str = "gpusnap") -> None:
     """Start the background upload, wait for its checkpoint, say how to follow it
-    (``pre_checkpoint``: migrate -P's first round, which the target prefetches)."""
+    (``pre_checkpoint``: migrate -P's first round, which the target prefetches).
+    What the push would refuse first (the reference, the keys, the registry's
+    credentials) is refused here, before an upload record is made."""
     opts = registry()  # --password-stdin: read here, handed on through a pipe
+    from gpusnap.ops import push as ops_push  # registry code: imported only when used
+
+    ops_push.preflight(container, ref, opts, trust, image_format)
     path = uploads.create(command, container, ref, leave_running)
     log = uploads.log_path(path)
     args = [sys.executable, "-m", "gpusnap", *child_args(sys.argv[1:]),

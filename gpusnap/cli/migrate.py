@@ -57,7 +57,7 @@ def migrate_cmd(container: str, ref: str, leave_running: bool, pre_checkpoint: b
         raise GpusnapError(f"no such container: {container}", "list containers with `podman ps`")
     if detach:
         bg.start("migrate", container, ref, leave_running or pre_checkpoint, registry, as_json,
-                 pre_checkpoint)
+                 pre_checkpoint, trust)
         return
 
     def push(tracker: Tracker | None = None) -> dict:

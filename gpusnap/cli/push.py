@@ -174,7 +174,8 @@ def push_cmd(source: str, ref: str, stop: bool, leave_running: bool, level: int,
         if not podman.exists(source):
             raise GpusnapError(f"{source}: no such file, directory or container",
                                "pass a running container's name (`podman ps`)")
-        bg.start("push", source, ref, not stop, registry, as_json)
+        bg.start("push", source, ref, not stop, registry, as_json, trust=trust,
+                 image_format=image_format)
         return
 
     def push(tracker: Tracker | None = None) -> dict:

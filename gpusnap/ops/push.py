@@ -287,6 +287,30 @@ def _target(source: str, ref_text: str, image_format: str) -> reference.Referenc
     return ref
 
 
+def _target_and_keys(source: str, ref_text: str, trust: TrustOptions | None,
+                     image_format: str) -> tuple[reference.Reference, PushTrust]:
+    """REF as a target and the push's keys: a wrong key or passphrase fails
+    before a container is checkpointed."""
+    from gpusnap.trust.remote import PushTrust  # cryptography: imported only when pushing
+
+    return (_target(source, ref_text, image_format),
+            PushTrust.load(trust, chunked=image_format == "gpusnap"))
+
+
+def preflight(source: str, ref_text: str, opts: RegistryOptions, trust: TrustOptions | None,
+              image_format: str = "gpusnap") -> None:
+    """What a push of the container ``source`` refuses before it checkpoints
+    anything (the reference, the keys, the registry's credentials), asked
+    alone: --detach asks it in the foreground, so that a refusal is its one
+    line and leaves no failed background upload behind."""
+    ref, _ = _target_and_keys(source, ref_text, trust, image_format)
+    client = RegistryClient(ref, opts, push=True)
+    try:
+        client.ping()
+    finally:
+        client.close()
+
+
 def _bundle(source: str, files: list[fmt.FileEntry], contents: archive.CheckpointContents,
             scale: int, level: int) -> fmt.Bundle:
     """The config of what was uploaded: its files and what the checkpoint says of itself."""
@@ -376,11 +400,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     A --leave-running checkpoint that would not restore (ops/snapshot_files.py)
     is refused before a reference is pushed, and taken again (SNAPSHOT_TRIES)."""
     leave_running = leave_running or pre_checkpoint
-    from gpusnap.trust.remote import PushTrust  # cryptography: imported only when pushing
-
-    ref = _target(source, ref_text, image_format)
-    # keys first: a wrong key or passphrase fails before a container is checkpointed
-    sealing = PushTrust.load(trust, chunked=image_format == "gpusnap")
+    ref, sealing = _target_and_keys(source, ref_text, trust, image_format)
     # a mistyped name is not reported as the registry's fault, a busy one not as Podman's
     container = find_container(source, paths=not container_only)
     client = RegistryClient(ref, opts, push=True)

@@ -283,6 +283,15 @@ def test_wrong_or_missing_credentials_are_one_line(registry, counter, tmp_path):
     res = gs("push", str(archive), ref, *registry.flags(), password="wrong")
     assert_one_line_error(res, "refused the credentials", USER,
                           hint=f"log in again with `podman login {registry.host}`")
+    # --detach says it in the foreground, before a background upload exists
+    uploads_before = gs_json("status")["uploads"]
+    for verb in ("push", "migrate"):
+        res = gs(verb, "-d", counter, ref, *registry.flags(), password="wrong")
+        assert_one_line_error(res, "refused the credentials", USER,
+                              hint=f"log in again with `podman login {registry.host}`")
+    assert gs_json("status")["uploads"] == uploads_before
+    assert podman("container", "inspect", counter, "--format",
+                  "{{.State.Status}}").stdout.strip() == "running"
     empty = tmp_path / "empty-auth.json"
     empty.write_text("{}")
     res = run([GPUSNAP, "pull", ref, "--ca-file", str(registry.ca), "--authfile", str(empty)])
