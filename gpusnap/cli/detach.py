@@ -81,9 +81,9 @@ def start(command: str, container: str, ref: str, leave_running: bool,
     What the push would refuse first (the reference, the keys, the registry's
     credentials) is refused here, before an upload record is made."""
     opts = registry()  # --password-stdin: read here, handed on through a pipe
-    from gpusnap.ops import push as ops_push  # registry code: imported only when used
+    from gpusnap.ops.push_checks import preflight  # registry code: imported only when used
 
-    ops_push.preflight(container, ref, opts, trust, image_format)
+    preflight(container, ref, opts, trust, image_format)
     path = uploads.create(command, container, ref, leave_running)
     log = uploads.log_path(path)
     args = [sys.executable, "-m", "gpusnap", *child_args(sys.argv[1:]),

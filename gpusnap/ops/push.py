@@ -27,6 +27,7 @@ from gpusnap.ops import container_busy, push_podman
 from gpusnap.ops.checkpoint import SNAPSHOT_TRIES, StaleSnapshot, TakeAgain, gave_up
 from gpusnap.ops.advice import push_command
 from gpusnap.ops.push_source import KeptError, PushSource
+from gpusnap.ops.push_checks import target_and_keys
 from gpusnap.ops.sources import find_container, open_source
 from gpusnap.runtime.storage import image_repo_digests
 from gpusnap.trust.options import TrustOptions
@@ -270,47 +271,6 @@ def _submit_member(entry: fmt.FileEntry, data: BinaryIO, params: chunker.ChunkPa
     return futures
 
 
-FORMATS = ("gpusnap", "podman")
-
-
-def _target(source: str, ref_text: str, image_format: str) -> reference.Reference:
-    """REF as a push target, refused before anything is read or checkpointed."""
-    ref = reference.parse(ref_text)
-    if ref.digest:
-        raise GpusnapError(f"{ref_text}: push to a tag, not a digest",
-                           "the digest is known only once the checkpoint is pushed")
-    if image_format not in FORMATS:
-        raise GpusnapError(f"unknown format {image_format!r}", f"pass one of {', '.join(FORMATS)}")
-    if image_format == "podman" and source.startswith("containerd://"):
-        raise GpusnapError("--format podman makes images Podman restores, not containerd",
-                           "push containerd checkpoints in gpusnap's format (the default)")
-    return ref
-
-
-def _target_and_keys(source: str, ref_text: str, trust: TrustOptions | None,
-                     image_format: str) -> tuple[reference.Reference, PushTrust]:
-    """REF as a target and the push's keys: a wrong key or passphrase fails
-    before a container is checkpointed."""
-    from gpusnap.trust.remote import PushTrust  # cryptography: imported only when pushing
-
-    return (_target(source, ref_text, image_format),
-            PushTrust.load(trust, chunked=image_format == "gpusnap"))
-
-
-def preflight(source: str, ref_text: str, opts: RegistryOptions, trust: TrustOptions | None,
-              image_format: str = "gpusnap") -> None:
-    """What a push of the container ``source`` refuses before it checkpoints
-    anything (the reference, the keys, the registry's credentials), asked
-    alone: --detach asks it in the foreground, so that a refusal is its one
-    line and leaves no failed background upload behind."""
-    ref, _ = _target_and_keys(source, ref_text, trust, image_format)
-    client = RegistryClient(ref, opts, push=True)
-    try:
-        client.ping()
-    finally:
-        client.close()
-
-
 def _bundle(source: str, files: list[fmt.FileEntry], contents: archive.CheckpointContents,
             scale: int, level: int) -> fmt.Bundle:
     """The config of what was uploaded: its files and what the checkpoint says of itself."""
@@ -400,7 +360,7 @@ def push(source: str, ref_text: str, opts: RegistryOptions, *, leave_running: bo
     A --leave-running checkpoint that would not restore (ops/snapshot_files.py)
     is refused before a reference is pushed, and taken again (SNAPSHOT_TRIES)."""
     leave_running = leave_running or pre_checkpoint
-    ref, sealing = _target_and_keys(source, ref_text, trust, image_format)
+    ref, sealing = target_and_keys(source, ref_text, trust, image_format)
     # a mistyped name is not reported as the registry's fault, a busy one not as Podman's
     container = find_container(source, paths=not container_only)
     client = RegistryClient(ref, opts, push=True)
