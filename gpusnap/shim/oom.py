@@ -62,13 +62,30 @@ class OomWatch:
         self.folder, self._on_oom = folder, on_oom
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._fds: list[int] = []
+        self._lock = threading.Lock()  # one reader of the counter: each kill said once
         try:
-            wait = self._v2() if cgroup2 else self._v1()
+            self._more = self._v2() if cgroup2 else self._v1()
         except OSError:
             self._close()
             self.stop()
             raise
-        threading.Thread(target=self._run, args=(wait,), name="oom", daemon=True).start()
+        threading.Thread(target=self._run, name="oom", daemon=True).start()
+
+    def check(self) -> bool:
+        """Says an OOM kill the kernel counted since the last check, now, from
+        this thread: the task's exit calls it before TaskExit, while its cgroup
+        still stands (the watch's thread may not have run yet, and Delete
+        removes the cgroup right after the exit). False once the cgroup is gone."""
+        with self._lock:
+            if not self._fds:
+                return False
+            try:
+                grew = self._more()
+            except OSError:  # the cgroup removed under the read
+                return False
+            if grew:
+                self._on_oom()
+            return True
 
     def _v2(self) -> Callable[[], bool]:
         fd = os.open(os.path.join(self.folder, "memory.events"), os.O_RDONLY | os.O_CLOEXEC)
@@ -95,13 +112,17 @@ class OomWatch:
             try:
                 os.eventfd_read(efd)
             except BlockingIOError:  # woken for nothing
+                if not os.path.isdir(self.folder):
+                    raise FileNotFoundError(self.folder) from None
                 return False
             # the last signal comes when the cgroup is removed: not an OOM
-            return os.path.isdir(self.folder)
+            if not os.path.isdir(self.folder):
+                raise FileNotFoundError(self.folder)
+            return True
         self._watch = (efd, select.POLLIN)
         return more
 
-    def _run(self, more: Callable[[], bool]) -> None:
+    def _run(self) -> None:
         poller = select.poll()
         poller.register(self._watch[0], self._watch[1])
         poller.register(self._stop_r, select.POLLIN)
@@ -110,17 +131,13 @@ class OomWatch:
                 ready = dict(poller.poll())
                 # the cgroup's news before the stop: an OOM that ended the task
                 # wakes both at once, and its event must still go out
-                if self._watch[0] in ready:
-                    if more():
-                        self._on_oom()
-                    elif not os.path.isdir(self.folder):
-                        return
+                if self._watch[0] in ready and not self.check():
+                    return  # the cgroup is gone
                 if self._stop_r in ready:
                     return
-        except OSError as e:  # the cgroup removed under a read
-            log.debug("OOM watch of %s ends: %s", self.folder, e)
         finally:
-            self._close()
+            with self._lock:
+                self._close()
 
     def stop(self) -> None:
         """Ends the thread (at the task's Delete); called once or more."""

@@ -100,6 +100,8 @@ class TaskService:
             p.set_exited(ex.status, ex.at_ns)
         if p is c.init:
             requests.drop(p.pid, requests.HELD)  # bound to it: stale from now on anyway
+            if c.oom is not None:  # an OOM kill said before the exit, while the cgroup stands
+                c.oom.check()
         if p.io is not None:
             p.io.close_stdin()
         self._publish("TaskExit", container_id=c.id, id=p.id, pid=ex.pid, exit_status=ex.status,
