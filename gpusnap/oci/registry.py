@@ -21,8 +21,8 @@ from gpusnap.oci import stall
 from gpusnap.waits import Bound
 from gpusnap.oci.auth import Credentials, find_credentials, parse_challenge
 from gpusnap.oci.lazy import need
-from gpusnap.oci.unreachable import (CUT_SHORT_HINT, ITS_SIDE, NOT_IT, socket_why,
-                                     tls_misconfigured)
+from gpusnap.oci.unreachable import (ITS_SIDE, NOT_IT, TransientError, tls_misconfigured,
+                                     unreachable_error)
 from gpusnap.oci.reference import Reference
 from gpusnap.oci.registry_options import RegistryOptions, tls_verify
 
@@ -40,10 +40,6 @@ _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 class DigestMismatch(GpusnapError):
     pass
-
-
-class TransientError(GpusnapError):
-    """The registry could not be reached or answered 5xx/429: worth another try."""
 
 
 def _shown_url(url: str) -> str:
@@ -126,35 +122,9 @@ class RegistryClient:
     def _tls_misconfigured(self, exc: Exception) -> bool:
         return isinstance(exc, self._exc.SSLError) and tls_misconfigured(str(exc))
 
-    def _unreachable(self, exc: Exception) -> GpusnapError:
-        text = str(exc)
-        if self._tls_misconfigured(exc):
-            if "WRONG_VERSION_NUMBER" in text.upper() or "wrong version number" in text:
-                return GpusnapError(f"registry {self.ref.registry} does not speak TLS",
-                                    "pass --plain-http for a registry served over plain HTTP")
-            why = "certificate verify failed" if "CERTIFICATE_VERIFY_FAILED" in text else "TLS error"
-            return GpusnapError(f"TLS connection to registry {self.ref.registry} failed: {why}",
-                                "pass --ca-file FILE (the registry's CA) or --tls-verify=false")
-        if "refused" in text.lower():
-            why = "connection refused"
-        elif isinstance(exc, self._exc.ConnectTimeout):
-            why = f"no connection within {self._timeout[0]:.0f} s"
-        elif isinstance(exc, self._exc.Timeout):
-            why = f"it sent nothing for {self._timeout[1]:.0f} s"
-        elif isinstance(exc, self._exc.ProxyError):
-            return TransientError(f"cannot reach registry {self.ref.registry} through the proxy: "
-                                  f"{socket_why(text, self._timeout[1]) or 'the proxy failed'}",
-                                  "check HTTPS_PROXY / HTTP_PROXY and NO_PROXY")
-        elif "Name or service not known" in text or "resolve" in text.lower():
-            why = "unknown host"
-        elif isinstance(exc, self._exc.ChunkedEncodingError):  # reached; its answer ended early
-            return TransientError(f"registry {self.ref.registry} cut its answer short (after "
-                                  f"{self.opts.retries} tries)", CUT_SHORT_HINT)
-        else:
-            why = socket_why(text, self._timeout[1]) or type(exc).__name__
-        return TransientError(f"cannot reach registry {self.ref.registry}: {why} "
-                              f"(after {self.opts.retries} tries)",
-                              "check that the registry is up and the address is right")
+    def _unreachable(self, exc: Exception, what: str | None = None) -> GpusnapError:
+        return unreachable_error(exc, self._exc, self.ref.registry, self.opts.retries,
+                                 self._timeout, what)
 
     @property
     def _timeout(self) -> tuple[float, float]:
@@ -265,17 +235,15 @@ class RegistryClient:
         headers = {"Authorization": self.creds.basic_header()} if self.creds else {}
         url = f"{realm}?{urlencode(query)}"
         shown = _shown_url(realm)  # the registry chose it: it may carry anything
-        try:
-            resp = self.session.get(url, headers=headers, verify=self.verify,
-                                    timeout=self._timeout)
-        except (self._exc.ConnectionError, self._exc.Timeout) as exc:
-            raise self._unreachable(exc) from None
-        except self._exc.RequestException as exc:
-            raise self._failed("GET", shown, exc) from None
+        resp = self._token_answer(url, headers, shown)
         if resp.status_code in (401, 403):
             raise self._denied(resp)
         if resp.status_code != 200:
-            raise GpusnapError(f"token service {shown} answered {_registry_error(resp)}")
+            kind = TransientError if resp.status_code in _RETRY_STATUS else GpusnapError
+            raise kind(f"token service {shown} of registry {self.ref.registry} answered "
+                       f"{_registry_error(resp)} (after {self.opts.retries} tries)"
+                       if kind is TransientError else
+                       f"token service {shown} answered {_registry_error(resp)}")
         try:
             body = resp.json()
         except ValueError:
@@ -285,6 +253,31 @@ class RegistryClient:
         if not token or not isinstance(token, str):
             raise GpusnapError(f"token service {shown} returned no token")
         return token
+
+    def _token_answer(self, url: str, headers: dict, shown: str):
+        """The token service's answer, tried again as a registry request is (a
+        blip while tokens expire mid-push would fail it all); said as the
+        token service's, which may be another host than the registry."""
+        attempt = 0
+        while True:
+            try:
+                resp = self.session.get(url, headers=headers, verify=self.verify,
+                                        timeout=self._timeout)
+            except (self._exc.ConnectionError, self._exc.Timeout) as exc:
+                attempt += 1
+                if self._tls_misconfigured(exc) or attempt >= self.opts.retries:
+                    raise self._unreachable(exc, f"the token service {shown} of registry "
+                                                 f"{self.ref.registry}") from None
+                time.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
+                continue
+            except self._exc.RequestException as exc:
+                raise self._failed("GET", shown, exc) from None
+            if resp.status_code in _RETRY_STATUS and attempt + 1 < self.opts.retries:
+                resp.close()
+                attempt += 1
+                time.sleep(self.opts.backoff_s * 2 ** (attempt - 1))
+                continue
+            return resp
 
     # -- API -----------------------------------------------------------------------
 

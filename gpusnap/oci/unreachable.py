@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from gpusnap.errors import GpusnapError
+
 _SOCKET_WHYS = (("network is unreachable", "network unreachable"),
                 ("no route", "no route to host"),
                 ("connection reset", "connection reset"),
@@ -42,3 +44,42 @@ def tls_misconfigured(text: str) -> bool:
     low = text.lower()
     return any(s in low for s in ("certificate verify failed", "wrong version number",
                                   "doesn't match", "unknown ca", "bad certificate"))
+
+
+class TransientError(GpusnapError):
+    """The registry could not be reached or answered 5xx/429: worth another try."""
+
+
+def unreachable_error(exc: Exception, exceptions, registry: str, retries: int,
+                      timeout: tuple[float, float], what: str | None = None) -> GpusnapError:
+    """``exc``, requests' error (of module ``exceptions``) for a request that
+    met no answer after ``retries`` tries, in words (``what``: the host's
+    name in them, the registry's where not given)."""
+    text = str(exc)
+    what = what or f"registry {registry}"
+    if isinstance(exc, exceptions.SSLError) and tls_misconfigured(text):
+        if "WRONG_VERSION_NUMBER" in text.upper() or "wrong version number" in text:
+            return GpusnapError(f"registry {registry} does not speak TLS",
+                                "pass --plain-http for a registry served over plain HTTP")
+        why = "certificate verify failed" if "CERTIFICATE_VERIFY_FAILED" in text else "TLS error"
+        return GpusnapError(f"TLS connection to registry {registry} failed: {why}",
+                            "pass --ca-file FILE (the registry's CA) or --tls-verify=false")
+    if "refused" in text.lower():
+        why = "connection refused"
+    elif isinstance(exc, exceptions.ConnectTimeout):
+        why = f"no connection within {timeout[0]:.0f} s"
+    elif isinstance(exc, exceptions.Timeout):
+        why = f"it sent nothing for {timeout[1]:.0f} s"
+    elif isinstance(exc, exceptions.ProxyError):
+        return TransientError(f"cannot reach registry {registry} through the proxy: "
+                              f"{socket_why(text, timeout[1]) or 'the proxy failed'}",
+                              "check HTTPS_PROXY / HTTP_PROXY and NO_PROXY")
+    elif "Name or service not known" in text or "resolve" in text.lower():
+        why = "unknown host"
+    elif isinstance(exc, exceptions.ChunkedEncodingError):  # reached; its answer ended early
+        return TransientError(f"registry {registry} cut its answer short (after "
+                              f"{retries} tries)", CUT_SHORT_HINT)
+    else:
+        why = socket_why(text, timeout[1]) or type(exc).__name__
+    return TransientError(f"cannot reach {what}: {why} (after {retries} tries)",
+                          "check that the registry is up and the address is right")

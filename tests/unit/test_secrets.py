@@ -102,18 +102,22 @@ def test_a_spec_error_never_quotes_an_environment_value():
 
 
 class _Registry(BaseHTTPRequestHandler):
-    """/v2/ asks for a Bearer token from ``realm``; the token service answers ``token``."""
+    """/v2/ asks for a Bearer token from ``realm``; the token service answers ``token``
+    (``token_fails``: its first answers are 503s, counted in ``token_asked``)."""
     realm = ""
     token = ""
     token_status = 200
+    token_fails = 0
+    token_asked = 0
 
     def log_message(self, *args) -> None:
         pass
 
     def do_GET(self) -> None:
         if self.path.startswith("/token"):
+            type(self).token_asked += 1
             body = json.dumps({"token": self.token}).encode()
-            self.send_response(self.token_status)
+            self.send_response(503 if self.token_asked <= self.token_fails else self.token_status)
         elif self.headers.get("Authorization"):
             body = b"{}"
             self.send_response(200)
@@ -136,13 +140,33 @@ def registry():
     server.server_close()
 
 
-def _client(server, password: str = "pw"):
+def _client(server, password: str = "pw", retries: int = 1):
     pytest.importorskip("requests")
     from gpusnap.oci.registry import RegistryClient, RegistryOptions
 
     ref = reference.parse(f"127.0.0.1:{server.server_port}/ckpt/app:v1")
     return RegistryClient(ref, RegistryOptions(username="u", password=password, plain_http=True,
-                                               retries=1, backoff_s=0))
+                                               retries=retries, backoff_s=0))
+
+
+def test_a_token_service_that_blips_is_asked_again_and_named_when_it_stays_down(registry):
+    """Tokens expire mid-push: one 503 of the token service failed the push
+    (since the first failed chunk fails it all, at once); its tries are the
+    registry's, and a service that stays down is named as the token service."""
+    from gpusnap.oci.registry import TransientError
+
+    handler = registry.RequestHandlerClass
+    handler.realm = f"http://127.0.0.1:{registry.server_port}/token"
+    handler.token, handler.token_fails = "t0k", 2
+    _client(registry, retries=4).ping()
+    assert handler.token_asked == 3
+    handler.token_asked, handler.token_fails = 0, 99
+    with pytest.raises(TransientError) as err:
+        _client(registry, retries=4).ping()
+    assert handler.token_asked == 4
+    assert err.value.message.startswith(f"token service http://127.0.0.1:{registry.server_port}"
+                                        "/token of registry 127.0.0.1:")
+    assert "(after 4 tries)" in err.value.message
 
 
 def test_a_token_requests_refuses_as_a_header_is_not_quoted(registry):
