@@ -63,13 +63,14 @@ class OomWatch:
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._fds: list[int] = []
         self._lock = threading.Lock()  # one reader of the counter: each kill said once
+        self._stop_lock = threading.Lock()
         try:
             self._more = self._v2() if cgroup2 else self._v1()
-        except OSError:
+            threading.Thread(target=self._run, name="oom", daemon=True).start()
+        except BaseException:  # OSError; RuntimeError: no thread (the shim at its pids limit)
             self._close()
             self.stop()
             raise
-        threading.Thread(target=self._run, name="oom", daemon=True).start()
 
     def check(self) -> bool:
         """Says an OOM kill the kernel counted since the last check, now, from
@@ -140,8 +141,10 @@ class OomWatch:
                 self._close()
 
     def stop(self) -> None:
-        """Ends the thread (at the task's Delete); called once or more."""
-        fd, self._stop_w = self._stop_w, -1
+        """Ends the thread (at the task's Delete); called once or more, from
+        any thread (two Deletes of one task)."""
+        with self._stop_lock:
+            fd, self._stop_w = self._stop_w, -1
         if fd < 0:
             return
         try:
@@ -169,6 +172,6 @@ def watch(cid: str, pid: int, on_oom: Callable[[], None]) -> OomWatch | None:
         return None
     try:
         return OomWatch(folder, cgroup2, on_oom)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 -- the task runs on, unwatched: never its Create's failure
         log.info("container %s: cannot watch %s for OOM kills: %s", cid, folder, e)
         return None

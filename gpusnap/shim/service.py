@@ -72,10 +72,10 @@ class TaskService:
         self.publisher.publish(getattr(self.pb.task_events, name)(**fields))
 
     def _watch(self, c: Container, p: Proc) -> None:
-        if p is c.init:  # the kernel's OOM kills, said as TaskOOM: CRI's "OOMKilled" (oom.py)
-            c.oom = oom.watch(c.id, p.pid, functools.partial(self._publish, "TaskOOM", container_id=c.id))
         fut = self.reaper.watch(p.pid)
         fut.add_done_callback(lambda f: self._exits.put((c, p, f.result())))
+        if p is c.init:  # the kernel's OOM kills, said as TaskOOM: CRI's "OOMKilled" (oom.py)
+            c.oom = oom.watch(c.id, p.pid, functools.partial(self._publish, "TaskOOM", container_id=c.id))
 
     def _exit_loop(self) -> None:
         while True:
@@ -96,12 +96,14 @@ class TaskService:
             for e in list(c.execs.values()):
                 if e.status in ("running", "paused"):
                     e.published.wait()
+        if p is c.init and c.oom is not None:
+            # an OOM kill said before the exit, while the cgroup stands: Wait answers
+            # once exited is set, and the Delete after it removes the cgroup
+            c.oom.check()
         with self.lock:  # Resume's "running" never lands after this
             p.set_exited(ex.status, ex.at_ns)
         if p is c.init:
             requests.drop(p.pid, requests.HELD)  # bound to it: stale from now on anyway
-            if c.oom is not None:  # an OOM kill said before the exit, while the cgroup stands
-                c.oom.check()
         if p.io is not None:
             p.io.close_stdin()
         self._publish("TaskExit", container_id=c.id, id=p.id, pid=ex.pid, exit_status=ex.status,

@@ -27,10 +27,17 @@ def test_an_oom_kill_counted_at_the_exit_is_said_before_the_exit(tmp_path, monke
                       None, lambda: None)
     p = Proc(id="c1", paths=Paths(), pid=4242, status="running")
     c = Container(id="c1", bundle=str(tmp_path), init=p)
-    c.oom = SimpleNamespace(check=lambda: svc._publish("TaskOOM", container_id="c1"))
+    exited_at_check: list[bool] = []
+
+    def check() -> None:
+        exited_at_check.append(p.exited.is_set())
+        svc._publish("TaskOOM", container_id="c1")
+    c.oom = SimpleNamespace(check=check)
     p.started.set()
     svc._process_exit(c, p, Exit(4242, 137, 1))
     assert said == ["TaskOOM", "TaskExit"]
+    # before Wait can answer: a client's Delete right after it removes the cgroup
+    assert exited_at_check == [False]
 
 
 def test_oom_kills_reads_memory_events():
