@@ -10,6 +10,7 @@ is one GpusnapError naming the registry.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import threading
 import time
@@ -78,6 +79,7 @@ class RegistryClient:
         else:
             self.creds = find_credentials(ref.registry, ref.repository, opts.authfile)
         self._auth: str | None = None
+        self._auth_failed: tuple[str | None, GpusnapError] | None = None  # (sent, its failure)
         self._lock = threading.Lock()
         self._session = None
         self._session_lock = threading.Lock()
@@ -123,8 +125,7 @@ class RegistryClient:
         return isinstance(exc, self._exc.SSLError) and tls_misconfigured(str(exc))
 
     def _unreachable(self, exc: Exception, what: str | None = None) -> GpusnapError:
-        return unreachable_error(exc, self._exc, self.ref.registry, self.opts.retries,
-                                 self._timeout, what)
+        return unreachable_error(exc, self._exc, self.ref.registry, self.opts.retries, self._timeout, what)
 
     @property
     def _timeout(self) -> tuple[float, float]:
@@ -214,16 +215,25 @@ class RegistryClient:
         with self._lock:
             if self._auth != sent_auth:  # another thread already answered it
                 return
-            scheme, params = parse_challenge(resp.headers.get("WWW-Authenticate", ""))
-            if scheme == "basic":
-                if self.creds is None:
-                    raise self._denied(resp)
-                self._auth = self.creds.basic_header()
-            elif scheme == "bearer":
-                self._auth = "Bearer " + self._token(params)
-            else:
-                raise GpusnapError(f"registry {self.ref.registry} asks for unsupported "
-                                   f"authentication {scheme or '(none given)'!r}")
+            if self._auth_failed is not None and self._auth_failed[0] == sent_auth:
+                raise copy.copy(self._auth_failed[1])  # failed while this waited: not each in turn
+            try:
+                self._answer_challenge(resp)
+            except GpusnapError as exc:
+                self._auth_failed = (sent_auth, exc)
+                raise
+
+    def _answer_challenge(self, resp) -> None:
+        scheme, params = parse_challenge(resp.headers.get("WWW-Authenticate", ""))
+        if scheme == "basic":
+            if self.creds is None:
+                raise self._denied(resp)
+            self._auth = self.creds.basic_header()
+        elif scheme == "bearer":
+            self._auth = "Bearer " + self._token(params)
+        else:
+            raise GpusnapError(f"registry {self.ref.registry} asks for unsupported "
+                               f"authentication {scheme or '(none given)'!r}")
 
     def _token(self, params: dict[str, str]) -> str:
         realm = params.get("realm")
@@ -239,11 +249,10 @@ class RegistryClient:
         if resp.status_code in (401, 403):
             raise self._denied(resp)
         if resp.status_code != 200:
-            kind = TransientError if resp.status_code in _RETRY_STATUS else GpusnapError
-            raise kind(f"token service {shown} of registry {self.ref.registry} answered "
-                       f"{_registry_error(resp)} (after {self.opts.retries} tries)"
-                       if kind is TransientError else
-                       f"token service {shown} answered {_registry_error(resp)}")
+            said = f"token service {shown} of registry {self.ref.registry} answered {_registry_error(resp)}"
+            if resp.status_code in _RETRY_STATUS:
+                raise TransientError(f"{said} (after {self.opts.retries} tries)")
+            raise GpusnapError(said)
         try:
             body = resp.json()
         except ValueError:
@@ -255,9 +264,8 @@ class RegistryClient:
         return token
 
     def _token_answer(self, url: str, headers: dict, shown: str):
-        """The token service's answer, tried again as a registry request is (a
-        blip while tokens expire mid-push would fail it all); said as the
-        token service's, which may be another host than the registry."""
+        """The token service's answer, tried as a registry request is (a blip as tokens
+        expire mid-push failed it all); named as itself: it may be another host."""
         attempt = 0
         while True:
             try:

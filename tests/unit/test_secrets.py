@@ -247,3 +247,21 @@ def test_gpu_manifest_has_no_place_for_an_environment():
     with pytest.raises(ManifestError) as err:
         Manifest.from_dict(data)
     assert SECRET not in str(err.value)
+
+
+def test_workers_that_meet_a_dead_token_service_together_do_not_each_try_it_in_turn(registry):
+    """Tokens expire under several upload threads at once: the first one's
+    tries failed, and each waiting thread then ran its own (minutes each on a
+    service that takes connections and answers nothing); they share the one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpusnap.oci.registry import TransientError
+
+    handler = registry.RequestHandlerClass
+    handler.realm = f"http://127.0.0.1:{registry.server_port}/token"
+    handler.token_fails = 99
+    client = _client(registry, retries=3)
+    with ThreadPoolExecutor(6) as pool:
+        errors = [f.exception(timeout=30) for f in [pool.submit(client.ping) for _ in range(6)]]
+    assert all(isinstance(e, TransientError) for e in errors), errors
+    assert handler.token_asked == 3, handler.token_asked
