@@ -133,6 +133,25 @@ def _stat_after_comm(pid: int) -> list[str] | None:
         return None
 
 
+def cgroup_of(pid: int, controller: str, root: Path = Path("/sys/fs/cgroup"),
+              proc: Path = PROC) -> tuple[Path, int] | None:
+    """The cgroup folder that holds ``pid`` for ``controller``, and its version:
+    the v1 hierarchy that has the controller, else the unified one (2); None
+    where /proc names neither. OSError: no such process."""
+    v1 = v2 = None
+    for line in (proc / str(pid) / "cgroup").read_text().splitlines():
+        hierarchy, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            v1 = path
+        elif hierarchy == "0":
+            v2 = path
+    if v1 is not None:
+        return root / controller / v1.lstrip("/"), 1
+    if v2 is not None:
+        return root / v2.lstrip("/"), 2
+    return None
+
+
 def parent_of(pid: int) -> int | None:
     """The parent's pid (/proc/PID/stat field 4); None when the process is gone."""
     fields = _stat_after_comm(pid)

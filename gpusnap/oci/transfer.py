@@ -169,7 +169,7 @@ class Uploader(_Pool):
         self.budget.acquire(size)
         if self._error is not None:  # failed while this waited for room
             self.budget.release(size)
-            raise _again(self._error)
+            self._give_up_if_failed()
         # In a list the worker can take it out of: the pool's work item keeps its
         # arguments until the call returns, which would hold the raw bytes while
         # the compressed blob is uploaded.

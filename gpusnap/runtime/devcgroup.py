@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap.errors import GpusnapError
+from gpusnap.procs import cgroup_of
 
 # What runc allows every container on top of its spec (libcontainer's
 # AllowedDevices): mknod of anything, the standard character nodes, ptys, tun.
@@ -297,15 +298,7 @@ def _v1_write(cgroup: Path, current: list[Rule], wanted: list[Rule]) -> None:
 
 def device_cgroup(pid: int) -> tuple[Path, int]:
     """The cgroup that filters ``pid``'s device access, and the cgroup version."""
-    v1 = v2 = None
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        hierarchy, controllers, path = line.split(":", 2)
-        if "devices" in controllers.split(","):
-            v1 = path
-        elif hierarchy == "0":
-            v2 = path
-    if v1 is not None:
-        return Path("/sys/fs/cgroup/devices") / v1.lstrip("/"), 1
-    if v2 is not None:
-        return Path("/sys/fs/cgroup") / v2.lstrip("/"), 2
-    raise GpusnapError(f"cannot find the device cgroup of process {pid}")
+    found = cgroup_of(pid, "devices")
+    if found is None:
+        raise GpusnapError(f"cannot find the device cgroup of process {pid}")
+    return found

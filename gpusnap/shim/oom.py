@@ -24,25 +24,21 @@ import select
 import threading
 from typing import Callable
 
-from gpusnap.shim.stats import CGROUP_ROOT, cgroup2_host
+from gpusnap.procs import cgroup_of
 
 log = logging.getLogger("gpusnap.shim")
 
 
-def memory_cgroup(pid: int, cgroup2: bool, root: str = CGROUP_ROOT) -> str | None:
+def memory_cgroup(pid: int) -> tuple[str, bool] | None:
     """The folder of PID's memory cgroup, as the shim (in the host's cgroup
-    namespace) sees it; None where there is none."""
+    namespace) sees it, and whether it is cgroup v2; None where there is none."""
     try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            lines = f.read().splitlines()
+        found = cgroup_of(pid, "memory")
     except OSError:
         return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if (cgroup2 and controllers == "") or (not cgroup2 and "memory" in controllers.split(",")):
-            folder = os.path.join(root, "" if cgroup2 else "memory", path.lstrip("/"))
-            return folder if os.path.isdir(folder) else None
-    return None
+    if found is None or not found[0].is_dir():
+        return None
+    return str(found[0]), found[1] == 2
 
 
 def oom_kills(events: str) -> int:
@@ -111,15 +107,13 @@ class OomWatch:
 
         def more() -> bool:
             try:
-                os.eventfd_read(efd)
+                signalled = os.eventfd_read(efd) > 0
             except BlockingIOError:  # woken for nothing
-                if not os.path.isdir(self.folder):
-                    raise FileNotFoundError(self.folder) from None
-                return False
+                signalled = False
             # the last signal comes when the cgroup is removed: not an OOM
             if not os.path.isdir(self.folder):
                 raise FileNotFoundError(self.folder)
-            return True
+            return signalled
         self._watch = (efd, select.POLLIN)
         return more
 
@@ -164,12 +158,12 @@ class OomWatch:
 
 def watch(cid: str, pid: int, on_oom: Callable[[], None]) -> OomWatch | None:
     """A watch of PID's memory cgroup (the task's init), or None where it has none."""
-    cgroup2 = cgroup2_host()
-    folder = memory_cgroup(pid, cgroup2)
-    if folder is None:
+    found = memory_cgroup(pid)
+    if found is None:
         log.info("container %s: no memory cgroup found for pid %d; its OOM kills are not reported",
                  cid, pid)
         return None
+    folder, cgroup2 = found
     try:
         return OomWatch(folder, cgroup2, on_oom)
     except Exception as e:  # noqa: BLE001 -- the task runs on, unwatched: never its Create's failure

@@ -88,3 +88,19 @@ def test_a_process_the_oom_killer_ends_in_a_watched_cgroup_is_said():
             watch.stop()
         os.rmdir(folder)
     assert not watch.check()  # gone: nothing more to say
+
+
+def test_cgroup_of_takes_the_controllers_v1_hierarchy_else_the_unified_one(tmp_path):
+    from pathlib import Path
+
+    from gpusnap.procs import cgroup_of
+
+    root = Path("/sys/fs/cgroup")
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "cgroup").write_text("12:devices:/a/b\n5:memory:/a/b\n0::/u/b\n")
+    assert cgroup_of(7, "memory", root, tmp_path) == (root / "memory" / "a/b", 1)
+    assert cgroup_of(7, "devices", root, tmp_path) == (root / "devices" / "a/b", 1)
+    (tmp_path / "7" / "cgroup").write_text("0::/ns/task\n")  # cgroup v2 alone
+    assert cgroup_of(7, "memory", root, tmp_path) == (root / "ns/task", 2)
+    (tmp_path / "7" / "cgroup").write_text("5:cpu:/a\n")
+    assert cgroup_of(7, "memory", root, tmp_path) is None
